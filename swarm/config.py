@@ -1,0 +1,93 @@
+"""Every SWARM_* setting, typed, with its default. Read here and nowhere else.
+
+``Settings.from_env()`` fails loudly, naming the variable, when a value cannot be used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import platformdirs
+
+from swarm.errors import ConfigError
+
+APP_NAME = "swarm"
+
+
+def default_data_dir(role: str) -> Path:
+    """Where a leader or fellow keeps its state when --data-dir is not given (platformdirs' user data dir)."""
+    return Path(platformdirs.user_data_dir(APP_NAME)) / role
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    # --- where to find a leader (CLI commands that talk to one) ---
+    leader_url: str | None = None  # SWARM_LEADER
+    token: str | None = None  # SWARM_TOKEN
+    data_dir: Path | None = None  # SWARM_DATA_DIR
+
+    # --- serving (fellow side) ---
+    serve_port: int = 5559  # SWARM_SERVE_PORT: where a stage listens for its previous stage (0 = any free port)
+    serve_host: str = "0.0.0.0"  # SWARM_SERVE_HOST
+    serve_prefill_chunk: int = 256  # SWARM_SERVE_PREFILL_CHUNK: prompt tokens per pass through the ring
+    model_idle_unload_s: float = 900.0  # SWARM_MODEL_IDLE_UNLOAD_S (0 keeps a model loaded)
+    heartbeat_s: float = 5.0  # SWARM_HEARTBEAT_S: fellow -> leader hardware report period
+    device: str = "auto"  # SWARM_DEVICE: auto, cpu, cuda, cuda:N
+
+    # --- serving (leader side) ---
+    pipeline_transport: str = "auto"  # SWARM_PIPELINE_TRANSPORT: auto (direct, relay on failure), direct, relay
+    serve_context_tokens: int = 4096  # SWARM_SERVE_CONTEXT_TOKENS
+    serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
+    max_tokens_limit: int = 4096  # hard cap on max_tokens per request
+    direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
+    stream_batch_s: float = 0.02  # SWARM_STREAM_BATCH_S: how long the last stage gathers tokens for the leader
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            name = "SWARM_" + field.name.upper()
+            if field.name == "leader_url":
+                name = "SWARM_LEADER"
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _parse(name, raw, field.type)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.pipeline_transport not in ("auto", "direct", "relay"):
+            raise ConfigError(
+                f"SWARM_PIPELINE_TRANSPORT is {self.pipeline_transport!r}; use auto, direct or relay."
+            )
+        if not 0 <= self.serve_port <= 65535:
+            raise ConfigError(f"SWARM_SERVE_PORT is {self.serve_port}; use a port number from 0 to 65535.")
+        if self.serve_prefill_chunk < 1:
+            raise ConfigError("SWARM_SERVE_PREFILL_CHUNK must be at least 1 token.")
+        if self.serve_context_tokens < 16:
+            raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
+
+
+def _parse(name: str, raw: str, annotation: object) -> object:
+    kind = str(annotation)
+    try:
+        if "int" in kind and "str" not in kind:
+            return int(raw)
+        if "float" in kind:
+            return float(raw)
+        if "Path" in kind:
+            return Path(raw).expanduser()
+        return raw
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.split()[0]}; fix or unset it.") from None
+
+
+def settings() -> Settings:
+    """The settings of this process, read from the environment."""
+    return Settings.from_env()

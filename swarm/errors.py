@@ -1,0 +1,97 @@
+"""One exception tree for the whole product.
+
+Every error a user can meet derives from :class:`SwarmError`; its message says what happened, what is needed and
+what to do. Code at the boundaries (CLI, HTTP routes, the fellow's control loop) maps these to exit codes, OpenAI-shaped
+errors or control messages, and never shows a stack trace to a user.
+"""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Something went wrong in swarm; the message tells the user what to do."""
+
+
+class ConfigError(SwarmError):
+    """A setting (SWARM_* variable or command-line option) has a value swarm cannot use."""
+
+
+# --- wire and tunnel -------------------------------------------------------------------------------------------------
+
+
+class ProtocolError(SwarmError):
+    """A peer sent a message that does not follow the swarm wire protocol."""
+
+
+class TunnelError(SwarmError):
+    """An encrypted link between two swarm processes failed."""
+
+
+class HandshakeFailed(TunnelError):
+    """The Noise handshake did not complete."""
+
+
+class PeerRejected(TunnelError):
+    """The peer's key is not the one the leader vouched for."""
+
+
+class FrameCorrupted(TunnelError):
+    """A frame failed authentication: it was changed on the way, or the link lost a frame."""
+
+
+class LinkClosed(TunnelError):
+    """The other end closed the link."""
+
+
+# --- models ----------------------------------------------------------------------------------------------------------
+
+
+class ModelError(SwarmError):
+    """A model cannot be imported, found, loaded or run."""
+
+
+class UnsupportedArchitecture(ModelError):
+    """The model's architecture is not one the stage code can slice into layers."""
+
+
+class ModelNotFound(ModelError):
+    """No model of that name is in the catalogue."""
+
+
+class ModelNotLoaded(ModelError):
+    """The model is in the catalogue but not loaded on any fellow."""
+
+
+class ImportFailed(ModelError):
+    """Importing a model from a folder, a GGUF file or a built-in name failed."""
+
+
+class PlacementError(ModelError):
+    """The fellows of the pool cannot hold the model as asked."""
+
+
+class DownloadError(SwarmError):
+    """A model file could not be fetched from the leader."""
+
+
+class ChecksumMismatch(DownloadError):
+    """A downloaded file's sha256 is not the one in the model's manifest."""
+
+
+# --- leader ----------------------------------------------------------------------------------------------------------
+
+
+class AuthError(SwarmError):
+    """A password, session, API token, join token or node credential was missing or wrong."""
+
+
+class StoreError(SwarmError):
+    """The leader's database or model files could not be read or written."""
+
+
+class RequestFailed(SwarmError):
+    """A chat request could not be completed by the ring."""
+
+
+class ContextTooLong(RequestFailed):
+    """The conversation does not fit in the model's context."""
