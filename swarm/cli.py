@@ -1,0 +1,128 @@
+"""The `swarm` command line. Errors from swarm are printed as one clear message (no stack trace) and exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from swarm.config import Settings, default_data_dir
+from swarm.errors import SwarmError
+
+
+def _leader_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--leader", help="the leader's URL (or SWARM_LEADER)")
+    p.add_argument("--token", help="an API token (or SWARM_TOKEN)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm", description="Run a large language model split over several PCs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("leader", help="run the leader server")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--data-dir", type=Path)
+
+    p = sub.add_parser("join", help="run a fellow that joins a leader")
+    p.add_argument("url", help="the leader's URL, e.g. http://leader:8000")
+    p.add_argument("--token", help="the join token the leader printed (needed the first time)")
+    p.add_argument("--name", help="this fellow's name (default: the host name)")
+    p.add_argument("--data-dir", type=Path)
+
+    p = sub.add_parser("model", help="manage the model catalogue")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    mi = msub.add_parser("import", help="import a transformers folder, a .gguf file or smollm2-135m-instruct")
+    mi.add_argument("source")
+    mi.add_argument("--name")
+    mi.add_argument("--data-dir", type=Path, help="the leader's data dir")
+    mi.add_argument("--replace", action="store_true", help="replace a model of the same name")
+
+    p = sub.add_parser("model-load", help="load a model over the fellows")
+    p.add_argument("model")
+    p.add_argument("--num-stages", type=int)
+    p.add_argument("--no-wait", action="store_true", help="return once the load has started")
+    _leader_options(p)
+
+    p = sub.add_parser("model-unload", help="unload a model and free the fellows' memory")
+    p.add_argument("model")
+    _leader_options(p)
+
+    p = sub.add_parser("models", help="list the models and their status")
+    _leader_options(p)
+
+    p = sub.add_parser("demo", help="a leader and fellows on this machine with the built-in model")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--no-browser", action="store_true")
+    p.add_argument("--data-dir", type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("httpx", "httpcore", "hypercorn.access", "trio-websocket"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return _dispatch(args) or 0
+    except SwarmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args) -> int | None:
+    settings = Settings.from_env()
+    if args.command == "leader":
+        from swarm.leader.main import run_leader
+
+        run_leader(args.host, args.port, args.data_dir or settings.data_dir or default_data_dir("leader"), settings)
+    elif args.command == "join":
+        from swarm.fellow import run_fellow
+
+        run_fellow(args.url, args.token, args.data_dir or settings.data_dir or default_data_dir("fellow"), args.name)
+    elif args.command == "model":
+        from swarm.model_import import import_into_leader
+
+        data_dir = args.data_dir or settings.data_dir or default_data_dir("leader")
+        manifest = import_into_leader(args.source, data_dir, args.name, replace=args.replace, show_progress=True)
+        print(f"Imported {manifest.name}: {manifest.architecture}, {manifest.num_layers} layers, "
+              f"{manifest.total_bytes / 1e9:.2f} GB")
+    elif args.command in ("model-load", "model-unload", "models"):
+        from swarm.client import LeaderClient
+
+        client = LeaderClient.from_options(args.leader, args.token, settings)
+        if args.command == "models":
+            for m in client.get("/api/v1/models")["models"]:
+                print(f"{m['id']:32} {m['status']:12} {m.get('architecture')}, {m.get('num_layers')} layers")
+        elif args.command == "model-unload":
+            client.post(f"/api/v1/models/{args.model}/unload")
+            print(f"Unloaded {args.model}")
+        else:
+            body = {"num_stages": args.num_stages} if args.num_stages else {}
+            client.post(f"/api/v1/models/{args.model}/load", body)
+            if not args.no_wait:
+                view = client.wait_ready(args.model, show_progress=True)
+                for s in view["stages"]:
+                    print(f"Stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
+                          f"{s['memory_bytes'] / 1e6:.0f} MB")
+            print(f"{args.model} is {'loading' if args.no_wait else 'ready'}")
+    elif args.command == "demo":
+        from swarm.demo import run_demo
+
+        return run_demo(args.port, args.stages, not args.no_browser,
+                        args.data_dir or settings.data_dir or default_data_dir("demo"))
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

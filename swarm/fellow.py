@@ -1,0 +1,375 @@
+"""The fellow process: `swarm join URL --token T`.
+
+Keeps one outbound, Noise-encrypted control link to the leader (so it works behind a NAT), reports its hardware,
+fetches and runs the stages the leader places on it, and links them to their ring neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+from pathlib import Path
+
+import httpx
+import trio
+import trio_websocket
+
+from swarm import __version__, hardware, wire
+from swarm.config import Settings
+from swarm.errors import AuthError, LinkClosed, SwarmError, TunnelError
+from swarm.fetch import fetch_with_retries
+from swarm.join_token import parse_join_token
+from swarm.mesh.hop import HopConfig, OutgoingHop
+from swarm.mesh.paths import accept_relay
+from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
+from swarm.net import outbound_ip
+from swarm.ring import StageRuntime
+from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, StreamFrameTransport
+from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
+
+log = logging.getLogger(__name__)
+
+# Reconnect backoff after the leader goes away: quick first retries (a leader restart takes a few seconds), capped so
+# a fellow left running rejoins within half a minute of the leader coming back.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+class LoadedStage:
+    def __init__(self, runtime: StageRuntime, cancel_scope: trio.CancelScope, hop_in: dict | None, load_id: str):
+        self.runtime = runtime
+        self.cancel_scope = cancel_scope
+        self.hop_in = hop_in
+        self.load_id = load_id
+
+
+class Fellow:
+    def __init__(self, *, leader_url: str, data_dir: Path, settings: Settings, name: str | None = None,
+                 join_token: str | None = None):
+        self.leader_url = leader_url.rstrip("/")
+        self.data_dir = data_dir
+        self.settings = settings
+        self.name = name or socket.gethostname()
+        self.private, self.public = load_or_create_identity(data_dir / "identity.key")
+        self.state_path = data_dir / "fellow.json"
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.join_secret = None
+        if join_token:
+            leader_key, self.join_secret = parse_join_token(join_token)
+            state["leader_key"] = encode_key(leader_key)
+        if "leader_key" not in state:
+            raise AuthError("this fellow has not joined a leader yet: run `swarm join URL --token <join token>`.")
+        self.leader_public = decode_key(state["leader_key"])
+        state["leader_url"] = self.leader_url
+        state.setdefault("name", self.name)
+        self.name = name or state["name"]
+        state["name"] = self.name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path.write_text(json.dumps(state, indent=1))
+        self.cache_dir = data_dir / "cache"
+        self.fellow_id: int | None = None
+        self.credential: str | None = None
+        self.stages: dict[str, LoadedStage] = {}
+        self.serve_port: int | None = None
+        self._control: NoiseChannel | None = None
+        self._control_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self.connected = trio.Event()
+
+    # --- main loop ------------------------------------------------------------------------------------------------
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._start_ring_listener(nursery)
+            task_status.started()
+            backoff = BACKOFF_FIRST_S
+            while True:
+                try:
+                    await self._session()
+                    backoff = BACKOFF_FIRST_S
+                except AuthError as exc:
+                    log.error("%s", exc)
+                    raise
+                except (OSError, SwarmError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed,
+                        trio.TooSlowError) as exc:
+                    log.warning("lost the leader at %s (%s); retrying in %.1f s", self.leader_url, exc, backoff)
+                self.connected = trio.Event()
+                self._control = None
+                await trio.sleep(backoff * (0.8 + 0.4 * random.random()))
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _session(self) -> None:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(10):
+                    ws = await trio_websocket.connect_websocket_url(
+                        nursery, ws_url(self.leader_url, "/fellow/link"), max_message_size=1 << 20
+                    )
+            except (OSError, trio_websocket.HandshakeError) as exc:
+                raise LinkClosed(f"cannot reach the leader: {exc}") from None
+            channel = await NoiseChannel.connect(WebSocketFrameTransport(ws), self.private, self.leader_public)
+            hello = {
+                "t": "hello", "name": self.name, "version": __version__,
+                "hardware": hardware.probe().to_wire(),
+                "serve": {"host": outbound_ip(self.leader_url), "port": self.serve_port},
+                "stages": sorted(self.stages),
+            }
+            if self.join_secret:
+                hello["join_token"] = self.join_secret
+            await channel.send(wire.encode(hello))
+            reply = wire.decode(await channel.receive())
+            if reply["t"] == "refused":
+                raise AuthError(f"the leader refused this fellow: {reply.get('message')}")
+            if reply["t"] != "welcome":
+                raise LinkClosed(f"unexpected first message from the leader: {reply['t']}")
+            self.fellow_id = int(reply["fellow_id"])
+            self.credential = reply["credential"]
+            self.join_secret = None  # enrolled: the key identifies this fellow from now on
+            self._control = channel
+            self.connected.set()
+            log.info("joined %s as %s (fellow %s, key %s)", self.leader_url, self.name, self.fellow_id,
+                     fingerprint(self.public))
+            # Stages whose model the leader no longer counts as ours are stale after a leader restart.
+            for model in [m for m in self.stages if m not in reply.get("stages", [])]:
+                self._unload(model)
+            nursery.start_soon(self._heartbeat)
+            try:
+                while True:
+                    message = wire.decode(await channel.receive())
+                    await self._on_control(message)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def send_to_leader(self, message: dict) -> None:
+        channel = self._control
+        if channel is None:
+            raise LinkClosed("not connected to the leader")
+        async with self._control_lock:
+            await channel.send(wire.encode(message))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(self.settings.heartbeat_s)
+            hw = await trio.to_thread.run_sync(hardware.probe)
+            await self.send_to_leader({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(self.stages)})
+
+    async def _on_control(self, message: dict) -> None:
+        kind = message["t"]
+        if kind == "load":
+            self._nursery.start_soon(self._load, message)
+        elif kind == "unload":
+            self._unload(message["model"])
+            await self.send_to_leader({"t": "unloaded", "model": message["model"]})
+        elif kind in ("gen", "cancel"):
+            stage = self.stages.get(message["model"])
+            if stage is None:
+                await self.send_to_leader({"t": "failed", "model": message["model"], "rid": message["rid"],
+                                           "message": f"model {message['model']} is not loaded on {self.name}",
+                                           "streamed": 0, "not_loaded": True})
+                return
+            await stage.runtime.deliver(message)
+        else:
+            log.debug("ignoring control message %r", kind)
+
+    # --- loading --------------------------------------------------------------------------------------------------
+
+    async def _report(self, model: str, load_id: str, phase: str, fraction: float) -> None:
+        try:
+            await self.send_to_leader({"t": "load_progress", "model": model, "load_id": load_id, "phase": phase,
+                                       "fraction": round(fraction, 4)})
+        except SwarmError:
+            pass
+
+    async def _load(self, message: dict) -> None:
+        model, load_id = message["model"], message["load_id"]
+        self._unload(model)
+        try:
+            stage_model = await self._fetch_and_build(message)
+        except Exception as exc:
+            log.exception("loading %s failed", model) if not isinstance(exc, SwarmError) else None
+            text = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
+            try:
+                await self.send_to_leader({"t": "load_failed", "model": model, "load_id": load_id,
+                                           "message": f"stage {message['stage']['index']} on {self.name}: {text}"})
+            except SwarmError:
+                pass
+            return
+        await self._nursery.start(self._serve_stage, message, stage_model)
+
+    async def _fetch_and_build(self, message: dict):
+        from swarm.stage.slice import StageModel, StageSpec  # torch is heavy: import when a stage is placed here
+        import torch
+
+        model, load_id, spec_msg = message["model"], message["load_id"], message["stage"]
+        files = message["files"]
+        total = sum(f["size"] for f in files) or 1
+        done_before = 0
+        local: dict[str, Path] = {}
+        headers = {"authorization": f"Bearer {self.credential}"}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0)) as client:
+            for f in files:
+                url = f"{self.leader_url}/api/v1/models/{model}/files/{f['path']}"
+                base = done_before
+
+                def progress(done, _total, base=base):
+                    self._last_progress = (base + done) / total
+
+                self._last_progress = base / total
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._progress_pump, model, load_id, n.cancel_scope)
+                    local[f["path"]] = await fetch_with_retries(
+                        client, url, self.cache_dir, f["sha256"], f["size"], headers, progress
+                    )
+                    n.cancel_scope.cancel()
+                done_before += f["size"]
+        await self._report(model, load_id, "download", 1.0)
+        await self._report(model, load_id, "extract", 1.0)  # shards are verified safetensors: nothing to unpack
+        spec = StageSpec(spec_msg["first_layer"], spec_msg["end_layer"], spec_msg["is_first"], spec_msg["is_last"])
+        device = self.settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        # On CPU compute in float32; on a GPU in the checkpoint's half precision (DESIGN.md, The ring).
+        dtype = torch.float32 if device == "cpu" else getattr(torch, message.get("gpu_dtype") or "float16")
+        await self._report(model, load_id, "load", 0.0)
+        stage_model = await trio.to_thread.run_sync(
+            lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device)
+        )
+        await trio.to_thread.run_sync(stage_model.warm_up)
+        await self._report(model, load_id, "load", 1.0)
+        return stage_model
+
+    async def _progress_pump(self, model, load_id, scope) -> None:
+        while True:
+            await self._report(model, load_id, "download", getattr(self, "_last_progress", 0.0))
+            await trio.sleep(0.5)
+
+    async def _serve_stage(self, message: dict, stage_model, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        model, spec_msg = message["model"], message["stage"]
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                out_hop = None
+                hop_out = message.get("hop_out")
+                if hop_out:
+                    out_hop = OutgoingHop(
+                        HopConfig(
+                            hop_id=hop_out["hop_id"],
+                            peer_public=hop_out["peer_key"],
+                            peer_name=hop_out["peer_name"],
+                            direct=tuple(hop_out["direct"]) if hop_out.get("direct") else None,
+                            transport=hop_out.get("transport", "auto"),
+                        ),
+                        nursery=nursery,
+                        leader_url=self.leader_url,
+                        credential=self.credential,
+                        local_private=self.private,
+                        connect_timeout=self.settings.direct_connect_timeout_s,
+                    )
+                runtime = StageRuntime(
+                    model=model,
+                    index=spec_msg["index"],
+                    num_stages=spec_msg["num_stages"],
+                    stage_model=stage_model,
+                    out_hop=out_hop,
+                    send_to_leader=self.send_to_leader,
+                    prefill_chunk=self.settings.serve_prefill_chunk,
+                )
+                hop_in = message.get("hop_in")
+                self.stages[model] = LoadedStage(runtime, scope, hop_in, message["load_id"])
+                await nursery.start(runtime.run)
+                if hop_in:
+                    nursery.start_soon(self._relay_listener, runtime, hop_in)
+                await self.send_to_leader({"t": "loaded", "model": model, "load_id": message["load_id"]})
+                task_status.started()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    if out_hop is not None:
+                        with trio.move_on_after(CLEANUP_S, shield=True):
+                            await out_hop.aclose()
+        stage = self.stages.get(model)
+        if stage is not None and stage.cancel_scope is scope:
+            del self.stages[model]
+
+    def _unload(self, model: str) -> None:
+        stage = self.stages.pop(model, None)
+        if stage is not None:
+            stage.cancel_scope.cancel()
+            log.info("unloaded %s", model)
+
+    # --- incoming ring links --------------------------------------------------------------------------------------
+
+    def _expects(self, key: bytes) -> bool:
+        return any(s.hop_in is not None and s.hop_in["peer_key"] == key for s in self.stages.values())
+
+    def _stage_for_hop(self, hop_id: str, key: bytes) -> StageRuntime | None:
+        for stage in self.stages.values():
+            if stage.hop_in is not None and stage.hop_in["hop_id"] == hop_id and stage.hop_in["peer_key"] == key:
+                return stage.runtime
+        return None
+
+    async def _pump(self, channel: NoiseChannel, runtime: StageRuntime) -> None:
+        try:
+            while True:
+                message = wire.decode(await channel.receive())
+                await runtime.deliver(message)
+        except (TunnelError, SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.info("incoming link of %s closed: %s", runtime.model, exc)
+        finally:
+            with trio.move_on_after(CLEANUP_S, shield=True):
+                try:
+                    await channel.aclose()
+                except Exception:
+                    pass
+
+    async def _on_direct_connection(self, stream: trio.SocketStream) -> None:
+        transport = StreamFrameTransport(stream)
+        try:
+            channel = await NoiseChannel.accept(transport, self.private, self._expects)
+        except (SwarmError, OSError, trio.BrokenResourceError) as exc:
+            log.info("refused a direct ring connection: %s", exc)
+            await transport.aclose()
+            return
+        runtime = self._stage_for_hop(channel.handshake_payload.decode(errors="replace"), channel.remote_static)
+        if runtime is None:
+            log.info("refused a direct ring connection for an unknown hop")
+            await channel.aclose()
+            return
+        await self._pump(channel, runtime)
+
+    async def _start_ring_listener(self, nursery: trio.Nursery) -> None:
+        port = self.settings.serve_port
+        try:
+            listeners = await nursery.start(trio.serve_tcp, self._on_direct_connection, port)
+        except OSError as exc:
+            log.warning("SWARM_SERVE_PORT %s is taken (%s); listening on a free port instead", port, exc)
+            listeners = await nursery.start(trio.serve_tcp, self._on_direct_connection, 0)
+        self.serve_port = listeners[0].socket.getsockname()[1]
+
+    async def _relay_listener(self, runtime: StageRuntime, hop_in: dict) -> None:
+        """Keep one listener waiting on this stage's relay channel, for whenever the previous stage uses it."""
+        while True:
+            try:
+                async with trio.open_nursery() as nursery:
+                    channel = await accept_relay(
+                        nursery, self.leader_url, hop_in["hop_id"], self.credential, self.private,
+                        lambda key: key == hop_in["peer_key"],
+                    )
+                    await self._pump(channel, runtime)
+                    nursery.cancel_scope.cancel()
+            except (SwarmError, OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
+                log.info("relay listener for %s: %s", runtime.model, exc)
+                await trio.sleep(1.0)
+
+
+def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None) -> None:
+    settings = Settings.from_env()
+    fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token)
+    print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)
+    trio.run(fellow.run)
+
+
+__all__ = ["Fellow", "run_fellow", "os"]

@@ -1,0 +1,260 @@
+"""The leader's REST API under /api/v1: sign-in, tokens, models (load, unload, files), requests, chats, admin."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+
+from swarm.errors import AuthError, ModelNotFound, PlacementError, StoreError, SwarmError
+from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
+from swarm.leader.files import file_response
+
+log = logging.getLogger(__name__)
+
+
+def problem(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
+
+
+def as_dict(obj) -> dict:
+    data = dataclasses.asdict(obj)
+    data.pop("public_key", None)
+    return data
+
+
+def handles_errors(fn):
+    async def wrapper(self, request: Request):
+        try:
+            return await fn(self, request)
+        except AuthError as exc:
+            return problem(401, str(exc), "unauthorized")
+        except ModelNotFound as exc:
+            return problem(404, str(exc), "not_found")
+        except PlacementError as exc:
+            return problem(409, str(exc), "placement_refused")
+        except StoreError as exc:
+            return problem(413 if "limit" in str(exc) or "MB" in str(exc) else 400, str(exc), "store_refused")
+        except SwarmError as exc:
+            return problem(400, str(exc), "bad_request")
+        except (ValueError, KeyError, TypeError) as exc:
+            return problem(400, f"malformed request: {exc}", "bad_request")
+
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+class ApiRoutes:
+    def __init__(self, leader):
+        self.leader = leader
+        self.store = leader.store
+
+    async def _admin(self, request: Request):
+        user = await current_user(request, self.store)
+        if not user.is_admin:
+            raise AuthError("this needs an admin account.")
+        return user
+
+    async def _json(self, request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ValueError("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        return body
+
+    # --- sign-in --------------------------------------------------------------------------------------------------
+
+    @handles_errors
+    async def login(self, request: Request):
+        body = await self._json(request)
+        user = await trio.to_thread.run_sync(self.store.verify_password, str(body.get("name", "")),
+                                             str(body.get("password", "")))
+        return await self._signed_in(request, user, JSONResponse({"user": as_dict(user)}))
+
+    async def _signed_in(self, request: Request, user, response: Response) -> Response:
+        session, csrf = await trio.to_thread.run_sync(self.store.create_session, user.id)
+        response.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="lax", max_age=30 * 86400,
+                            secure=request.url.scheme == "https")
+        return response
+
+    async def login_link(self, request: Request):
+        token = request.query_params.get("token", "")
+        user = await trio.to_thread.run_sync(self.store.use_login_link, token) if token else None
+        if user is None:
+            return RedirectResponse("/login?expired=1", status_code=303)
+        return await self._signed_in(request, user, RedirectResponse(await self.leader.home_path(), status_code=303))
+
+    @handles_errors
+    async def logout(self, request: Request):
+        session = request.cookies.get(SESSION_COOKIE)
+        if session:
+            await trio.to_thread.run_sync(self.store.delete_session, session)
+        response = JSONResponse({"ok": True})
+        response.delete_cookie(SESSION_COOKIE)
+        return response
+
+    @handles_errors
+    async def me(self, request: Request):
+        user = await current_user(request, self.store)
+        csrf = None
+        session = request.cookies.get(SESSION_COOKIE)
+        if session and not request.headers.get("authorization"):
+            found = await trio.to_thread.run_sync(self.store.session_user, session)
+            csrf = found[1] if found else None
+        return JSONResponse({"user": as_dict(user), "csrf": csrf, "home": await self.leader.home_path()})
+
+    # --- API tokens -----------------------------------------------------------------------------------------------
+
+    @handles_errors
+    async def tokens(self, request: Request):
+        user = await current_user(request, self.store)
+        if request.method == "POST":
+            body = await self._json(request)
+            name = str(body.get("name") or "token")[:64]
+            plaintext, token = await trio.to_thread.run_sync(self.store.create_api_token, user.id, name)
+            return JSONResponse({"token": plaintext, **as_dict(token)}, status_code=201)
+        tokens = await trio.to_thread.run_sync(self.store.list_api_tokens, user.id)
+        return JSONResponse({"tokens": [as_dict(t) for t in tokens]})
+
+    @handles_errors
+    async def token_delete(self, request: Request):
+        user = await current_user(request, self.store)
+        ok = await trio.to_thread.run_sync(self.store.delete_api_token, user.id, int(request.path_params["token_id"]))
+        return JSONResponse({"deleted": ok}, status_code=200 if ok else 404)
+
+    # --- models ---------------------------------------------------------------------------------------------------
+
+    def _model_view(self, row) -> dict:
+        manifest = row.manifest
+        serving = self.leader.serving.models.get(row.name)
+        view = {
+            "id": row.name,
+            "architecture": manifest.get("architecture"),
+            "num_layers": manifest.get("num_layers"),
+            "dtype": manifest.get("dtype"),
+            "total_bytes": manifest.get("total_bytes"),
+            "status": self.leader.serving.status(row.name),
+        }
+        if serving is not None:
+            view.update(serving.describe())
+        return view
+
+    @handles_errors
+    async def models(self, request: Request):
+        await current_user(request, self.store)
+        rows = await trio.to_thread.run_sync(self.store.list_models)
+        return JSONResponse({"models": [self._model_view(r) for r in rows]})
+
+    async def _model_row(self, name: str):
+        row = await trio.to_thread.run_sync(self.store.get_model, name)
+        if row is None:
+            raise ModelNotFound(f"model {name!r} is not in the catalogue; import it with `swarm model import`.")
+        return row
+
+    @handles_errors
+    async def model(self, request: Request):
+        await current_user(request, self.store)
+        return JSONResponse(self._model_view(await self._model_row(request.path_params["model_id"])))
+
+    @handles_errors
+    async def model_load(self, request: Request):
+        await current_user(request, self.store)
+        name = request.path_params["model_id"]
+        await self._model_row(name)
+        body = await self._json(request) if await request.body() else {}
+        num_stages = body.get("num_stages")
+        if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+            raise ValueError("num_stages must be a positive integer")
+        serving = await self.leader.serving.load(name, num_stages)
+        if serving.status == "failed":
+            raise PlacementError(serving.error or "the load failed")
+        return JSONResponse(self._model_view(await self._model_row(name)), status_code=202)
+
+    @handles_errors
+    async def model_unload(self, request: Request):
+        await current_user(request, self.store)
+        name = request.path_params["model_id"]
+        await self._model_row(name)
+        await self.leader.serving.unload(name)
+        return JSONResponse({"id": name, "status": "not_loaded"})
+
+    async def model_file(self, request: Request):
+        try:
+            await current_fellow(request, self.store)
+        except AuthError as exc:
+            return problem(401, str(exc), "unauthorized")
+        name, path = request.path_params["model_id"], request.path_params["path"]
+        row = await trio.to_thread.run_sync(self.store.get_model, name)
+        entry = next((f for f in (row.manifest["files"] if row else []) if f["path"] == path), None)
+        if entry is None:  # only files the manifest names: no path tricks
+            return problem(404, f"model {name} has no file {path}", "not_found")
+        return file_response(self.leader.models_root / name / path, request, sha256=entry["sha256"])
+
+    @handles_errors
+    async def request_cancel(self, request: Request):
+        await current_user(request, self.store)
+        ring_request = self.leader.serving.requests.get(request.path_params["rid"])
+        if ring_request is None:
+            return JSONResponse({"cancelled": False})
+        await self.leader.serving.cancel(ring_request)
+        return JSONResponse({"cancelled": True})
+
+    # --- chats ----------------------------------------------------------------------------------------------------
+
+    @handles_errors
+    async def chats(self, request: Request):
+        user = await current_user(request, self.store)
+        if request.method == "POST":
+            body = await self._json(request)
+            chat = await trio.to_thread.run_sync(
+                lambda: self.store.create_chat(user.id, body.get("title"), body.get("model"),
+                                               body.get("messages") or []))
+            return JSONResponse(as_dict(chat), status_code=201)
+        query = request.query_params.get("q")
+        chats = await trio.to_thread.run_sync(self.store.list_chats, user.id, query)
+        return JSONResponse({"chats": [as_dict(c) for c in chats]})
+
+    @handles_errors
+    async def chat(self, request: Request):
+        user = await current_user(request, self.store)
+        chat_id = request.path_params["chat_id"]
+        if request.method == "DELETE":
+            ok = await trio.to_thread.run_sync(self.store.delete_chat, user.id, chat_id)
+            return JSONResponse({"deleted": ok}, status_code=200 if ok else 404)
+        if request.method == "PATCH":
+            body = await self._json(request)
+            chat = await trio.to_thread.run_sync(
+                lambda: self.store.update_chat(user.id, chat_id, title=body.get("title"),
+                                               messages=body.get("messages"), model=body.get("model")))
+        else:
+            chat = await trio.to_thread.run_sync(self.store.get_chat, user.id, chat_id)
+        if chat is None:
+            return problem(404, "no such chat", "not_found")
+        return JSONResponse(as_dict(chat))
+
+    # --- admin ----------------------------------------------------------------------------------------------------
+
+    @handles_errors
+    async def fellows(self, request: Request):
+        await self._admin(request)
+        rows = await trio.to_thread.run_sync(self.store.list_fellows)
+        online = self.leader.hub.online
+        out = []
+        for row in rows:
+            view = online[row.id].summary() if row.id in online else {**as_dict(row), "state": "offline"}
+            view["stages"] = self.leader.serving.models_on_fellow(row.id)
+            out.append(view)
+        return JSONResponse({"fellows": out})
+
+    @handles_errors
+    async def join_tokens(self, request: Request):
+        await self._admin(request)
+        if request.method == "POST":
+            return JSONResponse({"token": await self.leader.new_join_token()}, status_code=201)
+        tokens = await trio.to_thread.run_sync(self.store.list_join_tokens)
+        return JSONResponse({"join_tokens": [as_dict(t) for t in tokens]})

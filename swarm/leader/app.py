@@ -1,0 +1,152 @@
+"""The leader process: one trio process serving the web app, /v1, /api/v1, the fellow links and the relay."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from swarm.config import Settings
+from swarm.errors import AuthError
+from swarm.join_token import make_join_token
+from swarm.leader.api import ApiRoutes
+from swarm.leader.auth import bearer, current_user
+from swarm.leader.fellows import FellowHub
+from swarm.leader.openai_api import OpenAIRoutes
+from swarm.leader.relay import RelayHub
+from swarm.leader.serving import Serving
+from swarm.store.db import Store
+from swarm.tunnel.keys import fingerprint, load_or_create_identity
+
+log = logging.getLogger(__name__)
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+@dataclasses.dataclass
+class FirstStart:
+    admin_name: str
+    admin_password: str
+    admin_token: str
+    join_token: str
+
+
+class Leader:
+    def __init__(self, data_dir: Path, settings: Settings):
+        self.data_dir = data_dir
+        self.settings = settings
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(data_dir / "leader.db")
+        self.private, self.public = load_or_create_identity(data_dir / "leader.key")
+        self.models_root = data_dir / "models"
+        self.relay = RelayHub()
+        self.serving = Serving(self.store, settings, self.models_root, self.relay)
+        self.hub = FellowHub(self.store, self.private, self.serving)
+        self.serving.hub = self.hub
+        self.first_start = initialize(self.store, self.public)
+        self.app = self._build_app()
+
+    async def new_join_token(self) -> str:
+        pools = await trio.to_thread.run_sync(self.store.list_pools)
+        secret = await trio.to_thread.run_sync(self.store.create_join_token, pools[0].id)
+        return make_join_token(self.public, secret)
+
+    async def home_path(self) -> str:
+        pools = await trio.to_thread.run_sync(self.store.list_pools)
+        pool = pools[0]
+        owner = await trio.to_thread.run_sync(self.store.get_user, pool.owner_user_id) if pool.owner_user_id else None
+        return f"/pools/{owner.name if owner else 'admin'}/{pool.name}/inference"
+
+    def _build_app(self) -> Starlette:
+        api = ApiRoutes(self)
+        oai = OpenAIRoutes(self)
+
+        async def fellow_link(ws: WebSocket):
+            await self.hub.handle(ws)
+
+        async def relay(ws: WebSocket):
+            hop_id = ws.path_params["hop_id"]
+            role = ws.query_params.get("role", "")
+            fellow = await trio.to_thread.run_sync(self.store.fellow_by_credential, bearer(ws) or "")
+            if role not in ("dial", "listen") or fellow is None or not self.relay.may_join(hop_id, role, fellow.id):
+                await ws.close(4403)
+                return
+            await ws.accept()
+            await self.relay.join(ws, hop_id, role)
+
+        async def health(request: Request):
+            return JSONResponse({"ok": True, "leader_key": fingerprint(self.public)})
+
+        async def page(request: Request):
+            return FileResponse(WEB_DIR / "index.html")
+
+        async def home(request: Request):
+            try:
+                await current_user(request, self.store)
+            except AuthError:
+                return RedirectResponse("/login", status_code=303)
+            return RedirectResponse(await self.home_path(), status_code=303)
+
+        async def login_page(request: Request):
+            return FileResponse(WEB_DIR / "login.html")
+
+        routes = [
+            Route("/healthz", health),
+            Route("/", home),
+            Route("/login", login_page),
+            Route("/pools/{owner}/{pool}/inference", page),
+            Route("/auth/link", api.login_link),
+            Route("/v1/models", oai.models),
+            Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
+            Route("/api/v1/auth/login", api.login, methods=["POST"]),
+            Route("/api/v1/auth/logout", api.logout, methods=["POST"]),
+            Route("/api/v1/me", api.me),
+            Route("/api/v1/tokens", api.tokens, methods=["GET", "POST"]),
+            Route("/api/v1/tokens/{token_id:int}", api.token_delete, methods=["DELETE"]),
+            Route("/api/v1/models", api.models),
+            Route("/api/v1/models/{model_id}", api.model),
+            Route("/api/v1/models/{model_id}/load", api.model_load, methods=["POST"]),
+            Route("/api/v1/models/{model_id}/unload", api.model_unload, methods=["POST"]),
+            Route("/api/v1/models/{model_id}/files/{path:path}", api.model_file, methods=["GET", "HEAD"]),
+            Route("/api/v1/requests/{rid}/cancel", api.request_cancel, methods=["POST"]),
+            Route("/api/v1/chats", api.chats, methods=["GET", "POST"]),
+            Route("/api/v1/chats/{chat_id}", api.chat, methods=["GET", "PATCH", "DELETE"]),
+            Route("/api/v1/fellows", api.fellows),
+            Route("/api/v1/join-tokens", api.join_tokens, methods=["GET", "POST"]),
+            WebSocketRoute("/fellow/link", fellow_link),
+            WebSocketRoute("/relay/{hop_id}", relay),
+            Mount("/static", StaticFiles(directory=WEB_DIR / "static", check_dir=False), name="static"),
+        ]
+        return Starlette(routes=routes)
+
+    async def serve(self, host: str, port: int, *, shutdown_trigger=None, task_status=trio.TASK_STATUS_IGNORED):
+        config = HypercornConfig()
+        config.bind = [f"{host}:{port}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        config.websocket_max_message_size = 1 << 20
+        config.keep_alive_timeout = 75
+        await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+
+def initialize(store: Store, leader_public: bytes) -> FirstStart | None:
+    """On the first start: the admin account, its API token, the default pool and a join token. Else None."""
+    if store.list_users():
+        return None
+    password = secrets.token_urlsafe(12)
+    admin = store.create_user("admin", password, is_admin=True)
+    pool = store.ensure_default_pool(admin.id)
+    token, _ = store.create_api_token(admin.id, "admin")
+    join = make_join_token(leader_public, store.create_join_token(pool.id))
+    return FirstStart("admin", password, token, join)

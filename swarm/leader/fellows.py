@@ -1,0 +1,139 @@
+"""The leader's side of each fellow's control link: enrolment, heartbeats, and routing messages to serving."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import trio
+from starlette.websockets import WebSocket
+
+from swarm import wire
+from swarm.errors import AuthError, SwarmError
+from swarm.hardware import Hardware
+from swarm.leader.wsframes import ServerWebSocketFrameTransport
+from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
+from swarm.tunnel.keys import fingerprint
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class FellowConn:
+    id: int
+    name: str
+    public_key: bytes
+    pool_id: int
+    hardware: Hardware
+    serve_host: str | None
+    serve_port: int | None
+    version: str
+    channel: NoiseChannel
+    connected_at: float
+    last_heartbeat: float
+    lock: trio.Lock = dataclasses.field(default_factory=trio.Lock)
+    credential: str = ""  # this connection's node credential (file downloads, relay); never logged
+
+    async def send(self, message: dict) -> None:
+        async with self.lock:
+            await self.channel.send(wire.encode(message))
+
+    def summary(self) -> dict:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "fingerprint": fingerprint(self.public_key),
+            "state": "online",
+            "hardware": self.hardware.to_wire(),
+            "hardware_text": self.hardware.describe(),
+            "serve": {"host": self.serve_host, "port": self.serve_port},
+            "version": self.version,
+        }
+
+
+class FellowHub:
+    """Connected fellows by id. ``serving`` gets every message and every disconnect."""
+
+    def __init__(self, store, leader_private: bytes, serving) -> None:
+        self.store = store
+        self.private = leader_private
+        self.serving = serving
+        self.online: dict[int, FellowConn] = {}
+
+    async def handle(self, ws: WebSocket) -> None:
+        await ws.accept()
+        transport = ServerWebSocketFrameTransport(ws)
+        try:
+            # Any key may open the handshake: a new fellow enrols with a join token inside the encrypted session.
+            channel = await NoiseChannel.accept(transport, self.private, lambda key: True)
+            hello = wire.decode(await channel.receive())
+            if hello.get("t") != "hello":
+                raise AuthError("the first message on a fellow link must be hello")
+        except SwarmError as exc:
+            log.info("refused a fellow link: %s", exc)
+            await transport.aclose()
+            return
+        try:
+            conn = await self._admit(channel, hello)
+        except AuthError as exc:
+            await channel.send(wire.encode({"t": "refused", "message": str(exc)}))
+            await transport.aclose()
+            return
+        previous = self.online.get(conn.id)
+        if previous is not None:
+            await _quiet_close(previous.channel)
+        self.online[conn.id] = conn
+        log.info("fellow %s (%s) connected: %s", conn.name, conn.id, conn.hardware.describe())
+        try:
+            await conn.send({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
+                             "stages": self.serving.models_on_fellow(conn.id)})
+            while True:
+                message = wire.decode(await channel.receive())
+                if message["t"] == "heartbeat":
+                    conn.hardware = Hardware.from_wire(message["hardware"])
+                    conn.last_heartbeat = trio.current_time()
+                    await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
+                await self.serving.on_fellow_message(conn, message)
+        except SwarmError as exc:
+            log.info("fellow %s disconnected: %s", conn.name, exc)
+        finally:
+            if self.online.get(conn.id) is conn:
+                del self.online[conn.id]
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await self.serving.on_fellow_lost(conn)
+            await _quiet_close(channel)
+
+    async def _admit(self, channel: NoiseChannel, hello: dict) -> FellowConn:
+        key = channel.remote_static
+        name = str(hello.get("name") or "fellow")[:64]
+        known = await trio.to_thread.run_sync(self.store.fellow_by_key, key)
+        if known is None:
+            secret = hello.get("join_token")
+            if not secret:
+                raise AuthError(
+                    f"this leader does not know the fellow key {fingerprint(key)}; join with a join token: "
+                    "swarm join URL --token <join token>."
+                )
+            pool_id = await trio.to_thread.run_sync(self.store.check_join_token, secret)
+        else:
+            pool_id = known.pool_id
+            name = known.name
+        fellow, credential = await trio.to_thread.run_sync(self.store.enrol_fellow, name, key, pool_id)
+        serve = hello.get("serve") or {}
+        now = trio.current_time()
+        conn = FellowConn(
+            id=fellow.id, name=fellow.name, public_key=key, pool_id=pool_id,
+            hardware=Hardware.from_wire(hello["hardware"]),
+            serve_host=serve.get("host"), serve_port=serve.get("port"), version=str(hello.get("version", "?")),
+            channel=channel, connected_at=now, last_heartbeat=now,
+        )
+        conn.credential = credential
+        return conn
+
+
+async def _quiet_close(channel: NoiseChannel) -> None:
+    with trio.move_on_after(CLEANUP_S, shield=True):
+        try:
+            await channel.aclose()
+        except Exception:
+            pass

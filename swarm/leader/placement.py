@@ -1,0 +1,107 @@
+"""Where each stage of a model goes: a pure function over made-up or real inventories.
+
+The leader splits a model's decoder layers into contiguous slices, one per fellow, in proportion to each fellow's free
+memory, and refuses a placement a fellow cannot hold with a message that names the stage, the fellow, what it needs
+(weights + KV cache) and what it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from swarm.errors import PlacementError
+
+GB = 1e9  # user-facing sizes are decimal gigabytes, like the seed's messages
+# Working memory beyond weights and KV cache: activations of a 256-token prefill chunk, the allocator's slack and
+# torch's own buffers. Measured on the built-in model on CPU: ~60 MB per stage; rounded up for larger hidden sizes.
+OVERHEAD_BYTES = 200_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class FellowCapacity:
+    fellow_id: int
+    name: str
+    free_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    layer_bytes: tuple[int, ...]  # weights of each decoder layer
+    embed_bytes: int  # token embedding (stage 0, and the last stage too when the head is tied to it)
+    final_bytes: int  # final norm and untied head (last stage)
+    tied_embeddings: bool
+    kv_bytes_per_token_per_layer: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    index: int
+    fellow_id: int
+    fellow_name: str
+    first_layer: int
+    end_layer: int  # exclusive
+    weight_bytes: int
+    kv_bytes: int
+
+    @property
+    def need_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + OVERHEAD_BYTES
+
+
+def split_layers(num_layers: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [first, end) slices, sizes proportional to ``weights``, each holding at least one layer."""
+    n = len(weights)
+    if n < 1 or num_layers < n:
+        raise PlacementError(f"cannot split {num_layers} layers over {n} stages; use at most {num_layers} stages.")
+    total = sum(weights) or float(n)
+    weights = [w if sum(weights) else 1.0 for w in weights]
+    bounds = [0]
+    acc = 0.0
+    for k, w in enumerate(weights[:-1]):
+        acc += w
+        b = round(num_layers * acc / total)
+        # at least one layer for this stage and for every stage after it
+        b = max(b, bounds[-1] + 1)
+        b = min(b, num_layers - (n - k - 1))
+        bounds.append(b)
+    bounds.append(num_layers)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def place(
+    size: ModelSize,
+    fellows: list[FellowCapacity],
+    num_stages: int,
+    context_tokens: int,
+) -> list[StagePlan]:
+    """Choose ``num_stages`` fellows (most free memory first, then kept in a stable ring order) and their layers."""
+    if num_stages < 1:
+        raise PlacementError("a model needs at least one stage.")
+    if len(fellows) < num_stages:
+        online = ", ".join(f.name for f in fellows) or "none"
+        raise PlacementError(
+            f"loading over {num_stages} stages needs {num_stages} fellows online in the pool; "
+            f"online: {online}. Start more fellows with `swarm join`, or load with fewer stages."
+        )
+    chosen = sorted(fellows, key=lambda f: (-f.free_bytes, f.fellow_id))[:num_stages]
+    chosen.sort(key=lambda f: f.fellow_id)
+    slices = split_layers(len(size.layer_bytes), [max(f.free_bytes, 0) for f in chosen])
+    plans = []
+    for index, (fellow, (first, end)) in enumerate(zip(chosen, slices)):
+        weight = sum(size.layer_bytes[first:end])
+        is_last = index == num_stages - 1
+        if index == 0 or (is_last and size.tied_embeddings):
+            weight += size.embed_bytes
+        if is_last:
+            weight += size.final_bytes
+        kv = size.kv_bytes_per_token_per_layer * (end - first) * context_tokens
+        plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv))
+    for plan, fellow in zip(plans, chosen):
+        if plan.need_bytes > fellow.free_bytes:
+            raise PlacementError(
+                f"stage {plan.index} on {fellow.name} needs {plan.need_bytes / GB:.1f} GB "
+                f"({plan.weight_bytes / GB:.1f} GB weights + {plan.kv_bytes / GB:.1f} GB KV cache at "
+                f"{context_tokens} tokens), has {fellow.free_bytes / GB:.1f} GB free. Serve on a fellow with more "
+                f"free memory, use more stages, or lower SWARM_SERVE_CONTEXT_TOKENS."
+            )
+    return plans

@@ -1,0 +1,66 @@
+"""`swarm model import`: convert a model into per-layer files in the leader's data dir and list it in the catalogue."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from swarm.store.db import Store
+from swarm.store.model_files import Manifest, import_model, load_manifest
+
+
+def import_into_leader(source: str, data_dir: Path, name: str | None = None, *, replace: bool = False,
+                       show_progress: bool = False) -> Manifest:
+    progress = _ProgressBar() if show_progress else None
+    try:
+        manifest = import_model(source, data_dir / "models", name, progress, replace=replace)
+    finally:
+        if progress is not None:
+            progress.close()
+    register(data_dir, manifest)
+    return manifest
+
+
+def register(data_dir: Path, manifest: Manifest) -> None:
+    store = Store(data_dir / "leader.db")
+    try:
+        pools = store.list_pools()
+        pool_id = pools[0].id if pools else store.ensure_default_pool(None).id
+        store.upsert_model(manifest.name, pool_id, manifest.to_json())
+    finally:
+        store.close()
+
+
+def ensure_imported(source: str, data_dir: Path, name: str, show_progress: bool = True) -> Manifest:
+    """Import once; a second call reuses the imported files (and re-lists them if the catalogue lost them)."""
+    model_dir = data_dir / "models" / name
+    if (model_dir / "manifest.json").exists():
+        manifest = load_manifest(model_dir)
+        register(data_dir, manifest)
+        return manifest
+    return import_into_leader(source, data_dir, name, show_progress=show_progress)
+
+
+class _ProgressBar:
+    """One tqdm bar per import phase (convert, write layers, ...)."""
+
+    def __init__(self):
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.bar = None
+        self.phase = None
+
+    def __call__(self, phase: str, fraction: float) -> None:
+        if phase != self.phase:
+            self.close()
+            self.phase = phase
+            self.bar = self._tqdm(total=100, desc=f"import: {phase}", unit="%", file=sys.stderr,
+                                  bar_format="{desc:<24} {bar} {percentage:3.0f}%")
+        self.bar.n = int(fraction * 100)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,359 @@
+"""One pipeline stage: a contiguous slice of a model's decoder layers, its KV caches, and one forward pass.
+
+The slice is built from transformers' own decoder-layer classes, so every layer computes what the library's model
+computes. Modules are created on the meta device and materialised with this stage's weights only; the other layers
+are never allocated.
+
+The slice's layers are numbered 0..n-1 inside the stage (the config given to them says n layers, with
+``layer_types`` sliced to match), so a plain per-request DynamicCache built from that config indexes them, and
+sliding-window layers (Qwen2/Mistral) get sliding cache layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from swarm.errors import ModelError
+from swarm.stage.architectures import blocks_for, config_from_dict
+
+# File names inside a model dir, as swarm/store/model_files.py writes them (a test checks they agree).
+CONFIG_FILE = "config.json"
+EMBED_FILE = "weights/embed.safetensors"
+FINAL_FILE = "weights/final.safetensors"
+
+
+def layer_file(index: int) -> str:
+    return f"weights/layer_{index:03d}.safetensors"
+
+
+_MASK_FUNCTIONS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    first_layer: int
+    end_layer: int  # exclusive
+    is_first: bool
+    is_last: bool
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+    def files(self, tie_word_embeddings: bool) -> list[str]:
+        """The model files (relative paths) this stage reads."""
+        wanted = [CONFIG_FILE]
+        if self.is_first or (self.is_last and tie_word_embeddings):
+            wanted.append(EMBED_FILE)
+        wanted += [layer_file(i) for i in range(self.first_layer, self.end_layer)]
+        if self.is_last:
+            wanted.append(FINAL_FILE)
+        return wanted
+
+
+def split_layers(num_layers: int, stages: int) -> list[StageSpec]:
+    """Even contiguous split of num_layers over `stages` stages (earlier stages take the remainder)."""
+    if not 1 <= stages <= num_layers:
+        raise ModelError(f"cannot split {num_layers} layers over {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    specs, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        specs.append(StageSpec(start, end, i == 0, i == stages - 1))
+        start = end
+    return specs
+
+
+def _slice_config(config: Any, spec: StageSpec) -> Any:
+    """The model's config, saying this stage's layer count, with per-layer settings sliced to match."""
+    sliced = copy.deepcopy(config)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliced.layer_types = list(layer_types[spec.first_layer : spec.end_layer])
+    sliced.num_hidden_layers = spec.num_layers
+    return sliced
+
+
+def _layer_mask_types(config: Any) -> list[str]:
+    """Which mask each (stage-local) layer takes, following the families' own forward()."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    # Mistral: one kind for every layer, sliding when the config has a window.
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+class StageModel:
+    """The modules of one stage and the KV caches of the requests passing through it."""
+
+    def __init__(
+        self,
+        config: Any,
+        spec: StageSpec,
+        embed: nn.Embedding | None,
+        layers: nn.ModuleList,
+        norm: nn.Module | None,
+        lm_head: nn.Linear | None,
+        rotary: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config  # the stage's slice of the config (num_hidden_layers == spec.num_layers)
+        self.spec = spec
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary = rotary
+        self.dtype = dtype
+        self.device = device
+        self._mask_types = _layer_mask_types(config)
+        self._caches: dict[str, DynamicCache] = {}
+
+    # --- building ----------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        config: Mapping[str, Any],
+        files: Mapping[str, Path],
+        spec: StageSpec,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> StageModel:
+        """Build the stage from config.json's contents and its weight files.
+
+        ``files`` maps each relative model path this stage needs (see StageSpec.files) to a local file -- which may be
+        a cache entry named by its hash.
+        """
+        device = torch.device(device)
+        full_config = config_from_dict(dict(config))
+        total = full_config.num_hidden_layers
+        if not 0 <= spec.first_layer < spec.end_layer <= total:
+            raise ModelError(
+                f"a stage of layers {spec.first_layer}..{spec.end_layer - 1} does not fit a model of {total} layers"
+            )
+        tied = bool(getattr(full_config, "tie_word_embeddings", False))
+        missing = [p for p in spec.files(tied) if p != CONFIG_FILE and p not in files]
+        if missing:
+            raise ModelError(f"the stage lacks model files: {', '.join(missing)}; fetch them before loading")
+
+        blocks = blocks_for(full_config.model_type)
+        stage_config = _slice_config(full_config, spec)
+        # sdpa is what from_pretrained picks on CPU and GPU; the masks below follow this setting.
+        stage_config._attn_implementation = "sdpa"
+
+        def read(rel: str) -> dict[str, torch.Tensor]:
+            try:
+                tensors = load_file(str(files[rel]), device="cpu")
+            except Exception as exc:
+                raise ModelError(f"cannot read {rel} from {files[rel]} ({exc}); fetch it again") from exc
+            return {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+
+        with torch.device("meta"):
+            layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))
+        for local, index in enumerate(range(spec.first_layer, spec.end_layer)):
+            _assign(layers[local], read(layer_file(index)), f"layer {index}")
+
+        embed = norm = lm_head = None
+        embed_weight = None
+        if spec.is_first or (spec.is_last and tied):
+            embed_weight = read(EMBED_FILE)["embed_tokens.weight"]
+        if spec.is_first:
+            with torch.device("meta"):
+                embed = nn.Embedding(full_config.vocab_size, full_config.hidden_size, full_config.pad_token_id)
+            _assign(embed, {"weight": embed_weight}, "embedding")
+        if spec.is_last:
+            final = read(FINAL_FILE)
+            with torch.device("meta"):
+                norm = blocks.norm(full_config.hidden_size, eps=full_config.rms_norm_eps)
+                lm_head = nn.Linear(full_config.hidden_size, full_config.vocab_size, bias=False)
+            _assign(norm, {"weight": final["norm.weight"]}, "final norm")
+            if tied:  # the head is the embedding matrix: share the stage's one copy
+                head_weight = embed.weight if embed is not None else embed_weight
+            else:
+                head_weight = final.get("lm_head.weight")
+            if head_weight is None:
+                raise ModelError("final.safetensors has no lm_head.weight and the model's embeddings are not tied")
+            _assign(lm_head, {"weight": head_weight}, "lm_head")
+        with device:
+            rotary = blocks.rotary_embedding(config=stage_config)
+        stage = cls(stage_config, spec, embed, layers, norm, lm_head, rotary, dtype, device)
+        for module in stage.modules():
+            module.eval()
+        return stage
+
+    @classmethod
+    def load_dir(
+        cls,
+        model_dir: Path,
+        spec: StageSpec,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> StageModel:
+        """Build the stage from an imported model's folder (files named as the import writes them)."""
+        model_dir = Path(model_dir)
+        try:
+            config = json.loads((model_dir / CONFIG_FILE).read_text())
+        except FileNotFoundError:
+            raise ModelError(f"{model_dir} has no {CONFIG_FILE}; is it an imported model folder?") from None
+        tied = bool(config.get("tie_word_embeddings", False))
+        files = {rel: model_dir / rel for rel in spec.files(tied)}
+        return cls.load(config, files, spec, dtype=dtype, device=device)
+
+    def modules(self) -> list[nn.Module]:
+        return [m for m in (self.embed, self.layers, self.norm, self.lm_head, self.rotary) if m is not None]
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters by stage-relative name: "embed.weight", "layers.0.self_attn.q_proj.weight", "norm.weight", ..."""
+        out: list[tuple[str, torch.Tensor]] = []
+        parts = (("embed", self.embed), ("layers", self.layers), ("norm", self.norm), ("lm_head", self.lm_head))
+        for prefix, module in parts:
+            if module is not None:
+                out += [(f"{prefix}.{n}", p) for n, p in module.named_parameters(remove_duplicate=False)]
+        return out
+
+    def parameter_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for _, p in self.named_parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    # --- requests ----------------------------------------------------------------------------------------------------
+
+    def new_request(self, rid: str) -> None:
+        """Start an empty KV cache for request ``rid`` (a replayed request starts over: any old cache is replaced)."""
+        self._caches[rid] = DynamicCache(config=self.config)
+
+    def drop(self, rid: str) -> None:
+        self._caches.pop(rid, None)
+
+    def has_request(self, rid: str) -> bool:
+        return rid in self._caches
+
+    def requests(self) -> list[str]:
+        return list(self._caches)
+
+    def cached_length(self, rid: str) -> int:
+        return self._cache(rid).get_seq_length()
+
+    def rollback(self, rid: str, length: int) -> None:
+        """Forget every cached token from position ``length`` on (rejected speculative tokens, a retried chunk)."""
+        cache = self._cache(rid)
+        current = cache.get_seq_length()
+        if not 0 <= length <= current:
+            raise ModelError(f"cannot roll request {rid!r} back to {length} tokens: it has {current}")
+        if length == current:
+            return
+        if length == 0:
+            self._caches[rid] = DynamicCache(config=self.config)
+            return
+        # A sliding-window layer keeps only its last window-1 tokens: once full, it cannot give back older ones.
+        # Checked before cropping so a refused rollback leaves the cache as it was.
+        for layer in cache.layers:
+            window = getattr(layer, "sliding_window", None)
+            if getattr(layer, "is_sliding", False) and window is not None and current >= window:
+                raise ModelError(
+                    f"cannot roll request {rid!r} back to {length} tokens: its sliding-window layers keep only the last "
+                    f"{window - 1} of {current} tokens; restart the request instead"
+                )
+        cache.crop(length - current)  # v5: a negative count of tokens to remove
+
+    def _cache(self, rid: str) -> DynamicCache:
+        try:
+            return self._caches[rid]
+        except KeyError:
+            raise ModelError(f"request {rid!r} has no cache on this stage (it was dropped or never started)") from None
+
+    # --- compute -----------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        rid: str,
+        position: int,
+        input_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        want_logits: bool = True,
+    ) -> torch.Tensor | None:
+        """Run one chunk of a request through this stage's layers, starting at token ``position``.
+
+        First stage: ``input_ids`` (1, n). Other stages: ``hidden`` (1, n, hidden_size) from the stage before.
+        Returns hidden states (1, n, hidden_size), or on the last stage the float32 logits (vocab,) of the chunk's
+        last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last).
+        """
+        cache = self._cache(rid)
+        cached = cache.get_seq_length()
+        if position != cached:
+            raise ModelError(f"request {rid!r}: chunk starts at {position} but this stage holds {cached} tokens")
+        with torch.inference_mode():
+            if self.spec.is_first:
+                if input_ids is None:
+                    raise ModelError("the first stage takes token ids")
+                states = self.embed(input_ids.to(self.device))
+            else:
+                if hidden is None:
+                    raise ModelError("a stage after the first takes hidden states")
+                states = hidden.to(device=self.device, dtype=self.dtype)
+            n = states.shape[1]
+            position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
+            mask_args = dict(
+                config=self.config, inputs_embeds=states, attention_mask=None, cache=cache, position_ids=position_ids
+            )
+            masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
+            position_embeddings = self.rotary(states, position_ids)
+            for layer, kind in zip(self.layers, self._mask_types):
+                states = layer(
+                    states,
+                    attention_mask=masks[kind],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=position_embeddings,
+                )
+            if not self.spec.is_last:
+                return states
+            if not want_logits:
+                return None
+            # The norm is per position, so normalising the last one alone equals the library's full-sequence norm.
+            last = self.norm(states[:, -1:, :])
+            return self.lm_head(last)[0, -1].float()
+
+    def warm_up(self) -> None:
+        """One short dummy pass, so the first real request does not pay for kernel and allocator set-up."""
+        rid = "__warm_up__"
+        self.drop(rid)
+        self.new_request(rid)
+        try:
+            if self.spec.is_first:
+                self.forward(rid, 0, input_ids=torch.zeros((1, 4), dtype=torch.long))
+            else:
+                hidden = torch.zeros((1, 4, self.config.hidden_size), dtype=self.dtype)
+                self.forward(rid, 0, hidden=hidden)
+        finally:
+            self.drop(rid)
+
+
+def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Give a meta-device module its real weights (no copy), refusing missing or unexpected tensors."""
+    try:
+        module.load_state_dict(dict(tensors), strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelError(f"the weights of the {what} do not fit this model's config: {exc}") from exc

@@ -1,0 +1,221 @@
+"""The store's plumbing: one SQLite connection (WAL, foreign keys) behind a lock, transactions, schema migrations.
+
+The leader calls the store from ``trio.to_thread.run_sync``, so several worker threads may call at once: one
+connection opened with ``check_same_thread=False`` and an ``RLock`` around every use keeps that safe, and SQLite's
+own locking (``BEGIN IMMEDIATE``, a busy timeout) covers a second process such as ``swarm`` CLI admin commands.
+
+The schema grows by appending to ``MIGRATIONS``; never edit an entry that has shipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import argon2
+
+from swarm.errors import StoreError
+
+# The seed (Saved chats): "A user can keep up to 1000 chats of up to 2 MB each".
+MAX_CHATS_PER_USER = 1000
+MAX_CHAT_BYTES = 2_000_000
+
+# Version n is reached by running MIGRATIONS[n - 1]. Append only.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE users (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL UNIQUE COLLATE NOCASE,
+        password_hash TEXT NOT NULL,
+        is_admin INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE sessions (
+        id TEXT PRIMARY KEY,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        csrf TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL
+    );
+    CREATE INDEX sessions_user ON sessions(user_id);
+    CREATE TABLE api_tokens (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        token_hash TEXT NOT NULL UNIQUE,
+        prefix TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        last_used_at REAL
+    );
+    CREATE INDEX api_tokens_user ON api_tokens(user_id);
+    CREATE TABLE login_links (
+        token_hash TEXT PRIMARY KEY,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        expires_at REAL NOT NULL
+    );
+    CREATE TABLE pools (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        owner_user_id INTEGER REFERENCES users(id) ON DELETE SET NULL,
+        name TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE join_tokens (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        token_hash TEXT NOT NULL UNIQUE,
+        prefix TEXT NOT NULL,
+        pool_id INTEGER NOT NULL REFERENCES pools(id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        expires_at REAL,
+        revoked INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE fellows (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL UNIQUE,
+        public_key BLOB NOT NULL UNIQUE,
+        pool_id INTEGER NOT NULL REFERENCES pools(id) ON DELETE CASCADE,
+        node_credential_hash TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL,
+        last_seen_at REAL
+    );
+    CREATE TABLE models (
+        name TEXT PRIMARY KEY,
+        pool_id INTEGER NOT NULL REFERENCES pools(id) ON DELETE CASCADE,
+        manifest_json TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE chats (
+        id TEXT PRIMARY KEY,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        title TEXT NOT NULL,
+        model TEXT NOT NULL DEFAULT '',
+        messages_json TEXT NOT NULL,
+        message_count INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX chats_user_updated ON chats(user_id, updated_at);
+    CREATE TABLE settings (
+        key TEXT PRIMARY KEY,
+        value_json TEXT NOT NULL
+    );
+    """,
+]
+
+
+def sha256_hex(text: str) -> str:
+    """How every secret is kept: its sha256, so a copy of the database file signs nobody in."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def new_secret(prefix: str) -> str:
+    """A token shown once: ``prefix`` and 24 random bytes as 32 urlsafe characters (192 bits)."""
+    return prefix + secrets.token_urlsafe(24)
+
+
+class StoreCore:
+    """The connection and its transactions; the tables' methods live in the mixins that make up ``Store``."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        password_hasher: argon2.PasswordHasher | None = None,
+        max_chats_per_user: int = MAX_CHATS_PER_USER,
+        max_chat_bytes: int = MAX_CHAT_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        self.max_chats_per_user = max_chats_per_user
+        self.max_chat_bytes = max_chat_bytes
+        self._hasher = password_hasher or argon2.PasswordHasher()
+        self._dummy_hash: str | None = None
+        self._lock = threading.RLock()
+        self._last_now = 0.0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+            self._conn.row_factory = sqlite3.Row
+            self._conn.create_function("swarm_fold", 1, lambda s: (s or "").casefold(), deterministic=True)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a power cut loses the last commit at most
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the leader's database {self.path}: {exc}; check the data dir.") from exc
+        self._migrate()
+
+    # --- plumbing ----------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> StoreCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; rolled back when the block raises."""
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"the leader's database {self.path} is not writable: {exc}") from exc
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                self._conn.execute("ROLLBACK")
+                raise StoreError(f"the leader's database {self.path} refused a change: {exc}") from exc
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            else:
+                self._conn.execute("COMMIT")
+
+    def _one(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Row | None:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    def _now(self) -> float:
+        # Strictly increasing, so "most recent first" never ties within one leader process.
+        with self._lock:
+            self._last_now = max(time.time(), self._last_now + 1e-6)
+            return self._last_now
+
+    def schema_version(self) -> int:
+        row = self._one("SELECT version FROM schema_version")
+        return int(row["version"]) if row else 0
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                db.execute("INSERT INTO schema_version (version) VALUES (0)")
+                version = 0
+            else:
+                version = int(row["version"])
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"the database {self.path} has schema version {version}, newer than this swarm "
+                    f"({len(MIGRATIONS)}); update swarm or use another data dir."
+                )
+            for number in range(version, len(MIGRATIONS)):
+                # executescript would COMMIT our transaction; run the statements one by one instead (so a migration
+                # must not hold a ';' inside a statement, e.g. a trigger body).
+                for statement in MIGRATIONS[number].split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute("UPDATE schema_version SET version = ?", (number + 1,))

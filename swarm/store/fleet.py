@@ -1,0 +1,209 @@
+"""The fleet: pools, join tokens, fellows (their public keys and node credentials) and the model catalogue."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import time
+from typing import Any
+
+from swarm.errors import AuthError
+from swarm.store.core import StoreCore, new_secret, sha256_hex
+
+DEFAULT_POOL = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    id: int
+    owner_user_id: int | None
+    name: str
+    created_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinToken:
+    id: int
+    pool_id: int
+    prefix: str
+    created_at: float
+    expires_at: float | None
+    revoked: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Fellow:
+    id: int
+    name: str
+    public_key: bytes
+    pool_id: int
+    created_at: float
+    last_seen_at: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    pool_id: int
+    manifest_json: str
+    created_at: float
+
+    @property
+    def manifest(self) -> Any:
+        return json.loads(self.manifest_json)
+
+
+class FleetMixin(StoreCore):
+    # --- pools and join tokens ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pool(row: sqlite3.Row) -> Pool:
+        return Pool(id=row["id"], owner_user_id=row["owner_user_id"], name=row["name"], created_at=row["created_at"])
+
+    def ensure_default_pool(self, owner_id: int) -> Pool:
+        """The pool named "default", created (owned by ``owner_id``) if there is none yet."""
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM pools WHERE name = ? ORDER BY id LIMIT 1", (DEFAULT_POOL,)).fetchone()
+            if row is None:
+                cur = db.execute(
+                    "INSERT INTO pools (owner_user_id, name, created_at) VALUES (?, ?, ?)",
+                    (owner_id, DEFAULT_POOL, self._now()),
+                )
+                row = db.execute("SELECT * FROM pools WHERE id = ?", (cur.lastrowid,)).fetchone()
+        return self._pool(row)
+
+    def get_pool(self, pool_id: int) -> Pool | None:
+        row = self._one("SELECT * FROM pools WHERE id = ?", (pool_id,))
+        return self._pool(row) if row else None
+
+    def list_pools(self) -> list[Pool]:
+        return [self._pool(r) for r in self._all("SELECT * FROM pools ORDER BY id")]
+
+    def create_join_token(self, pool_id: int, ttl_s: float | None = None) -> str:
+        """A token that lets a fellow join ``pool_id``; never expires unless ``ttl_s`` is given."""
+        plaintext = new_secret("swj_")
+        now = self._now()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO join_tokens (token_hash, prefix, pool_id, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
+                (sha256_hex(plaintext), plaintext[:8], pool_id, now, None if ttl_s is None else now + ttl_s),
+            )
+        return plaintext
+
+    def check_join_token(self, plaintext: str) -> int:
+        """The pool a join token admits to; AuthError when it is unknown, revoked or expired."""
+        row = self._one("SELECT * FROM join_tokens WHERE token_hash = ?", (sha256_hex(plaintext),))
+        if row is None:
+            raise AuthError("the leader does not know this join token; ask its admin for a current one.")
+        if row["revoked"]:
+            raise AuthError("this join token was revoked; ask the leader's admin for a new one.")
+        if row["expires_at"] is not None and row["expires_at"] <= time.time():
+            raise AuthError("this join token has expired; ask the leader's admin for a new one.")
+        return int(row["pool_id"])
+
+    def list_join_tokens(self) -> list[JoinToken]:
+        return [
+            JoinToken(
+                id=r["id"],
+                pool_id=r["pool_id"],
+                prefix=r["prefix"],
+                created_at=r["created_at"],
+                expires_at=r["expires_at"],
+                revoked=bool(r["revoked"]),
+            )
+            for r in self._all("SELECT * FROM join_tokens ORDER BY id")
+        ]
+
+    def revoke_join_token(self, token_id: int) -> bool:
+        with self._tx() as db:
+            return db.execute("UPDATE join_tokens SET revoked = 1 WHERE id = ?", (token_id,)).rowcount > 0
+
+    # --- fellows -----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _fellow(row: sqlite3.Row) -> Fellow:
+        return Fellow(
+            id=row["id"],
+            name=row["name"],
+            public_key=bytes(row["public_key"]),
+            pool_id=row["pool_id"],
+            created_at=row["created_at"],
+            last_seen_at=row["last_seen_at"],
+        )
+
+    def enrol_fellow(self, name: str, public_key: bytes, pool_id: int) -> tuple[Fellow, str]:
+        """(fellow, node credential plaintext). The same key again is the same fellow, with a new credential."""
+        credential = new_secret("swn_")
+        digest = sha256_hex(credential)
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM fellows WHERE public_key = ?", (bytes(public_key),)).fetchone()
+            if row is not None:
+                db.execute(
+                    "UPDATE fellows SET node_credential_hash = ?, pool_id = ? WHERE id = ?",
+                    (digest, pool_id, row["id"]),
+                )
+                fellow_id = row["id"]
+            else:
+                base = name.strip() or "fellow"
+                unique, n = base, 1
+                while db.execute("SELECT 1 FROM fellows WHERE name = ?", (unique,)).fetchone():
+                    n += 1
+                    unique = f"{base}-{n}"
+                cur = db.execute(
+                    "INSERT INTO fellows (name, public_key, pool_id, node_credential_hash, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (unique, bytes(public_key), pool_id, digest, self._now()),
+                )
+                fellow_id = cur.lastrowid
+            row = db.execute("SELECT * FROM fellows WHERE id = ?", (fellow_id,)).fetchone()
+        return self._fellow(row), credential
+
+    def fellow_by_key(self, public_key: bytes) -> Fellow | None:
+        row = self._one("SELECT * FROM fellows WHERE public_key = ?", (bytes(public_key),))
+        return self._fellow(row) if row else None
+
+    def fellow_by_credential(self, plaintext: str) -> Fellow | None:
+        row = self._one("SELECT * FROM fellows WHERE node_credential_hash = ?", (sha256_hex(plaintext),))
+        return self._fellow(row) if row else None
+
+    def list_fellows(self) -> list[Fellow]:
+        return [self._fellow(r) for r in self._all("SELECT * FROM fellows ORDER BY id")]
+
+    def touch_fellow(self, fellow_id: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE fellows SET last_seen_at = ? WHERE id = ?", (self._now(), fellow_id))
+
+    def delete_fellow(self, fellow_id: int) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM fellows WHERE id = ?", (fellow_id,)).rowcount > 0
+
+    # --- models ------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _model(row: sqlite3.Row) -> Model:
+        return Model(
+            name=row["name"], pool_id=row["pool_id"], manifest_json=row["manifest_json"], created_at=row["created_at"]
+        )
+
+    def upsert_model(self, name: str, pool_id: int, manifest_json: str | dict[str, Any]) -> Model:
+        text = manifest_json if isinstance(manifest_json, str) else json.dumps(manifest_json)
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO models (name, pool_id, manifest_json, created_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET pool_id = excluded.pool_id, manifest_json = excluded.manifest_json",
+                (name, pool_id, text, self._now()),
+            )
+            row = db.execute("SELECT * FROM models WHERE name = ?", (name,)).fetchone()
+        return self._model(row)
+
+    def get_model(self, name: str) -> Model | None:
+        row = self._one("SELECT * FROM models WHERE name = ?", (name,))
+        return self._model(row) if row else None
+
+    def list_models(self) -> list[Model]:
+        return [self._model(r) for r in self._all("SELECT * FROM models ORDER BY name")]
+
+    def delete_model(self, name: str) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount > 0

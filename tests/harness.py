@@ -1,0 +1,80 @@
+"""A real leader and real fellows inside one trio test: hypercorn on 127.0.0.1 port 0, TCP and websockets on
+loopback, the same classes the `swarm leader` and `swarm join` processes run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+
+import httpx
+import trio
+
+from swarm.config import Settings
+from swarm.fellow import Fellow
+from swarm.leader.app import Leader
+from swarm.model_import import register
+from swarm.store.model_files import load_manifest
+
+
+@dataclasses.dataclass
+class Swarm:
+    leader: Leader
+    url: str
+    token: str
+    fellows: list[Fellow]
+    http: httpx.AsyncClient
+
+    async def load(self, model: str, num_stages: int, timeout: float = 120) -> dict:
+        response = await self.http.post(f"/api/v1/models/{model}/load", json={"num_stages": num_stages})
+        assert response.status_code == 202, response.text
+        await self.leader.serving.wait_ready(model, timeout)
+        return (await self.http.get(f"/api/v1/models/{model}")).json()
+
+    async def chat(self, model: str, messages: list[dict], **extra) -> dict:
+        body = {"model": model, "messages": messages, "temperature": 0, "return_token_ids": True, **extra}
+        response = await self.http.post("/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def install_model(leader_dir: Path, model_dir: Path) -> str:
+    """Make an imported model part of a leader's catalogue without copying its files."""
+    (leader_dir / "models").mkdir(parents=True, exist_ok=True)
+    link = leader_dir / "models" / model_dir.name
+    if not link.exists():
+        os.symlink(model_dir, link)
+    register(leader_dir, load_manifest(model_dir))
+    return model_dir.name
+
+
+@contextlib.asynccontextmanager
+async def running_swarm(tmp: Path, model_dirs: list[Path], fellows: int = 2, leader_env: dict | None = None,
+                        fellow_env: dict | None = None):
+    leader_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", **(leader_env or {})})
+    fellow_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", **(fellow_env or {})})
+    leader = Leader(tmp / "leader", leader_settings)
+    for model_dir in model_dirs:
+        install_model(tmp / "leader", model_dir)
+    first = leader.first_start
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(lambda task_status: leader.serve("127.0.0.1", 0, shutdown_trigger=stop.wait,
+                                                                     task_status=task_status))
+        url = urls[0]
+        members = []
+        for i in range(fellows):
+            fellow = Fellow(leader_url=url, data_dir=tmp / f"fellow-{i}", settings=fellow_settings,
+                            name=f"fellow-{i}", join_token=first.join_token)
+            await nursery.start(fellow.run)
+            members.append(fellow)
+        for fellow in members:
+            await fellow.connected.wait()
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {first.admin_token}"},
+                                     timeout=60) as http:
+            try:
+                yield Swarm(leader, url, first.admin_token, members, http)
+            finally:
+                stop.set()
+                nursery.cancel_scope.cancel()
