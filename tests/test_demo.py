@@ -1,0 +1,107 @@
+"""`swarm demo` as a user runs it: real leader and fellow processes, and the official openai package streaming."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _running(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return [pid for pid in out.split() if int(pid) != os.getpid()]
+
+
+@pytest.fixture
+def demo(tmp_path, smollm_model_dir):
+    data = tmp_path / "demo"
+    (data / "leader" / "models").mkdir(parents=True)
+    # Reuse this session's import of the built-in model, as a second `swarm demo` run would.
+    os.symlink(smollm_model_dir, data / "leader" / "models" / smollm_model_dir.name)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarm", "demo", "--port", str(port), "--stages", "2", "--no-browser",
+         "--data-dir", str(data)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = {}
+    seen = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and "API token" not in lines:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if ": " in line:
+            key, value = line.rstrip("\n").split(": ", 1)
+            lines[key] = value
+    assert "API token" in lines, "".join(seen)
+    yield proc, lines, port, str(data)
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_openai_package_streams_from_the_demo(demo):
+    from openai import OpenAI
+
+    proc, lines, port, data = demo
+    assert lines["API base"] == f"http://127.0.0.1:{port}/v1"
+    assert lines["Chat"].startswith(f"http://127.0.0.1:{port}/auth/link?token=")
+    client = OpenAI(base_url=lines["API base"], api_key=lines["API token"])
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+    )
+    text, finish, usage, chunks = "", None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "Paris" in text
+    assert finish == "stop"
+    assert chunks > 3  # streamed, not one burst
+    assert usage is not None and usage.prompt_tokens > 10
+    assert 0 < usage.completion_tokens < 40
+
+    capped = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
+        temperature=0, max_tokens=5,
+    )
+    assert capped.choices[0].finish_reason == "length"
+    assert capped.usage.completion_tokens == 5
+
+    from openai import AuthenticationError, NotFoundError
+
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=lines["API base"], api_key="swt_wrong").models.list()
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+
+    # SIGTERM stops every process the demo started.
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 15
+    while _running(data) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _running(data) == []
