@@ -43,7 +43,7 @@ class Settings:
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
     max_tokens_limit: int = 4096  # hard cap on max_tokens per request
     direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
-    stream_batch_s: float = 0.02  # SWARM_STREAM_BATCH_S: how long the last stage gathers tokens for the leader
+    request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -59,3 +59,96 @@ async def test_two_stage_ring_matches_generate(tmp_path, smollm_model_dir, refer
         assert data["usage"]["completion_tokens"] == len(want)
         assert data["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
     assert "Paris" in replies[PROMPTS[0]]["choices"][0]["message"]["content"]
+
+
+def _expected(reference, prompt):
+    want = reference[prompt]
+    return want[: want.index(2) + 1] if 2 in want else want
+
+
+async def test_unreachable_direct_address_falls_back_to_relay_and_strangers_are_refused(
+    tmp_path, smollm_model_dir, reference
+):
+    from swarm.errors import HandshakeFailed, PeerRejected
+    from swarm.tunnel.channel import NoiseChannel, StreamFrameTransport
+    from swarm.tunnel.keys import generate_private_key
+
+    name = smollm_model_dir.name
+    with trio.fail_after(300):
+        async with running_swarm(tmp_path, [smollm_model_dir]) as swarm:
+            # The leader announces fellow-1's serving port as a port nobody listens on.
+            with trio.socket.socket() as s:
+                await s.bind(("127.0.0.1", 0))
+                dead_port = s.getsockname()[1]
+            real_port = swarm.fellows[1].serve_port
+            for conn in swarm.leader.hub.online.values():
+                if conn.name == "fellow-1":
+                    conn.serve_port = dead_port
+            await swarm.load(name, 2)
+            data = await swarm.chat(name, [{"role": "user", "content": PROMPTS[0]}], max_tokens=24)
+            assert data["choices"][0]["token_ids"] == _expected(reference, PROMPTS[0])
+            assert swarm.fellows[0].stages[name].runtime.out_hop.path == "relay"
+
+            # A peer whose key the leader did not vouch for gets nothing from a fellow's serving port.
+            hop_id = swarm.fellows[1].stages[name].hop_in["hop_id"]
+            stream = await trio.open_tcp_stream("127.0.0.1", real_port)
+            with pytest.raises((HandshakeFailed, PeerRejected)):
+                await NoiseChannel.connect(StreamFrameTransport(stream), generate_private_key(),
+                                           swarm.fellows[1].public, payload=hop_id.encode())
+
+            # ...nor from the relay: a stranger's credential cannot join a hop's channel.
+            from httpx import AsyncClient
+            async with AsyncClient(base_url=swarm.url) as http:
+                r = await http.get(f"/api/v1/models/{name}/files/config.json",
+                                   headers={"authorization": "Bearer swn_not-a-credential"})
+                assert r.status_code == 401
+
+
+async def test_direct_link_failing_before_the_first_token_is_retried_over_the_relay_and_stop_frees_stages(
+    tmp_path, smollm_model_dir, reference
+):
+    from swarm.errors import LinkClosed
+
+    name = smollm_model_dir.name
+    with trio.fail_after(300):
+        async with running_swarm(tmp_path, [smollm_model_dir]) as swarm:
+            await swarm.load(name, 2)
+            first = await swarm.chat(name, [{"role": "user", "content": PROMPTS[1]}], max_tokens=24)
+            assert first["choices"][0]["token_ids"] == _expected(reference, PROMPTS[1])
+            hop = swarm.fellows[0].stages[name].runtime.out_hop
+            assert hop.path == "direct"
+
+            # The direct link breaks under the next request's first message.
+            channel = hop._channel
+            real_send = channel.send
+
+            async def broken_send(message):
+                channel.send = real_send
+                raise LinkClosed("simulated: the direct link dropped")
+
+            channel.send = broken_send
+            data = await swarm.chat(name, [{"role": "user", "content": PROMPTS[0]}], max_tokens=24)
+            assert data["choices"][0]["token_ids"] == _expected(reference, PROMPTS[0])
+            assert hop.path == "relay"
+
+            # Stop: an explicit cancel ends generation on every fellow.
+            body = {"model": name, "messages": [{"role": "user", "content": "Write a very long story."}],
+                    "max_tokens": 2000, "temperature": 0, "stream": True}
+            async with swarm.http.stream("POST", "/v1/chat/completions", json=body) as response:
+                rid = response.headers["x-swarm-request-id"]
+                chunks = 0
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        chunks += 1
+                    if chunks >= 5:
+                        break
+                live = swarm.leader.serving.find(rid)
+                assert live is not None, "the reply ended before Stop"
+                r = await swarm.http.post(f"/api/v1/requests/{rid}/cancel")
+                assert r.json() == {"cancelled": True}
+            for _ in range(100):
+                busy = [f.name for f in swarm.fellows if f.stages[name].runtime.stage_model.requests()]
+                if not busy and not swarm.leader.serving.requests:
+                    break
+                await trio.sleep(0.05)
+            assert busy == [] and swarm.leader.serving.requests == {}

@@ -198,7 +198,7 @@ class ApiRoutes:
     @handles_errors
     async def request_cancel(self, request: Request):
         await current_user(request, self.store)
-        ring_request = self.leader.serving.requests.get(request.path_params["rid"])
+        ring_request = self.leader.serving.find(request.path_params["rid"])
         if ring_request is None:
             return JSONResponse({"cancelled": False})
         await self.leader.serving.cancel(ring_request)

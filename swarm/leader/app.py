@@ -20,6 +20,7 @@ from starlette.websockets import WebSocket
 from swarm.config import Settings
 from swarm.errors import AuthError
 from swarm.join_token import make_join_token
+from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
@@ -124,6 +125,7 @@ class Leader:
             Route("/api/v1/chats/{chat_id}", api.chat, methods=["GET", "PATCH", "DELETE"]),
             Route("/api/v1/fellows", api.fellows),
             Route("/api/v1/join-tokens", api.join_tokens, methods=["GET", "POST"]),
+            *admin_routes(self, WEB_DIR),
             WebSocketRoute("/fellow/link", fellow_link),
             WebSocketRoute("/relay/{hop_id}", relay),
             Mount("/static", StaticFiles(directory=WEB_DIR / "static", check_dir=False), name="static"),

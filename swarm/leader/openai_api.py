@@ -123,7 +123,7 @@ class OpenAIRoutes:
         if body.get("stream"):
             return StreamingResponse(
                 self._stream(ring_request, text, created), media_type="text/event-stream",
-                headers={"x-swarm-request-id": ring_request.rid, "cache-control": "no-cache"},
+                headers={"x-swarm-request-id": ring_request.id, "cache-control": "no-cache"},
             )
         try:
             content = await self._collect(ring_request, text)
@@ -138,14 +138,15 @@ class OpenAIRoutes:
             choice["token_ids"] = list(ring_request.tokens)
             choice["prompt_token_ids"] = list(ring_request.prompt)
         return JSONResponse({
-            "id": f"chatcmpl-{ring_request.rid}", "object": "chat.completion", "created": created, "model": model,
+            "id": f"chatcmpl-{ring_request.id}", "object": "chat.completion", "created": created, "model": model,
             "choices": [choice],
             "usage": _usage(ring_request),
-        }, headers={"x-swarm-request-id": ring_request.rid})
+        }, headers={"x-swarm-request-id": ring_request.id})
 
     async def _collect(self, ring_request: Request, text: TextStream) -> str:
         parts = []
-        async for kind, value in ring_request.events:
+        while True:
+            kind, value = await ring_request.next_event(self.leader.settings.request_stall_s)
             if kind == "tokens":
                 parts.append(text.push(value))
             elif kind == "error":
@@ -156,7 +157,7 @@ class OpenAIRoutes:
         return "".join(parts)
 
     async def _stream(self, ring_request: Request, text: TextStream, created: int):
-        base = {"id": f"chatcmpl-{ring_request.rid}", "object": "chat.completion.chunk", "created": created,
+        base = {"id": f"chatcmpl-{ring_request.id}", "object": "chat.completion.chunk", "created": created,
                 "model": ring_request.model}
 
         def chunk(delta: dict, finish=None, usage=None) -> str:
@@ -167,7 +168,8 @@ class OpenAIRoutes:
 
         try:
             yield chunk({"role": "assistant", "content": ""})
-            async for kind, value in ring_request.events:
+            while True:
+                kind, value = await ring_request.next_event(self.leader.settings.request_stall_s)
                 if kind == "tokens":
                     delta = text.push(value)
                     if delta:

@@ -82,7 +82,8 @@ class Request:
     max_tokens: int
     sampling: dict
     eos: list[int]
-    rid: str = dataclasses.field(default_factory=lambda: "r" + secrets.token_hex(8))
+    rid: str = dataclasses.field(default_factory=lambda: "r" + secrets.token_hex(8))  # this attempt, on the ring
+    id: str = ""  # stable across attempts: what clients see (x-swarm-request-id) and cancel by
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -92,6 +93,14 @@ class Request:
 
     def __post_init__(self) -> None:
         self.events_send, self.events = trio.open_memory_channel(1000)
+        self.id = self.id or self.rid
+
+    async def next_event(self, stall_s: float) -> tuple[str, object]:
+        """The next ("tokens", ids) / ("done", reason) / ("error", text); an error when the ring goes silent."""
+        with trio.move_on_after(stall_s):
+            return await self.events.receive()
+        return ("error", f"the ring stopped answering: no token for {stall_s:.0f} s (SWARM_REQUEST_STALL_S). "
+                         "A fellow may have gone away; send the message again.")
 
 
 class Serving:
@@ -226,6 +235,9 @@ class Serving:
                          "max_tokens": request.max_tokens, "sampling": request.sampling, "eos": request.eos})
         return request
 
+    def find(self, request_id: str) -> Request | None:
+        return next((r for r in self.requests.values() if r.id == request_id), None)
+
     async def cancel(self, request: Request) -> None:
         if request.finish_reason is not None or request.error is not None:
             return
@@ -281,6 +293,7 @@ class Serving:
                 return
             except SwarmError as exc:
                 text = str(exc)
+        log.warning("request %s failed: %s", request.id, text)
         await self._end(request, error=text)
 
     def _on_load_event(self, conn, message: dict) -> None:

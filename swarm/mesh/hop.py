@@ -81,6 +81,7 @@ class OutgoingHop:
         async with self._lock:
             if self._channel is None:
                 self._channel = await self._open()
+                self._nursery.start_soon(self._watch, self._channel)
             try:
                 await self._channel.send(message)
             except (TunnelError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -90,6 +91,19 @@ class OutgoingHop:
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await _quiet_close(broken)
                 raise LinkClosed(f"the link to {self.config.peer_name} over the {self.path} broke: {exc}") from None
+
+    async def _watch(self, channel: NoiseChannel) -> None:
+        """Nothing comes back on an outgoing hop: a read that ends means the peer closed or the path broke, so the
+        next send opens a fresh path instead of writing into a dead socket."""
+        try:
+            while True:
+                await channel.receive()
+        except (SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        if self._channel is channel:
+            self._channel = None
+            log.info("the %s link to %s closed", self.path, self.config.peer_name)
+            await _quiet_close(channel)
 
     async def aclose(self) -> None:
         if self._channel is not None:

@@ -1,0 +1,148 @@
+"""Decode speed and time to first token of the built-in model: one process, one stage, and a 2-stage ring.
+
+    .venv/bin/python bench/ring_speed.py [--tokens 64] [--data-dir /tmp/swarm-bench]
+
+Prints, with the machine it ran on: transformers `generate` tokens/s in one process; the same through swarm with
+1 stage and with 2 stages over the direct TCP link and over the leader's relay; time to first token for a
+1,000-token prompt; and each stage process's resident memory. Real leader and fellow processes on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from swarm.client import LeaderClient  # noqa: E402
+from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http  # noqa: E402
+from swarm.model_import import ensure_imported  # noqa: E402
+
+PROMPT = "Write a long story about a lighthouse keeper and a storm."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+def bench_generate(model_dir: Path, tokens: int) -> float:
+    import torch
+
+    from swarm.leader.chat_format import encode_chat
+    from swarm.store.model_files import load_reference_model
+
+    model = load_reference_model(model_dir, dtype=torch.float32)
+    ids = torch.tensor([encode_chat(model_dir, [{"role": "user", "content": PROMPT}], None)])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+        rates = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, do_sample=False)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            elapsed = time.perf_counter() - t0 - ttft
+            rates.append((out.shape[1] - ids.shape[1] - 1) / elapsed)
+    return max(rates)
+
+
+def stream_once(url: str, token: str, content: str, max_tokens: int) -> tuple[float, float, int]:
+    """-> (time to first token, decode tokens/s after the first, completion tokens)."""
+    body = {"model": BUILTIN, "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": True}
+    t0 = time.perf_counter()
+    first = last = None
+    usage = None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600,
+                      headers={"authorization": f"Bearer {token}"}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data["choices"] and data["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+            usage = data.get("usage") or usage
+    n = usage["completion_tokens"]
+    return first - t0, (n - 1) / (last - first) if last > first else float("nan"), n
+
+
+def bench_swarm(data: Path, stages: int, transport: str, tokens: int) -> dict:
+    port = free_port()
+    procs = Processes(data)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
+                               str(data / "leader")], env={"SWARM_PIPELINE_TRANSPORT": transport})
+        _wait_http(url, procs)
+        token, join, _ = _credentials(data / "leader")
+        for i in range(stages):
+            procs.start(f"fellow-{i}", ["join", url, "--token", join, "--name", f"fellow-{i}", "--data-dir",
+                                        str(data / f"fellow-{i}")], env={"SWARM_SERVE_PORT": "0"})
+        client = LeaderClient(url, token)
+        _wait_fellows(client, procs, stages)
+        client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": stages})
+        client.wait_ready(BUILTIN)
+        stream_once(url, token, "Hi", 4)  # warm the path
+        rates = [stream_once(url, token, PROMPT, tokens)[1] for _ in range(3)]
+        long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 100)  # ~1,000 tokens
+        ttft = min(stream_once(url, token, long_prompt, 2)[0] for _ in range(2))
+        rss = [psutil.Process(p.pid).memory_info().rss for name, p in procs.children if name.startswith("fellow")]
+        return {"tok_s": statistics.median(rates), "ttft_1000": ttft, "rss": rss}
+    finally:
+        procs.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    data = args.data_dir
+    (data / "leader").mkdir(parents=True, exist_ok=True)
+    ensure_imported(BUILTIN, data / "leader", BUILTIN)
+    model_dir = data / "leader" / "models" / BUILTIN
+    print(f"machine: {machine()}")
+    print(f"model: {BUILTIN}, float32 on CPU, greedy, {args.tokens} tokens")
+    base = bench_generate(model_dir, args.tokens)
+    print(f"{'transformers generate, one process':42} {base:6.1f} tok/s")
+    for stages, transport in ((1, "auto"), (2, "direct"), (2, "relay")):
+        r = bench_swarm(data, stages, transport, args.tokens)
+        label = f"swarm, {stages} stage{'s' if stages > 1 else ''}" + (f" ({transport})" if stages > 1 else "")
+        rss = ", ".join(f"{b / 2**20:.0f}" for b in r["rss"])
+        print(f"{label:42} {r['tok_s']:6.1f} tok/s ({r['tok_s'] / base:.2f}x)   TTFT 1000-token prompt "
+              f"{r['ttft_1000']:.2f} s   stage RSS MiB: {rss}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Admin endpoints the browser's admin page needs: users, pools, the Direct links switch, and the page itself."""
+
+from __future__ import annotations
+
+import trio
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse
+from starlette.routing import Route
+
+from swarm.errors import AuthError
+from swarm.leader.api import as_dict, handles_errors, problem
+from swarm.leader.auth import current_user
+
+DIRECT_LINKS = "direct_links"  # store setting: bool, off until an admin turns it on
+
+
+class AdminRoutes:
+    def __init__(self, leader, web_dir):
+        self.leader = leader
+        self.store = leader.store
+        self.web_dir = web_dir
+
+    async def _admin(self, request: Request):
+        user = await current_user(request, self.store)
+        if not user.is_admin:
+            raise AuthError("this needs an admin account.")
+        return user
+
+    async def page(self, request: Request):
+        try:
+            await current_user(request, self.store)
+        except AuthError:
+            return RedirectResponse("/login?next=/admin", status_code=303)
+        return FileResponse(self.web_dir / "admin.html")
+
+    @handles_errors
+    async def users(self, request: Request):
+        await self._admin(request)
+        if request.method == "POST":
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            user = await trio.to_thread.run_sync(
+                self.store.create_user, str(body.get("name", "")), str(body.get("password", "")),
+                bool(body.get("is_admin", False)))
+            return JSONResponse({"user": as_dict(user)}, status_code=201)
+        users = await trio.to_thread.run_sync(self.store.list_users)
+        return JSONResponse({"users": [as_dict(u) for u in users]})
+
+    @handles_errors
+    async def user_delete(self, request: Request):
+        me = await self._admin(request)
+        user_id = int(request.path_params["user_id"])
+        if user_id == me.id:
+            return problem(400, "you cannot delete your own account while signed in with it.", "bad_request")
+        ok = await trio.to_thread.run_sync(self.store.delete_user, user_id)
+        return JSONResponse({"deleted": ok}, status_code=200 if ok else 404)
+
+    @handles_errors
+    async def pools(self, request: Request):
+        await self._admin(request)
+
+        def read():
+            users = {u.id: u.name for u in self.store.list_users()}
+            return [{**as_dict(p), "owner": users.get(p.owner_user_id)} for p in self.store.list_pools()]
+
+        return JSONResponse({"pools": await trio.to_thread.run_sync(read)})
+
+    @handles_errors
+    async def direct_links(self, request: Request):
+        await self._admin(request)
+        if request.method == "PUT":
+            body = await request.json()
+            if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
+                raise ValueError("send {\"enabled\": true} or {\"enabled\": false}")
+            await trio.to_thread.run_sync(self.store.set_setting, DIRECT_LINKS, body["enabled"])
+        enabled = await trio.to_thread.run_sync(self.store.get_setting, DIRECT_LINKS, False)
+        return JSONResponse({"enabled": bool(enabled)})
+
+
+def admin_routes(leader, web_dir) -> list[Route]:
+    admin = AdminRoutes(leader, web_dir)
+    return [
+        Route("/admin", admin.page),
+        Route("/api/v1/users", admin.users, methods=["GET", "POST"]),
+        Route("/api/v1/users/{user_id:int}", admin.user_delete, methods=["DELETE"]),
+        Route("/api/v1/pools", admin.pools),
+        Route("/api/v1/settings/direct-links", admin.direct_links, methods=["GET", "PUT"]),
+    ]

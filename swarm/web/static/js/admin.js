@@ -1,0 +1,93 @@
+// The admin page: users, pools, fellows with their hardware and state, join tokens, and the Direct links switch.
+import { api, get, post, del, setCsrf } from "./api.js";
+import { h, formatWhen } from "./dom.js";
+import { confirmAction, showOnce, showError } from "./ui.js";
+
+const $ = (id) => document.getElementById(id);
+let me;
+
+function rows(tableId, items, cells, empty) {
+  const body = $(tableId).querySelector("tbody");
+  const columns = $(tableId).querySelectorAll("th").length;
+  body.replaceChildren(...(items.length ? items.map((item) => h("tr", {}, cells(item).map((c) => h("td", {}, c))))
+    : [h("tr", {}, h("td", { colspan: String(columns), class: "muted" }, empty))]));
+}
+
+async function loadUsers() {
+  const { users } = await get("/api/v1/users");
+  rows("users-table", users, (u) => [
+    u.name, u.is_admin ? "Admin" : "User", formatWhen(u.created_at),
+    u.id === me.user.id ? h("span", { class: "muted" }, "you") : h("button", {
+      class: "btn small danger", type: "button", "aria-label": `Delete user ${u.name}`,
+      onclick: async () => {
+        if (!await confirmAction(`Delete ${u.name}?`, "Their chats and tokens are deleted too. This cannot be undone.")) return;
+        try { await del(`/api/v1/users/${u.id}`); } catch (err) { showError(err.message); }
+        loadUsers();
+      },
+    }, "Delete"),
+  ], "No users.");
+}
+
+async function loadPools() {
+  const { pools } = await get("/api/v1/pools");
+  rows("pools-table", pools, (p) => [p.name, p.owner || "—", formatWhen(p.created_at)], "No pools.");
+}
+
+async function loadFellows() {
+  const { fellows } = await get("/api/v1/fellows");
+  rows("fellows-table", fellows, (f) => [
+    f.name,
+    h("span", { class: f.state === "online" ? "state-online" : "state-offline" }, f.state === "online" ? "Online" : "Offline"),
+    f.hardware_text || h("span", { class: "muted" }, f.state === "online" ? "—" : "unknown while offline"),
+    (f.stages || []).length ? (f.stages || []).map((s) => (typeof s === "string" ? s : `${s.model ?? ""} stage ${s.index ?? s.stage ?? ""}`)).join(", ") : "—",
+  ], "No fellow has joined yet: create a join token and run swarm join on a PC.");
+}
+
+async function loadJoinTokens() {
+  const { join_tokens: tokens } = await get("/api/v1/join-tokens");
+  rows("join-table", tokens, (t) => [
+    h("span", { class: "mono" }, `${t.prefix}…`), formatWhen(t.created_at),
+    t.expires_at ? formatWhen(t.expires_at) : "never", t.revoked ? "revoked" : "active",
+  ], "No join tokens.");
+}
+
+async function loadDirectLinks() {
+  const { enabled } = await get("/api/v1/settings/direct-links");
+  $("direct-links").checked = enabled;
+  $("direct-links-state").textContent = enabled ? "Direct links are on" : "Direct links are off";
+}
+
+async function main() {
+  me = await get("/api/v1/me");
+  setCsrf(me.csrf);
+  $("back-link").href = me.home;
+  if (!me.user.is_admin) {
+    $("admin-main").replaceChildren(h("p", { class: "notice warn" }, "This page is for admins. Ask an admin of this leader to make you one."));
+    return;
+  }
+  $("user-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    try {
+      await post("/api/v1/users", { name: $("new-user-name").value.trim(), password: $("new-user-password").value, is_admin: $("new-user-admin").checked });
+      e.target.reset();
+      loadUsers();
+    } catch (err) { showError(`The user was not added: ${err.message}`); }
+  });
+  $("new-join-token").addEventListener("click", async () => {
+    try {
+      const { token } = await post("/api/v1/join-tokens", {});
+      await showOnce("New join token", "Run swarm join with it on the PC that should join. It is shown only now.", token);
+      loadJoinTokens();
+    } catch (err) { showError(err.message); }
+  });
+  $("direct-links").addEventListener("change", async (e) => {
+    try { await api("PUT", "/api/v1/settings/direct-links", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
+    loadDirectLinks();
+  });
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks()]);
+  const failed = results.find((r) => r.status === "rejected");
+  if (failed) showError(failed.reason.message);
+  setInterval(() => loadFellows().catch(() => {}), 5000);
+}
+
+main().catch((err) => { if (err?.status !== 401) showError(`The page could not start: ${err.message}`); });

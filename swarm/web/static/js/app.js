@@ -1,0 +1,89 @@
+// The inference page: who is signed in, which pool, which right-hand column is open; then the parts start.
+import { get, post, setCsrf } from "./api.js";
+import { h, icon, store } from "./dom.js";
+import { state, emit } from "./state.js";
+import { initModels } from "./models.js";
+import { initConversation } from "./conversation.js";
+import { initChats } from "./chats.js";
+import { initSettings } from "./settings.js";
+
+const COLUMNS = { chats: "Chats", performance: "Performance", settings: "Settings" };
+
+function setColumn(name, { scroll = false } = {}) {
+  const workspace = document.getElementById("workspace");
+  const column = document.getElementById("side-column");
+  for (const key of Object.keys(COLUMNS)) {
+    document.getElementById(`panel-${key}`).hidden = key !== name;
+    document.querySelector(`[data-column="${key}"]`).setAttribute("aria-pressed", String(key === name));
+  }
+  column.hidden = !name;
+  workspace.classList.toggle("no-column", !name);
+  store.set("column", name);
+  emit("column", name);
+  // Under 900 px the column sits below the chat: opening it scrolls there.
+  if (scroll && name && matchMedia("(max-width: 899px)").matches) column.scrollIntoView({ behavior: "smooth", block: "start" });
+}
+
+function initColumns() {
+  for (const [key, label] of Object.entries(COLUMNS)) {
+    const button = document.querySelector(`[data-column="${key}"]`);
+    button.replaceChildren(icon(key), h("span", { class: "label" }, label));
+    button.addEventListener("click", () => {
+      const open = button.getAttribute("aria-pressed") === "true";
+      setColumn(open ? "" : key, { scroll: !open });
+    });
+  }
+  setColumn(store.get("column", "chats"));
+}
+
+function initPerformance() {
+  // The performance data arrives with a later leader release; until then the column says so plainly.
+  document.getElementById("panel-performance").replaceChildren(
+    h("h2", {}, "Performance"),
+    h("div", { class: "card placeholder", id: "performance-placeholder" },
+      icon("performance"),
+      h("p", {}, "Speed, the pipeline's stages and links, and where each token's time goes will show here."),
+      h("p", { class: "muted" }, "This leader does not report serving metrics yet. Each reply's speed line is under it in the chat.")),
+  );
+}
+
+function initUserMenu() {
+  const button = document.getElementById("user-button");
+  const menu = document.getElementById("user-menu");
+  button.append(icon("user"));
+  const items = [h("div", { class: "who" }, `Signed in as ${state.me.user.name}`)];
+  if (state.me.user.is_admin) items.push(h("a", { href: "/admin", role: "menuitem" }, "Admin"));
+  items.push(h("button", { type: "button", role: "menuitem", onclick: async () => {
+    try { await post("/api/v1/auth/logout", {}); } finally { location.href = "/login"; }
+  } }, "Sign out"));
+  menu.replaceChildren(...items);
+  const toggle = (open) => { menu.hidden = !open; button.setAttribute("aria-expanded", String(open)); };
+  button.addEventListener("click", (e) => { e.stopPropagation(); toggle(menu.hidden); });
+  document.addEventListener("click", (e) => { if (!menu.contains(e.target)) toggle(false); });
+  menu.addEventListener("keydown", (e) => { if (e.key === "Escape") { toggle(false); button.focus(); } });
+}
+
+function poolContext() {
+  const m = /^\/pools\/([^/]+)\/([^/]+)\/inference/.exec(location.pathname);
+  return m ? `${decodeURIComponent(m[1])} / ${decodeURIComponent(m[2])}` : "All your pools";
+}
+
+async function main() {
+  state.me = await get("/api/v1/me");
+  setCsrf(state.me.csrf);
+  document.getElementById("pool-context").textContent = poolContext();
+  initUserMenu();
+  initPerformance();
+  initSettings();
+  initChats();
+  initConversation();
+  initColumns();
+  await initModels();
+}
+
+main().catch((err) => {
+  if (err?.status === 401) return; // on the way to the sign-in page
+  const box = document.getElementById("page-error");
+  box.textContent = `The page could not start: ${err.message || err}`;
+  box.hidden = false;
+});

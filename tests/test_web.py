@@ -1,0 +1,327 @@
+"""The browser app in a real headless Chromium against a real leader and two fellows serving SmolLM2 over 2 stages.
+
+One swarm and one load serve the whole module: the swarm runs in its own trio loop on a background thread and the
+tests drive Playwright's sync API from the test thread. Screenshots go to test-artifacts/."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from web_helpers import ARTIFACTS, CHROMIUM_ARGS, BackgroundSwarm, chromium_path
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+if chromium_path() is None:
+    pytest.skip("Chromium is not installed (apt-get install chromium)", allow_module_level=True)
+
+expect = playwright_sync.expect
+
+
+@pytest.fixture(scope="module")
+def bg(tmp_path_factory, smollm_model_dir):
+    swarm = BackgroundSwarm(tmp_path_factory.mktemp("web"), [smollm_model_dir]).start()
+    try:
+        swarm.call(swarm.swarm.load, smollm_model_dir.name, 2)
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+@pytest.fixture(scope="module")
+def model(smollm_model_dir) -> str:
+    return smollm_model_dir.name
+
+
+@pytest.fixture(scope="module")
+def browser():
+    ARTIFACTS.mkdir(exist_ok=True)
+    with playwright_sync.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+def api(bg, method: str, path: str, **kwargs) -> httpx.Response:
+    """The admin's API token, from the test thread."""
+    with httpx.Client(base_url=bg.swarm.url, headers={"authorization": f"Bearer {bg.swarm.token}"}, timeout=30) as c:
+        return c.request(method, path, **kwargs)
+
+
+def signed_in_page(bg, browser, user_id: int = 1, width: int = 1280, height: int = 860, max_tokens: int = 24,
+                   column: str = "chats"):
+    """A fresh browser context signed in through a one-time link, with small replies for speed."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=bg.swarm.url)
+    context.add_init_script(f"""
+        localStorage.setItem('swarm.maxTokens', '{max_tokens}');
+        localStorage.setItem('swarm.temperature', '0');
+        if (!localStorage.getItem('swarm.column')) localStorage.setItem('swarm.column', {json.dumps(json.dumps(column))});
+    """)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.errors = errors
+    link = bg.sync(bg.swarm.leader.store.create_login_link, user_id)
+    page.goto(f"{bg.swarm.url}/auth/link?token={link}")
+    expect(page.locator("#status-pill")).to_have_text("Model ready")
+    return page
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=False)
+
+
+def test_sign_in_with_password_and_signed_out_redirect(bg, browser):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{bg.swarm.url}/pools/admin/default/inference")
+    page.wait_for_url("**/login**")
+    page.fill("#name", "admin")
+    page.fill("#password", "wrong")
+    page.click("#signin-button")
+    expect(page.locator("#signin-error")).to_be_visible()
+    shot(page, "login")
+    page.fill("#password", bg.swarm.leader.first_start.admin_password)
+    page.click("#signin-button")
+    page.wait_for_url("**/inference**")
+    expect(page.locator("#status-pill")).to_have_text("Model ready")
+    context.close()
+
+
+def test_chat_streams_saves_and_survives_reload(bg, browser, model):
+    page = signed_in_page(bg, browser)
+    box = page.locator("#composer-input")
+    box.fill("What is the capital of France?")
+    box.press("Shift+Enter")
+    assert box.input_value().endswith("\n")  # Shift+Enter is a new line, not a send
+    box.press("Enter")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".answer")).not_to_be_empty()
+    expect(reply.locator(".speed")).to_contain_text("tokens/s", timeout=60_000)
+    expect(reply.locator(".speed")).to_contain_text("s to first token")
+    expect(reply.locator(".model-name")).to_have_text(model)
+    expect(page.locator("#save-state")).to_have_text("Saved")
+    expect(page.locator("#announcer")).not_to_be_empty()
+    assert "#chat=" in page.url
+    text = reply.locator(".answer").inner_text()
+    assert text.strip()
+    shot(page, "chat-1280")
+    chat_id = page.url.split("#chat=")[1]
+    # Reload: the address names the chat; it comes back with its reply, model and speed line.
+    page.reload()
+    expect(page.locator(".msg.assistant .answer")).to_have_text(text)
+    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s")
+    expect(page.locator(f'.chat-row[data-chat-id="{chat_id}"]')).to_be_visible()
+    expect(page.locator(".chat-group h3").first).to_have_text("Today")
+    assert not page.errors, page.errors
+    page.context.close()
+
+
+def test_stop_ends_generation_on_the_fellows(bg, browser, model):
+    page = signed_in_page(bg, browser, max_tokens=2000)
+    page.locator("#composer-input").fill("Write a very long story about a dragon who learns to bake bread.")
+    page.locator("#composer-input").press("Enter")
+    reply = page.locator(".msg.assistant").last
+    expect(page.locator("#stop-button")).to_be_visible()
+    page.wait_for_function("document.querySelector('.msg.assistant:last-child .answer').innerText.length > 40",
+                           timeout=60_000)
+    assert bg.swarm.leader.serving.requests, "the reply should still be generating"
+    page.click("#stop-button")
+    expect(page.locator("#send-button")).to_be_visible()
+    expect(reply.locator(".speed")).to_contain_text("stopped")
+    deadline = time.monotonic() + 10
+    while True:
+        left = bg.sync(lambda: (list(bg.swarm.leader.serving.requests),
+                                [list(f.stages[model].runtime.stage_model.requests()) for f in bg.swarm.fellows]))
+        if not left[0] and not any(left[1]):
+            break
+        assert time.monotonic() < deadline, f"still generating after Stop: {left}"
+        time.sleep(0.2)
+    expect(page.locator("#save-state")).to_have_text("Saved")
+    page.context.close()
+
+
+def test_saved_chats_rename_search_delete(bg, browser, model):
+    created = []
+    for title in ("Alpha notes", "Beta plans"):
+        r = api(bg, "POST", "/api/v1/chats", json={"title": title, "model": model, "messages": [
+            {"role": "user", "content": f"About {title}"}, {"role": "assistant", "content": "Sure.", "model": model}]})
+        assert r.status_code == 201, r.text
+        created.append(r.json()["id"])
+    page = signed_in_page(bg, browser)
+    rows = page.locator(".chat-row")
+    expect(rows.first).to_contain_text("Beta plans")  # most recently used first
+    expect(rows.first).to_contain_text("2 messages")
+    # Search filters by title.
+    page.fill(".chat-search", "alpha")
+    expect(page.locator(".chat-row")).to_have_count(1)
+    expect(page.locator(".chat-row")).to_contain_text("Alpha notes")
+    page.fill(".chat-search", "")
+    # Rename from the row's … menu.
+    row = page.locator(f'.chat-row[data-chat-id="{created[0]}"]')
+    row.get_by_role("button", name="More actions for Alpha notes").click()
+    page.get_by_role("menuitem", name="Rename").click()
+    page.locator("dialog input").fill("Gamma renamed")
+    page.locator("dialog").get_by_role("button", name="Rename").click()
+    expect(row).to_contain_text("Gamma renamed")
+    assert api(bg, "GET", f"/api/v1/chats/{created[0]}").json()["title"] == "Gamma renamed"
+    # Open it, rename from the bar, then delete from the bar (asks first).
+    row.locator(".chat-open").click()
+    expect(page.locator("#chat-title")).to_have_text("Gamma renamed")
+    page.click("#rename-chat")
+    page.locator("dialog input").fill("Delta")
+    page.keyboard.press("Enter")
+    expect(page.locator("#chat-title")).to_have_text("Delta")
+    page.click("#delete-chat")
+    page.locator("dialog").get_by_role("button", name="Cancel").click()
+    assert api(bg, "GET", f"/api/v1/chats/{created[0]}").status_code == 200
+    page.click("#delete-chat")
+    page.locator("dialog").get_by_role("button", name="Delete").click()
+    expect(page.locator(f'.chat-row[data-chat-id="{created[0]}"]')).to_have_count(0)
+    expect(page.locator("#chat-title")).to_have_text("New chat")
+    assert api(bg, "GET", f"/api/v1/chats/{created[0]}").status_code == 404
+    # Delete from the row menu.
+    other = page.locator(f'.chat-row[data-chat-id="{created[1]}"]')
+    other.get_by_role("button", name="More actions for Beta plans").click()
+    page.get_by_role("menuitem", name="Delete").click()
+    page.locator("dialog").get_by_role("button", name="Delete").click()
+    expect(other).to_have_count(0)
+    page.context.close()
+
+
+RICH = """Here is the maths: the area is \\(\\pi r^2\\), and the sum is
+
+$$\\sum_{i=1}^{n} i = \\frac{n(n+1)}{2}$$
+
+and \\[E = mc^2\\]. A coffee costs $5 and a sandwich $10.
+
+```python
+def greet(name):
+    return f"Hello, {name}!"
+```
+
+| Stage | Fellow | Layers |
+|---|---|---|
+| 0 | fellow-0 | L0-14 |
+| 1 | fellow-1 | L15-29 |
+
+```mermaid
+graph LR
+  A[Stage 0] --> B[Stage 1]
+```
+
+```mermaid
+graph LR
+  A[ --> oops ((
+```
+"""
+
+
+def test_rendering_math_code_table_mermaid_reasoning(bg, browser, model):
+    messages = [
+        {"role": "user", "content": "Show me everything"},
+        {"role": "assistant", "content": "<think>The user wants a demo.</think>" + RICH, "model": model,
+         "stats": {"tps": 12.5, "tokens": 80, "ttft_ms": 420}},
+        {"role": "user", "content": "And briefly?"},
+        {"role": "assistant", "content": "<think>\n\n</think>Short answer.", "model": model},
+    ]
+    r = api(bg, "POST", "/api/v1/chats", json={"title": "Rendering", "model": model, "messages": messages})
+    chat_id = r.json()["id"]
+    page = signed_in_page(bg, browser)
+    page.goto(f"{bg.swarm.url}/pools/admin/default/inference#chat={chat_id}")
+    first = page.locator(".msg.assistant").first
+    expect(first.locator(".katex")).to_have_count(3)
+    expect(first.locator(".katex-display")).to_have_count(2)
+    expect(first.locator(".answer")).to_contain_text("A coffee costs $5 and a sandwich $10.")
+    code = first.locator(".code-block").first
+    expect(code.locator(".hljs-keyword").first).to_have_text("def")
+    code.get_by_role("button", name="Copy code").click()
+    clip = page.evaluate("navigator.clipboard.readText()")
+    assert clip.startswith("def greet(name):") and "Hello" in clip
+    expect(first.locator("table th")).to_have_count(3)
+    expect(first.locator("table td").first).to_have_text("0")
+    expect(first.locator(".mermaid-diagram svg")).to_have_count(1, timeout=20_000)
+    expect(first.locator(".mermaid-error")).to_contain_text("Diagram error")
+    reasoning = first.locator("details.reasoning")
+    expect(reasoning).to_be_visible()
+    assert reasoning.get_attribute("open") is None  # collapsed once the reply is complete
+    expect(first.locator(".speed")).to_have_text("12.5 tokens/s · 80 tokens · 0.42 s to first token")
+    last = page.locator(".msg.assistant").last
+    expect(last.locator("details.reasoning")).to_be_hidden()  # an empty Reasoning block is hidden
+    expect(last.get_by_role("button", name="Regenerate")).to_be_visible()
+    first.scroll_into_view_if_needed()
+    shot(page, "rendering")
+    assert not page.errors, page.errors
+    page.context.close()
+
+
+def test_another_user_cannot_open_the_chat(bg, browser, model):
+    r = api(bg, "POST", "/api/v1/chats", json={"title": "Private", "model": model,
+                                               "messages": [{"role": "user", "content": "secret"}]})
+    chat_id = r.json()["id"]
+    r = api(bg, "POST", "/api/v1/users", json={"name": "bob", "password": "bob-password-1"})
+    assert r.status_code == 201, r.text
+    bob = r.json()["user"]["id"]
+    page = signed_in_page(bg, browser, user_id=bob)
+    page.goto(f"{bg.swarm.url}/pools/admin/default/inference#chat={chat_id}")
+    expect(page.locator("#page-error")).to_contain_text("not yours")
+    expect(page.locator(".msg")).to_have_count(0)
+    expect(page.locator(f'.chat-row[data-chat-id="{chat_id}"]')).to_have_count(0)
+    page.goto(f"{bg.swarm.url}/admin")
+    expect(page.locator("#admin-main")).to_contain_text("This page is for admins")
+    page.context.close()
+
+
+def test_layout_wide_and_phone(bg, browser):
+    page = signed_in_page(bg, browser, width=1280, height=800, column="settings")
+    expect(page.locator("#panel-settings")).to_be_visible()
+    expect(page.locator("#model-facts .stage-lines li").first).to_contain_text("Stage 0: fellow-0 · L0-14")
+    side = page.locator("#side-column").bounding_box()
+    chat = page.locator("#chat-area").bounding_box()
+    assert side["x"] >= chat["x"] + chat["width"] - 1  # the column is to the right of the chat
+    shot(page, "settings-1280")
+    page.click('[data-column="settings"]')  # pressing the open one hides the column
+    expect(page.locator("#side-column")).to_be_hidden()
+    assert page.evaluate("localStorage.getItem('swarm.column')") == '""'
+    page.click('[data-column="chats"]')
+    expect(page.locator("#panel-chats")).to_be_visible()
+    page.context.close()
+
+    page = signed_in_page(bg, browser, width=390, height=844)
+    expect(page.locator(".column-buttons .label").first).to_be_hidden()  # icons only on a phone
+    chat = page.locator("#chat-area").bounding_box()
+    side = page.locator("#side-column").bounding_box()
+    assert side["y"] >= chat["y"] + chat["height"] - 1  # the column sits below the chat
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing sticks out sideways
+    shot(page, "phone-390")
+    page.locator("#composer-input").fill("Hi")
+    page.locator("#composer-input").press("Enter")
+    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s", timeout=60_000)
+    shot(page, "phone-390-chat")
+    page.click('[data-column="settings"]')
+    page.wait_for_timeout(600)
+    shot(page, "phone-390-settings")
+    page.context.close()
+
+
+def test_admin_page(bg, browser):
+    page = signed_in_page(bg, browser)
+    page.goto(f"{bg.swarm.url}/admin")
+    expect(page.locator("#fellows-table")).to_contain_text("fellow-0")
+    expect(page.locator("#fellows-table")).to_contain_text("Online")
+    expect(page.locator("#users-table")).to_contain_text("admin")
+    expect(page.locator("#pools-table")).to_contain_text("default")
+    switch = page.locator("#direct-links")
+    expect(switch).not_to_be_checked()
+    switch.check()
+    expect(page.locator("#direct-links-state")).to_have_text("Direct links are on")
+    assert api(bg, "GET", "/api/v1/settings/direct-links").json() == {"enabled": True}
+    page.click("#new-join-token")
+    expect(page.locator("dialog .token-once")).not_to_be_empty()
+    shot(page, "admin")
+    page.locator("dialog").get_by_role("button", name="Done").click()
+    page.context.close()
