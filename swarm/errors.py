@@ -95,3 +95,11 @@ class RequestFailed(SwarmError):
 
 class ContextTooLong(RequestFailed):
     """The conversation does not fit in the model's context."""
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (nested) exception groups: trio nurseries wrap even a single failure, and a
+    user should read what failed, not "Exceptions from Trio nursery"."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import socket
 from pathlib import Path
@@ -19,7 +18,7 @@ import trio_websocket
 
 from swarm import __version__, hardware, wire
 from swarm.config import Settings
-from swarm.errors import AuthError, LinkClosed, SwarmError, TunnelError
+from swarm.errors import AuthError, LinkClosed, SwarmError, TunnelError, first_leaf
 from swarm.fetch import fetch_with_retries
 from swarm.join_token import parse_join_token
 from swarm.mesh.hop import HopConfig, OutgoingHop
@@ -89,7 +88,10 @@ class Fellow:
             backoff = BACKOFF_FIRST_S
             while True:
                 try:
-                    await self._session()
+                    try:
+                        await self._session()
+                    except BaseExceptionGroup as group:
+                        raise first_leaf(group) from None
                     backoff = BACKOFF_FIRST_S
                 except AuthError as exc:
                     log.error("%s", exc)
@@ -188,7 +190,10 @@ class Fellow:
         model, load_id = message["model"], message["load_id"]
         self._unload(model)
         try:
-            stage_model = await self._fetch_and_build(message)
+            try:
+                stage_model = await self._fetch_and_build(message)
+            except BaseExceptionGroup as group:
+                raise first_leaf(group) from None
         except Exception as exc:
             log.exception("loading %s failed", model) if not isinstance(exc, SwarmError) else None
             text = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
@@ -249,6 +254,7 @@ class Fellow:
 
     async def _serve_stage(self, message: dict, stage_model, task_status=trio.TASK_STATUS_IGNORED) -> None:
         model, spec_msg = message["model"], message["stage"]
+        runtime = None
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 out_hop = None
@@ -293,6 +299,8 @@ class Fellow:
         stage = self.stages.get(model)
         if stage is not None and stage.cancel_scope is scope:
             del self.stages[model]
+        del runtime, stage_model
+        _free_memory()
 
     def _unload(self, model: str) -> None:
         stage = self.stages.pop(model, None)
@@ -353,16 +361,36 @@ class Fellow:
         """Keep one listener waiting on this stage's relay channel, for whenever the previous stage uses it."""
         while True:
             try:
-                async with trio.open_nursery() as nursery:
-                    channel = await accept_relay(
-                        nursery, self.leader_url, hop_in["hop_id"], self.credential, self.private,
-                        lambda key: key == hop_in["peer_key"],
-                    )
-                    await self._pump(channel, runtime)
-                    nursery.cancel_scope.cancel()
+                try:
+                    await self._relay_once(runtime, hop_in)
+                except BaseExceptionGroup as group:
+                    raise first_leaf(group) from None
             except (SwarmError, OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
                 log.info("relay listener for %s: %s", runtime.model, exc)
                 await trio.sleep(1.0)
+
+    async def _relay_once(self, runtime: StageRuntime, hop_in: dict) -> None:
+        async with trio.open_nursery() as nursery:
+            channel = await accept_relay(
+                nursery, self.leader_url, hop_in["hop_id"], self.credential, self.private,
+                lambda key: key == hop_in["peer_key"],
+            )
+            await self._pump(channel, runtime)
+            nursery.cancel_scope.cancel()
+
+
+def _free_memory() -> None:
+    """Hand an unloaded stage's memory back: Python's cycles first, then the CUDA caching allocator's pool."""
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
 
 
 def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None) -> None:
@@ -372,4 +400,3 @@ def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: st
     trio.run(fellow.run)
 
 
-__all__ = ["Fellow", "run_fellow", "os"]

@@ -325,3 +325,69 @@ def test_admin_page(bg, browser):
     shot(page, "admin")
     page.locator("dialog").get_by_role("button", name="Done").click()
     page.context.close()
+
+
+def test_edit_and_regenerate(bg, browser):
+    page = signed_in_page(bg, browser, max_tokens=8)
+    box = page.locator("#composer-input")
+    box.fill("Say hello")
+    box.press("Enter")
+    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s", timeout=60_000)
+    # Regenerate replaces the latest reply.
+    page.locator(".msg.assistant").get_by_role("button", name="Regenerate").click()
+    expect(page.locator("#stop-button")).to_be_hidden(timeout=60_000)
+    expect(page.locator(".msg")).to_have_count(2)
+    # Edit, then Escape: nothing changes.
+    page.locator(".msg.user").get_by_role("button", name="Edit message").click()
+    expect(page.locator("#editing-note")).to_be_visible()
+    assert box.input_value() == "Say hello"
+    box.press("Escape")
+    expect(page.locator("#editing-note")).to_be_hidden()
+    assert box.input_value() == ""
+    # Edit and send: the message and everything after it are replaced.
+    page.locator(".msg.user").get_by_role("button", name="Edit message").click()
+    box.fill("Say goodbye")
+    box.press("Enter")
+    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s", timeout=60_000)
+    expect(page.locator(".msg")).to_have_count(2)
+    expect(page.locator(".msg.user .bubble")).to_have_text("Say goodbye")
+    expect(page.locator("#save-state")).to_have_text("Saved")
+    chat_id = page.url.split("#chat=")[1]
+    saved = api(bg, "GET", f"/api/v1/chats/{chat_id}").json()["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"] and saved[0]["content"] == "Say goodbye"
+    assert not page.errors, page.errors
+    page.context.close()
+
+
+def test_dark_theme(bg, browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme="dark")
+    link = bg.sync(bg.swarm.leader.store.create_login_link, 1)
+    page = context.new_page()
+    page.goto(f"{bg.swarm.url}/auth/link?token={link}")
+    expect(page.locator("#status-pill")).to_have_text("Model ready")
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert background == "rgb(24, 24, 27)", background
+    page.locator(".chat-row .chat-open").first.click()
+    expect(page.locator(".msg").first).to_be_visible()
+    shot(page, "dark-1280")
+    context.close()
+
+
+def test_sending_while_not_loaded_loads_first(bg, browser, model):
+    """Last in the module: it unloads the model the other tests share."""
+    assert api(bg, "POST", f"/api/v1/models/{model}/unload").status_code == 200
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    context.add_init_script("localStorage.setItem('swarm.maxTokens', '8');")
+    page = context.new_page()
+    page.goto(f"{bg.swarm.url}/auth/link?token={bg.sync(bg.swarm.leader.store.create_login_link, 1)}")
+    expect(page.locator("#status-pill")).to_have_text("Model not loaded")
+    expect(page.locator("#load-button")).to_have_text("Load")
+    expect(page.locator(".suggestion").first).to_be_disabled()
+    expect(page.locator(".suggest-note")).to_contain_text("until the model is loaded")
+    shot(page, "not-loaded")
+    page.locator("#composer-input").fill("Hello")
+    page.locator("#composer-input").press("Enter")
+    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s", timeout=120_000)
+    expect(page.locator("#status-pill")).to_have_text("Model ready")
+    expect(page.locator("#load-button")).to_have_text("Unload")
+    context.close()

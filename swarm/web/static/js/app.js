@@ -68,7 +68,16 @@ function poolContext() {
   return m ? `${decodeURIComponent(m[1])} / ${decodeURIComponent(m[2])}` : "All your pools";
 }
 
+function trackTopbarHeight() {
+  // Under 900 px the chat is sized to the window below the header, whose height changes as it wraps.
+  const topbar = document.querySelector(".topbar");
+  const set = () => document.documentElement.style.setProperty("--topbar-h", `${topbar.offsetHeight}px`);
+  new ResizeObserver(set).observe(topbar);
+  set();
+}
+
 async function main() {
+  trackTopbarHeight();
   state.me = await get("/api/v1/me");
   setCsrf(state.me.csrf);
   document.getElementById("pool-context").textContent = poolContext();

@@ -42,24 +42,29 @@ function setSaveState(kind, reason) {
   el.textContent = kind === "saved" ? "Saved" : kind === "saving" ? "Saving…" : kind === "error" ? `Not saved: ${reason}` : "";
 }
 
+let emptyKey = "";
+
 export function renderEmpty() {
   const empty = $("empty-chat");
   empty.hidden = conv.messages.length > 0;
-  if (empty.hidden) return;
+  if (empty.hidden) { emptyKey = ""; return; }
   const ready = modelStatus() === "ready";
+  const key = `${ready}|${state.modelId}|${state.models.length}`;
+  if (key === emptyKey) return;
+  emptyKey = key;
   const buttons = SUGGESTIONS.map(([title, prompt]) => h("button", {
     class: "suggestion", type: "button", disabled: !ready || undefined,
     onclick: () => { const box = $("composer-input"); box.value = prompt; autosize(); box.focus(); },
   }, h("strong", {}, title), h("span", {}, prompt)));
   const noModels = !state.models.length;
-  empty.replaceChildren(
+  empty.replaceChildren(...[
     h("h2", {}, "What can I help with?"),
     h("p", {}, noModels ? "There are no models in this pool yet: import or train one first."
       : `Chatting with ${state.modelId || "no model"}. Pick a suggestion to start from, or write your own.`),
     h("div", { class: "suggestions" }, buttons),
     ready ? null : h("p", { class: "suggest-note" },
       noModels ? "Suggestions need a model." : "Suggestions are off until the model is loaded — press Load, or just send a message and it loads first."),
-  );
+  ].filter(Boolean));
 }
 
 // --- composer -----------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ function generation() {
   });
   return h("section", { "aria-labelledby": "gen-title" },
     h("h3", { id: "gen-title" }, "Generation"),
-    h("div", { class: "card", style: "display:grid;gap:12px" },
+    h("div", { class: "card stack", style: "gap:12px" },
       h("label", { class: "field" }, "Temperature (0 = deterministic)", h("div", { class: "range-row" }, temp, tempNum)),
       h("label", { class: "switch" }, reasoning, h("span", {}, "Reasoning"),
         h("span", { class: "muted", style: "font-size:12.5px" }, "off answers without thinking first")),
@@ -140,7 +140,7 @@ function renderApi() {
   const tabs = h("div", { class: "tabs", role: "tablist" }, [["curl", "curl"], ["python", "Python"], ["javascript", "JavaScript"]].map(([key, label]) =>
     h("button", { type: "button", role: "tab", "aria-selected": key === exampleTab ? "true" : "false",
       onclick: () => { exampleTab = key; store.set("exampleTab", key); renderApi(); } }, label)));
-  apiBox.replaceChildren(
+  apiBox.replaceChildren(...[
     h("label", { class: "field" }, "Base URL", h("div", { class: "row" },
       h("input", { type: "text", readonly: true, value: base, "aria-label": "Base URL", class: "mono" }),
       h("button", { class: "btn", type: "button", "aria-label": "Copy base URL", onclick: (e) => copyText(base, e.currentTarget) }, "Copy"))),
@@ -150,13 +150,13 @@ function renderApi() {
     h("p", { class: "muted", style: "margin:0;font-size:12.5px" }, "Tokens are kept only in this browser. The selected one is used for the chat and filled into the examples; chats are always saved with your session."),
     h("div", {}, tabs, pre),
     h("div", { class: "row" }, h("button", { class: "btn small", type: "button", onclick: (e) => copyText(code[exampleTab], e.currentTarget) }, "Copy example")),
-  );
+  ].filter(Boolean));
 }
 
 export function initSettings() {
   panel = document.getElementById("panel-settings");
   modelBox = h("div", { class: "card", id: "model-facts" });
-  apiBox = h("div", { class: "card", style: "display:grid;gap:10px" });
+  apiBox = h("div", { class: "card stack" });
   panel.replaceChildren(
     h("section", { "aria-labelledby": "model-title" },
       h("div", { class: "panel-head" }, h("h3", { id: "model-title", style: "margin:0" }, "Model"),

@@ -1,0 +1,44 @@
+"""A fellow survives its leader restarting: it reconnects with backoff and is online again, same identity."""
+
+from __future__ import annotations
+
+import trio
+
+from swarm.config import Settings
+from swarm.fellow import Fellow
+from swarm.leader.app import Leader
+
+
+async def _serve(leader: Leader, port: int, stop: trio.Event, task_status=trio.TASK_STATUS_IGNORED):
+    await leader.serve("127.0.0.1", port, shutdown_trigger=stop.wait, task_status=task_status)
+
+
+async def test_fellow_rejoins_a_restarted_leader(tmp_path):
+    settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "0.5"})
+    leader = Leader(tmp_path / "leader", settings)
+    join = leader.first_start.join_token
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            urls = await nursery.start(_serve, leader, 0, stop)
+            port = int(urls[0].rsplit(":", 1)[1])
+            fellow = Fellow(leader_url=urls[0], data_dir=tmp_path / "fellow", settings=settings, name="pc-1",
+                            join_token=join)
+            nursery.start_soon(fellow.run)
+            await fellow.connected.wait()
+            first_id = fellow.fellow_id
+            assert [c.name for c in leader.hub.online.values()] == ["pc-1"]
+
+            stop.set()  # the leader goes away...
+            while fellow.connected.is_set():
+                await trio.sleep(0.05)
+
+            again = Leader(tmp_path / "leader", settings)  # ...and comes back on the same port and data dir
+            assert again.first_start is None  # later starts print the URL only
+            stop2 = trio.Event()
+            await nursery.start(_serve, again, port, stop2)
+            await fellow.connected.wait()
+            assert fellow.fellow_id == first_id  # the same fellow, known by its key: no join token needed
+            assert [c.name for c in again.hub.online.values()] == ["pc-1"]
+            stop2.set()
+            nursery.cancel_scope.cancel()
