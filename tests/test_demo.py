@@ -98,6 +98,24 @@ def test_openai_package_streams_from_the_demo(demo):
     with pytest.raises(NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
 
+    # The CLI unloads and loads over the same leader; a request in between gets a clear 503.
+    from openai import InternalServerError
+
+    env = {**os.environ, "SWARM_LEADER": f"http://127.0.0.1:{port}", "SWARM_TOKEN": lines["API token"]}
+    out = subprocess.run([sys.executable, "-m", "swarm", "model-unload", "smollm2-135m-instruct"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(InternalServerError) as err:
+        client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 503 and "not loaded" in str(err.value)
+    out = subprocess.run([sys.executable, "-m", "swarm", "model-load", "smollm2-135m-instruct", "--num-stages", "2"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Stage 0: fellow-" in out.stdout and "Stage 1: fellow-" in out.stdout and "is ready" in out.stdout
+    again = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=12,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in again.choices[0].message.content
+
     # SIGTERM stops every process the demo started.
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0

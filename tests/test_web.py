@@ -161,6 +161,7 @@ def test_saved_chats_rename_search_delete(bg, browser, model):
     expect(page.locator(".chat-row")).to_have_count(1)
     expect(page.locator(".chat-row")).to_contain_text("Alpha notes")
     page.fill(".chat-search", "")
+    expect(page.locator(".chat-row")).to_have_count(len(api(bg, "GET", "/api/v1/chats").json()["chats"]))
     # Rename from the row's … menu.
     row = page.locator(f'.chat-row[data-chat-id="{created[0]}"]')
     row.get_by_role("button", name="More actions for Alpha notes").click()

@@ -54,12 +54,17 @@ function row(chat) {
   return h("li", { class: `chat-row${chat.id === currentChatId() ? " current" : ""}`, dataset: { chatId: chat.id } }, open, more);
 }
 
+let latestRequest = 0;
+
 export async function refreshChats() {
   if (!visible) return;
   const list = panel.querySelector(".chat-groups");
+  const mine = ++latestRequest;
   let chats;
   try {
     chats = (await get(`/api/v1/chats${query ? `?q=${encodeURIComponent(query)}` : ""}`)).chats;
+    if (mine !== latestRequest) return; // a newer search already answered
+    closeMenu();
   } catch (err) {
     list.replaceChildren(h("p", { class: "notice bad" }, `The chats could not be read: ${err.message}`));
     return;
