@@ -21,6 +21,7 @@ from swarm.config import Settings
 from swarm.errors import AuthError, LinkClosed, SwarmError, TunnelError, first_leaf
 from swarm.fetch import fetch_with_retries
 from swarm.join_token import parse_join_token
+from swarm.mesh import sequencing
 from swarm.mesh.hop import HopConfig, OutgoingHop
 from swarm.mesh.paths import accept_relay
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -75,6 +76,7 @@ class Fellow:
         self.serve_port: int | None = None
         self._control: NoiseChannel | None = None
         self._control_lock = trio.Lock()
+        self._resequencers: dict[str, sequencing.Resequencer] = {}
         self._nursery: trio.Nursery | None = None
         self.connected = trio.Event()
 
@@ -157,7 +159,9 @@ class Fellow:
         while True:
             await trio.sleep(self.settings.heartbeat_s)
             hw = await trio.to_thread.run_sync(hardware.probe)
-            await self.send_to_leader({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(self.stages)})
+            hops = [s.runtime.out_hop.stats() for s in self.stages.values() if s.runtime.out_hop is not None]
+            await self.send_to_leader({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(self.stages),
+                                       "hops": hops})
 
     async def _on_control(self, message: dict) -> None:
         kind = message["t"]
@@ -299,6 +303,8 @@ class Fellow:
         stage = self.stages.get(model)
         if stage is not None and stage.cancel_scope is scope:
             del self.stages[model]
+        if message.get("hop_in"):
+            self._resequencers.pop(message["hop_in"]["hop_id"], None)
         del runtime, stage_model
         _free_memory()
 
@@ -319,11 +325,18 @@ class Fellow:
                 return stage.runtime
         return None
 
-    async def _pump(self, channel: NoiseChannel, runtime: StageRuntime) -> None:
+    async def _pump(self, channel: NoiseChannel, runtime: StageRuntime, hop_id: str) -> None:
+        """Ring messages of one incoming path, handed to the stage in the hop's order (see swarm.mesh.sequencing)."""
+        order = self._resequencers.setdefault(hop_id, sequencing.Resequencer())
         try:
             while True:
-                message = wire.decode(await channel.receive())
-                await runtime.deliver(message)
+                frame = await channel.receive()
+                flag, _ = sequencing.kind(frame)
+                if flag == sequencing.PING:
+                    await channel.send(sequencing.pong(frame))
+                    continue
+                for payload in order.push(frame):
+                    await runtime.deliver(wire.decode(payload))
         except (TunnelError, SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("incoming link of %s closed: %s", runtime.model, exc)
         finally:
@@ -341,12 +354,13 @@ class Fellow:
             log.info("refused a direct ring connection: %s", exc)
             await transport.aclose()
             return
-        runtime = self._stage_for_hop(channel.handshake_payload.decode(errors="replace"), channel.remote_static)
+        hop_id = channel.handshake_payload.decode(errors="replace")
+        runtime = self._stage_for_hop(hop_id, channel.remote_static)
         if runtime is None:
             log.info("refused a direct ring connection for an unknown hop")
             await channel.aclose()
             return
-        await self._pump(channel, runtime)
+        await self._pump(channel, runtime, hop_id)
 
     async def _start_ring_listener(self, nursery: trio.Nursery) -> None:
         port = self.settings.serve_port
@@ -375,7 +389,7 @@ class Fellow:
                 nursery, self.leader_url, hop_in["hop_id"], self.credential, self.private,
                 lambda key: key == hop_in["peer_key"],
             )
-            await self._pump(channel, runtime)
+            await self._pump(channel, runtime, hop_in["hop_id"])
             nursery.cancel_scope.cancel()
 
 

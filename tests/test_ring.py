@@ -40,14 +40,23 @@ async def _replies(tmp_path, model_dir, transport):
                 data = await swarm.chat(model_dir.name, [{"role": "user", "content": prompt}], max_tokens=24)
                 replies[prompt] = data
             paths = {f.name: [s.runtime.out_hop.path for s in f.stages.values()] for f in swarm.fellows}
-            return replies, paths
+            await trio.sleep(1.5)  # a heartbeat brings the hops' figures to the leader
+            perf = (await swarm.http.get(f"/api/v1/models/{model_dir.name}/performance")).json()
+            return replies, paths, perf
 
 
 @pytest.mark.parametrize("transport", ["auto", "relay"])
 async def test_two_stage_ring_matches_generate(tmp_path, smollm_model_dir, reference, transport):
-    replies, paths = await _replies(tmp_path, smollm_model_dir, transport)
+    replies, paths, perf = await _replies(tmp_path, smollm_model_dir, transport)
     expected_path = "direct" if transport == "auto" else "relay"
     assert paths == {"fellow-0": [expected_path], "fellow-1": [expected_path]}
+    hops = perf["hops"]
+    assert [(h["from"], h["to"], h["transport"]) for h in hops] == [
+        ("fellow-0", "fellow-1", expected_path), ("fellow-1", "fellow-0", expected_path)]
+    assert all(h["rtt_ms"] is not None and h["rtt_ms"] < 1000 for h in hops)
+    # forward: one float32 hidden state of 576 values per token; back: just the token
+    assert 576 * 4 < hops[0]["bytes_per_token"] < 576 * 4 + 400
+    assert hops[1]["bytes_per_token"] < 300
     for prompt, data in replies.items():
         choice = data["choices"][0]
         want = reference[prompt]

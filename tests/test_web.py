@@ -383,6 +383,7 @@ def test_sending_while_not_loaded_loads_first(bg, browser, model):
     page.goto(f"{bg.swarm.url}/auth/link?token={bg.sync(bg.swarm.leader.store.create_login_link, 1)}")
     expect(page.locator("#status-pill")).to_have_text("Model not loaded")
     expect(page.locator("#load-button")).to_have_text("Load")
+    expect(page.locator("#load-button")).to_be_enabled()
     expect(page.locator(".suggestion").first).to_be_disabled()
     expect(page.locator(".suggest-note")).to_contain_text("until the model is loaded")
     shot(page, "not-loaded")

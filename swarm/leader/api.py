@@ -162,6 +162,17 @@ class ApiRoutes:
         return JSONResponse(self._model_view(await self._model_row(request.path_params["model_id"])))
 
     @handles_errors
+    async def model_performance(self, request: Request):
+        await current_user(request, self.store)
+        name = request.path_params["model_id"]
+        await self._model_row(name)
+        serving = self.leader.serving.models.get(name)
+        if serving is None:
+            return JSONResponse({"id": name, "status": "not_loaded", "hops": [], "stages": []})
+        return JSONResponse({"id": name, "status": serving.status, "stages": serving.describe()["stages"],
+                             "hops": serving.hops(self.leader.serving.hop_stats)})
+
+    @handles_errors
     async def model_load(self, request: Request):
         await current_user(request, self.store)
         name = request.path_params["model_id"]
@@ -200,6 +211,8 @@ class ApiRoutes:
         await current_user(request, self.store)
         ring_request = self.leader.serving.find(request.path_params["rid"])
         if ring_request is None:
+            log.debug("cancel %s: no such request among %s", request.path_params["rid"],
+                      [r.id for r in self.leader.serving.requests.values()])
             return JSONResponse({"cancelled": False})
         await self.leader.serving.cancel(ring_request)
         return JSONResponse({"cancelled": True})

@@ -60,6 +60,20 @@ class ModelServing:
             {"index": s.plan.index, "fellow": s.plan.fellow_name, "phase": s.phase, "fraction": s.fraction}
             for s in self.stages]}
 
+    def hops(self, hop_stats: dict[str, dict]) -> list[dict]:
+        """Each link of the ring in order, stage i -> i+1 (the last one carries the token back to stage 0)."""
+        n = len(self.stages)
+        out = []
+        for i, hop_id in enumerate(self.hop_ids):
+            stats = hop_stats.get(hop_id, {})
+            out.append({
+                "from_stage": i, "to_stage": (i + 1) % n,
+                "from": self.stages[i].plan.fellow_name, "to": self.stages[(i + 1) % n].plan.fellow_name,
+                "transport": stats.get("transport"), "rtt_ms": stats.get("rtt_ms"),
+                "bytes_per_token": stats.get("bytes_per_token"), "bytes_sent": stats.get("bytes_sent", 0),
+            })
+        return out
+
     def describe(self) -> dict:
         return {
             "status": self.status,
@@ -112,6 +126,7 @@ class Serving:
         self.hub = None  # set by the app: FellowHub
         self.models: dict[str, ModelServing] = {}
         self.requests: dict[str, Request] = {}
+        self.hop_stats: dict[str, dict] = {}  # hop id -> what its sending fellow last reported
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -197,6 +212,7 @@ class Serving:
                     pass
         for hop_id in serving.hop_ids:
             self.relay.close_channel(hop_id)
+            self.hop_stats.pop(hop_id, None)
         for request in [r for r in self.requests.values() if r.model == name]:
             await self._end(request, error=f"model {name} was unloaded")
         if not keep_state:
@@ -252,6 +268,7 @@ class Serving:
         await self._end(request, finish="cancelled")
 
     async def _end(self, request: Request, finish: str | None = None, error: str | None = None) -> None:
+        log.debug("request %s ends: %s", request.id, finish or error)
         self.requests.pop(request.rid, None)
         if request.finish_reason is None and request.error is None:
             request.finish_reason, request.error = finish, error
@@ -261,7 +278,11 @@ class Serving:
 
     async def on_fellow_message(self, conn, message: dict) -> None:
         kind = message["t"]
-        if kind == "tokens":
+        if kind == "heartbeat":
+            for hop in message.get("hops") or []:
+                if isinstance(hop, dict) and isinstance(hop.get("hop_id"), str):
+                    self.hop_stats[hop["hop_id"]] = hop
+        elif kind == "tokens":
             for batch in message["batches"]:
                 request = self.requests.get(batch["rid"])
                 if request is None:

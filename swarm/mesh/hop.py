@@ -1,22 +1,36 @@
-"""One hop of the ring, seen from the stage that sends on it: choose a path, keep it, fall back when it breaks.
+"""One hop of the ring, seen from the stage that sends on it: choose a path, keep it, fall back when it breaks, and
+move to a better path between two messages.
 
 ``auto`` tries the direct TCP link first (a LAN needs nothing else) and takes the leader's relay when the direct
 link cannot be opened in DIRECT_CONNECT_TIMEOUT_S or breaks; once the direct link has failed, the hop stays on the
-relay until it is set up again. ``direct`` and ``relay`` force one path.
+relay until a better path is offered (``upgrade``: a hole-punched tunnel). ``direct`` and ``relay`` force one path.
+
+Every message is numbered (swarm.mesh.sequencing) so that the receiver keeps the order across a path change. Pings
+every KEEPALIVE_S measure the round trip and keep NAT mappings and the relay's websocket alive.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
+import time
 
 import trio
 
-from swarm.errors import LinkClosed, SwarmError, TunnelError
-from swarm.mesh import paths
+from swarm.errors import LinkClosed, ProtocolError, SwarmError, TunnelError
+from swarm.mesh import paths, sequencing
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
 
 log = logging.getLogger(__name__)
+
+# Under the ~30 s UDP mapping timeout of common home routers (Linux conntrack's udp timeout is 30 s; RFC 4787
+# REQ-5 asks for at least 2 minutes, many routers do less), and well under idle timeouts of proxies in front of the
+# leader (60 s is common).
+KEEPALIVE_S = 10.0
+# How long the old path stays open after an upgrade, so what is still on its way there arrives.
+DRAIN_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +63,14 @@ class OutgoingHop:
         self._connect_timeout = connect_timeout
         self._channel: NoiseChannel | None = None
         self._lock = trio.Lock()
+        self._sequencer = sequencing.Sequencer()
+        self._reset_next = True  # the first message on a fresh path after a break tells the receiver to resync
         self.direct_failed = config.transport == "relay" or config.direct is None
-        self.path: str | None = None  # "direct" or "relay" once open
+        self.path: str | None = None  # "direct", "tunnel" or "relay" once open
+        self.rtt_s: float | None = None
+        self.bytes_sent = 0
+        self.messages_sent = 0
+        self._recent_sizes: collections.deque[int] = collections.deque(maxlen=64)
 
     async def _open(self) -> NoiseChannel:
         cfg = self.config
@@ -76,34 +96,71 @@ class OutgoingHop:
         self.path = "relay"
         return channel
 
+    def _adopt(self, channel: NoiseChannel) -> None:
+        self._channel = channel
+        self._nursery.start_soon(self._watch, channel)
+        self._nursery.start_soon(self._keepalive, channel)
+
     async def send(self, message: bytes) -> None:
         """Send one ring message; raises LinkClosed/TunnelError when the path breaks (the caller fails the request)."""
         async with self._lock:
             if self._channel is None:
-                self._channel = await self._open()
-                self._nursery.start_soon(self._watch, self._channel)
+                self._adopt(await self._open())
+            frame = self._sequencer.wrap(message, reset=self._reset_next)
             try:
-                await self._channel.send(message)
+                await self._channel.send(frame)
+                self._reset_next = False
+                self.bytes_sent += len(frame)
+                self.messages_sent += 1
+                self._recent_sizes.append(len(frame))
             except (TunnelError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 broken, self._channel = self._channel, None
+                self._reset_next = True
                 if self.path == "direct":
                     self.direct_failed = True  # the next request goes over the relay
-                with trio.move_on_after(CLEANUP_S, shield=True):
-                    await _quiet_close(broken)
+                await _quiet_close(broken)
                 raise LinkClosed(f"the link to {self.config.peer_name} over the {self.path} broke: {exc}") from None
 
+    async def upgrade(self, channel: NoiseChannel, path: str) -> None:
+        """Move the hop onto ``channel`` between two messages; the old path drains, then closes."""
+        async with self._lock:
+            old, self.path = self._channel, path
+            self._adopt(channel)
+            log.info("hop %s to %s moved to the %s", self.config.hop_id, self.config.peer_name, path)
+        if old is not None:
+            self._nursery.start_soon(_close_later, old)
+
+    async def _keepalive(self, channel: NoiseChannel) -> None:
+        while self._channel is channel:
+            try:
+                await channel.send(sequencing.ping(int(time.monotonic() * 1e6)))
+            except (TunnelError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the watcher sees the same failure and drops the path
+            await trio.sleep(KEEPALIVE_S)
+
     async def _watch(self, channel: NoiseChannel) -> None:
-        """Nothing comes back on an outgoing hop: a read that ends means the peer closed or the path broke, so the
+        """Only pongs come back on an outgoing hop: a read that ends means the peer closed or the path broke, so the
         next send opens a fresh path instead of writing into a dead socket."""
         try:
             while True:
-                await channel.receive()
-        except (SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                frame = await channel.receive()
+                flag, stamp = sequencing.kind(frame)
+                if flag == sequencing.PONG:
+                    self.rtt_s = max(0.0, time.monotonic() - stamp / 1e6)
+        except (SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
             pass
         if self._channel is channel:
             self._channel = None
+            self._reset_next = True
             log.info("the %s link to %s closed", self.path, self.config.peer_name)
-            await _quiet_close(channel)
+        await _quiet_close(channel)
+
+    def stats(self) -> dict:
+        return {"hop_id": self.config.hop_id, "peer": self.config.peer_name, "transport": self.path,
+                "rtt_ms": round(self.rtt_s * 1000, 3) if self.rtt_s is not None else None,
+                "bytes_sent": self.bytes_sent, "messages_sent": self.messages_sent,
+                # A decode step sends one message per token on every hop; the median skips prompt chunks.
+                "bytes_per_token": int(statistics.median(self._recent_sizes)) if self._recent_sizes else None}
 
     async def aclose(self) -> None:
         if self._channel is not None:
@@ -111,8 +168,14 @@ class OutgoingHop:
             await _quiet_close(channel)
 
 
+async def _close_later(channel: NoiseChannel) -> None:
+    await trio.sleep(DRAIN_S)
+    await _quiet_close(channel)
+
+
 async def _quiet_close(channel: NoiseChannel) -> None:
-    try:
-        await channel.aclose()
-    except Exception:  # closing a broken link: nothing left to report
-        pass
+    with trio.move_on_after(CLEANUP_S, shield=True):
+        try:
+            await channel.aclose()
+        except Exception:  # closing a broken link: nothing left to report
+            pass

@@ -49,8 +49,9 @@ function row(chat) {
   const open = h("button", {
     class: "chat-open", type: "button", "aria-current": chat.id === currentChatId() ? "true" : undefined,
     onclick: () => { location.hash = `chat=${encodeURIComponent(chat.id)}`; },
-  }, h("span", { class: "t" }, chat.title),
-    h("span", { class: "m" }, [chat.model, count, formatWhen(chat.updated_at)].filter(Boolean).join(" · ")));
+  }, h("span", { class: "t" }, h("span", { class: "title" }, chat.title),
+    h("time", { datetime: new Date(chat.updated_at * 1000).toISOString(), title: "Last used" }, formatWhen(chat.updated_at))),
+    h("span", { class: "m" }, [chat.model, count].filter(Boolean).join(" · ")));
   return h("li", { class: `chat-row${chat.id === currentChatId() ? " current" : ""}`, dataset: { chatId: chat.id } }, open, more);
 }
 

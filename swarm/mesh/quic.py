@@ -1,0 +1,392 @@
+"""A reliable, congestion-controlled frame link over a hole-punched UDP socket: one QUIC stream, driven by trio.
+
+aioquic's :class:`~aioquic.quic.connection.QuicConnection` is sans-IO; this module is the glue that moves its
+datagrams on the socket that :mod:`swarm.mesh.punch` opened through both NATs. QUIC gives us what raw datagrams lack
+for a Noise session (ordering, retransmission, congestion control: noiseprotocol's implicit nonces need an ordered
+stream). QUIC's own TLS is not what authenticates the fellows — the :class:`~swarm.tunnel.channel.NoiseChannel` run
+over :class:`QuicFrameTransport` does, with the keys the leader pinned — so the server uses a throwaway
+self-signed certificate and the client does not verify it (aioquic cannot ask for a client certificate anyway).
+
+Frames travel on one bidirectional stream (id 0, opened by the client) as a 4-byte big-endian length and the frame,
+the same framing as TCP's :class:`~swarm.tunnel.channel.StreamFrameTransport`. The client starts the stream with
+the 4-byte preface b"SWQ1" so the server learns of the stream (aioquic cannot send on a peer's stream it has not
+seen) and can tell a swarm peer from anything else that completed a handshake.
+
+One driver task per connection owns the socket: it reads datagrams (only those from the peer's address reach the
+connection; a stranger's handshake gets no answer), runs the connection's timer, sends keepalive PINGs and flushes
+what the connection wants sent after every event. ``send_frame`` from any task queues stream data and wakes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import ssl
+import struct
+
+import trio
+from aioquic.buffer import Buffer
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from swarm.errors import HandshakeFailed, LinkClosed, ProtocolError
+from swarm.mesh import punch as punch_mod
+from swarm.mesh import rendezvous
+from swarm.tunnel.channel import CLEANUP_S, MAX_WIRE_FRAME
+
+log = logging.getLogger(__name__)
+
+ALPN = "swarm/1"
+STREAM_ID = 0  # the client's first bidirectional stream (RFC 9000 §2.1)
+PREFACE = b"SWQ1"
+_LENGTH = struct.Struct(">I")
+
+# A path that goes silent (the peer's PC slept, its NAT dropped the mapping) is reported as LinkClosed within this
+# many seconds, so the ring can fall back to the relay quickly. aioquic never uses less than 3 PTOs.
+DEFAULT_IDLE_TIMEOUT_S = 5.0
+# NATs drop idle UDP mappings after as little as 30 s (RFC 4787 REQ-5 asks for at least 2 min, home routers often
+# use 30-60 s); a PING every 10 s keeps the mapping, and at most a third of the idle timeout keeps the connection.
+KEEPALIVE_MAX_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0
+# QUIC's minimum (RFC 9000 §14): every path on the internet carries it, so no PMTU discovery is needed.
+DEFAULT_MAX_DATAGRAM_SIZE = 1200
+# aioquic buffers stream data without limit; send_frame waits while more than this is sent but not yet acked, so
+# a fast sender cannot queue gigabytes in memory. 1 MiB is aioquic's default stream window: more would only wait
+# for flow control credit anyway.
+SEND_HIGH_WATER = 1 << 20
+_RECV_SIZE = 65536
+
+
+class QuicHandshakeFailed(HandshakeFailed):
+    """The QUIC connection over the punched path could not be set up."""
+
+
+class QuicFrameTransport:
+    """Frames over one QUIC stream on a punched UDP socket (a :class:`~swarm.tunnel.channel.FrameTransport`).
+
+    Open it with :func:`open_quic_client` or :func:`accept_quic_server`. ``send_frame`` may be called from several
+    tasks; ``receive_frame`` from one at a time. The transport owns the socket from then on and closes it when the
+    connection ends.
+    """
+
+    def __init__(self, sock, peer: tuple[str, int], connection: QuicConnection, *, is_client: bool,
+                 idle_timeout: float, keepalive: float | None = None):
+        self.sock = sock
+        self.peer = peer
+        self.is_client = is_client
+        self._conn = connection
+        self._sockaddr = rendezvous.socket_address(sock, peer)
+        self._idle_timeout = idle_timeout
+        self._keepalive = keepalive if keepalive is not None else min(KEEPALIVE_MAX_S, idle_timeout / 3)
+        self._recv_buffer = bytearray()
+        self._preface_seen = is_client  # the server strips the client's preface off the stream
+        self._closed: str | None = None  # why the link is closed, once it is
+        self._terminated = False  # the connection itself is over: the driver may stop
+        self._handshake_done = trio.Event()
+        self._ready = trio.Event()  # handshake done (and, on the server, the preface seen); or closed
+        self._data_arrived = trio.Event()
+        self._drained = trio.Event()
+        self._wake = trio.Event()
+        self._driver_scope = trio.CancelScope()
+        self._driver_done = trio.Event()
+        self._ping_uid = 0
+
+    # --- FrameTransport --------------------------------------------------------------------------------------------
+
+    async def send_frame(self, data: bytes) -> None:
+        if len(data) > MAX_WIRE_FRAME:
+            raise ProtocolError(f"a frame of {len(data)} bytes is larger than the {MAX_WIRE_FRAME} allowed")
+        if self._closed is not None:
+            raise LinkClosed(self._closed)
+        # One write for header and body: a frame is never split between two senders' data.
+        self._conn.send_stream_data(STREAM_ID, _LENGTH.pack(len(data)) + data)
+        self._wake.set()
+        await trio.lowlevel.checkpoint()
+        while self._closed is None and self._unacked() > SEND_HIGH_WATER:
+            if self._drained.is_set():
+                self._drained = trio.Event()
+            await self._drained.wait()
+        if self._closed is not None:
+            raise LinkClosed(self._closed)
+
+    async def receive_frame(self) -> bytes:
+        while True:
+            if len(self._recv_buffer) >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(self._recv_buffer)
+                if length > MAX_WIRE_FRAME:
+                    raise ProtocolError(
+                        f"the peer announced a frame of {length} bytes, at most {MAX_WIRE_FRAME} are allowed; "
+                        "it is not a swarm peer"
+                    )
+                end = _LENGTH.size + length
+                if len(self._recv_buffer) >= end:
+                    frame = bytes(self._recv_buffer[_LENGTH.size : end])
+                    del self._recv_buffer[:end]
+                    await trio.lowlevel.checkpoint()
+                    return frame
+            if self._closed is not None:
+                raise LinkClosed(self._closed)
+            if self._data_arrived.is_set():
+                self._data_arrived = trio.Event()
+            await self._data_arrived.wait()
+
+    async def aclose(self) -> None:
+        """Close the connection (the peer sees LinkClosed at once) and stop the driver."""
+        if self._closed is None:
+            self._close("this side closed the link")
+        with trio.move_on_after(CLEANUP_S, shield=True):
+            await self._driver_done.wait()  # the driver flushes the CONNECTION_CLOSE, then ends
+        self._driver_scope.cancel()
+        await trio.lowlevel.checkpoint()
+
+    # --- driver ----------------------------------------------------------------------------------------------------
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The driver task: reads the socket, runs timers and keepalives, flushes datagrams; ends with the link."""
+        try:
+            with self._driver_scope:
+                task_status.started()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_loop)
+                    await self._flush_loop()
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._close("the link's driver stopped")
+            self.sock.close()
+            self._driver_done.set()
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                data, addr = await self.sock.recvfrom(_RECV_SIZE)
+            except OSError as exc:
+                log.debug("quic: read error ignored: %s", exc)
+                continue
+            if rendezvous.normalize_address(addr) != self.peer:
+                log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
+                continue
+            if data[:4] in (punch_mod.MAGIC, rendezvous.MAGIC):
+                continue  # a late copy of the peer's punch confirm
+            self._conn.receive_datagram(data, self.peer, trio.current_time())
+            self._process_events()
+            self._wake.set()
+
+    async def _flush_loop(self) -> None:
+        conn = self._conn
+        next_ping = trio.current_time() + self._keepalive
+        while True:
+            # A fresh event before flushing: a send_frame during our awaits below sets this one, not a stale one.
+            self._wake = trio.Event()
+            now = trio.current_time()
+            timer = conn.get_timer()
+            if timer is not None and now >= timer:
+                conn.handle_timer(now)
+            if now >= next_ping:
+                if self._handshake_done.is_set():
+                    self._ping_uid += 1
+                    conn.send_ping(self._ping_uid)
+                next_ping = now + self._keepalive
+            self._process_events()
+            if self._closed is not None:
+                # Closed by us, by the peer's FIN or reset, or a wrong preface: tell the peer (a no-op when the
+                # connection is already over), flush that, and stop.
+                conn.close(reason_phrase="closed")
+            for data, _addr in conn.datagrams_to_send(now):
+                try:
+                    await self.sock.sendto(data, self._sockaddr)
+                except OSError as exc:  # e.g. no route for a moment; QUIC's loss recovery resends
+                    log.debug("quic: send to %s failed: %s", self.peer, exc)
+            if self._closed is not None:
+                return
+            with trio.move_on_at(min(conn.get_timer() or float("inf"), next_ping)):
+                await self._wake.wait()
+
+    def _process_events(self) -> None:
+        while (event := self._conn.next_event()) is not None:
+            if isinstance(event, events.HandshakeCompleted):
+                self._handshake_done.set()
+                if self._preface_seen:
+                    self._ready.set()
+            elif isinstance(event, events.StreamDataReceived):
+                if event.stream_id != STREAM_ID:
+                    log.debug("quic: ignored data on stream %d", event.stream_id)
+                    continue
+                self._recv_buffer += event.data
+                if not self._preface_seen and len(self._recv_buffer) >= len(PREFACE):
+                    if self._recv_buffer[: len(PREFACE)] != PREFACE:
+                        self._close("the peer is not a swarm fellow (wrong stream preface)")
+                        continue
+                    del self._recv_buffer[: len(PREFACE)]
+                    self._preface_seen = True
+                    if self._handshake_done.is_set():
+                        self._ready.set()
+                if event.end_stream:
+                    self._close("the other end closed the link")
+                self._data_arrived.set()
+            elif isinstance(event, events.StreamReset):
+                if event.stream_id == STREAM_ID:
+                    self._close(f"the other end reset the link (error {event.error_code})")
+            elif isinstance(event, events.ConnectionTerminated):
+                self._terminated = True
+                if event.reason_phrase == "Idle timeout":
+                    self._close(
+                        f"the direct path went silent for {self._idle_timeout:g} s (idle timeout): "
+                        "the peer is gone or its NAT dropped the mapping"
+                    )
+                elif event.error_code == 0:
+                    self._close("the other end closed the link")
+                else:
+                    self._close(
+                        f"the QUIC connection failed: error {event.error_code:#x} {event.reason_phrase!r}".rstrip()
+                    )
+        if self._unacked() <= SEND_HIGH_WATER:
+            self._drained.set()
+
+    def _close(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
+        # Wake everyone who waits on the link: readers, blocked writers, and an opener waiting for readiness.
+        self._data_arrived.set()
+        self._drained.set()
+        self._ready.set()
+        self._wake.set()
+
+    def _unacked(self) -> int:
+        """Bytes of the stream written but not yet acknowledged (aioquic has no public accessor for it)."""
+        stream = self._conn._streams.get(STREAM_ID)
+        if stream is None:
+            return 0
+        return stream.sender._buffer_stop - stream.sender._buffer_start
+
+    async def _wait_ready(self, timeout: float, what: str) -> None:
+        with trio.move_on_after(timeout):
+            await self._ready.wait()
+        if self._closed is None and self._ready.is_set():
+            return
+        reason = self._closed or f"no answer from {self.peer[0]}:{self.peer[1]} within {timeout:g} s"
+        await self.aclose()
+        raise QuicHandshakeFailed(f"could not {what} over the punched path: {reason}")
+
+
+# --- opening ---------------------------------------------------------------------------------------------------------
+
+
+async def open_quic_client(
+    sock,
+    peer: tuple[str, int],
+    nursery: trio.Nursery,
+    *,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+    keepalive: float | None = None,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+    max_datagram_size: int = DEFAULT_MAX_DATAGRAM_SIZE,
+) -> QuicFrameTransport:
+    """Connect to the peer's QUIC server at ``peer`` from the punched socket ``sock``; the driver runs in
+    ``nursery``. Raises QuicHandshakeFailed if the connection is not up within ``handshake_timeout`` seconds."""
+    peer = rendezvous.normalize_address(peer)
+    configuration = QuicConfiguration(
+        is_client=True,
+        alpn_protocols=[ALPN],
+        idle_timeout=idle_timeout,
+        max_datagram_size=max_datagram_size,
+        verify_mode=ssl.CERT_NONE,  # the Noise handshake inside the stream authenticates the peer
+        server_name="swarm",
+    )
+    connection = QuicConnection(configuration=configuration)
+    connection.connect(peer, now=trio.current_time())
+    connection.send_stream_data(STREAM_ID, PREFACE)
+    transport = QuicFrameTransport(sock, peer, connection, is_client=True,
+                                   idle_timeout=idle_timeout, keepalive=keepalive)
+    await nursery.start(transport._run)
+    await transport._wait_ready(handshake_timeout, "connect")
+    return transport
+
+
+async def accept_quic_server(
+    sock,
+    peer: tuple[str, int],
+    nursery: trio.Nursery,
+    *,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+    keepalive: float | None = None,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+    max_datagram_size: int = DEFAULT_MAX_DATAGRAM_SIZE,
+) -> QuicFrameTransport:
+    """Wait on the punched socket ``sock`` for the QUIC connection of the client at ``peer`` (datagrams from any
+    other address are ignored); the driver runs in ``nursery``. Raises QuicHandshakeFailed if the client's
+    connection is not up within ``handshake_timeout`` seconds."""
+    peer = rendezvous.normalize_address(peer)
+    configuration = QuicConfiguration(
+        is_client=False,
+        alpn_protocols=[ALPN],
+        idle_timeout=idle_timeout,
+        max_datagram_size=max_datagram_size,
+    )
+    configuration.private_key, configuration.certificate = _throwaway_certificate()
+    with trio.move_on_after(handshake_timeout) as scope:
+        first, header = await _first_initial(sock, peer, configuration)
+    if scope.cancelled_caught:
+        raise QuicHandshakeFailed(
+            f"could not accept over the punched path: no QUIC connection from {peer[0]}:{peer[1]} within "
+            f"{handshake_timeout:g} s"
+        )
+    connection = QuicConnection(
+        configuration=configuration, original_destination_connection_id=header.destination_cid
+    )
+    connection.receive_datagram(first, peer, now=trio.current_time())
+    transport = QuicFrameTransport(sock, peer, connection, is_client=False,
+                                   idle_timeout=idle_timeout, keepalive=keepalive)
+    transport._process_events()
+    await nursery.start(transport._run)
+    await transport._wait_ready(handshake_timeout, "accept")
+    return transport
+
+
+async def _first_initial(sock, peer, configuration):
+    """The first datagram from ``peer`` that starts with a QUIC Initial packet of a version we speak."""
+    while True:
+        try:
+            data, addr = await sock.recvfrom(_RECV_SIZE)
+        except OSError as exc:
+            log.debug("quic: read error ignored: %s", exc)
+            continue
+        if rendezvous.normalize_address(addr) != peer:
+            log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
+            continue
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=configuration.connection_id_length)
+        except ValueError:
+            continue  # a late punch packet, or garbage
+        if (
+            header.packet_type == QuicPacketType.INITIAL
+            and header.version in configuration.supported_versions
+            and len(data) >= 1200  # RFC 9000 §14.1: a client's Initial datagram is padded to 1200 bytes
+        ):
+            return data, header
+
+
+def _throwaway_certificate():
+    """A fresh P-256 key and a self-signed certificate for it: QUIC needs one, nobody checks it."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarm")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .sign(key, hashes.SHA256())
+    )
+    return key, certificate
+
+
+__all__ = ["QuicFrameTransport", "QuicHandshakeFailed", "open_quic_client", "accept_quic_server", "ALPN"]

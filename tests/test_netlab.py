@@ -1,0 +1,163 @@
+"""The network lab itself (no swarm processes): NAT kinds behave as their names say, nothing gets in, delay is real.
+
+Needs root and network namespaces; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+import netlab
+
+_reason = netlab.available()
+if _reason:
+    pytest.skip(_reason, allow_module_level=True)
+
+DELAY_MS = 10.0
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with netlab.lab(delay_ms=DELAY_MS) as lab:
+        lab.add_public_host("inet1")
+        lab.add_public_host("inet2")
+        lab.add_router("nat-a", "masquerade")
+        lab.add_host("a1", "nat-a")
+        lab.add_router("nat-b", "masquerade")
+        lab.add_host("b1", "nat-b")
+        lab.add_host("b2", "nat-b")
+        lab.add_router("nat-r", "masquerade fully-random")
+        lab.add_host("r1", "nat-r")
+        lab.add_router("nat-u", "udp-blocked")
+        lab.add_host("u1", "nat-u")
+        lab.add_router("cgn", "cgnat")
+        lab.add_router("nat-c", "masquerade", upstream="cgn")
+        lab.add_host("c1", "nat-c")
+        for node in ("inet1", "inet2"):
+            lab.reflector(node, 7000, "tcp")
+            lab.reflector(node, 7001, "udp")
+        yield lab
+
+
+def _ip(seen: str | None) -> str | None:
+    return None if seen is None else seen.rsplit(":", 1)[0]
+
+
+def _port(seen: str | None) -> int | None:
+    return None if seen is None else int(seen.rsplit(":", 1)[1])
+
+
+def test_names_are_unique_per_run_and_cleanup_removes_everything():
+    with netlab.Lab(delay_ms=0) as one, netlab.Lab(delay_ms=0) as two:
+        assert one.tag != two.tag
+        one.add_router("home", "masquerade")
+        two.add_router("home", "masquerade")
+        made = set(one.namespaces) | set(two.namespaces)
+        assert len(made) == 4 and made <= set(netlab._lab_namespaces())
+    assert not made & set(netlab._lab_namespaces())
+    # A failure while building still removes what was made.
+    with pytest.raises(RuntimeError):
+        with netlab.Lab(delay_ms=0) as broken:
+            broken.add_router("x", "masquerade")
+            raise RuntimeError("a test failing half-way")
+    assert not [ns for ns in netlab._lab_namespaces() if ns.startswith(broken.tag)]
+
+
+def test_masquerade_tcp_reaches_the_internet_from_the_routers_public_address(lab):
+    _, seen = lab.probe("a1", [(lab.address("inet1"), 7000)], proto="tcp")
+    assert _ip(seen[0]) == lab.address("nat-a") == lab.public_address("a1")
+    assert lab.address("a1").startswith("192.168.")
+
+
+def test_nothing_behind_a_nat_is_reachable_from_outside(lab):
+    lab.reflector("b1", 7100, "tcp")
+    assert lab.tcp_reachable("b2", lab.address("b1"), 7100)  # it listens: its own LAN reaches it
+    before = lab.counters("nat-b")
+    for outsider in ("inet1", "a1"):
+        assert not lab.tcp_reachable(outsider, lab.address("b1"), 7100, timeout=1.0)  # private: no route
+        assert not lab.tcp_reachable(outsider, lab.public_address("b1"), 7100, timeout=1.0)  # nothing forwarded
+    assert lab.inbound_openings("nat-b") == []
+    assert "dnat" not in lab.ruleset("nat-b")
+    after = lab.counters("nat-b")
+    # The router saw the knocks on its public address and dropped them.
+    assert after["local_wan_dropped"][0] > before["local_wan_dropped"][0]
+
+
+def test_udp_blocked_router_drops_udp_but_passes_tcp(lab):
+    target = [(lab.address("inet1"), 7001)]
+    _, seen = lab.probe("u1", target, proto="udp", timeout=0.5)
+    assert seen == [None]
+    assert lab.counters("nat-u")["udp_dropped"][0] >= 3
+    _, seen = lab.probe("u1", [(lab.address("inet1"), 7000)], proto="tcp")
+    assert _ip(seen[0]) == lab.address("nat-u")
+    _, seen = lab.probe("a1", target, proto="udp")  # the same datagram from an ordinary NAT comes back
+    assert _ip(seen[0]) == lab.address("nat-a")
+
+
+def test_fully_random_changes_the_port_per_destination_masquerade_keeps_one_mapping(lab):
+    targets = [(lab.address("inet1"), 7001), (lab.address("inet2"), 7001)]
+    local, seen = lab.probe("a1", targets, proto="udp", local_port=40001)
+    assert None not in seen
+    assert {_ip(s) for s in seen} == {lab.address("nat-a")}
+    assert _port(seen[0]) == _port(seen[1])  # endpoint-independent: one mapping for one socket
+    assert _port(seen[0]) == local == 40001  # Linux keeps the source port when it is free
+
+    local, seen = lab.probe("r1", targets, proto="udp", local_port=40001)
+    assert None not in seen
+    assert {_ip(s) for s in seen} == {lab.address("nat-r")}
+    assert _port(seen[0]) != _port(seen[1])  # a new random port towards each destination
+    # The mapping itself is stable for one destination: asking again over the same flow gives the same answer.
+    again, seen2 = lab.probe("r1", targets[:1], proto="udp", local_port=40001)
+    assert seen2 == seen[:1]
+
+
+def test_cgnat_host_appears_from_the_carriers_public_address(lab):
+    _, seen = lab.probe("c1", [(lab.address("inet1"), 7000)], proto="tcp")
+    assert _ip(seen[0]) == lab.address("cgn") == lab.public_address("c1")
+    assert lab.address("nat-c").startswith("100.64.")
+    _, seen = lab.probe("c1", [(lab.address("inet1"), 7001)], proto="udp")
+    assert _ip(seen[0]) == lab.address("cgn")
+
+
+def _min_rtt_ms(lab, node: str, address: str) -> float:
+    out = lab.check(node, ["ping", "-c", "4", "-i", "0.2", "-W", "2", address])
+    return float(re.search(r"= ([\d.]+)/", out).group(1))
+
+
+def test_wan_links_add_the_configured_delay(lab):
+    one_hop = _min_rtt_ms(lab, "a1", lab.address("inet1"))
+    assert one_hop >= 2 * DELAY_MS, lab.delay_backend
+    assert one_hop < 2 * DELAY_MS + 30
+    two_hops = _min_rtt_ms(lab, "c1", lab.address("inet1"))  # home WAN + carrier WAN
+    assert two_hops >= 4 * DELAY_MS
+    lan = _min_rtt_ms(lab, "b1", lab.address("b2"))
+    assert lan < DELAY_MS
+
+
+def test_capture_sees_traffic_on_a_routers_wan(lab):
+    with lab.capture("nat-a", "wan", "tcp port 7000") as cap:
+        _, seen = lab.probe("a1", [(lab.address("inet1"), 7000)], proto="tcp")
+    assert seen[0] is not None
+    assert cap.count() >= 3  # at least the handshake
+    assert cap.contains(seen[0])  # the reflector's reply is plaintext on the wire
+    assert all(lab.address("a1") not in line for line in cap.packets())  # only the public address outside
+
+
+def test_stale_namespaces_of_dead_runs_are_removed():
+    import subprocess
+
+    ns = f"{netlab.PREFIX}0-dead-core"  # pid 0: no process ever made this
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        assert ns in netlab.cleanup_stale()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert ns not in netlab._lab_namespaces()
+
+
+def test_print_grid(capsys):
+    text = netlab.print_grid({("masquerade", "masquerade"): "relay", ("lan", "lan"): "direct"})
+    assert "relay" in text and "direct" in text and capsys.readouterr().out.strip() == text
