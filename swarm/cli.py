@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list the models and their status")
     _leader_options(p)
 
+    p = sub.add_parser("admin", help="leader settings (admins)")
+    asub = p.add_subparsers(dest="admin_command", required=True)
+    ad = asub.add_parser("direct-links", help="let stages that cannot reach each other's port punch an encrypted "
+                                             "tunnel through their NATs (off by default)")
+    ad.add_argument("state", nargs="?", choices=["on", "off"], help="omit to show the current state")
+    _leader_options(ad)
+
     p = sub.add_parser("demo", help="a leader and fellows on this machine with the built-in model")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--stages", type=int, default=2)
@@ -116,6 +123,15 @@ def _dispatch(args) -> int | None:
                     print(f"Stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
                           f"{s['memory_bytes'] / 1e6:.0f} MB")
             print(f"{args.model} is {'loading' if args.no_wait else 'ready'}")
+    elif args.command == "admin":
+        from swarm.client import LeaderClient
+
+        client = LeaderClient.from_options(args.leader, args.token, settings)
+        if args.state is None:
+            enabled = client.get("/api/v1/settings/direct-links")["enabled"]
+        else:
+            enabled = client.put("/api/v1/settings/direct-links", {"enabled": args.state == "on"})["enabled"]
+        print(f"Direct links: {'on' if enabled else 'off'}")
     elif args.command == "demo":
         from swarm.demo import run_demo
 

@@ -50,6 +50,9 @@ class LeaderClient:
     def post(self, path: str, body: dict | None = None) -> dict:
         return self._call("POST", path, body if body is not None else {})
 
+    def put(self, path: str, body: dict) -> dict:
+        return self._call("PUT", path, body)
+
     def wait_ready(self, model: str, timeout: float = 1800.0, show_progress: bool = False) -> dict:
         deadline = time.monotonic() + timeout
         last = None

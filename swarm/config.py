@@ -42,6 +42,7 @@ class Settings:
     serve_context_tokens: int = 4096  # SWARM_SERVE_CONTEXT_TOKENS
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
     max_tokens_limit: int = 4096  # hard cap on max_tokens per request
+    rendezvous_port: int | None = None  # SWARM_RENDEZVOUS_PORT: UDP port telling fellows their public address
     direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
     request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
 

@@ -26,6 +26,7 @@ from swarm.mesh.hop import HopConfig, OutgoingHop
 from swarm.mesh.paths import accept_relay
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
 from swarm.net import outbound_ip
+from swarm.punching import PunchAgent
 from swarm.ring import StageRuntime
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, StreamFrameTransport
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
@@ -39,7 +40,9 @@ BACKOFF_MAX_S = 30.0
 
 
 class LoadedStage:
-    def __init__(self, runtime: StageRuntime, cancel_scope: trio.CancelScope, hop_in: dict | None, load_id: str):
+    def __init__(self, runtime: StageRuntime, cancel_scope: trio.CancelScope, hop_in: dict | None, load_id: str,
+                 nursery: trio.Nursery):
+        self.nursery = nursery  # the stage's tasks: links, tunnels; cancelled on unload
         self.runtime = runtime
         self.cancel_scope = cancel_scope
         self.hop_in = hop_in
@@ -77,6 +80,7 @@ class Fellow:
         self._control: NoiseChannel | None = None
         self._control_lock = trio.Lock()
         self._resequencers: dict[str, sequencing.Resequencer] = {}
+        self.punch = PunchAgent(self)
         self._nursery: trio.Nursery | None = None
         self.connected = trio.Event()
 
@@ -170,6 +174,15 @@ class Fellow:
         elif kind == "unload":
             self._unload(message["model"])
             await self.send_to_leader({"t": "unloaded", "model": message["model"]})
+        elif kind == "ring_ready":
+            # Every stage is loaded: open the outgoing link now, so the first reply does not wait for it.
+            stage = self.stages.get(message["model"])
+            if stage is not None and stage.runtime.out_hop is not None:
+                stage.nursery.start_soon(_open_quietly, stage.runtime.out_hop)
+        elif kind == "punch_prepare":
+            self._nursery.start_soon(self.punch.prepare, message)
+        elif kind == "punch_start":
+            self._nursery.start_soon(self.punch.start, message)
         elif kind in ("gen", "cancel"):
             stage = self.stages.get(message["model"])
             if stage is None:
@@ -288,7 +301,7 @@ class Fellow:
                     prefill_chunk=self.settings.serve_prefill_chunk,
                 )
                 hop_in = message.get("hop_in")
-                self.stages[model] = LoadedStage(runtime, scope, hop_in, message["load_id"])
+                self.stages[model] = LoadedStage(runtime, scope, hop_in, message["load_id"], nursery)
                 await nursery.start(runtime.run)
                 if hop_in:
                     nursery.start_soon(self._relay_listener, runtime, hop_in)
@@ -391,6 +404,13 @@ class Fellow:
             )
             await self._pump(channel, runtime, hop_in["hop_id"])
             nursery.cancel_scope.cancel()
+
+
+async def _open_quietly(hop: OutgoingHop) -> None:
+    try:
+        await hop.ensure_open()
+    except SwarmError as exc:
+        log.info("the link to %s is not open yet (%s); the first request opens it", hop.config.peer_name, exc)
 
 
 def _free_memory() -> None:

@@ -69,6 +69,7 @@ class Host:
     address: str
     router: str | None  # the router on its LAN, or None for a public host on the core's "dc" segment
     kind: str  # "public" or "lan"
+    port: str  # its link's name on the far side: a port of the router's br0 ("p0"...), or of the core's "dc"
 
 
 @dataclasses.dataclass
@@ -159,12 +160,12 @@ class Capture:
     """A tcpdump running in one namespace on one interface, writing a pcap file. Use as a context manager or call
     ``stop()``; then read it with ``packets()``, ``count()``, ``payload()``, ``contains()``."""
 
-    def __init__(self, lab: Lab, node: str, iface: str, bpf: str = "", path: Path | None = None):
+    def __init__(self, lab: Lab, node: str, iface: str, bpf: str = "", path: Path | None = None, snaplen: int = 0):
         if shutil.which("tcpdump") is None:
             raise NetlabError("packet capture needs tcpdump (apt-get install -y tcpdump)")
         self.lab, self.node, self.iface, self.bpf = lab, node, iface, bpf
         self.path = path or lab.workdir / f"{node}-{iface}-{secrets.token_hex(2)}.pcap"
-        argv = ["tcpdump", "-i", iface, "--immediate-mode", "-U", "-s", "0", "-nn", "-Z", "root",
+        argv = ["tcpdump", "-i", iface, "--immediate-mode", "-U", "-s", str(snaplen), "-nn", "-Z", "root",
                 "-w", str(self.path)]
         if bpf:
             argv += bpf.split()
@@ -201,8 +202,11 @@ class Capture:
     def count(self, bpf: str = "") -> int:
         return len(self.packets(bpf))
 
-    def frames(self) -> list[bytes]:
-        """The raw captured frames (pcap parsed here: no scapy needed)."""
+    def wire_bytes(self) -> int:
+        """Bytes on the wire over all captured packets (original lengths, not the snapped ones)."""
+        return sum(length for length, _ in self._records())
+
+    def _records(self) -> list[tuple[int, bytes]]:
         self.stop()
         data = self.path.read_bytes()
         if len(data) < 24:
@@ -211,10 +215,14 @@ class Capture:
         endian = "<" if magic in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1") else ">"
         out, pos = [], 24
         while pos + 16 <= len(data):
-            _, _, incl, _ = struct.unpack(endian + "IIII", data[pos:pos + 16])
-            out.append(data[pos + 16:pos + 16 + incl])
+            _, _, incl, orig = struct.unpack(endian + "IIII", data[pos:pos + 16])
+            out.append((orig, data[pos + 16:pos + 16 + incl]))
             pos += 16 + incl
         return out
+
+    def frames(self) -> list[bytes]:
+        """The raw captured frames (pcap parsed here: no scapy needed)."""
+        return [frame for _, frame in self._records()]
 
     def payload(self) -> bytes:
         """Every captured frame concatenated: for "is this plaintext anywhere on the wire" checks."""
@@ -336,7 +344,7 @@ class Lab:
         self._ip(ns, "route", "add", "default", "via", str(DC_NET[1]))
         self._netem(ns, "eth0", delay_ms)
         self._netem(self.core, port, delay_ms)
-        host = Host(name, ns, address, None, "public")
+        host = Host(name, ns, address, None, "public", port)
         self.hosts[name] = host
         return host
 
@@ -411,7 +419,7 @@ class Lab:
         self._ip(ns, "addr", "add", f"{address}/{net.prefixlen}", "dev", "eth0")
         self._ip(ns, "route", "add", "default", "via", r.lan_address)
         r.hosts.append(name)
-        host = Host(name, ns, address, router, "lan")
+        host = Host(name, ns, address, router, "lan", port)
         self.hosts[name] = host
         return host
 
@@ -533,9 +541,11 @@ table inet {NFT_TABLE} {{
         data = json.loads(out)
         return data["local"], data["seen"]
 
-    def capture(self, node: str, iface: str, bpf: str = "") -> Capture:
-        """Start tcpdump on ``iface`` in ``node`` (a router's "wan" or "br0", the core's "dc" or "wN")."""
-        return Capture(self, node, iface, bpf)
+    def capture(self, node: str, iface: str, bpf: str = "", snaplen: int = 0) -> Capture:
+        """Start tcpdump on ``iface`` in ``node``: a router's "wan", a host's "eth0", the core's "wN"/"dc", or a
+        host's switch port in its router (``lab.hosts[h].port``; a bridge's own "br0" shows only the frames for the
+        router itself, not what it switches between two hosts). ``snaplen`` caps bytes kept per packet (0: all)."""
+        return Capture(self, node, iface, bpf, snaplen=snaplen)
 
     def counters(self, router: str) -> dict[str, tuple[int, int]]:
         """The router's nft counters: name -> (packets, bytes). Names: wan_out (forwarded out of the WAN, new or

@@ -25,7 +25,9 @@ from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
 from swarm.leader.openai_api import OpenAIRoutes
+from swarm.leader.punching import PunchCoordinator
 from swarm.leader.relay import RelayHub
+from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
 from swarm.store.db import Store
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
@@ -55,6 +57,8 @@ class Leader:
         self.serving = Serving(self.store, settings, self.models_root, self.relay)
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
+        self.punching = PunchCoordinator(self.store, self.serving)
+        self.serving.punching = self.punching
         self.first_start = initialize(self.store, self.public)
         self.app = self._build_app()
 
@@ -134,13 +138,29 @@ class Leader:
         return Starlette(routes=routes)
 
     async def serve(self, host: str, port: int, *, shutdown_trigger=None, task_status=trio.TASK_STATUS_IGNORED):
+        """Serve HTTP on host:port and the UDP rendezvous (on SWARM_RENDEZVOUS_PORT, by default the same number)."""
         config = HypercornConfig()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
         config.websocket_max_message_size = 1 << 20
         config.keep_alive_timeout = 75
-        await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            self.serving.nursery = nursery
+
+            async def http(task_status):
+                await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+                nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the rest
+
+            urls = await nursery.start(http)
+            bound_port = int(urls[0].rsplit(":", 1)[1])
+            udp_port = self.settings.rendezvous_port if self.settings.rendezvous_port is not None else bound_port
+            try:
+                _, self.punching.rendezvous_port = await nursery.start(
+                    lambda task_status: serve_rendezvous(host, udp_port, self.punching.allow, task_status=task_status))
+            except OSError as exc:
+                log.warning("no UDP rendezvous on port %s (%s): direct links will use the relay", udp_port, exc)
+            task_status.started(urls)
 
 
 def initialize(store: Store, leader_public: bytes) -> FirstStart | None:

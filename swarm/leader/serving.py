@@ -124,6 +124,8 @@ class Serving:
         self.models_root = models_root
         self.relay = relay
         self.hub = None  # set by the app: FellowHub
+        self.nursery: trio.Nursery | None = None  # set while the leader serves: background work (punch coordination)
+        self.punching = None  # set by the app: swarm.leader.punching.PunchCoordinator
         self.models: dict[str, ModelServing] = {}
         self.requests: dict[str, Request] = {}
         self.hop_stats: dict[str, dict] = {}  # hop id -> what its sending fellow last reported
@@ -295,6 +297,8 @@ class Serving:
             await self._on_failed(message)
         elif kind in ("load_progress", "loaded", "load_failed"):
             self._on_load_event(conn, message)
+        elif kind in ("punch_candidates", "punch_result") and self.punching is not None:
+            self.punching.on_message(conn, message)
 
     async def _on_failed(self, message: dict) -> None:
         request = self.requests.pop(message.get("rid"), None)
@@ -317,6 +321,17 @@ class Serving:
         log.warning("request %s failed: %s", request.id, text)
         await self._end(request, error=text)
 
+    async def _ring_ready(self, serving: ModelServing) -> None:
+        for stage in serving.stages:
+            conn = self.hub.online.get(stage.plan.fellow_id)
+            if conn is not None:
+                try:
+                    await conn.send({"t": "ring_ready", "model": serving.name})
+                except SwarmError:
+                    pass
+        if self.punching is not None:
+            await self.punching.start(serving)
+
     def _on_load_event(self, conn, message: dict) -> None:
         serving = self.models.get(message["model"])
         if serving is None or serving.load_id != message.get("load_id"):
@@ -331,6 +346,8 @@ class Serving:
             if all(s.ready for s in serving.stages) and serving.status == "loading":
                 serving.status = "ready"
                 log.info("model %s is ready over %d stages", serving.name, len(serving.stages))
+                if len(serving.stages) > 1 and self.nursery is not None:
+                    self.nursery.start_soon(self._ring_ready, serving)
         elif message["t"] == "load_failed":
             stage.error = message.get("message")
             serving.status, serving.error = "failed", stage.error

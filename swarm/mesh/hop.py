@@ -101,6 +101,12 @@ class OutgoingHop:
         self._nursery.start_soon(self._watch, channel)
         self._nursery.start_soon(self._keepalive, channel)
 
+    async def ensure_open(self) -> None:
+        """Open a path now (after a load), so the first reply does not wait for it and the leader knows the path."""
+        async with self._lock:
+            if self._channel is None:
+                self._adopt(await self._open())
+
     async def send(self, message: bytes) -> None:
         """Send one ring message; raises LinkClosed/TunnelError when the path breaks (the caller fails the request)."""
         async with self._lock:

@@ -13,14 +13,17 @@ the 4-byte preface b"SWQ1" so the server learns of the stream (aioquic cannot se
 seen) and can tell a swarm peer from anything else that completed a handshake.
 
 One driver task per connection owns the socket: it reads datagrams (only those from the peer's address reach the
-connection; a stranger's handshake gets no answer), runs the connection's timer, sends keepalive PINGs and flushes
-what the connection wants sent after every event. ``send_frame`` from any task queues stream data and wakes it.
+connection; a stranger's handshake gets no answer), runs the connection's timer (loss recovery, delayed acks,
+pacing, idle timeout), sends keepalive PINGs and flushes what the connection wants sent after every event.
+``send_frame`` queues stream data and flushes it at once itself, then moves the driver's timer deadline.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import math
+import socket
 import ssl
 import struct
 
@@ -61,6 +64,8 @@ DEFAULT_MAX_DATAGRAM_SIZE = 1200
 # for flow control credit anyway.
 SEND_HIGH_WATER = 1 << 20
 _RECV_SIZE = 65536
+# Datagrams read per wakeup before flushing and yielding to other tasks.
+_READ_BURST = 64
 
 
 class QuicHandshakeFailed(HandshakeFailed):
@@ -71,31 +76,40 @@ class QuicFrameTransport:
     """Frames over one QUIC stream on a punched UDP socket (a :class:`~swarm.tunnel.channel.FrameTransport`).
 
     Open it with :func:`open_quic_client` or :func:`accept_quic_server`. ``send_frame`` may be called from several
-    tasks; ``receive_frame`` from one at a time. The transport owns the socket from then on and closes it when the
-    connection ends.
+    tasks; ``receive_frame`` from one at a time. The transport takes the socket over (``sock.detach()``) and closes
+    it when the connection ends.
+
+    Datagrams are sent and read with plain non-blocking syscalls, not trio's socket methods: a datagram that does
+    not fit in the kernel's buffer is dropped (QUIC's loss recovery resends it, as it would after a drop on the
+    way), so sending never waits, and ``send_frame`` pushes its datagrams out at once instead of waking another task.
+    On a 2-core VM each task switch saved took ~0.1 ms off a message's round trip.
     """
 
     def __init__(self, sock, peer: tuple[str, int], connection: QuicConnection, *, is_client: bool,
                  idle_timeout: float, keepalive: float | None = None):
-        self.sock = sock
+        family, kind = sock.family, sock.type
+        self._sockaddr = rendezvous.socket_address(sock, peer)
+        self._raw = socket.socket(family, kind, fileno=sock.detach())
+        self._raw.setblocking(False)
         self.peer = peer
         self.is_client = is_client
         self._conn = connection
-        self._sockaddr = rendezvous.socket_address(sock, peer)
         self._idle_timeout = idle_timeout
         self._keepalive = keepalive if keepalive is not None else min(KEEPALIVE_MAX_S, idle_timeout / 3)
+        self._next_ping = trio.current_time() + self._keepalive
+        self._ping_uid = 0
         self._recv_buffer = bytearray()
         self._preface_seen = is_client  # the server strips the client's preface off the stream
         self._closed: str | None = None  # why the link is closed, once it is
-        self._terminated = False  # the connection itself is over: the driver may stop
-        self._handshake_done = trio.Event()
+        self._handshake_done = False
         self._ready = trio.Event()  # handshake done (and, on the server, the preface seen); or closed
         self._data_arrived = trio.Event()
         self._drained = trio.Event()
-        self._wake = trio.Event()
+        # The driver's timer task sleeps in this scope; whoever changes the connection's timer moves its deadline.
+        self._timer_scope = trio.CancelScope()
         self._driver_scope = trio.CancelScope()
         self._driver_done = trio.Event()
-        self._ping_uid = 0
+        self.datagrams_dropped = 0  # sends the kernel refused (buffer full); QUIC resent them
 
     # --- FrameTransport --------------------------------------------------------------------------------------------
 
@@ -106,7 +120,7 @@ class QuicFrameTransport:
             raise LinkClosed(self._closed)
         # One write for header and body: a frame is never split between two senders' data.
         self._conn.send_stream_data(STREAM_ID, _LENGTH.pack(len(data)) + data)
-        self._wake.set()
+        self._flush()
         await trio.lowlevel.checkpoint()
         while self._closed is None and self._unacked() > SEND_HIGH_WATER:
             if self._drained.is_set():
@@ -138,79 +152,96 @@ class QuicFrameTransport:
 
     async def aclose(self) -> None:
         """Close the connection (the peer sees LinkClosed at once) and stop the driver."""
-        if self._closed is None:
-            self._close("this side closed the link")
+        self._close("this side closed the link")
         with trio.move_on_after(CLEANUP_S, shield=True):
-            await self._driver_done.wait()  # the driver flushes the CONNECTION_CLOSE, then ends
+            await self._driver_done.wait()  # the driver sends the CONNECTION_CLOSE, then ends
         self._driver_scope.cancel()
         await trio.lowlevel.checkpoint()
 
     # --- driver ----------------------------------------------------------------------------------------------------
 
     async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The driver task: reads the socket, runs timers and keepalives, flushes datagrams; ends with the link."""
+        """The driver: a reader task for the socket and a timer task (loss recovery, acks, keepalive, idle)."""
         try:
             with self._driver_scope:
                 task_status.started()
+                self._flush()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_loop)
-                    await self._flush_loop()
+                    await self._timer_loop()
                     nursery.cancel_scope.cancel()
         finally:
             self._close("the link's driver stopped")
-            self.sock.close()
+            self._raw.close()
             self._driver_done.set()
 
     async def _read_loop(self) -> None:
         while True:
-            try:
-                data, addr = await self.sock.recvfrom(_RECV_SIZE)
-            except OSError as exc:
-                log.debug("quic: read error ignored: %s", exc)
-                continue
-            if rendezvous.normalize_address(addr) != self.peer:
-                log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
-                continue
-            if data[:4] in (punch_mod.MAGIC, rendezvous.MAGIC):
-                continue  # a late copy of the peer's punch confirm
-            self._conn.receive_datagram(data, self.peer, trio.current_time())
+            await trio.lowlevel.wait_readable(self._raw)
+            now = trio.current_time()
+            # Everything waiting, up to a bound, then one flush: acks and replies for a burst go out together.
+            for _ in range(_READ_BURST):
+                try:
+                    data, addr = self._raw.recvfrom(_RECV_SIZE)
+                except BlockingIOError:
+                    break
+                except OSError as exc:  # an ICMP error reported on the socket
+                    log.debug("quic: read error ignored: %s", exc)
+                    continue
+                # The fast test first: parsing the address text costs more than a small packet's decryption.
+                if addr[:2] != self._sockaddr[:2] and rendezvous.normalize_address(addr) != self.peer:
+                    log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
+                    continue
+                if data[:4] in (punch_mod.MAGIC, rendezvous.MAGIC):
+                    continue  # a late copy of the peer's punch confirm
+                self._conn.receive_datagram(data, self.peer, now)
             self._process_events()
-            self._wake.set()
+            self._flush()
 
-    async def _flush_loop(self) -> None:
+    async def _timer_loop(self) -> None:
         conn = self._conn
-        next_ping = trio.current_time() + self._keepalive
-        while True:
-            # A fresh event before flushing: a send_frame during our awaits below sets this one, not a stale one.
-            self._wake = trio.Event()
+        while self._closed is None:
+            with trio.CancelScope() as self._timer_scope:
+                self._rearm()
+                await trio.sleep_forever()
             now = trio.current_time()
             timer = conn.get_timer()
             if timer is not None and now >= timer:
                 conn.handle_timer(now)
-            if now >= next_ping:
-                if self._handshake_done.is_set():
+            if now >= self._next_ping:
+                if self._handshake_done:
                     self._ping_uid += 1
                     conn.send_ping(self._ping_uid)
-                next_ping = now + self._keepalive
+                self._next_ping = now + self._keepalive
             self._process_events()
-            if self._closed is not None:
-                # Closed by us, by the peer's FIN or reset, or a wrong preface: tell the peer (a no-op when the
-                # connection is already over), flush that, and stop.
-                conn.close(reason_phrase="closed")
-            for data, _addr in conn.datagrams_to_send(now):
-                try:
-                    await self.sock.sendto(data, self._sockaddr)
-                except OSError as exc:  # e.g. no route for a moment; QUIC's loss recovery resends
-                    log.debug("quic: send to %s failed: %s", self.peer, exc)
-            if self._closed is not None:
-                return
-            with trio.move_on_at(min(conn.get_timer() or float("inf"), next_ping)):
-                await self._wake.wait()
+            self._flush()
+        # Closed by us, by the peer's FIN or reset, or a wrong preface: tell the peer (a no-op when the connection
+        # is already over) and stop; the peer's state for a lost CONNECTION_CLOSE expires with its idle timeout.
+        conn.close(reason_phrase="closed")
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what the connection wants sent now, and move the timer task's wake-up to the connection's timer."""
+        for data, _addr in self._conn.datagrams_to_send(trio.current_time()):
+            try:
+                self._raw.sendto(data, self._sockaddr)
+            except BlockingIOError:
+                self.datagrams_dropped += 1
+            except OSError as exc:  # e.g. no route for a moment; QUIC's loss recovery resends
+                log.debug("quic: send to %s failed: %s", self.peer, exc)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        if self._closed is not None:
+            self._timer_scope.cancel()
+            return
+        timer = self._conn.get_timer()
+        self._timer_scope.deadline = min(timer if timer is not None else math.inf, self._next_ping)
 
     def _process_events(self) -> None:
         while (event := self._conn.next_event()) is not None:
             if isinstance(event, events.HandshakeCompleted):
-                self._handshake_done.set()
+                self._handshake_done = True
                 if self._preface_seen:
                     self._ready.set()
             elif isinstance(event, events.StreamDataReceived):
@@ -224,7 +255,7 @@ class QuicFrameTransport:
                         continue
                     del self._recv_buffer[: len(PREFACE)]
                     self._preface_seen = True
-                    if self._handshake_done.is_set():
+                    if self._handshake_done:
                         self._ready.set()
                 if event.end_stream:
                     self._close("the other end closed the link")
@@ -233,7 +264,6 @@ class QuicFrameTransport:
                 if event.stream_id == STREAM_ID:
                     self._close(f"the other end reset the link (error {event.error_code})")
             elif isinstance(event, events.ConnectionTerminated):
-                self._terminated = True
                 if event.reason_phrase == "Idle timeout":
                     self._close(
                         f"the direct path went silent for {self._idle_timeout:g} s (idle timeout): "
@@ -242,20 +272,19 @@ class QuicFrameTransport:
                 elif event.error_code == 0:
                     self._close("the other end closed the link")
                 else:
-                    self._close(
-                        f"the QUIC connection failed: error {event.error_code:#x} {event.reason_phrase!r}".rstrip()
-                    )
+                    self._close(f"the QUIC connection failed: error {event.error_code:#x} {event.reason_phrase}")
         if self._unacked() <= SEND_HIGH_WATER:
             self._drained.set()
 
     def _close(self, reason: str) -> None:
         if self._closed is None:
             self._closed = reason
-        # Wake everyone who waits on the link: readers, blocked writers, and an opener waiting for readiness.
+        # Wake everyone who waits on the link: readers, blocked writers, an opener waiting for readiness, and the
+        # timer task (which sends the CONNECTION_CLOSE and ends the driver).
         self._data_arrived.set()
         self._drained.set()
         self._ready.set()
-        self._wake.set()
+        self._timer_scope.cancel()
 
     def _unacked(self) -> int:
         """Bytes of the stream written but not yet acknowledged (aioquic has no public accessor for it)."""
@@ -265,13 +294,17 @@ class QuicFrameTransport:
         return stream.sender._buffer_stop - stream.sender._buffer_start
 
     async def _wait_ready(self, timeout: float, what: str) -> None:
-        with trio.move_on_after(timeout):
-            await self._ready.wait()
-        if self._closed is None and self._ready.is_set():
-            return
-        reason = self._closed or f"no answer from {self.peer[0]}:{self.peer[1]} within {timeout:g} s"
-        await self.aclose()
-        raise QuicHandshakeFailed(f"could not {what} over the punched path: {reason}")
+        """Wait for the handshake (and the preface); on failure or cancellation close the link and the socket."""
+        try:
+            with trio.move_on_after(timeout):
+                await self._ready.wait()
+            if self._closed is None and self._ready.is_set():
+                return
+            reason = self._closed or f"no answer from {self.peer[0]}:{self.peer[1]} within {timeout:g} s"
+            raise QuicHandshakeFailed(f"could not {what} over the punched path: {reason}")
+        except BaseException:
+            await self.aclose()
+            raise
 
 
 # --- opening ---------------------------------------------------------------------------------------------------------
@@ -288,7 +321,9 @@ async def open_quic_client(
     max_datagram_size: int = DEFAULT_MAX_DATAGRAM_SIZE,
 ) -> QuicFrameTransport:
     """Connect to the peer's QUIC server at ``peer`` from the punched socket ``sock``; the driver runs in
-    ``nursery``. Raises QuicHandshakeFailed if the connection is not up within ``handshake_timeout`` seconds."""
+    ``nursery``. Raises QuicHandshakeFailed if the connection is not up within ``handshake_timeout`` seconds.
+
+    The socket belongs to the link from now on: it is closed when the link closes, or at once on failure."""
     peer = rendezvous.normalize_address(peer)
     configuration = QuicConfiguration(
         is_client=True,
@@ -320,7 +355,9 @@ async def accept_quic_server(
 ) -> QuicFrameTransport:
     """Wait on the punched socket ``sock`` for the QUIC connection of the client at ``peer`` (datagrams from any
     other address are ignored); the driver runs in ``nursery``. Raises QuicHandshakeFailed if the client's
-    connection is not up within ``handshake_timeout`` seconds."""
+    connection is not up within ``handshake_timeout`` seconds.
+
+    The socket belongs to the link from now on: it is closed when the link closes, or at once on failure."""
     peer = rendezvous.normalize_address(peer)
     configuration = QuicConfiguration(
         is_client=False,
@@ -329,9 +366,14 @@ async def accept_quic_server(
         max_datagram_size=max_datagram_size,
     )
     configuration.private_key, configuration.certificate = _throwaway_certificate()
-    with trio.move_on_after(handshake_timeout) as scope:
-        first, header = await _first_initial(sock, peer, configuration)
+    try:
+        with trio.move_on_after(handshake_timeout) as scope:
+            first, header = await _first_initial(sock, peer, configuration)
+    except BaseException:
+        sock.close()
+        raise
     if scope.cancelled_caught:
+        sock.close()
         raise QuicHandshakeFailed(
             f"could not accept over the punched path: no QUIC connection from {peer[0]}:{peer[1]} within "
             f"{handshake_timeout:g} s"
@@ -342,7 +384,6 @@ async def accept_quic_server(
     connection.receive_datagram(first, peer, now=trio.current_time())
     transport = QuicFrameTransport(sock, peer, connection, is_client=False,
                                    idle_timeout=idle_timeout, keepalive=keepalive)
-    transport._process_events()
     await nursery.start(transport._run)
     await transport._wait_ready(handshake_timeout, "accept")
     return transport

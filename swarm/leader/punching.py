@@ -1,0 +1,133 @@
+"""The leader's side of direct links: for each hop not already on a direct TCP link, gather both ends' UDP
+candidates and tell both to punch at the same moment; try again later when it fails or the tunnel is lost.
+
+Off unless an admin turned Direct links on (swarm admin direct-links on); SWARM_PIPELINE_TRANSPORT=relay on the
+leader keeps every hop on the relay whatever the switch says.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import trio
+
+from swarm.errors import SwarmError
+
+log = logging.getLogger(__name__)
+
+DIRECT_LINKS = "direct_links"  # the store setting the admin page and `swarm admin direct-links` write
+CANDIDATES_TIMEOUT_S = 15.0  # a fellow's rendezvous takes at most ~2 s; opening its hop first may take a relay wait
+RESULT_TIMEOUT_S = 30.0  # punch (8 s) + QUIC handshake + Noise, with room for slow links
+START_IN_S = 0.5  # how far ahead the common start is: well over a control message's one-way trip
+RETRY_S = (10.0, 30.0, 60.0, 120.0)  # after a failed attempt; NATs rarely change, so back off
+WATCH_S = 5.0  # how often a hop on the tunnel is checked for having fallen back
+
+
+class PunchCoordinator:
+    def __init__(self, store, serving):
+        self.store = store
+        self.serving = serving
+        self.rendezvous_port: int | None = None
+        self.tokens: dict[bytes, int] = {}  # rendezvous "who" token -> fellow id
+        self._waiting: dict[tuple[str, str, str], trio.MemorySendChannel] = {}
+
+    def allow(self, who: bytes) -> bool:
+        return who in self.tokens
+
+    async def enabled(self) -> bool:
+        if self.serving.settings.pipeline_transport == "relay" or self.rendezvous_port is None:
+            return False
+        return bool(await trio.to_thread.run_sync(self.store.get_setting, DIRECT_LINKS, False))
+
+    async def start(self, model) -> None:
+        if not await self.enabled():
+            return
+        for i in range(len(model.hop_ids)):
+            self.serving.nursery.start_soon(self._hop_loop, model, i)
+
+    def on_message(self, conn, message: dict) -> None:
+        key = (message.get("hop_id"), message.get("role"), message["t"])
+        channel = self._waiting.get(key)
+        if channel is not None:
+            try:
+                channel.send_nowait(message)
+            except (trio.WouldBlock, trio.BrokenResourceError):
+                pass
+
+    def _current(self, model) -> bool:
+        live = self.serving.models.get(model.name)
+        return live is model and model.status == "ready"
+
+    async def _hop_loop(self, model, i: int) -> None:
+        hop_id = model.hop_ids[i]
+        failures = 0
+        while self._current(model) and await self.enabled():
+            try:
+                outcome = await self._attempt(model, i)
+            except SwarmError as exc:
+                outcome = f"failed: {exc}"
+            log.info("hop %s (stage %d -> %d) of %s: %s", hop_id, i, (i + 1) % len(model.stages), model.name,
+                     outcome)
+            if outcome in ("direct", "tunnel"):
+                failures = 0
+                # Stay while the hop keeps that path; a tunnel that went silent falls back to the relay.
+                while self._current(model):
+                    await trio.sleep(WATCH_S)
+                    if self.serving.hop_stats.get(hop_id, {}).get("transport") == "relay":
+                        break
+                continue
+            await trio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
+            failures += 1
+
+    async def _ask(self, fellow_id: int, message: dict, reply: str, role: str, timeout: float) -> dict:
+        conn = self.serving.hub.online.get(fellow_id)
+        if conn is None:
+            raise SwarmError("a fellow of the hop is offline")
+        key = (message["hop_id"], role, reply)
+        send, receive = trio.open_memory_channel(1)
+        self._waiting[key] = send
+        try:
+            await conn.send(message)
+            with trio.fail_after(timeout):
+                return await receive.receive()
+        except trio.TooSlowError:
+            raise SwarmError(f"no {reply} from {conn.name} within {timeout:.0f} s") from None
+        finally:
+            self._waiting.pop(key, None)
+
+    async def _attempt(self, model, i: int) -> str:
+        n = len(model.stages)
+        hop_id = model.hop_ids[i]
+        ends = {"a": model.stages[i].plan.fellow_id, "b": model.stages[(i + 1) % n].plan.fellow_id}
+        candidates = {}
+        tokens = []
+        try:
+            for role in ("a", "b"):
+                who = secrets.token_urlsafe(16)
+                self.tokens[who.encode()] = ends[role]
+                tokens.append(who.encode())
+                answer = await self._ask(ends[role], {
+                    "t": "punch_prepare", "model": model.name, "hop_id": hop_id, "role": role, "who": who,
+                    "rendezvous_port": self.rendezvous_port}, "punch_candidates", role, CANDIDATES_TIMEOUT_S)
+                if answer.get("skip"):
+                    return str(answer["skip"])
+                candidates[role] = answer.get("candidates") or []
+        finally:
+            for token in tokens:
+                self.tokens.pop(token, None)
+        secret = secrets.token_bytes(32)
+        results = {}
+
+        async def run(role: str, other: str) -> None:
+            results[role] = await self._ask(ends[role], {
+                "t": "punch_start", "model": model.name, "hop_id": hop_id, "role": role, "secret": secret,
+                "peer_candidates": candidates[other], "start_in_s": START_IN_S}, "punch_result", role,
+                RESULT_TIMEOUT_S)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", "b")
+            nursery.start_soon(run, "b", "a")
+        if results["a"].get("ok") and results["b"].get("ok"):
+            return "tunnel"
+        return "failed: " + "; ".join(str(r.get("message")) for r in results.values() if not r.get("ok"))

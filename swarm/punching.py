@@ -1,0 +1,110 @@
+"""The fellow's side of direct links: open a hole-punched, QUIC-carried, Noise-encrypted tunnel for a hop.
+
+The leader coordinates (swarm.leader.punching): it asks both ends of a hop for their UDP candidates, then tells both
+to punch at the same moment. The sending end ("a") becomes the QUIC client and moves its OutgoingHop onto the tunnel
+between two messages; the receiving end ("b") accepts and feeds what arrives into the stage like any other path.
+One UDP socket per attempt carries the rendezvous probe, the punch and the QUIC connection, so the NAT mapping the
+leader saw is the one the peer punches to.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import urlsplit
+
+import trio
+
+from swarm.errors import SwarmError, first_leaf
+from swarm.mesh import punch, quic, rendezvous
+from swarm.net import outbound_ip
+from swarm.tunnel.channel import NoiseChannel
+
+log = logging.getLogger(__name__)
+
+# The first probes go out with this IP TTL: enough to leave the home router (and a carrier-grade NAT behind it),
+# too little to reach the far NAT and make it remap (see the mesh issue's note on Linux masquerade).
+LOW_TTL = 3
+
+
+class PunchAgent:
+    def __init__(self, fellow):
+        self.fellow = fellow
+        self.sockets: dict[str, trio.socket.SocketType] = {}
+
+    def _close(self, hop_id: str) -> None:
+        sock = self.sockets.pop(hop_id, None)
+        if sock is not None:
+            sock.close()
+
+    async def prepare(self, message: dict) -> None:
+        """Open this end's UDP socket for the hop, learn its public address, tell the leader the candidates."""
+        hop_id, role = message["hop_id"], message["role"]
+        stage = self.fellow.stages.get(message["model"])
+        reply = {"t": "punch_candidates", "model": message["model"], "hop_id": hop_id, "role": role}
+        if stage is None:
+            await self.fellow.send_to_leader({**reply, "skip": "not loaded"})
+            return
+        if role == "a":
+            hop = stage.runtime.out_hop
+            if hop is not None:
+                try:
+                    await hop.ensure_open()
+                except SwarmError as exc:
+                    log.info("hop %s cannot open any path yet: %s", hop_id, exc)
+            if hop is None or hop.path in ("direct", "tunnel"):
+                await self.fellow.send_to_leader({**reply, "skip": hop.path if hop else "no hop"})
+                return
+        self._close(hop_id)
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+        await sock.bind(("0.0.0.0", 0))
+        self.sockets[hop_id] = sock
+        port = sock.getsockname()[1]
+        candidates = [[outbound_ip(self.fellow.leader_url), port]]
+        server = (urlsplit(self.fellow.leader_url).hostname, int(message["rendezvous_port"]))
+        public = await rendezvous.discover_reflexive(sock, server, message["who"].encode())
+        if public is not None and list(public) not in candidates:
+            candidates.append(list(public))
+        await self.fellow.send_to_leader({**reply, "candidates": candidates, "reflexive": public is not None})
+
+    async def start(self, message: dict) -> None:
+        hop_id, role = message["hop_id"], message["role"]
+        sock = self.sockets.get(hop_id)
+        stage = self.fellow.stages.get(message["model"])
+        result = {"t": "punch_result", "model": message["model"], "hop_id": hop_id, "role": role}
+        if sock is None or stage is None:
+            await self.fellow.send_to_leader({**result, "ok": False, "message": "not prepared"})
+            return
+        start_at = trio.current_time() + float(message["start_in_s"])
+        try:
+            try:
+                peer = await punch.punch(sock, [tuple(c) for c in message["peer_candidates"]], message["secret"],
+                                         role, start_at, low_ttl=LOW_TTL)
+                if role == "a":
+                    await self._dial(stage, sock, peer, hop_id)
+                else:
+                    await self._accept(stage, sock, peer, hop_id)
+            except BaseExceptionGroup as group:
+                raise first_leaf(group) from None
+        except (SwarmError, OSError) as exc:
+            log.info("no tunnel for hop %s: %s", hop_id, exc)
+            self._close(hop_id)
+            await self.fellow.send_to_leader({**result, "ok": False, "message": str(exc)})
+            return
+        self.sockets.pop(hop_id, None)  # the QUIC driver owns it now
+        await self.fellow.send_to_leader({**result, "ok": True, "peer": list(peer)})
+
+    async def _dial(self, stage, sock, peer, hop_id: str) -> None:
+        hop = stage.runtime.out_hop
+        transport = await quic.open_quic_client(sock, peer, stage.nursery)
+        channel = await NoiseChannel.connect(transport, self.fellow.private, hop.config.peer_public,
+                                             payload=hop_id.encode())
+        await hop.upgrade(channel, "tunnel")
+
+    async def _accept(self, stage, sock, peer, hop_id: str) -> None:
+        transport = await quic.accept_quic_server(sock, peer, stage.nursery)
+        expected = stage.hop_in["peer_key"]
+        channel = await NoiseChannel.accept(transport, self.fellow.private, lambda key: key == expected)
+        if channel.handshake_payload.decode(errors="replace") != hop_id:
+            await channel.aclose()
+            raise SwarmError("the tunnel's peer named another hop")
+        stage.nursery.start_soon(self.fellow._pump, channel, stage.runtime, hop_id)
