@@ -291,6 +291,15 @@ class Fellow:
                         local_private=self.private,
                         connect_timeout=self.settings.direct_connect_timeout_s,
                     )
+                if out_hop is not None:
+                    async def lost(hop, model=model):
+                        try:
+                            await self.send_to_leader({"t": "hop_lost", "model": model, "hop_id": hop.config.hop_id,
+                                                       "path": hop.path})
+                        except SwarmError:
+                            pass
+
+                    out_hop.on_lost = lost
                 runtime = StageRuntime(
                     model=model,
                     index=spec_msg["index"],

@@ -349,12 +349,18 @@ class Lab:
         return host
 
     def add_router(self, name: str, nat: str = "masquerade", upstream: str | None = None,
-                   lan_network: str | None = None, delay_ms: float | None = None) -> Router:
+                   lan_network: str | None = None, delay_ms: float | None = None,
+                   input_filter: bool = True) -> Router:
         """A NAT router whose WAN hangs off the core (or off the cgnat router named by ``upstream``).
 
         ``nat`` is one of NAT_KINDS. A home router gets a LAN bridge ``br0`` with ``lan_network`` (default
         192.168.N.0/24, N counting up; pass the same network twice to model two homes with overlapping LANs).
         ``delay_ms`` is the netem delay each way on its WAN link (default: the lab's).
+
+        ``input_filter`` (default on) drops new traffic from the WAN to the router itself. Off, an unsolicited packet
+        to the router's public address is conntracked and confirmed (the kernel answers it with ICMP), and a later
+        outbound flow from a LAN host to that same peer address:port then clashes with it and gets a NEW source port
+        (seen here: 40000 -> 28677): the "first inbound punch packet changes the far NAT's port" case.
         """
         self._check_name(name)
         if nat not in NAT_KINDS:
@@ -398,7 +404,7 @@ class Lab:
             self._ip(ns, "link", "add", "br0", "type", "bridge")
             self._ip(ns, "addr", "add", f"{lan_address}/{net.prefixlen}", "dev", "br0")
             self._ip(ns, "link", "set", "br0", "up")
-        self._nft(ns, self._ruleset(nat))
+        self._nft(ns, self._ruleset(nat, input_filter))
         router = Router(name, ns, nat, wan_address, upstream_name, lan_network, lan_address, delay)
         self.routers[name] = router
         return router
@@ -430,8 +436,9 @@ class Lab:
             raise ValueError(f"{name!r} is already in this lab")
 
     @staticmethod
-    def _ruleset(nat: str) -> str:
+    def _ruleset(nat: str, input_filter: bool = True) -> str:
         fully_random = " fully-random" if nat == "masquerade fully-random" else ""
+        wan_input = ('        iifname "wan" counter name "local_wan_dropped" drop\n' if input_filter else "")
         udp = ('        oifname "wan" meta l4proto udp counter name "udp_dropped" drop\n'
                if nat == "udp-blocked" else "")
         return f"""
@@ -446,8 +453,7 @@ table inet {NFT_TABLE} {{
         type filter hook input priority filter; policy accept;
         iifname "wan" ct state established,related accept
         iifname "wan" meta l4proto icmp accept
-        iifname "wan" counter name "local_wan_dropped" drop
-    }}
+{wan_input}    }}
     chain forward {{
         type filter hook forward priority filter; policy accept;
         iifname "wan" ct state established,related counter name "wan_in" accept

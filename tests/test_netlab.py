@@ -6,7 +6,8 @@ Needs root and network namespaces; skips with the reason otherwise.
 from __future__ import annotations
 
 import re
-import time
+import subprocess
+import sys
 
 import pytest
 
@@ -33,6 +34,8 @@ def lab():
         lab.add_host("r1", "nat-r")
         lab.add_router("nat-u", "udp-blocked")
         lab.add_host("u1", "nat-u")
+        lab.add_router("nat-p", "masquerade", input_filter=False)
+        lab.add_host("p1", "nat-p")
         lab.add_router("cgn", "cgnat")
         lab.add_router("nat-c", "masquerade", upstream="cgn")
         lab.add_host("c1", "nat-c")
@@ -120,6 +123,55 @@ def test_cgnat_host_appears_from_the_carriers_public_address(lab):
     assert lab.address("nat-c").startswith("100.64.")
     _, seen = lab.probe("c1", [(lab.address("inet1"), 7001)], proto="udp")
     assert _ip(seen[0]) == lab.address("cgn")
+
+
+_PUNCH = r"""
+import socket, sys, time
+port, peer, knock = int(sys.argv[1]), (sys.argv[2], int(sys.argv[3])), sys.argv[4] == "1"
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", port))
+s.settimeout(2.5)
+if knock:
+    s.sendto(b"knock", peer)  # reaches the far NAT before its host has sent anything to us
+    time.sleep(0.5)
+else:
+    time.sleep(0.3)  # the knock arrives first
+s.sendto(b"hello", peer)
+seen = set()
+try:
+    while True:
+        data, src = s.recvfrom(100)
+        seen.add(f"{src[0]}:{src[1]}")
+except socket.timeout:
+    pass
+print(" ".join(sorted(seen)))
+"""
+
+
+def _punch(lab, knocker: str, other: str, port: int) -> tuple[str, str]:
+    """Both hosts send from local ``port`` to the other's public address at ``port``; the knocker first, so its
+    packet reaches the other's NAT before the other's first packet leaves. Returns what each one received from."""
+    k = lab.run(knocker, [sys.executable, "-c", _PUNCH, str(port), lab.public_address(other), str(port), "1"],
+                stdout=subprocess.PIPE, text=True)
+    o = lab.run(other, [sys.executable, "-c", _PUNCH, str(port), lab.public_address(knocker), str(port), "0"],
+                stdout=subprocess.PIPE, text=True)
+    return k.communicate(timeout=20)[0].strip(), o.communicate(timeout=20)[0].strip()
+
+
+def test_udp_punch_keeps_the_port_unless_the_router_lets_the_first_knock_in(lab):
+    # Default routers drop an unsolicited packet to themselves before conntrack confirms it: when the LAN host then
+    # sends to the knocker, the NAT keeps its source port and both sides hear each other.
+    knocker_got, other_got = _punch(lab, "b1", "a1", 40010)
+    assert knocker_got == f"{lab.public_address('a1')}:40010"
+    assert other_got == f"{lab.public_address('b1')}:40010"
+    # A router with no WAN input filter confirms a conntrack entry for the knock (and answers it with ICMP); the LAN
+    # host's own flow to the knocker then clashes with it and is mapped to ANOTHER port, which the knocker's NAT
+    # does not expect: nothing gets through either way.
+    knocker_got, other_got = _punch(lab, "b1", "p1", 40020)
+    assert knocker_got == "" and other_got == ""
+    mapped = [line for line in lab.conntrack("nat-p").splitlines()
+              if f"src={lab.address('p1')}" in line and "sport=40020" in line]
+    assert mapped and "dport=40020 " not in mapped[0].split("src=", 2)[2], mapped
 
 
 def _min_rtt_ms(lab, node: str, address: str) -> float:

@@ -85,3 +85,16 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
             assert [h["transport"] for h in perf["hops"]] == ["tunnel", "tunnel"]
             data = await swarm.chat(name, [{"role": "user", "content": LONG}], max_tokens=LONG_TOKENS)
             assert data["choices"][0]["token_ids"] == long_reference
+
+            # The tunnel goes away: the hop falls back to the relay at once, replies stay exact, and the leader
+            # punches a new tunnel in the background.
+            tunnel = hop._channel
+            await tunnel.aclose()
+            data = await swarm.chat(name, [{"role": "user", "content": LONG}], max_tokens=24)
+            assert data["choices"][0]["token_ids"] == long_reference[:24]
+            assert hop._channel is not tunnel
+            for _ in range(150):
+                if hop.path == "tunnel":
+                    break
+                await trio.sleep(0.2)
+            assert hop.path == "tunnel"

@@ -259,14 +259,7 @@ class Serving:
     async def cancel(self, request: Request) -> None:
         if request.finish_reason is not None or request.error is not None:
             return
-        serving = self.models.get(request.model)
-        if serving is not None:
-            conn = self.hub.online.get(serving.stages[0].plan.fellow_id)
-            if conn is not None:
-                try:
-                    await conn.send({"t": "cancel", "model": request.model, "rid": request.rid})
-                except SwarmError:
-                    pass
+        await self._cancel_on_ring(request)
         await self._end(request, finish="cancelled")
 
     async def _end(self, request: Request, finish: str | None = None, error: str | None = None) -> None:
@@ -295,13 +288,15 @@ class Serving:
                     await self._end(request, finish=batch.get("finish_reason") or "stop")
         elif kind == "failed":
             await self._on_failed(message)
+        elif kind == "hop_lost":
+            await self._on_hop_lost(message)
         elif kind in ("load_progress", "loaded", "load_failed"):
             self._on_load_event(conn, message)
         elif kind in ("punch_candidates", "punch_result") and self.punching is not None:
             self.punching.on_message(conn, message)
 
     async def _on_failed(self, message: dict) -> None:
-        request = self.requests.pop(message.get("rid"), None)
+        request = message.get("_request") or self.requests.pop(message.get("rid"), None)
         if request is None:
             return
         text = message.get("message", "a stage failed")
@@ -331,6 +326,26 @@ class Serving:
                     pass
         if self.punching is not None:
             await self.punching.start(serving)
+
+    async def _on_hop_lost(self, message: dict) -> None:
+        """A path between two stages broke under the requests in flight: what it carried may be lost. Requests
+        with nothing streamed yet are sent again; the others end with an error rather than hang."""
+        model = message.get("model")
+        log.info("a link of %s over the %s broke; re-sending its requests", model, message.get("path"))
+        for request in [r for r in self.requests.values() if r.model == model]:
+            await self._cancel_on_ring(request)
+            self.requests.pop(request.rid, None)
+            await self._on_failed({"rid": request.rid, "message": "a link between stages broke",
+                                   "_request": request})
+
+    async def _cancel_on_ring(self, request: Request) -> None:
+        serving = self.models.get(request.model)
+        conn = self.hub.online.get(serving.stages[0].plan.fellow_id) if serving else None
+        if conn is not None:
+            try:
+                await conn.send({"t": "cancel", "model": request.model, "rid": request.rid})
+            except SwarmError:
+                pass
 
     def _on_load_event(self, conn, message: dict) -> None:
         serving = self.models.get(message["model"])

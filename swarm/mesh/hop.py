@@ -71,6 +71,8 @@ class OutgoingHop:
         self.bytes_sent = 0
         self.messages_sent = 0
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=64)
+        # Called (async) when the path in use breaks under it: what was in flight on it may be lost.
+        self.on_lost = None
 
     async def _open(self) -> NoiseChannel:
         cfg = self.config
@@ -155,11 +157,16 @@ class OutgoingHop:
                     self.rtt_s = max(0.0, time.monotonic() - stamp / 1e6)
         except (SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
             pass
-        if self._channel is channel:
+        lost = self._channel is channel
+        if lost:
             self._channel = None
             self._reset_next = True
+            if self.path == "tunnel":
+                self.direct_failed = True  # fall back to the relay, not to a direct port that did not work
             log.info("the %s link to %s closed", self.path, self.config.peer_name)
         await _quiet_close(channel)
+        if lost and self.on_lost is not None:
+            await self.on_lost(self)
 
     def stats(self) -> dict:
         return {"hop_id": self.config.hop_id, "peer": self.config.peer_name, "transport": self.path,
