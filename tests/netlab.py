@@ -727,7 +727,8 @@ def print_grid(results: dict[tuple[str, str], str], file=None, title: str = "tra
     rows = [" | ".join([title.ljust(width0)] + [n.ljust(w) for n, w in zip(names, widths)])]
     rows.append("-+-".join(["-" * width0] + ["-" * w for w in widths]))
     for r in names:
-        rows.append(" | ".join([r.ljust(width0)] + [str(cell.get((r, n), "-")).ljust(w) for n, w in zip(names, widths)]))
+        cells = [str(cell.get((r, n), "-")).ljust(w) for n, w in zip(names, widths)]
+        rows.append(" | ".join([r.ljust(width0)] + cells))
     text = "\n".join(rows)
     print(text, file=file or sys.stdout, flush=True)
     return text

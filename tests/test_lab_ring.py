@@ -88,6 +88,7 @@ class Ring:
         self.leader_url = f"http://{lab.address('leader')}:{LEADER_PORT}"
         self.token = None
         self.join_token = None
+        self.logs: list = []
 
     # --- the leader and its API -----------------------------------------------------------------------------------
 
@@ -97,9 +98,10 @@ class Ring:
         install_model(self.leader_dir, self.model_dir)
         self.leader = self.lab.run("leader", [sys.executable, "-m", "swarm", "leader", "--host", "0.0.0.0", "--port",
                                               str(LEADER_PORT), "--data-dir", str(self.leader_dir)],
-                                   stdout=open(self.root / "leader.log", "wb"), stderr=subprocess.STDOUT)
+                                   stdout=self.log("leader"), stderr=subprocess.STDOUT)
         self.proxy = self.lab.run("leader", [sys.executable, "-c", _API_PROXY, f"http://127.0.0.1:{LEADER_PORT}"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.root / "proxy.log", "wb"), text=True)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self.log("proxy"), text=True)
         assert self.proxy.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 120
         while self.api("GET", "/healthz", timeout=10)[0] != 200:
@@ -165,7 +167,7 @@ class Ring:
             self.fellows[host] = self.lab.run(
                 host, [sys.executable, "-m", "swarm", "join", self.leader_url, "--token", self.join_token,
                        "--name", host, "--data-dir", str(self.fellow_dir(host))],
-                env=env, stdout=open(self.root / f"{host}.log", "ab"), stderr=subprocess.STDOUT)
+                env=env, stdout=self.log(host), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while self.online() != set(hosts):
             for host, proc in self.fellows.items():
@@ -209,6 +211,11 @@ class Ring:
 
     # --- logs -----------------------------------------------------------------------------------------------------
 
+    def log(self, name: str):
+        f = open(self.root / f"{name}.log", "ab")
+        self.logs.append(f)
+        return f
+
     def tail(self, name: str, lines: int = 25) -> str:
         try:
             text = (self.root / f"{name}.log").read_text(errors="replace")
@@ -226,6 +233,8 @@ class Ring:
             proc = getattr(self, name, None)
             if proc is not None:
                 self.lab.stop(proc, timeout=5)
+        for f in self.logs:
+            f.close()
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +276,6 @@ def _run_case(ring: Ring, reference: list[int], case: str) -> dict:
     nat1, nat2, hosts, expected = CASES[case]
     lab = ring.lab
     started = time.monotonic()
-    # b1 is the one fellow that downloads its stage for real, through its NAT and the WAN delay.
     ring.use(hosts, seed=True)
     routers = sorted({r for h in hosts for r in _wan_routers(lab, h)})
     # Capture from before the load: a fellow opens its outgoing hop as soon as the whole ring is loaded.
@@ -313,6 +321,9 @@ def _run_case(ring: Ring, reference: list[int], case: str) -> dict:
         assert lan_bytes == 0, evidence
     for router in routers:
         assert lab.inbound_openings(router) == [], router
+        # Text never leaves the leader (fellows deal in token ids), and what they exchange is Noise ciphertext.
+        assert not wan[router].contains(PROMPT), router
+        assert not wan[router].contains(choice["message"]["content"][:16]), router
     GRID[(nat1, nat2)] = inferred if not any(reported) else f"{inferred} ({'/'.join(sorted(set(reported)))})"
     TIMINGS[case] = time.monotonic() - started
     return evidence
@@ -324,8 +335,7 @@ def test_a_two_fellows_on_one_lan_talk_directly(ring, reference):
 
 def test_b_two_ordinary_nats_go_over_the_relay_and_open_no_port(ring, reference):
     ring.seed_cache("a1")
-    ring.fellow_dir("b1").mkdir(parents=True, exist_ok=True)  # b1 downloads its stage through its NAT
-    ring.use(("a1", "b1"), seed=False)
+    ring.use(("a1", "b1"), seed=False)  # b1 downloads its stage for real, through its NAT and the WAN delay
     _run_case(ring, reference, "b")
     lab = ring.lab
     for host in ("a1", "b1"):
