@@ -27,7 +27,13 @@ Usage::
         lab.add_host("a1", "home-a")
         out = lab.check("a1", ["ping", "-c1", lab.address("leader")])
 
-The core of this module has no pytest dependency.
+WAN delay: ``tc netem`` on both ends of each router's WAN veth. On a kernel built without netem (CONFIG_NET_SCH_NETEM
+unset, as on the VM this was written on) each delayed WAN link is instead a pair of TUN devices joined by a small
+delay-line process (``python tests/netlab.py delayline ...``, ~70 MB/s): same addresses, same interface names, same
+delay each way. ``Lab.delay_backend`` says which one is in use.
+
+Leftovers: ``python tests/netlab.py cleanup [--all]`` (or ``cleanup_stale()``) deletes namespaces of runs whose
+process is gone. The core of this module has no pytest dependency.
 """
 
 from __future__ import annotations

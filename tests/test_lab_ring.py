@@ -364,6 +364,77 @@ def test_e_carrier_grade_nat(ring, reference):
     assert lab.inbound_openings("cgn") == []
 
 
+# With Direct links on: (NAT of the first fellow, NAT of the second, hosts, transport both hops must end on).
+TUNNEL_CASES = {
+    "f": ("masquerade", "masquerade", ("a1", "b1"), "tunnel"),
+    "g": ("cgnat", "masquerade", ("c1", "b1"), "tunnel"),
+    "h": ("fully-random", "masquerade", ("r1", "b1"), "relay"),
+    "i": ("udp-blocked", "masquerade", ("u1", "b1"), "relay"),
+}
+# How long a hop may take to move to the tunnel: the ring opens on the relay, the leader gathers candidates
+# (rendezvous ~2 s) and names a start 0.5 s ahead; punch + QUIC + Noise take well under a second at 20-40 ms RTT.
+UPGRADE_WAIT_S = 25.0
+# A punch that cannot work gives up after 8 s; waiting past that shows the hop stays on the relay.
+FAIL_WAIT_S = 14.0
+
+
+def _direct_links(ring: Ring, enabled: bool) -> None:
+    status, body = ring.api("PUT", "/api/v1/settings/direct-links", {"enabled": enabled})
+    assert status == 200 and body == {"enabled": enabled}, body
+
+
+def _run_tunnel_case(ring: Ring, reference: list[int], case: str) -> None:
+    nat1, nat2, hosts, expected = TUNNEL_CASES[case]
+    lab = ring.lab
+    started = time.monotonic()
+    _direct_links(ring, True)
+    try:
+        ring.use(hosts, seed=True)
+        routers = sorted({r for h in hosts for r in _wan_routers(lab, h)})
+        wan = {r: lab.capture(r, "wan", snaplen=256) for r in routers}
+        ring.load()
+        deadline = time.monotonic() + (UPGRADE_WAIT_S if expected == "tunnel" else FAIL_WAIT_S)
+        reported = ring.reported_transports()
+        while time.monotonic() < deadline and set(reported) != {"tunnel"}:
+            time.sleep(1.0)
+            reported = ring.reported_transports()
+        data = ring.chat()
+        for cap in wan.values():
+            cap.stop()
+        evidence = {"reported": reported, "udp": {r: c.count("udp") for r, c in wan.items()}}
+        print(f"case {case} ({nat1} x {nat2}, direct links on): {evidence}")
+        assert set(reported) == {expected}, f"{evidence}\n{ring.tails()}"
+        choice = data["choices"][0]
+        assert choice["token_ids"] == reference, f"case {case}: {choice}"
+        if expected == "tunnel":
+            # The hidden states crossed both NATs over UDP, and no router opened a port for it.
+            assert all(n > 20 for n in evidence["udp"].values()), evidence
+        for router in routers:
+            assert lab.inbound_openings(router) == [], router
+            assert not wan[router].contains(PROMPT), router
+            assert not wan[router].contains(choice["message"]["content"][:16]), router
+        GRID[(nat1, nat2 + " +DL")] = expected
+        TIMINGS[case] = time.monotonic() - started
+    finally:
+        _direct_links(ring, False)
+
+
+def test_f_two_ordinary_nats_with_direct_links_punch_a_tunnel(ring, reference):
+    _run_tunnel_case(ring, reference, "f")
+
+
+def test_g_carrier_grade_nat_with_direct_links_punches_a_tunnel(ring, reference):
+    _run_tunnel_case(ring, reference, "g")
+
+
+def test_h_fully_random_nat_stays_on_the_relay(ring, reference):
+    _run_tunnel_case(ring, reference, "h")
+
+
+def test_i_udp_blocked_stays_on_the_relay(ring, reference):
+    _run_tunnel_case(ring, reference, "i")
+
+
 def test_z_grid(ring):
     """Print the NAT grid of the cases that ran (run with -s or -rA to see it)."""
     print()
