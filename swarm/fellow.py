@@ -179,6 +179,8 @@ class Fellow:
             stage = self.stages.get(message["model"])
             if stage is not None and stage.runtime.out_hop is not None:
                 stage.nursery.start_soon(_open_quietly, stage.runtime.out_hop)
+        elif kind == "punch_ping":
+            await self.send_to_leader({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":
             self._nursery.start_soon(self.punch.prepare, message)
         elif kind == "punch_start":

@@ -254,6 +254,12 @@ def ring(tmp_path_factory, smollm_model_dir):
         lab.add_router("cgn", "cgnat")
         lab.add_router("nat-c", "masquerade", upstream="cgn")
         lab.add_host("c1", "nat-c")
+        # Routers that answer unsolicited packets to themselves (no input filter): the setting where an early punch
+        # packet makes a Linux masquerade NAT change port, unless the first probes die before reaching it.
+        lab.add_router("nat-p", "masquerade", input_filter=False)
+        lab.add_host("p1", "nat-p")
+        lab.add_router("nat-q", "masquerade", input_filter=False)
+        lab.add_host("q1", "nat-q")
         ring = Ring(lab, tmp_path_factory.mktemp("labring"), smollm_model_dir)
         try:
             ring.start_leader()
@@ -370,6 +376,7 @@ TUNNEL_CASES = {
     "g": ("cgnat", "masquerade", ("c1", "b1"), "tunnel"),
     "h": ("fully-random", "masquerade", ("r1", "b1"), "relay"),
     "i": ("udp-blocked", "masquerade", ("u1", "b1"), "relay"),
+    "j": ("masquerade, open router", "masquerade, open router", ("p1", "q1"), "tunnel"),
 }
 # How long a hop may take to move to the tunnel: the ring opens on the relay, the leader gathers candidates
 # (rendezvous ~2 s) and names a start 0.5 s ahead; punch + QUIC + Noise take well under a second at 20-40 ms RTT.
@@ -433,6 +440,10 @@ def test_h_fully_random_nat_stays_on_the_relay(ring, reference):
 
 def test_i_udp_blocked_stays_on_the_relay(ring, reference):
     _run_tunnel_case(ring, reference, "i")
+
+
+def test_j_routers_that_answer_strangers_still_punch_with_a_coordinated_low_ttl_start(ring, reference):
+    _run_tunnel_case(ring, reference, "j")
 
 
 def test_z_grid(ring):

@@ -292,7 +292,7 @@ class Serving:
             await self._on_hop_lost(message)
         elif kind in ("load_progress", "loaded", "load_failed"):
             self._on_load_event(conn, message)
-        elif kind in ("punch_candidates", "punch_result") and self.punching is not None:
+        elif kind in ("punch_candidates", "punch_result", "punch_pong") and self.punching is not None:
             self.punching.on_message(conn, message)
 
     async def _on_failed(self, message: dict) -> None:
