@@ -139,6 +139,9 @@ class ApiRoutes:
             "dtype": manifest.get("dtype"),
             "total_bytes": manifest.get("total_bytes"),
             "status": self.leader.serving.status(row.name),
+            # Every file of the manifest is on the leader (imports are atomic); a model missing a shard is listed
+            # but cannot be picked.
+            "complete": all((self.leader.models_root / row.name / f["path"]).exists() for f in manifest["files"]),
         }
         if serving is not None:
             view.update(serving.describe())
