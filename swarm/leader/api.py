@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from swarm.errors import AuthError, ModelNotFound, PlacementError, StoreError, SwarmError
 from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
+from swarm.store.chats import ChatLimitReached, ChatTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,12 @@ def handles_errors(fn):
             return problem(404, str(exc), "not_found")
         except PlacementError as exc:
             return problem(409, str(exc), "placement_refused")
+        except ChatTooLarge as exc:
+            return problem(413, str(exc), "chat_too_large")
+        except ChatLimitReached as exc:
+            return problem(409, str(exc), "chat_limit_reached")
         except StoreError as exc:
-            return problem(413 if "limit" in str(exc) or "MB" in str(exc) else 400, str(exc), "store_refused")
+            return problem(400, str(exc), "store_refused")
         except SwarmError as exc:
             return problem(400, str(exc), "bad_request")
         except (ValueError, KeyError, TypeError) as exc:
@@ -125,7 +130,9 @@ class ApiRoutes:
     async def token_delete(self, request: Request):
         user = await current_user(request, self.store)
         ok = await trio.to_thread.run_sync(self.store.delete_api_token, user.id, int(request.path_params["token_id"]))
-        return JSONResponse({"deleted": ok}, status_code=200 if ok else 404)
+        if not ok:
+            return problem(404, "no such token", "not_found")
+        return JSONResponse({"deleted": True})
 
     # --- models ---------------------------------------------------------------------------------------------------
 
@@ -241,7 +248,9 @@ class ApiRoutes:
         chat_id = request.path_params["chat_id"]
         if request.method == "DELETE":
             ok = await trio.to_thread.run_sync(self.store.delete_chat, user.id, chat_id)
-            return JSONResponse({"deleted": ok}, status_code=200 if ok else 404)
+            if not ok:
+                return problem(404, "no such chat", "not_found")
+            return JSONResponse({"deleted": True})
         if request.method == "PATCH":
             body = await self._json(request)
             chat = await trio.to_thread.run_sync(

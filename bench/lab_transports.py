@@ -1,0 +1,110 @@
+"""Per-token time of a 2-stage ring over direct TCP, the hole-punched tunnel and the relay, in the network lab.
+
+    sudo .venv/bin/python bench/lab_transports.py [--delay-ms 20] [--model-dir DIR]
+
+Builds the lab of tests/netlab.py (network namespaces, NAT routers, DELAY ms each way on every WAN link), runs a real
+leader on its internet and `swarm join` fellows in home networks, and prints for the built-in model:
+- the per-token time of each transport: (time of a 40-token reply - time of an 8-token reply) / 32, so that the
+  prompt and the first token cancel out;
+- how long a hop takes to move from the relay to the tunnel once the model is ready.
+Aim (the mesh issue): the tunnel within 1 ms per hop of direct TCP; the relay about one extra leader round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import netlab  # noqa: E402
+from test_lab_ring import MODEL, Ring  # noqa: E402
+
+PROMPT = "Write a long story about a lighthouse keeper."
+
+
+def reply_time(ring: Ring, max_tokens: int) -> float:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+            "max_tokens": max_tokens}
+    started = time.monotonic()
+    status, data = ring.api("POST", "/v1/chat/completions", body)
+    elapsed = time.monotonic() - started
+    assert status == 200 and data["usage"]["completion_tokens"] == max_tokens, data
+    return elapsed
+
+
+def per_token_ms(ring: Ring, short: int = 8, long: int = 40, rounds: int = 3) -> float:
+    reply_time(ring, 4)  # warm the path
+    samples = [(reply_time(ring, long) - reply_time(ring, short)) / (long - short) for _ in range(rounds)]
+    return min(samples) * 1000
+
+
+def transports(ring: Ring) -> list:
+    status, perf = ring.api("GET", f"/api/v1/models/{MODEL}/performance")
+    return [h.get("transport") for h in perf.get("hops", [])]
+
+
+def set_direct_links(ring: Ring, on: bool) -> None:
+    ring.api("PUT", "/api/v1/settings/direct-links", {"enabled": on})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--model-dir", type=Path, help="an imported smollm2-135m-instruct (default: import one)")
+    args = parser.parse_args()
+    reason = netlab.available()
+    if reason:
+        sys.exit(f"the lab cannot run here: {reason}")
+    work = Path(tempfile.mkdtemp(prefix="swarm-labbench-"))
+    model_dir = args.model_dir
+    if model_dir is None:
+        from swarm.store.model_files import import_model
+
+        import_model(MODEL, work / "models")
+        model_dir = work / "models" / MODEL
+    with netlab.lab(delay_ms=args.delay_ms) as lab:
+        lab.add_public_host("leader")
+        lab.add_router("nat-a", "masquerade")
+        lab.add_host("a1", "nat-a")
+        lab.add_host("a2", "nat-a")
+        lab.add_router("nat-b", "masquerade")
+        lab.add_host("b1", "nat-b")
+        ring = Ring(lab, work / "ring", model_dir)
+        try:
+            ring.start_leader()
+            print(f"lab: {args.delay_ms:g} ms each way on every WAN link ({lab.delay_backend}); "
+                  f"leader on the lab's internet; model {MODEL}, float32, greedy")
+            rows = []
+            for label, hosts, direct_links in (("direct (one LAN)", ("a1", "a2"), False),
+                                               ("relay (two NATs)", ("a1", "b1"), False),
+                                               ("tunnel (two NATs)", ("a1", "b1"), True)):
+                set_direct_links(ring, direct_links)
+                ring.use(hosts)
+                ring.load()
+                ready = time.monotonic()
+                moved = None
+                if direct_links:
+                    while transports(ring) != ["tunnel", "tunnel"] and time.monotonic() - ready < 60:
+                        time.sleep(0.2)
+                    moved = time.monotonic() - ready
+                rows.append((label, per_token_ms(ring), transports(ring), moved))
+            base = rows[0][1]
+            for label, ms, seen, moved in rows:
+                extra = f"+{ms - base:.1f} ms" if ms is not rows[0][1] else ""
+                line = f"{label:22} {ms:7.1f} ms/token {extra:>11}   hops: {'/'.join(map(str, seen))}"
+                if moved is not None:
+                    line += f"   relay -> tunnel after {moved:.1f} s (1 s heartbeat resolution)"
+                print(line)
+        finally:
+            set_direct_links(ring, False)
+            ring.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The leader's HTTP API without fellows: authentication, OpenAI-shaped errors, chats' privacy and limits."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from swarm.config import Settings
+from swarm.leader.app import Leader
+from swarm.store.model_files import import_model
+
+
+@pytest.fixture
+def leader(tmp_path, tiny_model_dirs):
+    leader = Leader(tmp_path / "leader", Settings.from_env({}))
+    from harness import install_model
+
+    install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])
+    return leader
+
+
+@pytest.fixture
+def client(leader):
+    with TestClient(leader.app, backend="trio") as c:
+        yield c
+
+
+def _auth(token):
+    return {"authorization": f"Bearer {token}"}
+
+
+def _error(response, status, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if code:
+        assert error["code"] == code
+    return error["message"]
+
+
+def test_openai_routes_refuse_without_a_valid_token(client):
+    _error(client.get("/v1/models"), 401, "invalid_api_key")
+    _error(client.post("/v1/chat/completions", json={}, headers=_auth("swt_nope")), 401)
+
+
+def test_chat_completions_errors_are_openai_shaped(client, leader):
+    token = leader.first_start.admin_token
+    _error(client.post("/v1/chat/completions", content=b"{not json", headers=_auth(token)), 400, "invalid_json")
+    _error(client.post("/v1/chat/completions", json={"messages": []}, headers=_auth(token)), 400, "missing_model")
+    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+                                 json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+                     404, "model_not_found")
+    assert "nope" in message
+    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+                                 json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
+                     503, "model_not_loaded")
+    assert "swarm model-load qwen3" in message
+    models = client.get("/v1/models", headers=_auth(token)).json()
+    assert [(m["id"], m["status"]) for m in models["data"]] == [("qwen3", "not_loaded")]
+
+
+def test_loading_without_fellows_says_what_is_needed(client, leader):
+    token = leader.first_start.admin_token
+    message = _error(client.post("/api/v1/models/qwen3/load", json={"num_stages": 2}, headers=_auth(token)), 409)
+    assert "needs 2 fellows online" in message and "swarm join" in message
+
+
+def test_chats_are_private_and_limited(client, leader, tmp_path):
+    store = leader.store
+    admin_token = leader.first_start.admin_token
+    alice = store.create_user("alice", "alice-password-1")
+    alice_token, _ = store.create_api_token(alice.id, "t")
+    created = client.post("/api/v1/chats", headers=_auth(alice_token),
+                          json={"model": "qwen3", "messages": [{"role": "user", "content": "Plan my week"}]})
+    assert created.status_code == 201
+    chat_id = created.json()["id"]
+    assert created.json()["title"] == "Plan my week"
+    # Nobody else reads it, admins included.
+    _error(client.get(f"/api/v1/chats/{chat_id}", headers=_auth(admin_token)), 404)
+    _error(client.delete(f"/api/v1/chats/{chat_id}", headers=_auth(admin_token)), 404)
+    assert client.get("/api/v1/chats", headers=_auth(admin_token)).json() == {"chats": []}
+    # A chat over 2 MB is refused with the limit named, and the stored one is unchanged.
+    big = [{"role": "user", "content": "x" * 2_100_000}]
+    message = _error(client.patch(f"/api/v1/chats/{chat_id}", headers=_auth(alice_token), json={"messages": big}),
+                     413)
+    assert "2.0 MB" in message and "not saved" in message
+    assert client.get(f"/api/v1/chats/{chat_id}", headers=_auth(alice_token)).json()["messages"][0]["content"] == \
+        "Plan my week"
+
+
+def test_browser_sessions_need_the_csrf_token(client, leader):
+    response = client.post("/api/v1/auth/login", json={"name": "admin", "password": leader.first_start.admin_password})
+    assert response.status_code == 200
+    me = client.get("/api/v1/me").json()
+    assert me["user"]["name"] == "admin" and me["csrf"]
+    _error(client.post("/api/v1/chats", json={"messages": []}), 401)
+    ok = client.post("/api/v1/chats", json={"messages": []}, headers={"x-csrf-token": me["csrf"]})
+    assert ok.status_code == 201
+    _error(client.post("/api/v1/auth/login", json={"name": "admin", "password": "wrong"}), 401)
+
+
+def test_model_files_need_a_node_credential(client, leader):
+    _error(client.get("/api/v1/models/qwen3/files/config.json", headers=_auth(leader.first_start.admin_token)), 401)
