@@ -19,7 +19,7 @@ import trio_websocket
 from swarm import __version__, hardware, wire
 from swarm.config import Settings
 from swarm.errors import AuthError, LinkClosed, SwarmError, TunnelError, first_leaf
-from swarm.fetch import fetch_with_retries
+from swarm.fetch import CredentialRefused, fetch_with_retries
 from swarm.join_token import parse_join_token
 from swarm.mesh import sequencing
 from swarm.mesh.hop import HopConfig, OutgoingHop
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # a fellow left running rejoins within half a minute of the leader coming back.
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
+SEND_TIMEOUT_S = 30.0  # a control message the leader has not taken by then means the link is dead
 
 
 class LoadedStage:
@@ -156,8 +157,13 @@ class Fellow:
         channel = self._control
         if channel is None:
             raise LinkClosed("not connected to the leader")
-        async with self._control_lock:
-            await channel.send(wire.encode(message))
+        # Shielded: a task cancelled half-way through a send would leave the Noise session unusable and cost the
+        # whole control link (and with it the node credential that downloads in flight use).
+        with trio.move_on_after(SEND_TIMEOUT_S, shield=True) as scope:
+            async with self._control_lock:
+                await channel.send(wire.encode(message))
+        if scope.cancelled_caught:
+            raise LinkClosed(f"the leader did not take a message within {SEND_TIMEOUT_S:.0f} s")
 
     async def _heartbeat(self) -> None:
         while True:
@@ -233,7 +239,6 @@ class Fellow:
         total = sum(f["size"] for f in files) or 1
         done_before = 0
         local: dict[str, Path] = {}
-        headers = {"authorization": f"Bearer {self.credential}"}
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0)) as client:
             for f in files:
                 url = f"{self.leader_url}/api/v1/models/{model}/files/{f['path']}"
@@ -245,9 +250,20 @@ class Fellow:
                 self._last_progress = base / total
                 async with trio.open_nursery() as n:
                     n.start_soon(self._progress_pump, model, load_id, n.cancel_scope)
-                    local[f["path"]] = await fetch_with_retries(
-                        client, url, self.cache_dir, f["sha256"], f["size"], headers, progress
-                    )
+                    for attempt in range(2):
+                        try:
+                            local[f["path"]] = await fetch_with_retries(
+                                client, url, self.cache_dir, f["sha256"], f["size"],
+                                {"authorization": f"Bearer {self.credential}"}, progress
+                            )
+                            break
+                        except CredentialRefused:
+                            if attempt:
+                                raise
+                            # The control link was re-made meanwhile and the leader issued a new credential:
+                            # wait for it, then resume (the partial file is kept).
+                            with trio.fail_after(60):
+                                await self.connected.wait()
                     n.cancel_scope.cancel()
                 done_before += f["size"]
         await self._report(model, load_id, "download", 1.0)
@@ -289,7 +305,7 @@ class Fellow:
                         ),
                         nursery=nursery,
                         leader_url=self.leader_url,
-                        credential=self.credential,
+                        credential=lambda: self.credential,
                         local_private=self.private,
                         connect_timeout=self.settings.direct_connect_timeout_s,
                     )

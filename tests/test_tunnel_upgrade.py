@@ -98,3 +98,24 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
                     break
                 await trio.sleep(0.2)
             assert hop.path == "tunnel"
+
+
+async def test_a_ring_of_three_fellows_tunnels_every_hop_including_last_to_first(
+    tmp_path, smollm_model_dir, long_reference
+):
+    name = smollm_model_dir.name
+    with trio.fail_after(300):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=3) as swarm:
+            await _block_direct(swarm)
+            await swarm.http.put("/api/v1/settings/direct-links", json={"enabled": True})
+            view = await swarm.load(name, 3)
+            assert [s["layers"] for s in view["stages"]] == [[0, 10], [10, 20], [20, 30]]
+            for _ in range(150):
+                perf = await _perf(swarm, name)
+                if [h["transport"] for h in perf["hops"]] == ["tunnel"] * 3:
+                    break
+                await trio.sleep(0.2)
+            assert [(h["from_stage"], h["to_stage"], h["transport"]) for h in perf["hops"]] == [
+                (0, 1, "tunnel"), (1, 2, "tunnel"), (2, 0, "tunnel")]
+            data = await swarm.chat(name, [{"role": "user", "content": LONG}], max_tokens=32)
+            assert data["choices"][0]["token_ids"] == long_reference[:32]

@@ -51,14 +51,15 @@ class OutgoingHop:
         *,
         nursery: trio.Nursery,
         leader_url: str,
-        credential: str,
+        credential,
         local_private: bytes,
         connect_timeout: float = paths.DIRECT_CONNECT_TIMEOUT_S,
     ):
         self.config = config
         self._nursery = nursery
         self._leader_url = leader_url
-        self._credential = credential
+        # The node credential for the relay: a callable, since a fellow gets a fresh one each time it reconnects.
+        self._credential = credential if callable(credential) else (lambda: credential)
         self._private = local_private
         self._connect_timeout = connect_timeout
         self._channel: NoiseChannel | None = None
@@ -93,7 +94,7 @@ class OutgoingHop:
                     ) from None
                 log.info("direct link to %s at %s:%s failed (%s); using the relay", cfg.peer_name, host, port, exc)
         channel = await paths.dial_relay(
-            self._nursery, self._leader_url, cfg.hop_id, self._credential, self._private, cfg.peer_public
+            self._nursery, self._leader_url, cfg.hop_id, self._credential(), self._private, cfg.peer_public
         )
         self.path = "relay"
         return channel
