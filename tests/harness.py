@@ -32,6 +32,11 @@ class Swarm:
         await self.leader.serving.wait_ready(model, timeout)
         return (await self.http.get(f"/api/v1/models/{model}")).json()
 
+    def stage(self, model: str, index: int):
+        """The fellow's LoadedStage that runs stage ``index`` of ``model``."""
+        return next(f.stages[model] for f in self.fellows
+                    if model in f.stages and f.stages[model].runtime.index == index)
+
     async def chat(self, model: str, messages: list[dict], **extra) -> dict:
         body = {"model": model, "messages": messages, "temperature": 0, "return_token_ids": True, **extra}
         response = await self.http.post("/v1/chat/completions", json=body, timeout=120)
@@ -68,9 +73,8 @@ async def running_swarm(tmp: Path, model_dirs: list[Path], fellows: int = 2, lea
             fellow = Fellow(leader_url=url, data_dir=tmp / f"fellow-{i}", settings=fellow_settings,
                             name=f"fellow-{i}", join_token=first.join_token)
             await nursery.start(fellow.run)
+            await fellow.connected.wait()  # one at a time: fellow-i enrols as the i-th fellow, so stage i is on it
             members.append(fellow)
-        for fellow in members:
-            await fellow.connected.wait()
         async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {first.admin_token}"},
                                      timeout=60) as http:
             try:

@@ -124,7 +124,7 @@ async def test_direct_link_failing_before_the_first_token_is_retried_over_the_re
             await swarm.load(name, 2)
             first = await swarm.chat(name, [{"role": "user", "content": PROMPTS[1]}], max_tokens=24)
             assert first["choices"][0]["token_ids"] == _expected(reference, PROMPTS[1])
-            hop = swarm.fellows[0].stages[name].runtime.out_hop
+            hop = swarm.stage(name, 0).runtime.out_hop  # stage 0 -> 1: it carries the prompt's hidden states
             assert hop.path == "direct"
 
             # The direct link breaks under the next request's first message.
