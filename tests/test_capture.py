@@ -45,7 +45,6 @@ async def test_relay_and_tunnel_carry_no_plaintext(tmp_path, smollm_model_dir):
                                                max_tokens=16)
                 assert hop.path == "relay"
                 await swarm.http.put("/api/v1/settings/direct-links", json={"enabled": True})
-                await swarm.leader.punching.start(swarm.leader.serving.models[name])
                 for _ in range(150):
                     if hop.path == "tunnel":
                         break

@@ -116,6 +116,12 @@ def test_openai_package_streams_from_the_demo(demo):
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in again.choices[0].message.content
 
+    # The Direct links switch from the command line (an admin token: the demo's is one).
+    for args, shown in (([], "off"), (["on"], "on"), ([], "on"), (["off"], "off")):
+        out = subprocess.run([sys.executable, "-m", "swarm", "admin", "direct-links", *args], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == f"Direct links: {shown}", out.stderr
+
     # SIGTERM stops every process the demo started.
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0

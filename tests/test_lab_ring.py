@@ -446,6 +446,70 @@ def test_j_routers_that_answer_strangers_still_punch_with_a_coordinated_low_ttl_
     _run_tunnel_case(ring, reference, "j")
 
 
+def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, smollm_model_dir):
+    """Direct links switched on while a long reply streams over the relay: the hop moves to the tunnel between two
+    tokens and the reply is still exactly generate's."""
+    import threading
+
+    from swarm.leader.chat_format import encode_chat
+    from swarm.store.model_files import load_reference_model
+
+    long_prompt, n = "Write a long story about a lighthouse keeper.", 160
+    model = load_reference_model(smollm_model_dir, dtype=torch.float32)
+    ids = encode_chat(smollm_model_dir, [{"role": "user", "content": long_prompt}], None)
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    want = want[: want.index(EOS) + 1] if EOS in want else want
+
+    _direct_links(ring, False)
+    ring.use(("a1", "b1"), seed=True)
+    ring.load()
+    assert ring.reported_transports() == ["relay", "relay"]
+    # A second API proxy: the first one is busy with the long reply.
+    proxy = ring.lab.run("leader", [sys.executable, "-c", _API_PROXY, f"http://127.0.0.1:{LEADER_PORT}"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proxy.stdout.readline().strip() == "ready"
+    result = {}
+
+    def long_reply():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "temperature": 0,
+                "max_tokens": n, "return_token_ids": True}
+        result["reply"] = ring.api("POST", "/v1/chat/completions", body, timeout=300)
+
+    worker = threading.Thread(target=long_reply)
+    started = time.monotonic()
+    worker.start()
+    try:
+        time.sleep(1.0)
+        proxy.stdin.write(json.dumps({"method": "PUT", "path": "/api/v1/settings/direct-links",
+                                      "json": {"enabled": True}, "token": ring.token}) + "\n")
+        proxy.stdin.flush()
+        assert json.loads(json.loads(proxy.stdout.readline())["text"]) == {"enabled": True}
+        moved_at = None
+        while worker.is_alive():
+            proxy.stdin.write(json.dumps({"method": "GET", "path": f"/api/v1/models/{MODEL}/performance",
+                                          "token": ring.token}) + "\n")
+            proxy.stdin.flush()
+            perf = json.loads(json.loads(proxy.stdout.readline())["text"])
+            if moved_at is None and [h["transport"] for h in perf["hops"]] == ["tunnel", "tunnel"]:
+                moved_at = time.monotonic() - started
+            time.sleep(0.3)
+        worker.join()
+        finished_at = time.monotonic() - started
+        status, data = result["reply"]
+        assert status == 200, data
+        assert data["choices"][0]["token_ids"] == want
+        print(f"case k: relay -> tunnel {moved_at} s into a {finished_at:.1f} s reply of {len(want)} tokens")
+        assert moved_at is not None and moved_at < finished_at, (moved_at, finished_at)
+        assert ring.reported_transports() == ["tunnel", "tunnel"]
+        GRID[("masquerade", "masquerade +DL mid-reply")] = "relay -> tunnel"
+    finally:
+        worker.join(timeout=300)
+        proxy.stdin.close()
+        ring.lab.stop(proxy)
+        _direct_links(ring, False)
+
+
 def test_z_grid(ring):
     """Print the NAT grid of the cases that ran (run with -s or -rA to see it)."""
     print()

@@ -74,6 +74,8 @@ class AdminRoutes:
             if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
                 raise ValueError("send {\"enabled\": true} or {\"enabled\": false}")
             await trio.to_thread.run_sync(self.store.set_setting, DIRECT_LINKS, body["enabled"])
+            if body["enabled"]:
+                await self.leader.punching.start_all()  # hops already serving look for a tunnel now
         enabled = await trio.to_thread.run_sync(self.store.get_setting, DIRECT_LINKS, False)
         return JSONResponse({"enabled": bool(enabled)})
 

@@ -31,6 +31,7 @@ class PunchCoordinator:
         self.rendezvous_port: int | None = None
         self.tokens: dict[bytes, int] = {}  # rendezvous "who" token -> fellow id
         self._waiting: dict[tuple[str, str, str], trio.MemorySendChannel] = {}
+        self._active: set[str] = set()  # hops with a coordination loop running
 
     def allow(self, who: bytes) -> bool:
         return who in self.tokens
@@ -43,8 +44,16 @@ class PunchCoordinator:
     async def start(self, model) -> None:
         if not await self.enabled():
             return
-        for i in range(len(model.hop_ids)):
-            self.serving.nursery.start_soon(self._hop_loop, model, i)
+        for i, hop_id in enumerate(model.hop_ids):
+            if hop_id not in self._active:
+                self._active.add(hop_id)
+                self.serving.nursery.start_soon(self._hop_loop, model, i)
+
+    async def start_all(self) -> None:
+        """Direct links were just turned on: look for better paths for every model already serving."""
+        for model in list(self.serving.models.values()):
+            if model.status == "ready" and model.hop_ids:
+                await self.start(model)
 
     def on_message(self, conn, message: dict) -> None:
         key = (message.get("hop_id"), message.get("role"), message["t"])
@@ -60,6 +69,12 @@ class PunchCoordinator:
         return live is model and model.status == "ready"
 
     async def _hop_loop(self, model, i: int) -> None:
+        try:
+            await self._hop_attempts(model, i)
+        finally:
+            self._active.discard(model.hop_ids[i])
+
+    async def _hop_attempts(self, model, i: int) -> None:
         hop_id = model.hop_ids[i]
         failures = 0
         while self._current(model) and await self.enabled():
