@@ -67,7 +67,7 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
                         assert hop.path == "relay"
                         r = await swarm.http.put("/api/v1/settings/direct-links", json={"enabled": True})
                         assert r.json() == {"enabled": True}
-                            usage = data.get("usage")
+                    usage = data.get("usage")
             assert "tunnel" in paths_seen and "relay" in paths_seen, paths_seen
             assert usage["completion_tokens"] == len(long_reference)
             from swarm.leader.chat_format import load_tokenizer
