@@ -64,7 +64,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="swarm-labbench-"))
     model_dir = args.model_dir
     if model_dir is None:
-        from swarm.store.model_files import import_model
+        from swarm.store.importer import import_model
 
         import_model(MODEL, work / "models")
         model_dir = work / "models" / MODEL

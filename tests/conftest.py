@@ -50,7 +50,7 @@ def build_tiny_source(folder: Path, kind: str, dtype=None) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """kind -> imported model dir, for every family in TINY_MODELS."""
-    from swarm.store.model_files import import_model
+    from swarm.store.importer import import_model
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -64,7 +64,7 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def smollm_model_dir(tmp_path_factory) -> Path:
     """The built-in SmolLM2-135M-Instruct, imported once per test session (~30 s: GGUF dequantization)."""
-    from swarm.store.model_files import builtin_gguf_path, import_model
+    from swarm.store.importer import builtin_gguf_path, import_model
 
     try:
         builtin_gguf_path()

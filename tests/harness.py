@@ -15,7 +15,7 @@ from swarm.config import Settings
 from swarm.fellow import Fellow
 from swarm.leader.app import Leader
 from swarm.model_import import register
-from swarm.store.model_files import load_manifest
+from swarm.store.importer import load_manifest
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ from starlette.testclient import TestClient
 
 from swarm.config import Settings
 from swarm.leader.app import Leader
-from swarm.store.model_files import import_model
+from swarm.store.importer import import_model
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from swarm.errors import AuthError, ChecksumMismatch, DownloadError
-from swarm.fetch import CredentialRefused, FileNotOnLeader, cached_path, fetch_file, fetch_with_retries
+from swarm.fellow.downloads import CredentialRefused, FileNotOnLeader, cached_path, fetch_file, fetch_with_retries
 from swarm.leader.files import file_response
 
 TIMEOUT_S = 30

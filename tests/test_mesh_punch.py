@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from swarm.errors import TunnelError
-from swarm.mesh import punch as punch_mod
-from swarm.mesh.punch import (
+from swarm.mesh import hole_punch as punch_mod
+from swarm.mesh.hole_punch import (
     ACK,
     CONFIRM,
     PROBE,

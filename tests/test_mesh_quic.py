@@ -11,7 +11,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from swarm.errors import LinkClosed, ProtocolError
-from swarm.mesh.punch import punch
+from swarm.mesh.hole_punch import punch
 from swarm.mesh.quic import (
     ALPN,
     QuicFrameTransport,

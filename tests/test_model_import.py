@@ -10,7 +10,7 @@ from safetensors import safe_open
 from conftest import build_tiny_source
 
 from swarm.errors import ImportFailed, ModelNotFound, UnsupportedArchitecture
-from swarm.store.model_files import (
+from swarm.store.importer import (
     Manifest,
     import_model,
     kv_bytes_per_token,

@@ -9,7 +9,7 @@ import trio
 
 from harness import running_swarm
 from swarm.leader.serving import Request
-from swarm.store.model_files import load_manifest, load_reference_model
+from swarm.store.importer import load_manifest, load_reference_model
 
 PROMPTS = [[5, 17, 42, 99, 7, 150, 3, 88, 21, 64, 9, 200], [11, 12, 13], list(range(30, 70))]
 NEW_TOKENS = 16

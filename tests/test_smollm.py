@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from swarm.stage import LocalChain, StageModel, split_layers
-from swarm.store.model_files import load_manifest, load_reference_model
+from swarm.store.importer import load_manifest, load_reference_model
 
 
 def test_two_stage_greedy_reply_matches_generate(smollm_model_dir):

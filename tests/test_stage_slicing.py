@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from swarm.errors import ModelError
 from swarm.stage import LocalChain, StageModel, StageSpec, split_layers
 from swarm.stage import architectures, slice as stage_slice
-from swarm.store import model_files
-from swarm.store.model_files import load_manifest, load_reference_model
+from swarm.store import importer as model_files
+from swarm.store.importer import load_manifest, load_reference_model
 
 PROMPTS = [
     [1, 17, 42, 99, 3, 250, 7],

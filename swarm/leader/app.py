@@ -19,13 +19,13 @@ from starlette.websockets import WebSocket
 
 from swarm.config import Settings
 from swarm.errors import AuthError
-from swarm.join_token import make_join_token
+from swarm.tunnel.join_token import make_join_token
 from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
 from swarm.leader.openai_api import OpenAIRoutes
-from swarm.leader.punching import PunchCoordinator
+from swarm.leader.direct_links import PunchCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving

@@ -10,7 +10,7 @@ from starlette.websockets import WebSocket
 
 from swarm import wire
 from swarm.errors import AuthError, SwarmError
-from swarm.hardware import Hardware
+from swarm.fellow.hardware import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
 from swarm.tunnel.keys import fingerprint

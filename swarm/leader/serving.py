@@ -125,7 +125,7 @@ class Serving:
         self.relay = relay
         self.hub = None  # set by the app: FellowHub
         self.nursery: trio.Nursery | None = None  # set while the leader serves: background work (punch coordination)
-        self.punching = None  # set by the app: swarm.leader.punching.PunchCoordinator
+        self.punching = None  # set by the app: swarm.leader.direct_links.PunchCoordinator
         self.models: dict[str, ModelServing] = {}
         self.requests: dict[str, Request] = {}
         self.hop_stats: dict[str, dict] = {}  # hop id -> what its sending fellow last reported
@@ -176,7 +176,7 @@ class Serving:
         return serving
 
     def _load_message(self, serving: ModelServing, manifest: dict, config: dict, i: int) -> dict:
-        from swarm.store.model_files import Manifest, stage_files
+        from swarm.store.importer import Manifest, stage_files
 
         plans = [s.plan for s in serving.stages]
         plan, n = plans[i], len(plans)

@@ -1,7 +1,7 @@
 """A reliable, congestion-controlled frame link over a hole-punched UDP socket: one QUIC stream, driven by trio.
 
 aioquic's :class:`~aioquic.quic.connection.QuicConnection` is sans-IO; this module is the glue that moves its
-datagrams on the socket that :mod:`swarm.mesh.punch` opened through both NATs. QUIC gives us what raw datagrams lack
+datagrams on the socket that :mod:`swarm.mesh.hole_punch` opened through both NATs. QUIC gives us what raw datagrams lack
 for a Noise session (ordering, retransmission, congestion control: noiseprotocol's implicit nonces need an ordered
 stream). QUIC's own TLS is not what authenticates the fellows — the :class:`~swarm.tunnel.channel.NoiseChannel` run
 over :class:`QuicFrameTransport` does, with the keys the leader pinned — so the server uses a throwaway
@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from swarm.errors import HandshakeFailed, LinkClosed, ProtocolError
-from swarm.mesh import punch as punch_mod
+from swarm.mesh import hole_punch as punch_mod
 from swarm.mesh import rendezvous
 from swarm.tunnel.channel import CLEANUP_S, MAX_WIRE_FRAME
 

@@ -1,7 +1,7 @@
 """One pipeline stage: a slice of a transformers model, its KV caches, and sampling. No networking here."""
 
 from swarm.stage.architectures import SUPPORTED_ARCHITECTURES
-from swarm.stage.runner import LocalChain
+from swarm.stage.local import LocalChain
 from swarm.stage.sampling import GREEDY, SamplingParams, make_generator, sample
 from swarm.stage.slice import StageModel, StageSpec, split_layers
 

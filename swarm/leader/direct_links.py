@@ -143,7 +143,7 @@ class PunchCoordinator:
         secret = secrets.token_bytes(32)
         # A common moment: each start message is on its way for about half that fellow's round trip, so each
         # fellow is told to wait that much less and both begin together (what matters with masquerading NATs, see
-        # swarm.mesh.punch).
+        # swarm.mesh.hole_punch).
         rtt = {role: await self._round_trip(ends[role], hop_id, role) for role in ("a", "b")}
         results = {}
 

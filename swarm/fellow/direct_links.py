@@ -1,6 +1,6 @@
 """The fellow's side of direct links: open a hole-punched, QUIC-carried, Noise-encrypted tunnel for a hop.
 
-The leader coordinates (swarm.leader.punching): it asks both ends of a hop for their UDP candidates, then tells both
+The leader coordinates (swarm.leader.direct_links): it asks both ends of a hop for their UDP candidates, then tells both
 to punch at the same moment. The sending end ("a") becomes the QUIC client and moves its OutgoingHop onto the tunnel
 between two messages; the receiving end ("b") accepts and feeds what arrives into the stage like any other path.
 One UDP socket per attempt carries the rendezvous probe, the punch and the QUIC connection, so the NAT mapping the
@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 import trio
 
 from swarm.errors import SwarmError, first_leaf
-from swarm.mesh import punch, quic, rendezvous
-from swarm.net import outbound_ip
+from swarm.mesh import hole_punch as punch, quic, rendezvous
+from swarm.fellow.net import outbound_ip
 from swarm.tunnel.channel import NoiseChannel
 
 log = logging.getLogger(__name__)

@@ -16,18 +16,19 @@ import httpx
 import trio
 import trio_websocket
 
-from swarm import __version__, hardware, wire
+from swarm import __version__, wire
+from swarm.fellow import hardware
 from swarm.config import Settings
 from swarm.errors import AuthError, LinkClosed, SwarmError, TunnelError, first_leaf
-from swarm.fetch import CredentialRefused, fetch_with_retries
-from swarm.join_token import parse_join_token
+from swarm.fellow.downloads import CredentialRefused, fetch_with_retries
+from swarm.tunnel.join_token import parse_join_token
 from swarm.mesh import sequencing
 from swarm.mesh.hop import HopConfig, OutgoingHop
 from swarm.mesh.paths import accept_relay
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
-from swarm.net import outbound_ip
-from swarm.punching import PunchAgent
-from swarm.ring import StageRuntime
+from swarm.fellow.net import outbound_ip
+from swarm.fellow.direct_links import PunchAgent
+from swarm.fellow.ring import StageRuntime
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, StreamFrameTransport
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
 
