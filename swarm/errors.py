@@ -89,6 +89,14 @@ class StoreError(SwarmError):
     """The leader's database or model files could not be read or written."""
 
 
+class BadRequest(SwarmError):
+    """A request to the leader is malformed or asks for something that cannot be; the message says what to fix."""
+
+    def __init__(self, message: str, code: str = "bad_request"):
+        super().__init__(message)
+        self.code = code
+
+
 class RequestFailed(SwarmError):
     """A chat request could not be completed by the ring."""
 

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from swarm.store.db import Store
-from swarm.store.importer import Manifest, import_model, load_manifest
+from swarm.store.importer import import_model
+from swarm.store.manifest import Manifest, load_manifest
 
 
 def import_into_leader(source: str, data_dir: Path, name: str | None = None, *, replace: bool = False,

@@ -8,7 +8,10 @@ unpickled or given to ``torch.load`` — cbor2 decodes plain data only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +33,11 @@ _MAX_TENSOR_BYTES = 256 * 1024 * 1024
 _MAX_DIMS = 8
 
 
-def encode(msg: Mapping[str, Any]) -> bytes:
-    """CBOR bytes of ``msg`` with the protocol version added; ``msg["t"]`` names the message type."""
+def encode(msg: Any) -> bytes:
+    """CBOR bytes of ``msg`` with the protocol version added: a typed message (see :func:`message`), or a map whose
+    ``msg["t"]`` names the message type."""
+    if hasattr(msg, "TYPE") and dataclasses.is_dataclass(msg):
+        msg = {"t": msg.TYPE, **to_map(msg)}
     t = msg.get("t")
     if not isinstance(t, str) or not t:
         raise ProtocolError(f"a wire message needs a type in key 't' (a non-empty string), got {t!r}")
@@ -64,6 +70,12 @@ def decode(data: bytes) -> dict[str, Any]:
             "install the same swarm version on the leader and every fellow"
         )
     return msg
+
+
+def unpack(data: bytes) -> Any:
+    """A received message: its typed form when its type is registered (see :func:`message`), else the plain map."""
+    msg = decode(data)
+    return parse(msg) if msg["t"] in _MESSAGES else msg
 
 
 def tensor_to_wire(t: "torch.Tensor") -> dict[str, Any]:
@@ -110,3 +122,289 @@ def tensor_from_wire(d: Mapping[str, Any]) -> "torch.Tensor":
     # a clone would be) gives the caller a tensor it owns and may write to. Works for bfloat16, which numpy lacks.
     # Byte order: little-endian on both sides, as on every platform torch ships for.
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+# --- typed messages ---------------------------------------------------------------------------------------------------
+#
+# Every message of the ring and of a request's life is a frozen dataclass registered under its wire type. Decoding
+# checks each field against its annotation (str, int, float, bool, bytes, list[X], X | None, nested records), so a
+# handler never meets a field of the wrong type: a peer that sends one gets a ProtocolError naming the field.
+
+_MESSAGES: dict[str, type] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def message(wire_type: str):
+    """Register a dataclass as the message ``wire_type``: ``encode_message(m)`` / ``decode_message(data)``."""
+
+    def register(cls):
+        if wire_type in _MESSAGES:
+            raise ValueError(f"wire type {wire_type!r} is registered twice")
+        cls = dataclasses.dataclass(frozen=True)(cls) if not dataclasses.is_dataclass(cls) else cls
+        cls.TYPE = wire_type
+        _MESSAGES[wire_type] = cls
+        return cls
+
+    return register
+
+
+def record(cls):
+    """A dataclass that travels inside messages (a field of a message, or an item of a list field)."""
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+def decode_message(data: bytes) -> Any:
+    """The typed message in ``data``; ProtocolError for anything malformed or of an unknown type."""
+    return parse(decode(data))
+
+
+def parse(raw: Mapping[str, Any]) -> Any:
+    """A decoded map as its typed message (see :func:`decode`); ProtocolError when its fields do not fit."""
+    cls = _MESSAGES.get(raw.get("t"))
+    if cls is None:
+        raise ProtocolError(f"unknown wire message type {raw.get('t')!r}")
+    return _from_map(cls, raw, raw["t"])
+
+
+def from_map(cls: type, raw: Any, where: str | None = None) -> Any:
+    """A record (see :func:`record`) from its map, every field checked."""
+    return _from_map(cls, raw, where or cls.__name__)
+
+
+def to_map(obj: Any) -> dict[str, Any]:
+    out = {}
+    for field in dataclasses.fields(obj):
+        out[field.name] = _to_value(getattr(obj, field.name))
+    return out
+
+
+def _to_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return to_map(value)
+    if isinstance(value, (list, tuple)):
+        return [_to_value(v) for v in value]
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _from_map(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ProtocolError(f"{where} must be a map, received a {type(raw).__name__}")
+    hints = _hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in raw:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where} lacks the field {field.name!r}")
+            continue
+        values[field.name] = _check(raw[field.name], hints[field.name], f"{where}.{field.name}")
+    return cls(**values)
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        last_error = None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(value, option, where)
+            except ProtocolError as exc:
+                last_error = exc
+        raise last_error or ProtocolError(f"{where} may not be empty")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be a list, received a {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be a map, received a {type(value).__name__}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _from_map(hint, value, where)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where} must be a number, received a {type(value).__name__}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where} must be an integer, received a {type(value).__name__}")
+        if not -(1 << 63) <= value < (1 << 63):
+            raise ProtocolError(f"{where} is out of range")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where} must be true or false, received a {type(value).__name__}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where} must be a string, received a {type(value).__name__}")
+        return value
+    if hint is bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ProtocolError(f"{where} must be a byte string, received a {type(value).__name__}")
+        return bytes(value)
+    if hint is Any:
+        return value
+    raise TypeError(f"wire messages cannot declare a field of type {hint!r} ({where})")
+
+
+# --- the ring's messages ----------------------------------------------------------------------------------------------
+#
+#   leader -> stage 0        Generate, Cancel
+#   stage i -> stage i+1     Hidden (hidden states of prompt chunks and decode steps), Free (drop caches)
+#   last stage -> stage 0    Sampled (the next token of each request, for its next decode step)
+#   last stage -> leader     Tokens (batches of sampled tokens, for streaming)
+#   any stage -> leader      Failed; a fellow -> leader: HopLost (a path under requests in flight broke)
+
+
+@record
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@record
+class RequestStart:
+    """What every stage after the first learns with a request's first prompt chunk."""
+
+    prompt_len: int
+    max_tokens: int
+    eos: list[int]
+    sampling: Sampling
+
+
+@message("gen")
+class Generate:
+    model: str
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    eos: list[int]
+    sampling: Sampling
+
+
+@message("cancel")
+class Cancel:
+    model: str
+    rid: str
+
+
+@record
+class Part:
+    """One request's rows in a Hidden message: ``n`` positions from ``pos``; ``last`` asks the last stage to sample
+    after them (the prompt's last chunk, or a decode step)."""
+
+    rid: str
+    pos: int
+    n: int
+    last: bool
+    start: RequestStart | None = None  # set on a request's first chunk
+
+
+@message("hidden")
+class Hidden:
+    model: str
+    parts: list[Part]
+    x: dict  # a tensor (tensor_to_wire) of shape (1, sum of the parts' n, hidden size), rows in the parts' order
+
+
+@record
+class SampledToken:
+    rid: str
+    pos: int  # where the token goes: the position of the request's next decode step
+    token: int
+    done: bool
+
+
+@message("sampled")
+class Sampled:
+    model: str
+    tokens: list[SampledToken]
+
+
+@message("free")
+class Free:
+    model: str
+    rids: list[str]
+
+
+@record
+class TokenBatch:
+    rid: str
+    tokens: list[int]
+    done: bool = False
+    finish_reason: str | None = None
+
+
+@message("tokens")
+class Tokens:
+    model: str
+    batches: list[TokenBatch]
+
+
+@message("failed")
+class Failed:
+    model: str
+    rid: str
+    message: str
+    stage: int | None = None
+    not_loaded: bool = False
+
+
+@message("hop_lost")
+class HopLost:
+    model: str
+    hop_id: str
+    path: str | None = None
+
+
+# --- what a fellow reports of its machine ---------------------------------------------------------------------------
+
+
+@record
+class Gpu:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+@record
+class Hardware:
+    cpu_cores: int
+    ram_total_bytes: int
+    ram_free_bytes: int
+    gpus: list[Gpu] = dataclasses.field(default_factory=list)
+
+    def serving_free_bytes(self, device: str = "auto") -> int:
+        """Memory a stage may use: the roomiest GPU's free memory, or free RAM when serving on the CPU."""
+        if self.gpus and device != "cpu":
+            return max(g.free_bytes for g in self.gpus)
+        return self.ram_free_bytes
+
+    def to_wire(self) -> dict:
+        return to_map(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Hardware:
+        return from_map(cls, data, "hardware")
+
+    def describe(self) -> str:
+        if self.gpus:
+            return ", ".join(f"{g.name} ({g.free_bytes / 1e9:.1f} GB free)" for g in self.gpus)
+        return f"{self.cpu_cores} CPU cores, {self.ram_free_bytes / 1e9:.1f} GB RAM free"

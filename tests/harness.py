@@ -15,7 +15,7 @@ from swarm.config import Settings
 from swarm.fellow import Fellow
 from swarm.leader.app import Leader
 from swarm.model_import import register
-from swarm.store.importer import load_manifest
+from swarm.store.manifest import load_manifest
 
 
 @dataclasses.dataclass
@@ -35,7 +35,7 @@ class Swarm:
     def stage(self, model: str, index: int):
         """The fellow's LoadedStage that runs stage ``index`` of ``model``."""
         return next(f.stages[model] for f in self.fellows
-                    if model in f.stages and f.stages[model].runtime.index == index)
+                    if model in f.stages and f.stages[model].driver.index == index)
 
     async def chat(self, model: str, messages: list[dict], **extra) -> dict:
         body = {"model": model, "messages": messages, "temperature": 0, "return_token_ids": True, **extra}

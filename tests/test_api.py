@@ -7,7 +7,6 @@ from starlette.testclient import TestClient
 
 from swarm.config import Settings
 from swarm.leader.app import Leader
-from swarm.store.importer import import_model
 
 
 @pytest.fixture

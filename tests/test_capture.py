@@ -40,7 +40,7 @@ async def test_relay_and_tunnel_carry_no_plaintext(tmp_path, smollm_model_dir):
                 for conn in swarm.leader.hub.online.values():
                     conn.serve_port = dead  # no direct TCP: the hops start on the relay
                 await swarm.load(name, 2)
-                hop = swarm.fellows[0].stages[name].runtime.out_hop
+                hop = swarm.fellows[0].stages[name].driver.out_hop
                 relay_reply = await swarm.chat(name, [{"role": "user", "content": "Name three colours."}],
                                                max_tokens=16)
                 assert hop.path == "relay"

@@ -68,7 +68,7 @@ for line in sys.stdin:
 @pytest.fixture(scope="module")
 def reference(smollm_model_dir):
     from swarm.leader.chat_format import encode_chat
-    from swarm.store.importer import load_reference_model
+    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": PROMPT}], None)
@@ -138,7 +138,7 @@ class Ring:
     def seed_cache(self, host: str) -> None:
         """Give a fellow the model files in its content-addressed cache, as a fellow that served this model before
         holds them: the lab then moves only control and ring traffic (one case downloads for real)."""
-        from swarm.store.importer import load_manifest
+        from swarm.store.manifest import load_manifest
 
         cache = self.fellow_dir(host) / "cache"
         for f in load_manifest(self.model_dir).files:
@@ -452,7 +452,7 @@ def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, 
     import threading
 
     from swarm.leader.chat_format import encode_chat
-    from swarm.store.importer import load_reference_model
+    from swarm.stage.reference import load_reference_model
 
     long_prompt, n = "Write a long story about a lighthouse keeper.", 160
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)

@@ -10,14 +10,8 @@ from safetensors import safe_open
 from conftest import build_tiny_source
 
 from swarm.errors import ImportFailed, ModelNotFound, UnsupportedArchitecture
-from swarm.store.importer import (
-    Manifest,
-    import_model,
-    kv_bytes_per_token,
-    load_manifest,
-    sha256_file,
-    stage_files,
-)
+from swarm.store.importer import import_model
+from swarm.store.manifest import Manifest, kv_bytes_per_token, load_manifest, sha256_file, stage_files
 
 
 def test_refuses_unsupported_architecture(tmp_path):

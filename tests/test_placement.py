@@ -1,7 +1,8 @@
 import pytest
 
 from swarm.errors import PlacementError
-from swarm.leader.placement import FellowCapacity, ModelSize, place, split_layers
+from swarm.leader.placement import FellowCapacity, ModelSize, place
+from swarm.model_format import split_layers
 
 GB = 10**9
 

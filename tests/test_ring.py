@@ -18,7 +18,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(smollm_model_dir):
     from swarm.leader.chat_format import encode_chat
-    from swarm.store.importer import load_reference_model
+    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     out = {}
@@ -39,7 +39,7 @@ async def _replies(tmp_path, model_dir, transport):
             for prompt in PROMPTS:
                 data = await swarm.chat(model_dir.name, [{"role": "user", "content": prompt}], max_tokens=24)
                 replies[prompt] = data
-            paths = {f.name: [s.runtime.out_hop.path for s in f.stages.values()] for f in swarm.fellows}
+            paths = {f.name: [s.driver.out_hop.path for s in f.stages.values()] for f in swarm.fellows}
             await trio.sleep(1.5)  # a heartbeat brings the hops' figures to the leader
             perf = (await swarm.http.get(f"/api/v1/models/{model_dir.name}/performance")).json()
             return replies, paths, perf
@@ -96,7 +96,7 @@ async def test_unreachable_direct_address_falls_back_to_relay_and_strangers_are_
             await swarm.load(name, 2)
             data = await swarm.chat(name, [{"role": "user", "content": PROMPTS[0]}], max_tokens=24)
             assert data["choices"][0]["token_ids"] == _expected(reference, PROMPTS[0])
-            assert swarm.fellows[0].stages[name].runtime.out_hop.path == "relay"
+            assert swarm.fellows[0].stages[name].driver.out_hop.path == "relay"
 
             # A peer whose key the leader did not vouch for gets nothing from a fellow's serving port.
             hop_id = swarm.fellows[1].stages[name].hop_in["hop_id"]
@@ -124,7 +124,7 @@ async def test_direct_link_failing_before_the_first_token_is_retried_over_the_re
             await swarm.load(name, 2)
             first = await swarm.chat(name, [{"role": "user", "content": PROMPTS[1]}], max_tokens=24)
             assert first["choices"][0]["token_ids"] == _expected(reference, PROMPTS[1])
-            hop = swarm.stage(name, 0).runtime.out_hop  # stage 0 -> 1: it carries the prompt's hidden states
+            hop = swarm.stage(name, 0).driver.out_hop  # stage 0 -> 1: it carries the prompt's hidden states
             assert hop.path == "direct"
 
             # The direct link breaks under the next request's first message.
@@ -159,7 +159,7 @@ async def test_direct_link_failing_before_the_first_token_is_retried_over_the_re
                 r = await swarm.http.post(f"/api/v1/requests/{rid}/cancel")
                 assert r.json() == {"cancelled": True}
             for _ in range(100):
-                busy = [f.name for f in swarm.fellows if f.stages[name].runtime.stage_model.requests()]
+                busy = [f.name for f in swarm.fellows if f.stages[name].driver.stage_model.requests()]
                 if not busy and not swarm.leader.serving.requests:
                     break
                 await trio.sleep(0.05)

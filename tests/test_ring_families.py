@@ -8,8 +8,10 @@ import torch
 import trio
 
 from harness import running_swarm
-from swarm.leader.serving import Request
-from swarm.store.importer import load_manifest, load_reference_model
+from swarm import wire
+from swarm.leader.requests import Reader, Request
+from swarm.stage.reference import load_reference_model
+from swarm.store.manifest import load_manifest
 
 PROMPTS = [[5, 17, 42, 99, 7, 150, 3, 88, 21, 64, 9, 200], [11, 12, 13], list(range(30, 70))]
 NEW_TOKENS = 16
@@ -24,10 +26,11 @@ def _reference(model_dir, prompt):
 
 
 async def _ring_tokens(swarm, model, prompt):
-    request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling={"temperature": 0}, eos=[])
-    await swarm.leader.serving.submit(request)
+    request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=wire.Sampling(), eos=[])
+    swarm.leader.serving.submit(request)
+    reader = Reader(request)
     while True:
-        kind, value = await request.next_event(60)
+        kind, value = await reader.next(60)
         assert kind != "error", value
         if kind == "done":
             return request.tokens, value

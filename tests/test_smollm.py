@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from swarm.stage import LocalChain, StageModel, split_layers
-from swarm.store.importer import load_manifest, load_reference_model
+from swarm.stage import LocalRing, StageModel, stage_specs
+from swarm.stage.reference import load_reference_model
+from swarm.store.manifest import load_manifest
 
 
 def test_two_stage_greedy_reply_matches_generate(smollm_model_dir):
@@ -28,7 +29,7 @@ def test_two_stage_greedy_reply_matches_generate(smollm_model_dir):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     want = out[0, len(prompt):].tolist()
 
-    chain = LocalChain([StageModel.load_dir(smollm_model_dir, s) for s in split_layers(30, 2)])
-    got = chain.generate(prompt, 24, prefill_chunk=16, eos_token_ids=manifest.eos_token_ids)
+    chain = LocalRing([StageModel.load_dir(smollm_model_dir, s) for s in stage_specs(30, 2)], prefill_chunk=16)
+    got = chain.generate(prompt, 24, eos_token_ids=manifest.eos_token_ids)
     assert got == want
     assert "Paris" in tokenizer.decode(got, skip_special_tokens=True)

@@ -9,10 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from swarm.errors import ModelError
-from swarm.stage import LocalChain, StageModel, StageSpec, split_layers
-from swarm.stage import architectures, slice as stage_slice
-from swarm.store import importer as model_files
-from swarm.store.importer import load_manifest, load_reference_model
+from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
+from swarm.stage.local import forward_through
+from swarm.stage import architectures
+from swarm import model_format
+from swarm.stage.reference import load_reference_model
+from swarm.store.manifest import load_manifest
 
 PROMPTS = [
     [1, 17, 42, 99, 3, 250, 7],
@@ -53,10 +55,11 @@ def references(tiny_model_dirs):
 def test_greedy_chain_matches_generate(tiny_model_dirs, references, kind, stages):
     model_dir = tiny_model_dirs[kind]
     manifest = load_manifest(model_dir)
-    chain = LocalChain([StageModel.load_dir(model_dir, s) for s in split_layers(manifest.num_layers, stages)])
+    chain = LocalRing([StageModel.load_dir(model_dir, s) for s in stage_specs(manifest.num_layers, stages)],
+                      prefill_chunk=PREFILL_CHUNK)
     for prompt, want in zip(PROMPTS, references[kind]):
         assert len(set(want)) > 3, "the random model is degenerate; the comparison would prove little"
-        got = chain.generate(prompt, NEW_TOKENS, prefill_chunk=PREFILL_CHUNK)
+        got = chain.generate(prompt, NEW_TOKENS)
         assert got == want, f"{kind} over {stages} stages, prompt of {len(prompt)} tokens"
     for stage in chain.stages:
         assert stage.requests() == []  # every request's cache was dropped
@@ -71,50 +74,51 @@ def test_chunked_prefill_logits_match_full_forward(tiny_model_dirs, kind, chunk)
     prompt = PROMPTS[2] + PROMPTS[1]  # 34 tokens: twice the Qwen2 model's sliding window
     with torch.inference_mode():
         want = model(torch.tensor([prompt])).logits[0]
-    specs = split_layers(load_manifest(model_dir).num_layers, 2)
-    chain = LocalChain([StageModel.load_dir(model_dir, s) for s in specs])
-    for stage in chain.stages:
+    specs = stage_specs(load_manifest(model_dir).num_layers, 2)
+    stages = [StageModel.load_dir(model_dir, s) for s in specs]
+    for stage in stages:
         stage.new_request("r")
     for start in range(0, len(prompt), chunk):
         ids = prompt[start : start + chunk]
-        got = chain.step("r", start, ids)
+        got = forward_through(stages, "r", start, ids)
         torch.testing.assert_close(got, want[start + len(ids) - 1], rtol=1e-4, atol=1e-4)
 
 
 def test_chain_stops_after_eos(tiny_model_dirs, references):
-    chain = LocalChain([StageModel.load_dir(tiny_model_dirs["llama"], s) for s in split_layers(4, 2)])
+    chain = LocalRing([StageModel.load_dir(tiny_model_dirs["llama"], s) for s in stage_specs(4, 2)],
+                      prefill_chunk=PREFILL_CHUNK)
     want = references["llama"][1]
     eos = want[5]
-    got = chain.generate(PROMPTS[1], NEW_TOKENS, prefill_chunk=PREFILL_CHUNK, eos_token_ids=[eos])
+    got = chain.generate(PROMPTS[1], NEW_TOKENS, eos_token_ids=[eos])
     assert got == want[: want.index(eos) + 1]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_rollback_then_recompute_gives_same_logits(tiny_model_dirs, kind):
     manifest = load_manifest(tiny_model_dirs[kind])
-    chain = LocalChain([StageModel.load_dir(tiny_model_dirs[kind], s) for s in split_layers(manifest.num_layers, 2)])
+    stages = [StageModel.load_dir(tiny_model_dirs[kind], s) for s in stage_specs(manifest.num_layers, 2)]
     prompt, extra = PROMPTS[1], [40, 41, 42, 43]
-    for stage in chain.stages:
+    for stage in stages:
         stage.new_request("r")
-    chain.step("r", 0, prompt)
-    first = [chain.step("r", len(prompt) + i, [t]) for i, t in enumerate(extra)]
-    assert all(s.cached_length("r") == len(prompt) + len(extra) for s in chain.stages)
+    forward_through(stages, "r", 0, prompt)
+    first = [forward_through(stages, "r", len(prompt) + i, [t]) for i, t in enumerate(extra)]
+    assert all(s.cached_length("r") == len(prompt) + len(extra) for s in stages)
 
     keep = len(prompt) + 1
-    for stage in chain.stages:
+    for stage in stages:
         stage.rollback("r", keep)
         assert stage.cached_length("r") == keep
     # Recompute the rolled-back tokens in one chunk, as a speculative verification would.
-    again = chain.step("r", keep, extra[1:])
+    again = forward_through(stages, "r", keep, extra[1:])
     torch.testing.assert_close(again, first[-1], rtol=1e-4, atol=1e-4)
     # ... and one by one, after rolling back again.
-    for stage in chain.stages:
+    for stage in stages:
         stage.rollback("r", keep)
-    again = [chain.step("r", keep + i, [t]) for i, t in enumerate(extra[1:])]
+    again = [forward_through(stages, "r", keep + i, [t]) for i, t in enumerate(extra[1:])]
     for a, b in zip(again, first[1:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-    for stage in chain.stages:
+    for stage in stages:
         stage.rollback("r", 0)
         assert stage.cached_length("r") == 0
         with pytest.raises(ModelError):
@@ -123,7 +127,7 @@ def test_rollback_then_recompute_gives_same_logits(tiny_model_dirs, kind):
 
 def test_stage_holds_only_its_own_layers(tiny_model_dirs):
     model_dir = tiny_model_dirs["qwen2"]  # 6 layers, untied head
-    specs = split_layers(6, 3)
+    specs = stage_specs(6, 3)
     assert [(s.first_layer, s.end_layer) for s in specs] == [(0, 2), (2, 4), (4, 6)]
     first, middle, last = (StageModel.load_dir(model_dir, s) for s in specs)
 
@@ -182,7 +186,7 @@ def test_last_stage_skips_head_for_intermediate_chunks(tiny_model_dirs):
 
 
 def test_warm_up_leaves_no_cache(tiny_model_dirs):
-    for spec in split_layers(4, 2):
+    for spec in stage_specs(4, 2):
         stage = StageModel.load_dir(tiny_model_dirs["llama"], spec)
         stage.warm_up()
         assert stage.requests() == []
@@ -198,12 +202,10 @@ def test_load_refuses_missing_files_and_bad_slices(tiny_model_dirs):
         StageModel.load_dir(model_dir, StageSpec(2, 9, is_first=False, is_last=True))
 
 
-def test_store_and_stage_agree_on_names():
-    assert architectures.SUPPORTED_ARCHITECTURES == model_files.SUPPORTED_ARCHITECTURES
-    assert stage_slice.EMBED_FILE == model_files.EMBED_FILE
-    assert stage_slice.FINAL_FILE == model_files.FINAL_FILE
-    assert stage_slice.CONFIG_FILE == model_files.CONFIG_NAME
-    assert all(stage_slice.layer_file(i) == model_files.layer_file(i) for i in (0, 7, 123))
+def test_every_supported_architecture_has_its_building_blocks():
+    for model_type in model_format.SUPPORTED_ARCHITECTURES:
+        blocks = architectures.blocks_for(model_type)
+        assert blocks.decoder_layer.__name__.endswith("DecoderLayer")
 
 
 def test_rollback_past_a_full_sliding_window_is_refused_and_harmless(tiny_model_dirs):

@@ -164,7 +164,7 @@ def test_flipped_bit_kills_the_session(leader, fellow):
 
 def test_reordered_or_repeated_frames_are_corruption(leader, fellow):
     ini, res = open_pair(fellow, leader)
-    first, second = ini.encrypt(b"one")[0], ini.encrypt(b"two")[0]
+    _, second = ini.encrypt(b"one")[0], ini.encrypt(b"two")[0]
     with pytest.raises(FrameCorrupted):
         res.decrypt(second)
     ini, res = open_pair(fellow, leader)

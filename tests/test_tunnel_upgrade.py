@@ -18,7 +18,7 @@ LONG_TOKENS = 96
 @pytest.fixture(scope="module")
 def long_reference(smollm_model_dir):
     from swarm.leader.chat_format import encode_chat
-    from swarm.store.importer import load_reference_model
+    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": LONG}], None)
@@ -50,7 +50,7 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
             assert (await swarm.http.get("/api/v1/settings/direct-links")).json() == {"enabled": False}
             await _block_direct(swarm)
             await swarm.load(name, 2)
-            hop = swarm.fellows[0].stages[name].runtime.out_hop
+            hop = swarm.fellows[0].stages[name].driver.out_hop
             body = {"model": name, "messages": [{"role": "user", "content": LONG}], "temperature": 0,
                     "max_tokens": LONG_TOKENS, "stream": True}
             tokens_text, paths_seen = [], set()

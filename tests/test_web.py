@@ -138,7 +138,7 @@ def test_stop_ends_generation_on_the_fellows(bg, browser, model):
     deadline = time.monotonic() + 10
     while True:
         left = bg.sync(lambda: (list(bg.swarm.leader.serving.requests),
-                                [list(f.stages[model].runtime.stage_model.requests()) for f in bg.swarm.fellows]))
+                                [list(f.stages[model].driver.stage_model.requests()) for f in bg.swarm.fellows]))
         if not left[0] and not any(left[1]):
             break
         assert time.monotonic() < deadline, f"still generating after Stop: {left}"

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import trio
 
 from swarm.errors import SwarmError, first_leaf
-from swarm.mesh import hole_punch as punch, quic, rendezvous
+from swarm.mesh import hole_punch, quic, rendezvous
 from swarm.fellow.net import outbound_ip
 from swarm.tunnel.channel import NoiseChannel
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 LOW_TTL = 3
 
 
-class PunchAgent:
+class DirectLinkAgent:
     def __init__(self, fellow):
         self.fellow = fellow
         self.sockets: dict[str, trio.socket.SocketType] = {}
@@ -45,7 +45,7 @@ class PunchAgent:
             await self.fellow.send_to_leader({**reply, "skip": "not loaded"})
             return
         if role == "a":
-            hop = stage.runtime.out_hop
+            hop = stage.driver.out_hop
             if hop is not None:
                 try:
                     await hop.ensure_open()
@@ -77,7 +77,7 @@ class PunchAgent:
         start_at = trio.current_time() + float(message["start_in_s"])
         try:
             try:
-                peer = await punch.punch(sock, [tuple(c) for c in message["peer_candidates"]], message["secret"],
+                peer = await hole_punch.punch(sock, [tuple(c) for c in message["peer_candidates"]], message["secret"],
                                          role, start_at, low_ttl=LOW_TTL)
                 if role == "a":
                     await self._dial(stage, sock, peer, hop_id)
@@ -94,7 +94,7 @@ class PunchAgent:
         await self.fellow.send_to_leader({**result, "ok": True, "peer": list(peer)})
 
     async def _dial(self, stage, sock, peer, hop_id: str) -> None:
-        hop = stage.runtime.out_hop
+        hop = stage.driver.out_hop
         transport = await quic.open_quic_client(sock, peer, stage.nursery)
         channel = await NoiseChannel.connect(transport, self.fellow.private, hop.config.peer_public,
                                              payload=hop_id.encode())
@@ -107,4 +107,4 @@ class PunchAgent:
         if channel.handshake_payload.decode(errors="replace") != hop_id:
             await channel.aclose()
             raise SwarmError("the tunnel's peer named another hop")
-        stage.nursery.start_soon(self.fellow._pump, channel, stage.runtime, hop_id)
+        stage.nursery.start_soon(self.fellow.links.pump, channel, stage.driver, hop_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -196,21 +196,34 @@ async def fetch_with_retries(
     dest_cache: Path,
     sha256: str,
     size: int,
-    headers: dict[str, str],
+    headers: dict[str, str] | Callable[[], dict[str, str]],
     progress: Callable[[int, int], None] | None = None,
     *,
     attempts: int = RETRY_ATTEMPTS,
     backoff_s: float = RETRY_BACKOFF_S,
+    renew_credential: Callable[[], Awaitable[None]] | None = None,
 ) -> Path:
     """``fetch_file``, tried up to ``attempts`` times with doubling backoff; each try resumes the last one's part.
-    A refused credential and a missing file are not retried: trying again cannot fix them."""
-    for attempt in range(attempts):
+
+    A missing file is not retried: trying again cannot fix it. A refused credential is retried once after
+    ``renew_credential`` returns (the fellow's control link was re-made and the leader issued a new one), with
+    ``headers`` called again for it; without ``renew_credential`` it is final.
+    """
+    headers_now = headers if callable(headers) else (lambda: headers)
+    renewed = False
+    failures = 0
+    while True:
         try:
-            return await fetch_file(client, url, dest_cache, sha256, size, headers, progress)
-        except (CredentialRefused, FileNotOnLeader):
+            return await fetch_file(client, url, dest_cache, sha256, size, headers_now(), progress)
+        except FileNotOnLeader:
             raise
-        except DownloadError:
-            if attempt == attempts - 1:
+        except CredentialRefused:
+            if renewed or renew_credential is None:
                 raise
-            await trio.sleep(backoff_s * 2**attempt)
-    raise AssertionError("unreachable")
+            renewed = True
+            await renew_credential()
+        except DownloadError:
+            failures += 1
+            if failures >= attempts:
+                raise
+            await trio.sleep(backoff_s * 2 ** (failures - 1))

@@ -7,11 +7,11 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 from starlette.routing import Route
 
-from swarm.errors import AuthError
-from swarm.leader.api import as_dict, handles_errors, problem
+from swarm.errors import AuthError, BadRequest
+from swarm.leader.api import as_dict, handles_errors
+from swarm.leader.http_errors import json_body, problem
 from swarm.leader.auth import current_user
-
-DIRECT_LINKS = "direct_links"  # store setting: bool, off until an admin turns it on
+from swarm.leader.direct_links import DIRECT_LINKS
 
 
 class AdminRoutes:
@@ -37,9 +37,7 @@ class AdminRoutes:
     async def users(self, request: Request):
         await self._admin(request)
         if request.method == "POST":
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
+            body = await json_body(request)
             user = await trio.to_thread.run_sync(
                 self.store.create_user, str(body.get("name", "")), str(body.get("password", "")),
                 bool(body.get("is_admin", False)))
@@ -70,12 +68,12 @@ class AdminRoutes:
     async def direct_links(self, request: Request):
         await self._admin(request)
         if request.method == "PUT":
-            body = await request.json()
-            if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
-                raise ValueError("send {\"enabled\": true} or {\"enabled\": false}")
+            body = await json_body(request)
+            if not isinstance(body.get("enabled"), bool):
+                raise BadRequest('send {"enabled": true} or {"enabled": false}.', "invalid_enabled")
             await trio.to_thread.run_sync(self.store.set_setting, DIRECT_LINKS, body["enabled"])
             if body["enabled"]:
-                await self.leader.punching.start_all()  # hops already serving look for a tunnel now
+                await self.leader.direct_links.start_all()  # hops already serving look for a tunnel now
         enabled = await trio.to_thread.run_sync(self.store.get_setting, DIRECT_LINKS, False)
         return JSONResponse({"enabled": bool(enabled)})
 

@@ -9,16 +9,12 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from swarm.errors import AuthError, ModelNotFound, PlacementError, StoreError, SwarmError
+from swarm.errors import AuthError, BadRequest, ModelNotFound, PlacementError
 from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
-from swarm.store.chats import ChatLimitReached, ChatTooLarge
+from swarm.leader.http_errors import api_error, json_body, problem
 
 log = logging.getLogger(__name__)
-
-
-def problem(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
 
 
 def as_dict(obj) -> dict:
@@ -28,25 +24,13 @@ def as_dict(obj) -> dict:
 
 
 def handles_errors(fn):
+    """Every /api/v1 route answers an error in one shape (swarm.leader.http_errors), whatever raised it."""
+
     async def wrapper(self, request: Request):
         try:
             return await fn(self, request)
-        except AuthError as exc:
-            return problem(401, str(exc), "unauthorized")
-        except ModelNotFound as exc:
-            return problem(404, str(exc), "not_found")
-        except PlacementError as exc:
-            return problem(409, str(exc), "placement_refused")
-        except ChatTooLarge as exc:
-            return problem(413, str(exc), "chat_too_large")
-        except ChatLimitReached as exc:
-            return problem(409, str(exc), "chat_limit_reached")
-        except StoreError as exc:
-            return problem(400, str(exc), "store_refused")
-        except SwarmError as exc:
-            return problem(400, str(exc), "bad_request")
-        except (ValueError, KeyError, TypeError) as exc:
-            return problem(400, f"malformed request: {exc}", "bad_request")
+        except Exception as exc:
+            return api_error(exc)
 
     wrapper.__name__ = fn.__name__
     return wrapper
@@ -64,13 +48,7 @@ class ApiRoutes:
         return user
 
     async def _json(self, request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ValueError("the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        return body
+        return await json_body(request)
 
     # --- sign-in --------------------------------------------------------------------------------------------------
 
@@ -190,7 +168,7 @@ class ApiRoutes:
         body = await self._json(request) if await request.body() else {}
         num_stages = body.get("num_stages")
         if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
-            raise ValueError("num_stages must be a positive integer")
+            raise BadRequest("num_stages must be a positive integer.", "invalid_num_stages")
         serving = await self.leader.serving.load(name, num_stages)
         if serving.status == "failed":
             raise PlacementError(serving.error or "the load failed")
@@ -221,10 +199,8 @@ class ApiRoutes:
         await current_user(request, self.store)
         ring_request = self.leader.serving.find(request.path_params["rid"])
         if ring_request is None:
-            log.debug("cancel %s: no such request among %s", request.path_params["rid"],
-                      [r.id for r in self.leader.serving.requests.values()])
             return JSONResponse({"cancelled": False})
-        await self.leader.serving.cancel(ring_request)
+        self.leader.serving.cancel(ring_request)
         return JSONResponse({"cancelled": True})
 
     # --- chats ----------------------------------------------------------------------------------------------------

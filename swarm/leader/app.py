@@ -19,17 +19,17 @@ from starlette.websockets import WebSocket
 
 from swarm.config import Settings
 from swarm.errors import AuthError
-from swarm.tunnel.join_token import make_join_token
 from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
 from swarm.leader.openai_api import OpenAIRoutes
-from swarm.leader.direct_links import PunchCoordinator
+from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
 from swarm.store.db import Store
+from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class Leader:
         self.serving = Serving(self.store, settings, self.models_root, self.relay)
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
-        self.punching = PunchCoordinator(self.store, self.serving)
-        self.serving.punching = self.punching
+        self.direct_links = DirectLinkCoordinator(self.store, self.serving)
+        self.serving.direct_links = self.direct_links
         self.first_start = initialize(self.store, self.public)
         self.app = self._build_app()
 
@@ -156,8 +156,8 @@ class Leader:
             bound_port = int(urls[0].rsplit(":", 1)[1])
             udp_port = self.settings.rendezvous_port if self.settings.rendezvous_port is not None else bound_port
             try:
-                _, self.punching.rendezvous_port = await nursery.start(
-                    lambda task_status: serve_rendezvous(host, udp_port, self.punching.allow, task_status=task_status))
+                _, self.direct_links.rendezvous_port = await nursery.start(
+                    lambda task_status: serve_rendezvous(host, udp_port, self.direct_links.allow, task_status=task_status))
             except OSError as exc:
                 log.warning("no UDP rendezvous on port %s (%s): direct links will use the relay", udp_port, exc)
             task_status.started(urls)

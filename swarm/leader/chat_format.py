@@ -5,8 +5,8 @@ Tokenisation happens on the leader; fellows see token ids only.
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,23 @@ def sampling_defaults(architecture: str, thinking: bool) -> dict:
     return dict(OTHER)
 
 
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+_tokenizers: dict[str, object] = {}
+# One lock for loading: transformers' lazy imports are not safe to race from several worker threads (a burst of
+# first requests once broke every caller but the first with "cannot import name 'AutoTokenizer'").
+_loading = threading.Lock()
 
-    return AutoTokenizer.from_pretrained(model_dir)
+
+def load_tokenizer(model_dir: str):
+    """The model's tokenizer, loaded once per model folder (from any thread)."""
+    tokenizer = _tokenizers.get(model_dir)
+    if tokenizer is None:
+        with _loading:
+            tokenizer = _tokenizers.get(model_dir)
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = _tokenizers[model_dir] = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer
 
 
 def _text(content) -> str:
@@ -67,24 +79,30 @@ def eos_ids(model_dir: Path, manifest: dict) -> list[int]:
 
 
 class TextStream:
-    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 character."""
+    """Turns a growing list of token ids into text deltas, incrementally: each push decodes only the last few tokens
+    (from the start of the previous delta), so a long reply costs the same per token as a short one. An incomplete
+    UTF-8 character (a byte-level token that ends mid-character) is held back until the next token completes it."""
 
     def __init__(self, model_dir: Path):
         self.tokenizer = load_tokenizer(str(model_dir))
         self.tokens: list[int] = []
-        self.sent = ""
+        self._prefix = 0  # decoding starts here, so a token's leading space is decoded in context
+        self._read = 0  # tokens up to here have been turned into text
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.sent):] if text.startswith(self.sent) else text
-        self.sent = text
-        return delta
+        return self._advance(final=False)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent = text
-        return delta
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        seen = self._decode(self.tokens[self._prefix : self._read])
+        text = self._decode(self.tokens[self._prefix :])
+        if (text.endswith("\ufffd") and not final) or len(text) <= len(seen):
+            return ""
+        self._prefix, self._read = self._read, len(self.tokens)
+        return text[len(seen) :]

@@ -24,7 +24,7 @@ RETRY_S = (10.0, 30.0, 60.0, 120.0)  # after a failed attempt; NATs rarely chang
 WATCH_S = 5.0  # how often a hop on the tunnel is checked for having fallen back
 
 
-class PunchCoordinator:
+class DirectLinkCoordinator:
     def __init__(self, store, serving):
         self.store = store
         self.serving = serving
@@ -103,7 +103,7 @@ class PunchCoordinator:
         send, receive = trio.open_memory_channel(1)
         self._waiting[key] = send
         try:
-            await conn.send(message)
+            conn.post(message)
             with trio.fail_after(timeout):
                 return await receive.receive()
         except trio.TooSlowError:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from typing import Any
 
 import trio
 from starlette.websockets import WebSocket
 
 from swarm import wire
-from swarm.errors import AuthError, SwarmError
-from swarm.fellow.hardware import Hardware
+from swarm.errors import AuthError, ProtocolError, SwarmError
+from swarm.wire import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
 from swarm.tunnel.keys import fingerprint
@@ -31,11 +33,24 @@ class FellowConn:
     channel: NoiseChannel
     connected_at: float
     last_heartbeat: float
-    lock: trio.Lock = dataclasses.field(default_factory=trio.Lock)
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
+    # Messages to the fellow wait here for the connection's writer task, so whoever posts one -- the loop reading
+    # another fellow's link, a client's request -- never waits on this fellow's network.
+    outbox: trio.MemorySendChannel = dataclasses.field(init=False, repr=False)
+    _outbox_reader: trio.MemoryReceiveChannel = dataclasses.field(init=False, repr=False)
 
-    async def send(self, message: dict) -> None:
-        async with self.lock:
+    def __post_init__(self) -> None:
+        self.outbox, self._outbox_reader = trio.open_memory_channel(math.inf)
+
+    def post(self, message: Any) -> None:
+        """Queue a message for the fellow; it goes out in order. A closed connection drops it."""
+        try:
+            self.outbox.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            log.debug("dropped a message for %s: its link is closed", self.name)
+
+    async def write_outbox(self) -> None:
+        async for message in self._outbox_reader:
             await self.channel.send(wire.encode(message))
 
     def summary(self) -> dict:
@@ -85,23 +100,43 @@ class FellowHub:
         self.online[conn.id] = conn
         log.info("fellow %s (%s) connected: %s", conn.name, conn.id, conn.hardware.describe())
         try:
-            await conn.send({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
-                             "stages": self.serving.models_on_fellow(conn.id)})
+            conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
+                       "stages": self.serving.models_on_fellow(conn.id)})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write, conn, nursery.cancel_scope)
+                await self._read(conn)
+                nursery.cancel_scope.cancel()
+        finally:
+            conn.outbox.close()
+            if self.online.get(conn.id) is conn:
+                del self.online[conn.id]
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await self.serving.on_fellow_lost(conn)
+            await _quiet_close(channel)
+
+    async def _read(self, conn: FellowConn) -> None:
+        try:
             while True:
-                message = wire.decode(await channel.receive())
-                if message["t"] == "heartbeat":
+                data = await conn.channel.receive()
+                try:
+                    message = wire.unpack(data)
+                except ProtocolError as exc:  # the link itself is fine: skip what we cannot read
+                    log.warning("fellow %s sent a message the leader cannot read: %s", conn.name, exc)
+                    continue
+                if isinstance(message, dict) and message["t"] == "heartbeat":
                     conn.hardware = Hardware.from_wire(message["hardware"])
                     conn.last_heartbeat = trio.current_time()
                     await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
                 await self.serving.on_fellow_message(conn, message)
         except SwarmError as exc:
             log.info("fellow %s disconnected: %s", conn.name, exc)
-        finally:
-            if self.online.get(conn.id) is conn:
-                del self.online[conn.id]
-                with trio.move_on_after(CLEANUP_S, shield=True):
-                    await self.serving.on_fellow_lost(conn)
-            await _quiet_close(channel)
+
+    async def _write(self, conn: FellowConn, scope: trio.CancelScope) -> None:
+        try:
+            await conn.write_outbox()
+        except SwarmError as exc:
+            log.info("could not write to fellow %s: %s", conn.name, exc)
+            scope.cancel()  # the link is broken: end the reader too
 
     async def _admit(self, channel: NoiseChannel, hello: dict) -> FellowConn:
         key = channel.remote_static

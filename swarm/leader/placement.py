@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from swarm.errors import PlacementError
+from swarm.model_format import split_layers
 
 GB = 1e9  # user-facing sizes are decimal gigabytes, like the seed's messages
 # Working memory beyond weights and KV cache: activations of a 256-token prefill chunk, the allocator's slack and
@@ -46,26 +47,6 @@ class StagePlan:
     @property
     def need_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes + OVERHEAD_BYTES
-
-
-def split_layers(num_layers: int, weights: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [first, end) slices, sizes proportional to ``weights``, each holding at least one layer."""
-    n = len(weights)
-    if n < 1 or num_layers < n:
-        raise PlacementError(f"cannot split {num_layers} layers over {n} stages; use at most {num_layers} stages.")
-    total = sum(weights) or float(n)
-    weights = [w if sum(weights) else 1.0 for w in weights]
-    bounds = [0]
-    acc = 0.0
-    for k, w in enumerate(weights[:-1]):
-        acc += w
-        b = round(num_layers * acc / total)
-        # at least one layer for this stage and for every stage after it
-        b = max(b, bounds[-1] + 1)
-        b = min(b, num_layers - (n - k - 1))
-        bounds.append(b)
-    bounds.append(num_layers)
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def place(

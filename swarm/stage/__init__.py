@@ -1,18 +1,19 @@
-"""One pipeline stage: a slice of a transformers model, its KV caches, and sampling. No networking here."""
+"""One pipeline stage: a slice of a transformers model, its KV caches, sampling, and the ring protocol as plain logic.
+No networking here."""
 
-from swarm.stage.architectures import SUPPORTED_ARCHITECTURES
-from swarm.stage.local import LocalChain
+from swarm.stage.local import LocalRing
+from swarm.stage.protocol import StageProtocol
 from swarm.stage.sampling import GREEDY, SamplingParams, make_generator, sample
-from swarm.stage.slice import StageModel, StageSpec, split_layers
+from swarm.stage.slice import StageModel, StageSpec, stage_specs
 
 __all__ = [
     "GREEDY",
-    "SUPPORTED_ARCHITECTURES",
-    "LocalChain",
+    "LocalRing",
     "SamplingParams",
     "StageModel",
+    "StageProtocol",
     "StageSpec",
     "make_generator",
     "sample",
-    "split_layers",
+    "stage_specs",
 ]

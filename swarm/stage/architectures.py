@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import UnsupportedArchitecture
+from swarm.model_format import SUPPORTED_ARCHITECTURES
 
-# model_type -> class-name prefix in transformers.models.<model_type>.modeling_<model_type>
-# (kept in step with swarm/store/model_files.py's SUPPORTED_ARCHITECTURES; a test checks).
+# model_type -> class-name prefix in transformers.models.<model_type>.modeling_<model_type>, for every family in
+# swarm.model_format.SUPPORTED_ARCHITECTURES (a test checks none is missing).
 _PREFIXES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-SUPPORTED_ARCHITECTURES = tuple(_PREFIXES)
 
 
 @dataclass(frozen=True)

@@ -1,64 +1,139 @@
-"""A whole ring in one process: stages chained by function calls.
+"""A whole ring in one process: every stage's protocol and model, messages passed by function calls.
 
-The reference for what the networked ring must do (prefill in chunks, hidden states forward, the sampled token back
-to stage 0), used by tests and benchmarks.
+The same :class:`~swarm.stage.protocol.StageProtocol` the fellows run, without sockets: the reference for what the
+networked ring must do, and the fastest way to test the protocol (chunked prefill, endings, cancels, failures,
+requests interleaved). ``execute`` computes a batch; tests may pass one that fails on purpose.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-import torch
-
+from swarm import wire
 from swarm.errors import ModelError
-from swarm.stage.sampling import GREEDY, SamplingParams, make_generator, sample
-from swarm.stage.slice import StageModel
+from swarm.stage.protocol import Output, Release, Report, Send, StageProtocol, Stream, Work
 
 
-class LocalChain:
-    def __init__(self, stages: Sequence[StageModel]) -> None:
-        if not stages or not stages[0].spec.is_first or not stages[-1].spec.is_last:
-            raise ModelError("a chain needs stages from the first to the last")
-        self.stages = list(stages)
+@dataclasses.dataclass
+class LocalReply:
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
 
-    def step(self, rid: str, position: int, ids: Sequence[int], want_logits: bool = True) -> torch.Tensor | None:
-        """Pass one chunk of token ids through every stage; the last stage's logits (or None)."""
-        out: torch.Tensor | None = torch.tensor([list(ids)], dtype=torch.long)
-        out = self.stages[0].forward(rid, position, input_ids=out, want_logits=want_logits)
-        for stage in self.stages[1:]:
-            out = stage.forward(rid, position, hidden=out, want_logits=want_logits)
-        return out
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
 
-    def stream(
+
+class LocalRing:
+    def __init__(
         self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        params: SamplingParams = GREEDY,
+        stages: Sequence[Any],
+        *,
         prefill_chunk: int = 256,
-        eos_token_ids: Iterable[int] = (),
-        rid: str = "local",
-    ) -> Iterator[int]:
-        """Yield new tokens one by one; stops after an end-of-sequence token (which is yielded) or max_new_tokens."""
-        eos = set(eos_token_ids)
-        generator = make_generator(params)
-        for stage in self.stages:
-            stage.new_request(rid)
-        try:
-            logits = None
-            for start in range(0, len(prompt), prefill_chunk):
-                chunk = prompt[start : start + prefill_chunk]
-                logits = self.step(rid, start, chunk, want_logits=start + len(chunk) == len(prompt))
-            position = len(prompt)
-            for produced in range(max_new_tokens):
-                token = sample(logits, params, generator)
-                yield token
-                if token in eos or produced + 1 == max_new_tokens:
-                    return
-                logits = self.step(rid, position, [token])
-                position += 1
-        finally:
-            for stage in self.stages:
-                stage.drop(rid)
+        model: str = "local",
+        execute: Callable[[Any, list[Work]], Output] | None = None,
+    ):
+        if not stages:
+            raise ModelError("a ring needs at least one stage")
+        if execute is None:
+            from swarm.stage.execute import run_batch as execute
+        self.stages = list(stages)
+        self.execute = execute
+        n = len(self.stages)
+        self.protocols = [StageProtocol(model=model, index=i, num_stages=n, prefill_chunk=prefill_chunk)
+                          for i in range(n)]
+        self.inboxes: list[collections.deque] = [collections.deque() for _ in range(n)]
+        self.replies: dict[str, LocalReply] = {}
+        self.model = model
+        self.batches = 0  # computed batches, all stages together
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> list[int]:
-        return list(self.stream(prompt, max_new_tokens, **kwargs))
+    # --- requests -----------------------------------------------------------------------------------------------
+
+    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int, sampling: wire.Sampling = wire.Sampling(),
+               eos: Iterable[int] = ()) -> LocalReply:
+        self.replies[rid] = LocalReply()
+        self.inboxes[0].append(wire.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling))
+        return self.replies[rid]
+
+    def cancel(self, rid: str) -> None:
+        self.inboxes[0].append(wire.Cancel(self.model, rid))
+        reply = self.replies.get(rid)
+        if reply is not None and not reply.ended:
+            reply.finish_reason = "cancelled"
+
+    # --- running ------------------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Deliver every waiting message, then compute one batch on each stage that has work; False when idle."""
+        busy = False
+        for i, protocol in enumerate(self.protocols):
+            inbox = self.inboxes[i]
+            while inbox:
+                busy = True
+                self._perform(i, protocol.receive(inbox.popleft()))
+            batch = protocol.next_batch()
+            if not batch:
+                continue
+            busy = True
+            self.batches += 1
+            try:
+                output = self.execute(self.stages[i], batch)
+            except Exception as exc:  # a failing compute fails its requests, as on a fellow
+                self._perform(i, protocol.compute_failed(batch, f"stage {i} failed: {type(exc).__name__}: {exc}"))
+            else:
+                self._perform(i, protocol.computed(batch, output))
+        return busy
+
+    def run(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise ModelError(f"the local ring did not settle within {max_steps} steps")
+
+    def _perform(self, index: int, actions: list) -> None:
+        n = len(self.protocols)
+        for action in actions:
+            if isinstance(action, Send):
+                self.inboxes[(index + 1) % n].append(action.message)
+            elif isinstance(action, Stream):
+                reply = self.replies.get(action.rid)
+                if reply is not None and not reply.ended:
+                    reply.tokens.append(action.token)
+                    reply.finish_reason = action.finish_reason
+            elif isinstance(action, Report):
+                reply = self.replies.get(action.message.rid)
+                if reply is not None and not reply.ended:
+                    reply.error = action.message.message
+            elif isinstance(action, Release):
+                self.stages[index].drop(action.rid)
+
+    # --- one request, like generate -----------------------------------------------------------------------------
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: wire.Sampling = wire.Sampling(),
+                 eos_token_ids: Iterable[int] = (), rid: str = "local") -> list[int]:
+        """New tokens of one request, ending after an end-of-sequence token (included) or ``max_new_tokens``."""
+        reply = self.submit(rid, prompt, max_new_tokens, sampling, eos_token_ids)
+        self.run()
+        if reply.error is not None:
+            raise ModelError(reply.error)
+        return reply.tokens
+
+    def holding(self) -> list[list[str]]:
+        """The requests each stage still holds state for (protocol) -- empty lists once everything ended."""
+        return [sorted(p.requests) for p in self.protocols]
+
+
+def forward_through(stages: Sequence[Any], rid: str, position: int, ids: Sequence[int], want_logits: bool = True):
+    """One chunk of token ids through every stage's model, without the protocol: the last stage's logits (or None).
+    For checking caches, chunking and rollback against the library's own forward."""
+    import torch
+
+    out = stages[0].forward(rid, position, input_ids=torch.tensor([list(ids)], dtype=torch.long),
+                            want_logits=want_logits)
+    for stage in stages[1:]:
+        out = stage.forward(rid, position, hidden=out, want_logits=want_logits)
+    return out

@@ -25,17 +25,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from swarm.errors import ModelError
+from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, config_from_dict
-
-# File names inside a model dir, as swarm/store/model_files.py writes them (a test checks they agree).
-CONFIG_FILE = "config.json"
-EMBED_FILE = "weights/embed.safetensors"
-FINAL_FILE = "weights/final.safetensors"
-
-
-def layer_file(index: int) -> str:
-    return f"weights/layer_{index:03d}.safetensors"
-
 
 _MASK_FUNCTIONS = {
     "full_attention": create_causal_mask,
@@ -56,26 +47,13 @@ class StageSpec:
 
     def files(self, tie_word_embeddings: bool) -> list[str]:
         """The model files (relative paths) this stage reads."""
-        wanted = [CONFIG_FILE]
-        if self.is_first or (self.is_last and tie_word_embeddings):
-            wanted.append(EMBED_FILE)
-        wanted += [layer_file(i) for i in range(self.first_layer, self.end_layer)]
-        if self.is_last:
-            wanted.append(FINAL_FILE)
-        return wanted
+        return stage_file_paths(self.first_layer, self.end_layer, self.is_first, self.is_last, tie_word_embeddings)
 
 
-def split_layers(num_layers: int, stages: int) -> list[StageSpec]:
-    """Even contiguous split of num_layers over `stages` stages (earlier stages take the remainder)."""
-    if not 1 <= stages <= num_layers:
-        raise ModelError(f"cannot split {num_layers} layers over {stages} stages")
-    base, extra = divmod(num_layers, stages)
-    specs, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        specs.append(StageSpec(start, end, i == 0, i == stages - 1))
-        start = end
-    return specs
+def stage_specs(num_layers: int, stages: int) -> list[StageSpec]:
+    """An even contiguous split of ``num_layers`` layers over ``stages`` stages."""
+    slices = split_layers(num_layers, [1.0] * stages)
+    return [StageSpec(first, end, i == 0, i == stages - 1) for i, (first, end) in enumerate(slices)]
 
 
 def _slice_config(config: Any, spec: StageSpec) -> Any:

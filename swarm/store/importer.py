@@ -1,27 +1,16 @@
-"""Model files on disk: import a model once into per-layer safetensors files, and describe them in a manifest.
+"""Importing a model once into per-layer safetensors files (named in swarm.model_format) with their manifest.
 
-Layout of one imported model, under ``models_root / name``::
+Sources: a transformers folder (safetensors), a .gguf file, or a built-in name. The GGUF dequantization and dtype
+conversions happen here, once: stages and the reference model only ever read safetensors. The result is written to
+a temporary folder next to the target and renamed into place, so an interrupted import leaves nothing that looks
+like a model.
 
-    manifest.json                 this module's Manifest (names, sizes, sha256 of every file below)
-    config.json                   the transformers config
-    generation_config.json        when the source has one
-    tokenizer.json, ...           whatever ``tokenizer.save_pretrained`` writes (chat template included)
-    weights/embed.safetensors     embed_tokens.weight
-    weights/layer_000.safetensors one decoder layer, tensor names relative to it ("self_attn.q_proj.weight")
-    weights/final.safetensors     norm.weight (and lm_head.weight when embeddings are not tied)
-
-A fellow fetches only the files of its stage (``stage_files``), so a layer file is the unit of download and caching.
-The GGUF dequantization and the dtype conversions happen here, once: stages and the reference model only ever read
-safetensors.
-
-torch and transformers are imported inside the functions that need them, so the leader can read manifests without
+torch and transformers are imported inside the functions that need them, so the leader reads manifests without
 paying for torch at start-up.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
@@ -29,16 +18,24 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from swarm.errors import ImportFailed, ModelError, ModelNotFound, UnsupportedArchitecture
+from swarm.errors import ImportFailed, UnsupportedArchitecture
+from swarm.model_format import (
+    CONFIG_FILE,
+    EMBED_FILE,
+    FINAL_FILE,
+    GENERATION_CONFIG_FILE,
+    MANIFEST_FILE,
+    SUPPORTED_ARCHITECTURES,
+    WEIGHTS_DIR,
+    layer_file,
+)
+from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 
 log = logging.getLogger(__name__)
-
-# Kept in step with swarm/stage/architectures.py (a test checks): the decoder layouts the stage code can slice.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 BUILTIN_MODELS = {
     # name -> (python package that ships it, file inside the package)
@@ -46,124 +43,9 @@ BUILTIN_MODELS = {
 }
 DEFAULT_BUILTIN = "smollm2-135m-instruct"
 
-MANIFEST_NAME = "manifest.json"
-CONFIG_NAME = "config.json"
-GENERATION_CONFIG_NAME = "generation_config.json"
-WEIGHTS_DIR = "weights"
-EMBED_FILE = f"{WEIGHTS_DIR}/embed.safetensors"
-FINAL_FILE = f"{WEIGHTS_DIR}/final.safetensors"
-MANIFEST_VERSION = 1
-
-# Bytes of one element, by the dtype names torch prints without the "torch." prefix.
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LAYER_KEY_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
-
-def layer_file(index: int) -> str:
-    """Path, relative to the model dir, of decoder layer ``index``'s file."""
-    return f"{WEIGHTS_DIR}/layer_{index:03d}.safetensors"
-
-
-# --- manifest --------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the model dir, "/" separated
-    sha256: str
-    size: int
-    kind: str  # "embed" | "layer" | "final" | "config" | "tokenizer"
-    layer: int | None = None
-
-
-@dataclasses.dataclass
-class Manifest:
-    name: str
-    architecture: str  # the transformers model_type
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    dtype: str  # of the stored weights: "float32", "bfloat16", "float16"
-    tie_word_embeddings: bool
-    eos_token_ids: list[int]
-    bytes_per_layer: int  # the largest layer file
-    total_bytes: int
-    files: list[FileEntry]
-    kv_bytes_per_token: int = 0  # per layer, at `dtype`; see kv_bytes_per_token()
-    source: str = ""
-    warnings: list[str] = dataclasses.field(default_factory=list)
-    version: int = MANIFEST_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in data.items() if k in known}
-        data["files"] = [FileEntry(**f) for f in data.get("files", [])]
-        return cls(**data)
-
-    def file(self, path: str) -> FileEntry:
-        for entry in self.files:
-            if entry.path == path:
-                return entry
-        raise ModelError(f"model {self.name!r} has no file {path!r} in its manifest; re-import it")
-
-
-def load_manifest(model_dir: Path) -> Manifest:
-    path = Path(model_dir) / MANIFEST_NAME
-    try:
-        return Manifest.from_json(path.read_text())
-    except FileNotFoundError:
-        raise ModelNotFound(f"no model at {model_dir}: {MANIFEST_NAME} is missing; import it with `swarm model import`")
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ModelError(f"the manifest {path} is damaged ({exc}); import the model again with --replace") from exc
-
-
-def stage_files(manifest: Manifest, first_layer: int, end_layer: int, is_first: bool, is_last: bool) -> list[FileEntry]:
-    """The files a stage holding layers [first_layer, end_layer) needs: config, its weights, nothing else.
-
-    The last stage needs the embedding too when embeddings are tied: its head *is* the embedding matrix.
-    """
-    if not 0 <= first_layer < end_layer <= manifest.num_layers:
-        raise ModelError(
-            f"layers {first_layer}..{end_layer - 1} are not a slice of {manifest.name!r}, "
-            f"which has layers 0..{manifest.num_layers - 1}"
-        )
-    wanted = [CONFIG_NAME]
-    if is_first or (is_last and manifest.tie_word_embeddings):
-        wanted.append(EMBED_FILE)
-    wanted += [layer_file(i) for i in range(first_layer, end_layer)]
-    if is_last:
-        wanted.append(FINAL_FILE)
-    return [manifest.file(p) for p in wanted]
-
-
-def kv_bytes_per_token(config: Mapping[str, Any], dtype: str = "float32") -> int:
-    """KV-cache bytes one token takes in ONE decoder layer: keys and values, each num_kv_heads * head_dim values."""
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    try:
-        width = DTYPE_BYTES[dtype.removeprefix("torch.")]
-    except KeyError:
-        raise ModelError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
-    return 2 * kv_heads * head_dim * width
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# --- import ----------------------------------------------------------------------------------------------------------
 
 Progress = Callable[[str, float], None]
 
@@ -268,9 +150,9 @@ def _import_folder(folder: Path, work: Path, name: str, report: Progress) -> Man
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    config_path = folder / CONFIG_NAME
+    config_path = folder / CONFIG_FILE
     if not config_path.is_file():
-        raise ImportFailed(f"{folder} has no {CONFIG_NAME}; give a folder saved by transformers' save_pretrained")
+        raise ImportFailed(f"{folder} has no {CONFIG_FILE}; give a folder saved by transformers' save_pretrained")
     try:
         raw_config = json.loads(config_path.read_text())
     except ValueError as exc:
@@ -376,14 +258,14 @@ def _load_tokenizer(load: Callable[[], Any]) -> Any:
 
 
 def _load_generation_config(folder: Path) -> Any:
-    if not (folder / GENERATION_CONFIG_NAME).is_file():
+    if not (folder / GENERATION_CONFIG_FILE).is_file():
         return None
     from transformers import GenerationConfig
 
     try:
         return GenerationConfig.from_pretrained(folder)
     except Exception as exc:
-        raise ImportFailed(f"cannot read {folder / GENERATION_CONFIG_NAME}: {exc}") from exc
+        raise ImportFailed(f"cannot read {folder / GENERATION_CONFIG_FILE}: {exc}") from exc
 
 
 def _write_model(
@@ -450,14 +332,14 @@ def _write_model(
 
     report("checksum", 0.0)
     entries: list[FileEntry] = []
-    for rel in [CONFIG_NAME, *([GENERATION_CONFIG_NAME] if (work / GENERATION_CONFIG_NAME).exists() else [])]:
+    for rel in [CONFIG_FILE, *([GENERATION_CONFIG_FILE] if (work / GENERATION_CONFIG_FILE).exists() else [])]:
         entries.append(_entry(work, rel, "config"))
     entries += [_entry(work, rel, "tokenizer") for rel in tokenizer_files]
     entries.append(_entry(work, EMBED_FILE, "embed"))
     entries += [_entry(work, layer_file(i), "layer", i) for i in range(num_layers)]
     entries.append(_entry(work, FINAL_FILE, "final"))
 
-    raw_config = json.loads((work / CONFIG_NAME).read_text())
+    raw_config = json.loads((work / CONFIG_FILE).read_text())
     manifest = Manifest(
         name=name,
         architecture=config.model_type,
@@ -474,7 +356,7 @@ def _write_model(
         source=source,
         warnings=warnings,
     )
-    (work / MANIFEST_NAME).write_text(manifest.to_json())
+    (work / MANIFEST_FILE).write_text(manifest.to_json())
     report("checksum", 1.0)
     return manifest
 
@@ -494,48 +376,3 @@ def _eos_token_ids(*sources: Any) -> list[int]:
             if isinstance(token, int) and token not in ids:
                 ids.append(token)
     return ids
-
-
-# --- reference model -------------------------------------------------------------------------------------------------
-
-
-def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
-    """The whole model as one transformers AutoModelForCausalLM, assembled from the per-layer files.
-
-    The single-process reference that stages are checked against (tests, benchmarks); float32 by default.
-    """
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    dtype = dtype or torch.float32
-    model_dir = Path(model_dir)
-    manifest = load_manifest(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    state: dict[str, torch.Tensor] = {}
-    state["model.embed_tokens.weight"] = load_file(model_dir / EMBED_FILE)["embed_tokens.weight"]
-    for i in range(manifest.num_layers):
-        for key, value in load_file(model_dir / layer_file(i)).items():
-            state[f"model.layers.{i}.{key}"] = value
-    for key, value in load_file(model_dir / FINAL_FILE).items():
-        state[key if key == "lm_head.weight" else f"model.{key}"] = value
-    if manifest.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    state = {k: v.to(dtype) for k, v in state.items()}
-    if manifest.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    # Non-persistent buffers (rotary inv_freq) are not in the files: rebuild those modules on the CPU.
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if any(b.is_meta for b in child.buffers(recurse=False)):
-                setattr(parent, child_name, type(child)(config=model.config))
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover:
-        raise ModelError(f"the reference model for {model_dir} has no weights for {', '.join(leftover[:5])}")
-    if (model_dir / GENERATION_CONFIG_NAME).is_file():
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
-    model.eval()
-    return model

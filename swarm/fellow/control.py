@@ -1,0 +1,142 @@
+"""The fellow's control link to the leader: one outbound websocket carrying a Noise session pinned to the leader's
+key (so it works behind a NAT and nobody on the way reads it). Enrolment, heartbeats, and the leader's instructions
+(load, unload, requests, Direct links) dispatched to the parts of the fellow that carry them out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+import trio_websocket
+
+from swarm import __version__, wire
+from swarm.errors import AuthError, LinkClosed, SwarmError
+from swarm.fellow import hardware
+from swarm.fellow.net import outbound_ip
+from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
+from swarm.tunnel.channel import NoiseChannel
+from swarm.tunnel.keys import fingerprint
+
+log = logging.getLogger(__name__)
+
+SEND_TIMEOUT_S = 30.0  # a control message the leader has not taken by then means the link is dead
+CONNECT_TIMEOUT_S = 10.0
+
+
+class ControlLink:
+    def __init__(self, fellow):
+        self.fellow = fellow
+        self._channel: NoiseChannel | None = None
+        self._lock = trio.Lock()
+
+    async def session(self) -> None:
+        """One connection to the leader, from the handshake until it drops."""
+        fellow = self.fellow
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT_S):
+                    ws = await trio_websocket.connect_websocket_url(
+                        nursery, ws_url(fellow.leader_url, "/fellow/link"), max_message_size=1 << 20
+                    )
+            except (OSError, trio_websocket.HandshakeError) as exc:
+                raise LinkClosed(f"cannot reach the leader: {exc}") from None
+            channel = await NoiseChannel.connect(WebSocketFrameTransport(ws), fellow.private, fellow.leader_public)
+            try:
+                await self._enrol(channel)
+                nursery.start_soon(self._heartbeat)
+                while True:
+                    await self.dispatch(wire.unpack(await channel.receive()))
+            finally:
+                self._channel = None
+                nursery.cancel_scope.cancel()
+
+    async def _enrol(self, channel: NoiseChannel) -> None:
+        fellow = self.fellow
+        hello = {
+            "t": "hello", "name": fellow.name, "version": __version__,
+            "hardware": hardware.probe().to_wire(),
+            "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
+            "stages": sorted(fellow.stages),
+        }
+        if fellow.join_secret:
+            hello["join_token"] = fellow.join_secret
+        await channel.send(wire.encode(hello))
+        reply = wire.decode(await channel.receive())
+        if reply["t"] == "refused":
+            raise AuthError(f"the leader refused this fellow: {reply.get('message')}")
+        if reply["t"] != "welcome":
+            raise LinkClosed(f"unexpected first message from the leader: {reply['t']}")
+        fellow.fellow_id = int(reply["fellow_id"])
+        fellow.credential = reply["credential"]
+        fellow.join_secret = None  # enrolled: the key identifies this fellow from now on
+        self._channel = channel
+        fellow.connected.set()
+        log.info("joined %s as %s (fellow %s, key %s)", fellow.leader_url, fellow.name, fellow.fellow_id,
+                 fingerprint(fellow.public))
+        # Stages whose model the leader no longer counts as ours are stale after a leader restart.
+        for model in [m for m in fellow.stages if m not in reply.get("stages", [])]:
+            fellow.unload(model)
+
+    async def send(self, message: Any) -> None:
+        channel = self._channel
+        if channel is None:
+            raise LinkClosed("not connected to the leader")
+        # Shielded: a task cancelled half-way through a send would leave the Noise session unusable and cost the
+        # whole control link (and with it the node credential that downloads in flight use).
+        with trio.move_on_after(SEND_TIMEOUT_S, shield=True) as scope:
+            async with self._lock:
+                await channel.send(wire.encode(message))
+        if scope.cancelled_caught:
+            raise LinkClosed(f"the leader did not take a message within {SEND_TIMEOUT_S:.0f} s")
+
+    async def _heartbeat(self) -> None:
+        fellow = self.fellow
+        while True:
+            await trio.sleep(fellow.settings.heartbeat_s)
+            hw = await trio.to_thread.run_sync(hardware.probe)
+            hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
+            await self.send({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(fellow.stages),
+                             "hops": hops})
+
+    async def dispatch(self, message: Any) -> None:
+        fellow = self.fellow
+        if isinstance(message, (wire.Generate, wire.Cancel)):
+            stage = fellow.stages.get(message.model)
+            if stage is None:
+                await self.send(wire.Failed(message.model, message.rid,
+                                            f"model {message.model} is not loaded on {fellow.name}",
+                                            not_loaded=True))
+            else:
+                await stage.driver.deliver(message)
+            return
+        if not isinstance(message, dict):
+            log.debug("ignoring control message %s", type(message).__name__)
+            return
+        kind = message["t"]
+        if kind == "load":
+            fellow.nursery.start_soon(fellow.loader.load, message)
+        elif kind == "unload":
+            fellow.unload(message["model"])
+            await self.send({"t": "unloaded", "model": message["model"]})
+        elif kind == "ring_ready":
+            # Every stage is loaded: open the outgoing link now, so the first reply does not wait for it.
+            stage = fellow.stages.get(message["model"])
+            if stage is not None and stage.driver.out_hop is not None:
+                stage.nursery.start_soon(_open_quietly, stage.driver.out_hop)
+        elif kind == "punch_ping":
+            await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
+        elif kind == "punch_prepare":
+            fellow.nursery.start_soon(fellow.direct_links.prepare, message)
+        elif kind == "punch_start":
+            fellow.nursery.start_soon(fellow.direct_links.start, message)
+        else:
+            log.debug("ignoring control message %r", kind)
+
+
+async def _open_quietly(hop) -> None:
+    try:
+        await hop.ensure_open()
+    except SwarmError as exc:
+        log.info("the link to %s is not open yet (%s); the first request opens it", hop.config.peer_name, exc)

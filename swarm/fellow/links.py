@@ -1,0 +1,106 @@
+"""Incoming ring links: the previous stage reaches this fellow's stages over a direct TCP connection to the serving
+port (SWARM_SERVE_PORT), through the leader's relay, or over a hole-punched tunnel (direct_links.py). Whatever the
+path, the peer must prove the key the leader announced for the hop, and what arrives is handed to the stage in the
+hop's order (swarm.mesh.sequencing), so a hop may change path between two messages.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+import trio_websocket
+
+from swarm import wire
+from swarm.errors import SwarmError, TunnelError, first_leaf
+from swarm.mesh import sequencing
+from swarm.mesh.paths import accept_relay
+from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, StreamFrameTransport
+
+log = logging.getLogger(__name__)
+
+RELAY_RETRY_S = 1.0  # after the relay listener's connection drops (a leader restart, a Wi-Fi blip)
+
+
+class IncomingLinks:
+    def __init__(self, fellow):
+        self.fellow = fellow
+        self.serve_port: int | None = None
+        self._resequencers: dict[str, sequencing.Resequencer] = {}
+
+    async def start_listener(self, nursery: trio.Nursery) -> None:
+        port = self.fellow.settings.serve_port
+        try:
+            listeners = await nursery.start(trio.serve_tcp, self._on_direct_connection, port)
+        except OSError as exc:
+            log.warning("SWARM_SERVE_PORT %s is taken (%s); listening on a free port instead", port, exc)
+            listeners = await nursery.start(trio.serve_tcp, self._on_direct_connection, 0)
+        self.serve_port = listeners[0].socket.getsockname()[1]
+
+    def forget_hop(self, hop_id: str) -> None:
+        self._resequencers.pop(hop_id, None)
+
+    def _expects(self, key: bytes) -> bool:
+        return any(s.hop_in is not None and s.hop_in["peer_key"] == key for s in self.fellow.stages.values())
+
+    def stage_for_hop(self, hop_id: str, key: bytes):
+        """The driver of the stage that receives on ``hop_id`` from the fellow with ``key`` (None: no such hop)."""
+        for stage in self.fellow.stages.values():
+            if stage.hop_in is not None and stage.hop_in["hop_id"] == hop_id and stage.hop_in["peer_key"] == key:
+                return stage.driver
+        return None
+
+    async def pump(self, channel: NoiseChannel, driver, hop_id: str) -> None:
+        """Ring messages of one incoming path, handed to the stage in the hop's order."""
+        order = self._resequencers.setdefault(hop_id, sequencing.Resequencer())
+        try:
+            while True:
+                frame = await channel.receive()
+                flag, _ = sequencing.kind(frame)
+                if flag == sequencing.PING:
+                    await channel.send(sequencing.pong(frame))
+                    continue
+                for payload in order.push(frame):
+                    await driver.deliver(wire.decode_message(payload))
+        except (TunnelError, SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.info("incoming link of %s closed: %s", driver.model, exc)
+        finally:
+            with trio.move_on_after(CLEANUP_S, shield=True):
+                try:
+                    await channel.aclose()
+                except Exception:
+                    pass
+
+    async def _on_direct_connection(self, stream: trio.SocketStream) -> None:
+        transport = StreamFrameTransport(stream)
+        try:
+            channel = await NoiseChannel.accept(transport, self.fellow.private, self._expects)
+        except (SwarmError, OSError, trio.BrokenResourceError) as exc:
+            log.info("refused a direct ring connection: %s", exc)
+            await transport.aclose()
+            return
+        hop_id = channel.handshake_payload.decode(errors="replace")
+        driver = self.stage_for_hop(hop_id, channel.remote_static)
+        if driver is None:
+            log.info("refused a direct ring connection for an unknown hop")
+            await channel.aclose()
+            return
+        await self.pump(channel, driver, hop_id)
+
+    async def relay_listener(self, driver, hop_in: dict) -> None:
+        """Keep one listener waiting on this stage's relay channel, for whenever the previous stage uses it."""
+        while True:
+            try:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        channel = await accept_relay(
+                            nursery, self.fellow.leader_url, hop_in["hop_id"], self.fellow.credential,
+                            self.fellow.private, lambda key: key == hop_in["peer_key"],
+                        )
+                        await self.pump(channel, driver, hop_in["hop_id"])
+                        nursery.cancel_scope.cancel()
+                except BaseExceptionGroup as group:
+                    raise first_leaf(group) from None
+            except (SwarmError, OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
+                log.info("relay listener for %s: %s", driver.model, exc)
+                await trio.sleep(RELAY_RETRY_S)

@@ -1,0 +1,119 @@
+"""What the leader knows of a model it serves: its stages (placement, load progress), the hops between them, and the
+load message each fellow gets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import trio
+
+from swarm.leader.placement import ModelSize, StagePlan
+from swarm.model_format import DTYPE_BYTES
+
+LOAD_PHASES = ["queued", "download", "extract", "load", "ready"]
+
+
+@dataclasses.dataclass
+class StageState:
+    plan: StagePlan
+    phase: str = "queued"  # queued -> download -> extract -> load -> ready
+    fraction: float = 0.0
+    ready: bool = False
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class ModelServing:
+    name: str
+    load_id: str
+    stages: list[StageState]
+    status: str = "loading"  # loading | ready | failed
+    error: str | None = None
+    hop_ids: list[str] = dataclasses.field(default_factory=list)  # hop i carries stage i -> i+1 (the last: -> 0)
+    changed: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def progress(self) -> dict:
+        overall = 0.0
+        for s in self.stages:
+            step = LOAD_PHASES.index(s.phase) if s.phase in LOAD_PHASES else 0
+            overall += (step - 1 + s.fraction) / 3 if step >= 1 else 0.0
+        overall = max(0.0, min(1.0, overall / max(len(self.stages), 1)))
+        return {"fraction": round(overall, 3), "stages": [
+            {"index": s.plan.index, "fellow": s.plan.fellow_name, "phase": s.phase, "fraction": s.fraction}
+            for s in self.stages]}
+
+    def hops(self, hop_stats: dict[str, dict]) -> list[dict]:
+        """Each link of the ring in order, stage i -> i+1 (the last one carries the token back to stage 0)."""
+        n = len(self.stages)
+        out = []
+        for i, hop_id in enumerate(self.hop_ids):
+            stats = hop_stats.get(hop_id, {})
+            out.append({
+                "from_stage": i, "to_stage": (i + 1) % n,
+                "from": self.stages[i].plan.fellow_name, "to": self.stages[(i + 1) % n].plan.fellow_name,
+                "transport": stats.get("transport"), "rtt_ms": stats.get("rtt_ms"),
+                "bytes_per_token": stats.get("bytes_per_token"), "bytes_sent": stats.get("bytes_sent", 0),
+            })
+        return out
+
+    def describe(self) -> dict:
+        return {
+            "status": self.status,
+            "error": self.error,
+            "num_stages": len(self.stages),
+            "stages": [
+                {"index": s.plan.index, "fellow_id": s.plan.fellow_id, "fellow": s.plan.fellow_name,
+                 "layers": [s.plan.first_layer, s.plan.end_layer], "memory_bytes": s.plan.weight_bytes,
+                 "phase": s.phase, "ready": s.ready}
+                for s in self.stages
+            ],
+            "progress": self.progress(),
+        }
+
+
+def load_message(serving: ModelServing, manifest: dict, config: dict, i: int, online: dict, transport: str) -> dict:
+    """What the fellow of stage ``i`` needs to load and link it: its layers, files, and both hops' ends."""
+    from swarm.store.manifest import Manifest, stage_files
+
+    plans = [s.plan for s in serving.stages]
+    plan, n = plans[i], len(plans)
+    spec = {"index": i, "num_stages": n, "first_layer": plan.first_layer, "end_layer": plan.end_layer,
+            "is_first": i == 0, "is_last": i == n - 1}
+    files = stage_files(Manifest.from_dict(manifest), plan.first_layer, plan.end_layer, spec["is_first"],
+                        spec["is_last"])
+    message = {
+        "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": config,
+        "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
+        "gpu_dtype": manifest.get("dtype") if manifest.get("dtype") in ("float16", "bfloat16") else "float16",
+    }
+    if n > 1:
+        nxt = online.get(plans[(i + 1) % n].fellow_id)
+        direct = None
+        if transport != "relay" and nxt and nxt.serve_port:
+            direct = [nxt.serve_host, nxt.serve_port]
+        message["hop_out"] = {"hop_id": serving.hop_ids[i], "peer_key": nxt.public_key if nxt else b"",
+                              "peer_name": plans[(i + 1) % n].fellow_name, "direct": direct, "transport": transport}
+        prev = online.get(plans[(i - 1) % n].fellow_id)
+        message["hop_in"] = {"hop_id": serving.hop_ids[(i - 1) % n], "peer_key": prev.public_key if prev else b""}
+    return message
+
+
+def model_size(manifest: dict, cpu: bool) -> ModelSize:
+    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32."""
+    stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
+    scale = 4 / stored if cpu else 1.0
+    layers = [0] * manifest["num_layers"]
+    embed = final = 0
+    for f in manifest["files"]:
+        if f["kind"] == "layer":
+            layers[f["layer"]] = int(f["size"] * scale)
+        elif f["kind"] == "embed":
+            embed = int(f["size"] * scale)
+        elif f["kind"] == "final":
+            final = int(f["size"] * scale)
+    kv = manifest.get("kv_bytes_per_token_per_layer") or 0
+    return ModelSize(tuple(layers), embed, final, bool(manifest.get("tie_word_embeddings")), int(kv * scale))

@@ -1,0 +1,84 @@
+"""What an imported model looks like on disk, as every part of swarm sees it: the files of one model, the decoder
+families that split into stages, element sizes, and how layers split into contiguous stages.
+
+The store writes these files (swarm.store), the leader places and budgets them (swarm.leader), a fellow fetches and
+builds them (swarm.fellow, swarm.stage): all of them read the names and rules from here.
+
+Layout of one imported model::
+
+    manifest.json                 names, sizes and sha256 of every file below (swarm.store.manifest)
+    config.json                   the transformers config
+    generation_config.json        when the source has one
+    tokenizer.json, ...           whatever the tokenizer's save_pretrained writes (chat template included)
+    weights/embed.safetensors     embed_tokens.weight
+    weights/layer_000.safetensors one decoder layer, tensor names relative to it ("self_attn.q_proj.weight")
+    weights/final.safetensors     norm.weight (and lm_head.weight when embeddings are not tied)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from swarm.errors import ModelError, PlacementError
+
+MANIFEST_FILE = "manifest.json"
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_DIR = "weights"
+EMBED_FILE = f"{WEIGHTS_DIR}/embed.safetensors"
+FINAL_FILE = f"{WEIGHTS_DIR}/final.safetensors"
+
+# The transformers model types whose decoder stack the stage code can slice (swarm.stage.architectures maps each to
+# its building blocks).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Bytes of one element, by the dtype names torch prints without the "torch." prefix.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def layer_file(index: int) -> str:
+    """Path, relative to the model dir, of decoder layer ``index``'s file."""
+    return f"{WEIGHTS_DIR}/layer_{index:03d}.safetensors"
+
+
+def stage_file_paths(first_layer: int, end_layer: int, is_first: bool, is_last: bool, tied: bool) -> list[str]:
+    """The files a stage holding layers [first_layer, end_layer) reads: config, its weights, nothing else.
+
+    The last stage needs the embedding too when embeddings are tied: its head *is* the embedding matrix.
+    """
+    wanted = [CONFIG_FILE]
+    if is_first or (is_last and tied):
+        wanted.append(EMBED_FILE)
+    wanted += [layer_file(i) for i in range(first_layer, end_layer)]
+    if is_last:
+        wanted.append(FINAL_FILE)
+    return wanted
+
+
+def split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous [first, end) slices of ``num_layers`` layers, sized in proportion to ``weights`` (e.g. each
+    fellow's free memory; equal weights split evenly), each holding at least one layer."""
+    n = len(weights)
+    if n < 1 or num_layers < n:
+        raise PlacementError(f"cannot split {num_layers} layers over {n} stages; use at most {num_layers} stages.")
+    weights = [max(float(w), 0.0) for w in weights]
+    if not sum(weights):
+        weights = [1.0] * n
+    total = sum(weights)
+    bounds = [0]
+    acc = 0.0
+    for k, w in enumerate(weights[:-1]):
+        acc += w
+        b = round(num_layers * acc / total)
+        b = max(b, bounds[-1] + 1)  # at least one layer for this stage ...
+        b = min(b, num_layers - (n - k - 1))  # ... and for every stage after it
+        bounds.append(b)
+    bounds.append(num_layers)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def dtype_bytes(name: str) -> int:
+    try:
+        return DTYPE_BYTES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ModelError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_BYTES)}") from None

@@ -1,0 +1,49 @@
+"""Computing a batch of ring work on a stage: the forward pass, sampling on the last stage, and the hidden states
+made ready for the wire -- everything torch does for one step of the ring protocol, run by the driver in a worker
+thread so that neither compute nor the copy off the GPU ever blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm import wire
+from swarm.stage.protocol import Output, Work
+from swarm.stage.sampling import SamplingParams, make_generator, sample
+from swarm.stage.slice import StageModel
+
+
+def run_batch(stage: StageModel, batch: list[Work]) -> Output:
+    hidden_out: list[torch.Tensor] = []
+    tokens: list[int | None] = []
+    for work in batch:
+        if work.start:
+            stage.new_request(work.rid)  # a first chunk starts a fresh cache (a replayed request starts over)
+        if work.ids is not None:
+            out = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
+                                want_logits=work.last)
+        else:
+            rows = work.rows
+            hidden = rows.source.tensor()[:, rows.row : rows.row + rows.n]
+            out = stage.forward(work.rid, work.pos, hidden=hidden, want_logits=work.last)
+        if stage.spec.is_last:
+            tokens.append(_sample(work, out) if work.last else None)
+        else:
+            hidden_out.append(out)
+    if stage.spec.is_last:
+        return Output(tokens=tokens)
+    states = hidden_out[0] if len(hidden_out) == 1 else torch.cat(hidden_out, dim=1)
+    return Output(hidden=wire.tensor_to_wire(states))
+
+
+def sampling_params(sampling: wire.Sampling) -> SamplingParams:
+    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          min_p=sampling.min_p, seed=sampling.seed)
+
+
+def _sample(work: Work, logits: torch.Tensor) -> int:
+    request = work.request
+    params = sampling_params(request.sampling)
+    if not params.greedy and request.generator is None:
+        request.generator = make_generator(params)  # on the CPU: the logits are moved there to sample
+    return sample(logits.cpu(), params, request.generator)

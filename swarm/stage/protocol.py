@@ -1,0 +1,330 @@
+"""The ring protocol of one stage, as plain logic: messages and finished computations in, actions out.
+
+No sockets, no threads, no torch: a driver (swarm.fellow.ring for a fellow, swarm.stage.local for a ring in one
+process) feeds :meth:`StageProtocol.receive` with what arrives, asks :meth:`StageProtocol.next_batch` what to
+compute, runs it (swarm.stage.execute), gives the result to :meth:`StageProtocol.computed`, and performs the
+actions that come back, in order:
+
+  Send(message)       to the next stage (the last stage's Sampled goes to stage 0)
+  Report(message)     to the leader (Failed)
+  Stream(rid, ...)    the last stage's token for the leader, which streams it (the driver batches these)
+  Release(rid)        drop the request's KV cache on this stage
+
+How a request goes round (see the messages in swarm.wire):
+
+  stage 0   Generate: the prompt is cut into chunks of ``prefill_chunk`` tokens, computed one by one; each chunk's
+            hidden states go on in a Hidden message (the first one carries the request's RequestStart).
+  middle    Hidden: compute, pass on.
+  last      Hidden: compute; after the prompt's last chunk or a decode step, sample. The token goes to the leader
+            (Stream) and back to stage 0 (Sampled); the eos/length rule ends the request here (Release).
+  stage 0   Sampled: the token's decode step goes round, unless the token ended the request: then stage 0
+            releases it and tells the stages in between to (Free).
+
+Requests are independent: each has its own KV cache on each stage, its own queue of work here, and its own
+failure (a compute that raises fails only the requests it computed). Work is taken round-robin over requests, one
+piece each, so a long prompt holds the others up by at most one chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any
+
+from swarm import wire
+
+
+# --- actions ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    message: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    message: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    rid: str
+    token: int
+    finish_reason: str | None  # "stop" (end of turn), "length" (max_tokens) or None while it goes on
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    rid: str
+
+
+Action = Send | Report | Stream | Release
+
+
+# --- state -----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class StageRequest:
+    """One request as this stage sees it."""
+
+    rid: str
+    prompt: list[int] | None  # stage 0 only
+    start: wire.RequestStart
+    generated: int = 0  # last stage: tokens sampled so far
+    next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
+    generator: Any = None  # last stage: the request's random generator (made by the executor on first use)
+
+    @property
+    def sampling(self) -> wire.Sampling:
+        return self.start.sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Rows [row, row + n) of a received tensor (a Hidden message's ``x``), decoded once for all its parts."""
+
+    source: Any  # RowSource
+    row: int
+    n: int
+
+
+class RowSource:
+    def __init__(self, x: dict):
+        self.x = x
+        self._tensor = None
+
+    def tensor(self):
+        if self._tensor is None:
+            self._tensor = wire.tensor_from_wire(self.x)
+        return self._tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One piece of compute for one request: a prompt chunk or a decode step."""
+
+    request: StageRequest
+    pos: int
+    n: int
+    last: bool  # the last stage samples after it
+    ids: list[int] | None = None  # stage 0's input
+    rows: Rows | None = None  # the other stages' input
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def start(self) -> bool:
+        return self.pos == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What computing a batch gave: the stage's hidden states for every row (not on the last stage, as a wire
+    tensor), or the sampled token of each Work (last stage; None where it did not sample)."""
+
+    hidden: dict | None = None
+    tokens: list[int | None] | None = None
+
+
+# --- the protocol ----------------------------------------------------------------------------------------------------
+
+
+class StageProtocol:
+    def __init__(self, *, model: str, index: int, num_stages: int, prefill_chunk: int = 256):
+        if not 0 <= index < num_stages:
+            raise ValueError(f"stage {index} of {num_stages}")
+        self.model = model
+        self.index = index
+        self.num_stages = num_stages
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.prefill_chunk = prefill_chunk
+        self.requests: dict[str, StageRequest] = {}
+        self._ready: collections.deque[str] = collections.deque()  # rids with work, round-robin
+
+    # --- messages in ----------------------------------------------------------------------------------------------
+
+    def receive(self, message: Any) -> list[Action]:
+        if isinstance(message, wire.Generate) and self.is_first:
+            return self._generate(message)
+        if isinstance(message, wire.Cancel) and self.is_first:
+            return self._end(message.rid) if message.rid in self.requests else []
+        if isinstance(message, wire.Hidden) and not self.is_first:
+            return self._hidden(message)
+        if isinstance(message, wire.Sampled) and self.is_first:
+            actions: list[Action] = []
+            for sampled in message.tokens:
+                actions += self._sampled(sampled)
+            return actions
+        if isinstance(message, wire.Free):
+            return self._free(message)
+        raise wire.ProtocolError(f"stage {self.index} of {self.num_stages} does not take a {type(message).__name__}")
+
+    def _generate(self, message: wire.Generate) -> list[Action]:
+        if not message.prompt:
+            return self._fail_new(message.rid, "the prompt is empty")
+        if message.rid in self.requests:
+            return self._fail_new(message.rid, f"request {message.rid} is already on stage 0")
+        start = wire.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling)
+        request = StageRequest(message.rid, list(message.prompt), start)
+        self.requests[request.rid] = request
+        self._queue_next_chunk(request)
+        return []
+
+    def _queue_next_chunk(self, request: StageRequest) -> None:
+        pos = request.next_chunk
+        ids = request.prompt[pos : pos + self.prefill_chunk]
+        request.next_chunk = pos + len(ids)
+        last = request.next_chunk == len(request.prompt)
+        self._enqueue(Work(request, pos, len(ids), last, ids=ids))
+
+    def _hidden(self, message: wire.Hidden) -> list[Action]:
+        source = RowSource(message.x)
+        row = 0
+        for part in message.parts:
+            request = self.requests.get(part.rid)
+            if request is None and part.start is not None and part.pos == 0:
+                request = self.requests[part.rid] = StageRequest(part.rid, None, part.start)
+            if request is not None:  # else a late message of a request that ended here: nothing to do
+                self._enqueue(Work(request, part.pos, part.n, part.last, rows=Rows(source, row, part.n)))
+            row += part.n
+        return []
+
+    def _sampled(self, sampled: wire.SampledToken) -> list[Action]:
+        request = self.requests.get(sampled.rid)
+        if request is None:
+            return []  # cancelled: the token came back after the request was dropped
+        if sampled.done:
+            return self._end(sampled.rid, last_dropped=True)
+        self._enqueue(Work(request, sampled.pos, 1, True, ids=[sampled.token]))
+        return []
+
+    def _free(self, message: wire.Free) -> list[Action]:
+        actions: list[Action] = [Release(rid) for rid in message.rids if self._forget(rid)]
+        if not self.is_first and not self.is_last:
+            actions.append(Send(message))  # the stages after this one hold caches of these requests too
+        return actions
+
+    # --- compute ----------------------------------------------------------------------------------------------------
+
+    def next_batch(self) -> list[Work]:
+        """What to compute next: one piece of work of the request whose turn it is ([] when idle)."""
+        while self._ready:
+            rid = self._ready.popleft()
+            request = self.requests.get(rid)
+            if request is None or not request.queue:
+                continue
+            work = request.queue.popleft()
+            if request.queue:
+                self._ready.append(rid)
+            return [work]
+        return []
+
+    def computed(self, batch: list[Work], output: Output) -> list[Action]:
+        actions: list[Action] = []
+        if not self.is_last:
+            parts = []
+            for work in batch:
+                start = work.request.start if work.start else None
+                parts.append(wire.Part(work.rid, work.pos, work.n, work.last, start))
+                if self.is_first and work.ids is not None and not work.last and work.request.next_chunk > 0:
+                    self._queue_next_chunk(work.request)
+            actions.append(Send(wire.Hidden(self.model, parts, output.hidden)))
+            return actions
+        sampled = []
+        for work, token in zip(batch, output.tokens or [None] * len(batch)):
+            if self.is_first and not work.last:
+                self._queue_next_chunk(work.request)  # one stage: the next prompt chunk
+            if not work.last or token is None:
+                continue
+            request = work.request
+            request.generated += 1
+            finish = None
+            if token in request.start.eos:
+                finish = "stop"
+            elif request.generated >= request.start.max_tokens:
+                finish = "length"
+            actions.append(Stream(work.rid, token, finish))
+            if finish is not None:
+                self._forget(work.rid)
+                actions.append(Release(work.rid))
+            sampled.append(wire.SampledToken(work.rid, work.pos + work.n, token, finish is not None))
+        if not sampled:
+            return actions
+        if self.is_first:  # one stage: the token goes straight into the next decode step
+            for token in sampled:
+                if not token.done:
+                    actions += self._sampled(token)
+        else:
+            actions.append(Send(wire.Sampled(self.model, sampled)))
+        return actions
+
+    # --- failures and endings ---------------------------------------------------------------------------------------
+
+    def compute_failed(self, batch: list[Work], text: str) -> list[Action]:
+        """The compute of ``batch`` raised: those requests fail, the others go on."""
+        actions: list[Action] = []
+        for rid in dict.fromkeys(work.rid for work in batch):
+            actions += self.fail(rid, text)
+        return actions
+
+    def send_failed(self, message: Any, text: str) -> list[Action]:
+        """Sending ``message`` to the next stage failed: the requests it carried fail."""
+        if isinstance(message, wire.Hidden):
+            rids = [part.rid for part in message.parts]
+        elif isinstance(message, wire.Sampled):
+            rids = [token.rid for token in message.tokens if not token.done]
+        else:
+            return []  # a Free that did not arrive: the caches after it go when the model is unloaded
+        actions: list[Action] = []
+        for rid in dict.fromkeys(rids):
+            actions += self.fail(rid, text, tell_next=False)
+        return actions
+
+    def fail(self, rid: str, text: str, *, tell_next: bool = True) -> list[Action]:
+        """End ``rid`` on this stage with an error the leader hears; the stages after this one drop it too."""
+        actions: list[Action] = []
+        if self._forget(rid):
+            actions.append(Release(rid))
+        if tell_next and not self.is_last:
+            actions.append(Send(wire.Free(self.model, [rid])))
+        actions.append(Report(wire.Failed(self.model, rid, text, stage=self.index)))
+        return actions
+
+    def _fail_new(self, rid: str, text: str) -> list[Action]:
+        return [Report(wire.Failed(self.model, rid, text, stage=self.index))]
+
+    def _end(self, rid: str, last_dropped: bool = False) -> list[Action]:
+        """Stage 0 ends a request (its last token came back, or it was cancelled): drop its cache here and on the
+        stages after this one (the last stage dropped it already when it sampled the final token)."""
+        actions: list[Action] = []
+        if self._forget(rid):
+            actions.append(Release(rid))
+        if self.num_stages > 1 and not (last_dropped and self.num_stages == 2):
+            actions.append(Send(wire.Free(self.model, [rid])))
+        return actions
+
+    def _forget(self, rid: str) -> bool:
+        return self.requests.pop(rid, None) is not None
+
+    def _enqueue(self, work: Work) -> None:
+        request = work.request
+        if not request.queue:
+            self._ready.append(request.rid)
+        request.queue.append(work)
+
+    # --- views ------------------------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.requests)
+
+
+def prompt_chunks(prompt_len: int, chunk: int) -> int:
+    return math.ceil(prompt_len / chunk)

@@ -1,0 +1,53 @@
+"""The whole model in one process, assembled from an imported model's per-layer files: the reference that the ring
+is checked against (tests, benchmarks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import ModelError
+from swarm.model_format import EMBED_FILE, FINAL_FILE, GENERATION_CONFIG_FILE, layer_file
+from swarm.store.manifest import load_manifest
+
+
+def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
+    """The whole model as one transformers AutoModelForCausalLM, assembled from the per-layer files.
+
+    The single-process reference that stages are checked against (tests, benchmarks); float32 by default.
+    """
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    dtype = dtype or torch.float32
+    model_dir = Path(model_dir)
+    manifest = load_manifest(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    state: dict[str, torch.Tensor] = {}
+    state["model.embed_tokens.weight"] = load_file(model_dir / EMBED_FILE)["embed_tokens.weight"]
+    for i in range(manifest.num_layers):
+        for key, value in load_file(model_dir / layer_file(i)).items():
+            state[f"model.layers.{i}.{key}"] = value
+    for key, value in load_file(model_dir / FINAL_FILE).items():
+        state[key if key == "lm_head.weight" else f"model.{key}"] = value
+    if manifest.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if manifest.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    # Non-persistent buffers (rotary inv_freq) are not in the files: rebuild those modules on the CPU.
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if any(b.is_meta for b in child.buffers(recurse=False)):
+                setattr(parent, child_name, type(child)(config=model.config))
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise ModelError(f"the reference model for {model_dir} has no weights for {', '.join(leftover[:5])}")
+    if (model_dir / GENERATION_CONFIG_FILE).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    model.eval()
+    return model
