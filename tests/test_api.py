@@ -100,3 +100,41 @@ def test_browser_sessions_need_the_csrf_token(client, leader):
 
 def test_model_files_need_a_node_credential(client, leader):
     _error(client.get("/api/v1/models/qwen3/files/config.json", headers=_auth(leader.first_start.admin_token)), 401)
+
+
+def test_our_own_bugs_are_500s_that_say_so_never_400s(client, leader, monkeypatch, caplog):
+    """A KeyError or TypeError inside a route is a bug in swarm: a 500 with a log line, in each API's error shape."""
+    token = leader.first_start.admin_token
+
+    def broken(*args, **kwargs):
+        raise KeyError("tokenizer_class")
+
+    monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
+    monkeypatch.setattr("swarm.leader.openai_api.encode_chat", broken)
+    response = client.post("/v1/chat/completions", headers=_auth(token),
+                           json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]})
+    message = _error(response, 500, "internal_error")
+    assert "bug in swarm" in message and "KeyError" in message
+    assert response.json()["error"]["type"] == "server_error"
+    assert any("unexpected error" in r.message for r in caplog.records)
+
+    monkeypatch.setattr(leader.serving, "models_on_fellow", lambda fellow_id: 1 / 0)
+    monkeypatch.setattr(leader.store, "list_models", lambda: (_ for _ in ()).throw(TypeError("bad row")))
+    response = client.get("/api/v1/models", headers=_auth(token))
+    assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
+
+
+def test_a_template_that_refuses_the_messages_is_the_clients_400(client, leader, monkeypatch):
+    from jinja2 import TemplateError
+
+    token = leader.first_start.admin_token
+
+    def refuse(*args, **kwargs):
+        raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
+    monkeypatch.setattr("swarm.leader.openai_api.encode_chat", refuse)
+    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+                                 json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
+                     400, "invalid_messages")
+    assert "alternate" in message

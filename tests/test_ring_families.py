@@ -8,7 +8,7 @@ import torch
 import trio
 
 from harness import running_swarm
-from swarm import wire
+from swarm import messages
 from swarm.leader.requests import Reader, Request
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
@@ -26,7 +26,7 @@ def _reference(model_dir, prompt):
 
 
 async def _ring_tokens(swarm, model, prompt):
-    request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=wire.Sampling(), eos=[])
+    request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
     swarm.leader.serving.submit(request)
     reader = Reader(request)
     while True:

@@ -8,11 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from swarm.errors import ModelError
-from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
-from swarm.stage.local import forward_through
-from swarm.stage import architectures
 from swarm import model_format
+from swarm.errors import ModelError
+from swarm.stage import LocalRing, StageModel, StageSpec, architectures, stage_specs
+from swarm.stage.local import forward_through
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
@@ -63,6 +62,18 @@ def test_greedy_chain_matches_generate(tiny_model_dirs, references, kind, stages
         assert got == want, f"{kind} over {stages} stages, prompt of {len(prompt)} tokens"
     for stage in chain.stages:
         assert stage.requests() == []  # every request's cache was dropped
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_requests_in_the_ring_at_once_each_match_generate(tiny_model_dirs, references, kind):
+    """Several requests interleaved through the same stages: each keeps its own caches and gets its own reply."""
+    model_dir = tiny_model_dirs[kind]
+    chain = LocalRing([StageModel.load_dir(model_dir, s) for s in stage_specs(load_manifest(model_dir).num_layers, 2)],
+                      prefill_chunk=PREFILL_CHUNK)
+    replies = [chain.submit(f"r{i}", prompt, NEW_TOKENS) for i, prompt in enumerate(PROMPTS)]
+    chain.run()
+    assert [r.tokens for r in replies] == references[kind]
+    assert all(stage.requests() == [] for stage in chain.stages)
 
 
 @pytest.mark.parametrize("chunk", [3, 7])

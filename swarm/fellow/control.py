@@ -11,7 +11,7 @@ from typing import Any
 import trio
 import trio_websocket
 
-from swarm import __version__, wire
+from swarm import __version__, messages, wire
 from swarm.errors import AuthError, LinkClosed, SwarmError
 from swarm.fellow import hardware
 from swarm.fellow.net import outbound_ip
@@ -102,10 +102,10 @@ class ControlLink:
 
     async def dispatch(self, message: Any) -> None:
         fellow = self.fellow
-        if isinstance(message, (wire.Generate, wire.Cancel)):
+        if isinstance(message, (messages.Generate, messages.Cancel)):
             stage = fellow.stages.get(message.model)
             if stage is None:
-                await self.send(wire.Failed(message.model, message.rid,
+                await self.send(messages.Failed(message.model, message.rid,
                                             f"model {message.model} is not loaded on {fellow.name}",
                                             not_loaded=True))
             else:

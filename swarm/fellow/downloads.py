@@ -78,26 +78,7 @@ async def fetch_file(
     digest = await trio.to_thread.run_sync(_hash_file, part) if offset else hashlib.sha256()
 
     if offset < size:
-        request_headers = dict(headers)
-        if offset:
-            request_headers["Range"] = f"bytes={offset}-"
-        try:
-            async with client.stream("GET", url, headers=request_headers) as response:
-                _check_status(response, url, offset, part)
-                if offset and response.status_code == 200:
-                    # The leader sent the whole file instead of the rest: start again from zero.
-                    offset, digest = 0, hashlib.sha256()
-                done = await _write_part(response, part, offset, digest, size, name, progress)
-        except httpx.TransportError as exc:
-            raise DownloadError(
-                f"the download of {name} from {url} broke off ({type(exc).__name__}: {exc}); what arrived is kept "
-                "and the next try resumes from there."
-            ) from exc
-        if done < size:
-            raise DownloadError(
-                f"the leader ended {name} after {done} of {size} bytes; the next try resumes from there."
-            )
-
+        digest = await _download_rest(client, url, headers, part, offset, digest, size, name, progress)
     if size == 0:
         part.touch()
     actual = digest.hexdigest()
@@ -109,6 +90,28 @@ async def fetch_file(
         )
     os.replace(part, final)  # atomic: the cache never holds an unverified file under its final name
     return final
+
+
+async def _download_rest(client, url, headers, part, offset, digest, size, name, progress) -> hashlib._Hash:
+    """Ask for the bytes from ``offset`` on and append them to the part; the digest of the whole part."""
+    request_headers = dict(headers)
+    if offset:
+        request_headers["Range"] = f"bytes={offset}-"
+    try:
+        async with client.stream("GET", url, headers=request_headers) as response:
+            _check_status(response, url, offset, part)
+            if offset and response.status_code == 200:
+                # The leader sent the whole file instead of the rest: start again from zero.
+                offset, digest = 0, hashlib.sha256()
+            done = await _write_part(response, part, offset, digest, size, name, progress)
+    except httpx.TransportError as exc:
+        raise DownloadError(
+            f"the download of {name} from {url} broke off ({type(exc).__name__}: {exc}); what arrived is kept "
+            "and the next try resumes from there."
+        ) from exc
+    if done < size:
+        raise DownloadError(f"the leader ended {name} after {done} of {size} bytes; the next try resumes from there.")
+    return digest
 
 
 async def _write_part(

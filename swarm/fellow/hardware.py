@@ -1,4 +1,4 @@
-"""What this fellow has to offer, reported to the leader as swarm.wire.Hardware: GPUs with free memory (through
+"""What this fellow has to offer, reported to the leader as swarm.messages.Hardware: GPUs with free memory (through
 NVML), else CPU cores and free RAM.
 
 NVML (nvidia-ml-py) is the driver's own view of memory, the same numbers as nvidia-smi, and works without CUDA being
@@ -11,7 +11,7 @@ import os
 
 import psutil
 
-from swarm.wire import Gpu, Hardware
+from swarm.messages import Gpu, Hardware
 
 
 def nvidia_gpus() -> list[Gpu]:

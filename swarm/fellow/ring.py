@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from swarm import wire
+from swarm import messages, wire
 from swarm.errors import ProtocolError, SwarmError
 from swarm.mesh.hop import OutgoingHop
 from swarm.stage.protocol import Release, Report, Send, StageProtocol, Stream
@@ -46,7 +46,7 @@ class StageDriver:
         self.out_hop = out_hop
         self._send_to_leader = send_to_leader
         self._inbox_send, self._inbox = trio.open_memory_channel[Any](INBOX_SIZE)
-        self._streamed: dict[str, wire.TokenBatch] = {}  # last stage: tokens waiting for the next post to the leader
+        self._streamed: dict[str, messages.TokenBatch] = {}  # last stage: tokens waiting for the next post to the leader
         self._stream_ready = trio.Event()
         self.last_used = trio.current_time()
 
@@ -120,10 +120,10 @@ class StageDriver:
     def _queue_token(self, action: Stream) -> None:
         batch = self._streamed.get(action.rid)
         if batch is None:
-            batch = self._streamed[action.rid] = wire.TokenBatch(action.rid, [])
+            batch = self._streamed[action.rid] = messages.TokenBatch(action.rid, [])
         batch.tokens.append(action.token)
         if action.finish_reason is not None:
-            self._streamed[action.rid] = wire.TokenBatch(action.rid, batch.tokens, True, action.finish_reason)
+            self._streamed[action.rid] = messages.TokenBatch(action.rid, batch.tokens, True, action.finish_reason)
         self._stream_ready.set()
 
     async def _post_tokens(self) -> None:
@@ -135,6 +135,6 @@ class StageDriver:
             batches, self._streamed = list(self._streamed.values()), {}
             if batches:
                 try:
-                    await self._send_to_leader(wire.Tokens(self.model, batches))
+                    await self._send_to_leader(messages.Tokens(self.model, batches))
                 except SwarmError as exc:
                     log.warning("could not send tokens to the leader: %s", exc)

@@ -83,8 +83,8 @@ class TextStream:
     (from the start of the previous delta), so a long reply costs the same per token as a short one. An incomplete
     UTF-8 character (a byte-level token that ends mid-character) is held back until the next token completes it."""
 
-    def __init__(self, model_dir: Path):
-        self.tokenizer = load_tokenizer(str(model_dir))
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self._prefix = 0  # decoding starts here, so a token's leading space is decoded in context
         self._read = 0  # tokens up to here have been turned into text

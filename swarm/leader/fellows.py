@@ -12,7 +12,7 @@ from starlette.websockets import WebSocket
 
 from swarm import wire
 from swarm.errors import AuthError, ProtocolError, SwarmError
-from swarm.wire import Hardware
+from swarm.messages import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
 from swarm.tunnel.keys import fingerprint

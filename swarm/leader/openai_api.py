@@ -11,10 +11,10 @@ import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from swarm import wire
+from swarm import messages
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError
 from swarm.leader.auth import current_user
-from swarm.leader.chat_format import TextStream, encode_chat, eos_ids, sampling_defaults
+from swarm.leader.chat_format import TextStream, encode_chat, eos_ids, load_tokenizer, sampling_defaults
 from swarm.leader.http_errors import json_body, openai_error, openai_problem
 from swarm.leader.requests import Reader, Request
 
@@ -65,8 +65,8 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
                       bool(body.get("return_token_ids")))
 
 
-def to_sampling(values: dict) -> wire.Sampling:
-    return wire.Sampling(
+def to_sampling(values: dict) -> messages.Sampling:
+    return messages.Sampling(
         temperature=float(values.get("temperature", 0.0)),
         top_k=int(values.get("top_k") or 0),
         top_p=float(values["top_p"]) if values.get("top_p") is not None else 1.0,
@@ -97,7 +97,7 @@ class OpenAIRoutes:
         except Exception as exc:
             return openai_error(exc)
         model_dir = self.leader.models_root / params.model
-        text = TextStream(model_dir)
+        text = TextStream(load_tokenizer(str(model_dir)))  # loaded already: the prompt went through it
         created = int(time.time())
         if params.stream:
             return StreamingResponse(

@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from swarm import wire
+from swarm import messages
 
 RETRIES_BEFORE_FIRST_TOKEN = 1
 
@@ -33,7 +33,7 @@ class Request:
     model: str
     prompt: list[int]
     max_tokens: int
-    sampling: wire.Sampling
+    sampling: messages.Sampling
     eos: list[int]
     id: str = ""  # stable across attempts
     rid: str = ""  # this attempt, on the ring
@@ -56,8 +56,8 @@ class Request:
         self.changed.set()
         self.changed = trio.Event()
 
-    def generate_message(self) -> wire.Generate:
-        return wire.Generate(self.model, self.rid, self.prompt, self.max_tokens, self.eos, self.sampling)
+    def generate_message(self) -> messages.Generate:
+        return messages.Generate(self.model, self.rid, self.prompt, self.max_tokens, self.eos, self.sampling)
 
 
 class Reader:
@@ -125,7 +125,7 @@ class RequestBook:
         self.by_rid[request.rid] = request
         return [ToStage0(request.model, request.generate_message())]
 
-    def on_tokens(self, message: wire.Tokens) -> None:
+    def on_tokens(self, message: messages.Tokens) -> None:
         for batch in message.batches:
             request = self.by_rid.get(batch.rid)
             if request is None or request.model != message.model:
@@ -136,11 +136,11 @@ class RequestBook:
             else:
                 request.notify()
 
-    def on_failed(self, message: wire.Failed) -> list:
+    def on_failed(self, message: messages.Failed) -> list:
         request = self.by_rid.get(message.rid)
         if request is None or request.model != message.model:
             return []
-        actions: list = [ToStage0(request.model, wire.Cancel(request.model, request.rid))]  # free what it left
+        actions: list = [ToStage0(request.model, messages.Cancel(request.model, request.rid))]  # free what it left
         if message.not_loaded:
             self._end(request, error=message.message)
             return actions + [NotLoaded(request.model, message.message)]
@@ -151,7 +151,7 @@ class RequestBook:
         yet are sent again; the others end with an error rather than hang."""
         actions: list = []
         for request in self.of_model(model):
-            actions.append(ToStage0(model, wire.Cancel(model, request.rid)))
+            actions.append(ToStage0(model, messages.Cancel(model, request.rid)))
             actions += self._retry_or_end(request, "a link between stages broke")
         return actions
 
@@ -159,7 +159,7 @@ class RequestBook:
         if request.ended:
             return []
         self._end(request, finish="cancelled")
-        return [ToStage0(request.model, wire.Cancel(request.model, request.rid))]
+        return [ToStage0(request.model, messages.Cancel(request.model, request.rid))]
 
     def end_model(self, model: str, text: str) -> None:
         for request in self.of_model(model):

@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from swarm import wire
+from swarm import messages
 from swarm.config import Settings
 from swarm.errors import ModelNotFound, ModelNotLoaded, PlacementError, SwarmError
 from swarm.leader.models import ModelServing, StageState, load_message, model_size
@@ -142,8 +142,8 @@ class Serving:
                 conn = self.hub.online.get(serving.stages[0].plan.fellow_id) if serving else None
                 if conn is not None:
                     conn.post(action.message)
-                elif isinstance(action.message, wire.Generate):
-                    self._perform(self.book.on_failed(wire.Failed(
+                elif isinstance(action.message, messages.Generate):
+                    self._perform(self.book.on_failed(messages.Failed(
                         action.model, action.message.rid, f"stage 0 of {action.model} is offline")))
             elif isinstance(action, NotLoaded):
                 serving = self.models.get(action.model)
@@ -155,12 +155,12 @@ class Serving:
 
     async def on_fellow_message(self, conn, message: Any) -> None:
         """Everything a fellow's control link brings. Never waits on a client or another fellow."""
-        if isinstance(message, wire.Tokens):
+        if isinstance(message, messages.Tokens):
             self.book.on_tokens(message)
-        elif isinstance(message, wire.Failed):
+        elif isinstance(message, messages.Failed):
             log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)
             self._perform(self.book.on_failed(message))
-        elif isinstance(message, wire.HopLost):
+        elif isinstance(message, messages.HopLost):
             log.info("a link of %s over the %s broke; re-sending its requests", message.model, message.path)
             self._perform(self.book.on_path_lost(message.model))
         elif not isinstance(message, dict):

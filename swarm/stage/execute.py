@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm import wire
+from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
 from swarm.stage.sampling import SamplingParams, make_generator, sample
 from swarm.stage.slice import StageModel
@@ -36,7 +36,7 @@ def run_batch(stage: StageModel, batch: list[Work]) -> Output:
     return Output(hidden=wire.tensor_to_wire(states))
 
 
-def sampling_params(sampling: wire.Sampling) -> SamplingParams:
+def sampling_params(sampling: messages.Sampling) -> SamplingParams:
     return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                           min_p=sampling.min_p, seed=sampling.seed)
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from swarm import wire
+from swarm import messages
 from swarm.errors import ModelError
 from swarm.stage.protocol import Output, Release, Report, Send, StageProtocol, Stream, Work
 
@@ -53,14 +53,14 @@ class LocalRing:
 
     # --- requests -----------------------------------------------------------------------------------------------
 
-    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int, sampling: wire.Sampling = wire.Sampling(),
+    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int, sampling: messages.Sampling = messages.Sampling(),
                eos: Iterable[int] = ()) -> LocalReply:
         self.replies[rid] = LocalReply()
-        self.inboxes[0].append(wire.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling))
+        self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling))
         return self.replies[rid]
 
     def cancel(self, rid: str) -> None:
-        self.inboxes[0].append(wire.Cancel(self.model, rid))
+        self.inboxes[0].append(messages.Cancel(self.model, rid))
         reply = self.replies.get(rid)
         if reply is not None and not reply.ended:
             reply.finish_reason = "cancelled"
@@ -108,12 +108,14 @@ class LocalRing:
                 reply = self.replies.get(action.message.rid)
                 if reply is not None and not reply.ended:
                     reply.error = action.message.message
+                # What the leader does with a failure: cancel the request on stage 0, which frees it everywhere.
+                self.inboxes[0].append(messages.Cancel(self.model, action.message.rid))
             elif isinstance(action, Release):
                 self.stages[index].drop(action.rid)
 
     # --- one request, like generate -----------------------------------------------------------------------------
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: wire.Sampling = wire.Sampling(),
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: messages.Sampling = messages.Sampling(),
                  eos_token_ids: Iterable[int] = (), rid: str = "local") -> list[int]:
         """New tokens of one request, ending after an end-of-sequence token (included) or ``max_new_tokens``."""
         reply = self.submit(rid, prompt, max_new_tokens, sampling, eos_token_ids)

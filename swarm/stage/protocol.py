@@ -32,7 +32,8 @@ import dataclasses
 import math
 from typing import Any
 
-from swarm import wire
+from swarm import messages, wire
+from swarm.errors import ProtocolError
 
 
 # --- actions ---------------------------------------------------------------------------------------------------------
@@ -72,14 +73,14 @@ class StageRequest:
 
     rid: str
     prompt: list[int] | None  # stage 0 only
-    start: wire.RequestStart
+    start: messages.RequestStart
     generated: int = 0  # last stage: tokens sampled so far
     next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
     generator: Any = None  # last stage: the request's random generator (made by the executor on first use)
 
     @property
-    def sampling(self) -> wire.Sampling:
+    def sampling(self) -> messages.Sampling:
         return self.start.sampling
 
 
@@ -151,27 +152,27 @@ class StageProtocol:
     # --- messages in ----------------------------------------------------------------------------------------------
 
     def receive(self, message: Any) -> list[Action]:
-        if isinstance(message, wire.Generate) and self.is_first:
+        if isinstance(message, messages.Generate) and self.is_first:
             return self._generate(message)
-        if isinstance(message, wire.Cancel) and self.is_first:
+        if isinstance(message, messages.Cancel) and self.is_first:
             return self._end(message.rid) if message.rid in self.requests else []
-        if isinstance(message, wire.Hidden) and not self.is_first:
+        if isinstance(message, messages.Hidden) and not self.is_first:
             return self._hidden(message)
-        if isinstance(message, wire.Sampled) and self.is_first:
+        if isinstance(message, messages.Sampled) and self.is_first:
             actions: list[Action] = []
             for sampled in message.tokens:
                 actions += self._sampled(sampled)
             return actions
-        if isinstance(message, wire.Free):
+        if isinstance(message, messages.Free):
             return self._free(message)
-        raise wire.ProtocolError(f"stage {self.index} of {self.num_stages} does not take a {type(message).__name__}")
+        raise ProtocolError(f"stage {self.index} of {self.num_stages} does not take a {type(message).__name__}")
 
-    def _generate(self, message: wire.Generate) -> list[Action]:
+    def _generate(self, message: messages.Generate) -> list[Action]:
         if not message.prompt:
             return self._fail_new(message.rid, "the prompt is empty")
         if message.rid in self.requests:
             return self._fail_new(message.rid, f"request {message.rid} is already on stage 0")
-        start = wire.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling)
+        start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling)
         request = StageRequest(message.rid, list(message.prompt), start)
         self.requests[request.rid] = request
         self._queue_next_chunk(request)
@@ -184,7 +185,7 @@ class StageProtocol:
         last = request.next_chunk == len(request.prompt)
         self._enqueue(Work(request, pos, len(ids), last, ids=ids))
 
-    def _hidden(self, message: wire.Hidden) -> list[Action]:
+    def _hidden(self, message: messages.Hidden) -> list[Action]:
         source = RowSource(message.x)
         row = 0
         for part in message.parts:
@@ -196,7 +197,7 @@ class StageProtocol:
             row += part.n
         return []
 
-    def _sampled(self, sampled: wire.SampledToken) -> list[Action]:
+    def _sampled(self, sampled: messages.SampledToken) -> list[Action]:
         request = self.requests.get(sampled.rid)
         if request is None:
             return []  # cancelled: the token came back after the request was dropped
@@ -205,7 +206,7 @@ class StageProtocol:
         self._enqueue(Work(request, sampled.pos, 1, True, ids=[sampled.token]))
         return []
 
-    def _free(self, message: wire.Free) -> list[Action]:
+    def _free(self, message: messages.Free) -> list[Action]:
         actions: list[Action] = [Release(rid) for rid in message.rids if self._forget(rid)]
         if not self.is_first and not self.is_last:
             actions.append(Send(message))  # the stages after this one hold caches of these requests too
@@ -232,10 +233,10 @@ class StageProtocol:
             parts = []
             for work in batch:
                 start = work.request.start if work.start else None
-                parts.append(wire.Part(work.rid, work.pos, work.n, work.last, start))
+                parts.append(messages.Part(work.rid, work.pos, work.n, work.last, start))
                 if self.is_first and work.ids is not None and not work.last and work.request.next_chunk > 0:
                     self._queue_next_chunk(work.request)
-            actions.append(Send(wire.Hidden(self.model, parts, output.hidden)))
+            actions.append(Send(messages.Hidden(self.model, parts, output.hidden)))
             return actions
         sampled = []
         for work, token in zip(batch, output.tokens or [None] * len(batch)):
@@ -254,7 +255,7 @@ class StageProtocol:
             if finish is not None:
                 self._forget(work.rid)
                 actions.append(Release(work.rid))
-            sampled.append(wire.SampledToken(work.rid, work.pos + work.n, token, finish is not None))
+            sampled.append(messages.SampledToken(work.rid, work.pos + work.n, token, finish is not None))
         if not sampled:
             return actions
         if self.is_first:  # one stage: the token goes straight into the next decode step
@@ -262,7 +263,7 @@ class StageProtocol:
                 if not token.done:
                     actions += self._sampled(token)
         else:
-            actions.append(Send(wire.Sampled(self.model, sampled)))
+            actions.append(Send(messages.Sampled(self.model, sampled)))
         return actions
 
     # --- failures and endings ---------------------------------------------------------------------------------------
@@ -276,9 +277,9 @@ class StageProtocol:
 
     def send_failed(self, message: Any, text: str) -> list[Action]:
         """Sending ``message`` to the next stage failed: the requests it carried fail."""
-        if isinstance(message, wire.Hidden):
+        if isinstance(message, messages.Hidden):
             rids = [part.rid for part in message.parts]
-        elif isinstance(message, wire.Sampled):
+        elif isinstance(message, messages.Sampled):
             rids = [token.rid for token in message.tokens if not token.done]
         else:
             return []  # a Free that did not arrive: the caches after it go when the model is unloaded
@@ -293,12 +294,12 @@ class StageProtocol:
         if self._forget(rid):
             actions.append(Release(rid))
         if tell_next and not self.is_last:
-            actions.append(Send(wire.Free(self.model, [rid])))
-        actions.append(Report(wire.Failed(self.model, rid, text, stage=self.index)))
+            actions.append(Send(messages.Free(self.model, [rid])))
+        actions.append(Report(messages.Failed(self.model, rid, text, stage=self.index)))
         return actions
 
     def _fail_new(self, rid: str, text: str) -> list[Action]:
-        return [Report(wire.Failed(self.model, rid, text, stage=self.index))]
+        return [Report(messages.Failed(self.model, rid, text, stage=self.index))]
 
     def _end(self, rid: str, last_dropped: bool = False) -> list[Action]:
         """Stage 0 ends a request (its last token came back, or it was cancelled): drop its cache here and on the
@@ -307,7 +308,7 @@ class StageProtocol:
         if self._forget(rid):
             actions.append(Release(rid))
         if self.num_stages > 1 and not (last_dropped and self.num_stages == 2):
-            actions.append(Send(wire.Free(self.model, [rid])))
+            actions.append(Send(messages.Free(self.model, [rid])))
         return actions
 
     def _forget(self, rid: str) -> bool:

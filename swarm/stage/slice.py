@@ -148,27 +148,7 @@ class StageModel:
         for local, index in enumerate(range(spec.first_layer, spec.end_layer)):
             _assign(layers[local], read(layer_file(index)), f"layer {index}")
 
-        embed = norm = lm_head = None
-        embed_weight = None
-        if spec.is_first or (spec.is_last and tied):
-            embed_weight = read(EMBED_FILE)["embed_tokens.weight"]
-        if spec.is_first:
-            with torch.device("meta"):
-                embed = nn.Embedding(full_config.vocab_size, full_config.hidden_size, full_config.pad_token_id)
-            _assign(embed, {"weight": embed_weight}, "embedding")
-        if spec.is_last:
-            final = read(FINAL_FILE)
-            with torch.device("meta"):
-                norm = blocks.norm(full_config.hidden_size, eps=full_config.rms_norm_eps)
-                lm_head = nn.Linear(full_config.hidden_size, full_config.vocab_size, bias=False)
-            _assign(norm, {"weight": final["norm.weight"]}, "final norm")
-            if tied:  # the head is the embedding matrix: share the stage's one copy
-                head_weight = embed.weight if embed is not None else embed_weight
-            else:
-                head_weight = final.get("lm_head.weight")
-            if head_weight is None:
-                raise ModelError("final.safetensors has no lm_head.weight and the model's embeddings are not tied")
-            _assign(lm_head, {"weight": head_weight}, "lm_head")
+        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read)
         with device:
             rotary = blocks.rotary_embedding(config=stage_config)
         stage = cls(stage_config, spec, embed, layers, norm, lm_head, rotary, dtype, device)
@@ -327,6 +307,32 @@ class StageModel:
                 self.forward(rid, 0, hidden=hidden)
         finally:
             self.drop(rid)
+
+
+def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read) -> tuple:
+    """The embedding (first stage) and the final norm and head (last stage), or None where this stage has none."""
+    embed = norm = lm_head = None
+    embed_weight = None
+    if spec.is_first or (spec.is_last and tied):
+        embed_weight = read(EMBED_FILE)["embed_tokens.weight"]
+    if spec.is_first:
+        with torch.device("meta"):
+            embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        _assign(embed, {"weight": embed_weight}, "embedding")
+    if spec.is_last:
+        final = read(FINAL_FILE)
+        with torch.device("meta"):
+            norm = blocks.norm(config.hidden_size, eps=config.rms_norm_eps)
+            lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        _assign(norm, {"weight": final["norm.weight"]}, "final norm")
+        if tied:  # the head is the embedding matrix: share the stage's one copy
+            head_weight = embed.weight if embed is not None else embed_weight
+        else:
+            head_weight = final.get("lm_head.weight")
+        if head_weight is None:
+            raise ModelError("final.safetensors has no lm_head.weight and the model's embeddings are not tied")
+        _assign(lm_head, {"weight": head_weight}, "lm_head")
+    return embed, norm, lm_head
 
 
 def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:

@@ -278,44 +278,10 @@ def _write_model(
     source: str,
     report: Progress,
 ) -> Manifest:
-    from safetensors.torch import save_file
-
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    groups: dict[str, dict[str, Callable[[], Any]]] = {}
-    for key, get in tensors:
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # recomputed from the config; some old checkpoints carry it
-        if match := _LAYER_KEY_RE.match(key):
-            index = int(match.group(1))
-            if index >= num_layers:
-                raise ImportFailed(f"{source} has weights for layer {index} but its config says {num_layers} layers")
-            groups.setdefault(layer_file(index), {})[match.group(2)] = get
-        elif key in ("model.embed_tokens.weight", "embed_tokens.weight"):
-            groups.setdefault(EMBED_FILE, {})["embed_tokens.weight"] = get
-        elif key in ("model.norm.weight", "norm.weight"):
-            groups.setdefault(FINAL_FILE, {})["norm.weight"] = get
-        elif key == "lm_head.weight":
-            if not tied:
-                groups.setdefault(FINAL_FILE, {})["lm_head.weight"] = get
-        else:
-            raise ImportFailed(f"{source} has a tensor swarm does not know where to put: {key!r}")
-    missing = [p for p in (EMBED_FILE, FINAL_FILE, *map(layer_file, range(num_layers))) if p not in groups]
-    if missing:
-        raise ImportFailed(f"{source} lacks weights for {', '.join(missing[:5])}; the checkpoint is incomplete")
-    if not tied and "lm_head.weight" not in groups[FINAL_FILE]:
-        raise ImportFailed(f"{source} has untied embeddings but no lm_head.weight; the checkpoint is incomplete")
-
-    (work / WEIGHTS_DIR).mkdir()
-    dtype = None
-    order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
-    for done, rel in enumerate(order):
-        tensors_out = {k: get().contiguous() for k, get in groups[rel].items()}
-        if dtype is None:
-            dtype = str(next(iter(tensors_out.values())).dtype).removeprefix("torch.")
-        save_file(tensors_out, str(work / rel), metadata={"format": "pt"})
-        report("write layers", (done + 1) / len(order))
-
+    groups = _group_by_file(tensors, num_layers, tied, source)
+    dtype = _write_weights(work, groups, num_layers, report)
     config.dtype = dtype
     config.save_pretrained(work)
     warnings: list[str] = []
@@ -346,19 +312,66 @@ def _write_model(
         num_layers=num_layers,
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
-        dtype=dtype or "float32",
+        dtype=dtype,
         tie_word_embeddings=tied,
         eos_token_ids=_eos_token_ids(generation_config, config, tokenizer),
         bytes_per_layer=max(e.size for e in entries if e.kind == "layer"),
         total_bytes=sum(e.size for e in entries),
         files=entries,
-        kv_bytes_per_token=kv_bytes_per_token(raw_config, dtype or "float32"),
+        kv_bytes_per_token=kv_bytes_per_token(raw_config, dtype),
         source=source,
         warnings=warnings,
     )
     (work / MANIFEST_FILE).write_text(manifest.to_json())
     report("checksum", 1.0)
     return manifest
+
+
+def _group_by_file(
+    tensors: Iterable[tuple[str, Callable[[], Any]]], num_layers: int, tied: bool, source: str
+) -> dict[str, dict[str, Callable[[], Any]]]:
+    """Which file each tensor goes to (layer files get names relative to the layer), checking nothing is missing."""
+    groups: dict[str, dict[str, Callable[[], Any]]] = {}
+    for key, get in tensors:
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config; some old checkpoints carry it
+        if match := _LAYER_KEY_RE.match(key):
+            index = int(match.group(1))
+            if index >= num_layers:
+                raise ImportFailed(f"{source} has weights for layer {index} but its config says {num_layers} layers")
+            groups.setdefault(layer_file(index), {})[match.group(2)] = get
+        elif key in ("model.embed_tokens.weight", "embed_tokens.weight"):
+            groups.setdefault(EMBED_FILE, {})["embed_tokens.weight"] = get
+        elif key in ("model.norm.weight", "norm.weight"):
+            groups.setdefault(FINAL_FILE, {})["norm.weight"] = get
+        elif key == "lm_head.weight":
+            if not tied:
+                groups.setdefault(FINAL_FILE, {})["lm_head.weight"] = get
+        else:
+            raise ImportFailed(f"{source} has a tensor swarm does not know where to put: {key!r}")
+    missing = [p for p in (EMBED_FILE, FINAL_FILE, *map(layer_file, range(num_layers))) if p not in groups]
+    if missing:
+        raise ImportFailed(f"{source} lacks weights for {', '.join(missing[:5])}; the checkpoint is incomplete")
+    if not tied and "lm_head.weight" not in groups[FINAL_FILE]:
+        raise ImportFailed(f"{source} has untied embeddings but no lm_head.weight; the checkpoint is incomplete")
+    return groups
+
+
+def _write_weights(work: Path, groups: dict[str, dict[str, Callable[[], Any]]], num_layers: int,
+                   report: Progress) -> str:
+    """Write every weight file, one at a time; the dtype the weights are stored in."""
+    from safetensors.torch import save_file
+
+    (work / WEIGHTS_DIR).mkdir()
+    dtype = None
+    order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
+    for done, rel in enumerate(order):
+        tensors_out = {k: get().contiguous() for k, get in groups[rel].items()}
+        if dtype is None:
+            dtype = str(next(iter(tensors_out.values())).dtype).removeprefix("torch.")
+        save_file(tensors_out, str(work / rel), metadata={"format": "pt"})
+        report("write layers", (done + 1) / len(order))
+    return dtype or "float32"
 
 
 def _entry(work: Path, rel: str, kind: str, layer: int | None = None) -> FileEntry:

@@ -1,0 +1,157 @@
+"""The typed messages swarm processes send each other (encoded and checked by swarm.wire).
+
+  leader -> stage 0        Generate, Cancel
+  stage i -> stage i+1     Hidden (hidden states of prompt chunks and decode steps), Free (drop caches)
+  last stage -> stage 0    Sampled (the next token of each request, for its next decode step)
+  last stage -> leader     Tokens (batches of sampled tokens, for streaming)
+  any stage -> leader      Failed; a fellow -> leader: HopLost (a path under requests in flight broke)
+  fellow -> leader         Hardware, in its hello and heartbeats
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from swarm.wire import from_map, message, record, to_map
+
+
+@record
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@record
+class RequestStart:
+    """What every stage after the first learns with a request's first prompt chunk."""
+
+    prompt_len: int
+    max_tokens: int
+    eos: list[int]
+    sampling: Sampling
+
+
+@message("gen")
+class Generate:
+    model: str
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    eos: list[int]
+    sampling: Sampling
+
+
+@message("cancel")
+class Cancel:
+    model: str
+    rid: str
+
+
+@record
+class Part:
+    """One request's rows in a Hidden message: ``n`` positions from ``pos``; ``last`` asks the last stage to sample
+    after them (the prompt's last chunk, or a decode step)."""
+
+    rid: str
+    pos: int
+    n: int
+    last: bool
+    start: RequestStart | None = None  # set on a request's first chunk
+
+
+@message("hidden")
+class Hidden:
+    model: str
+    parts: list[Part]
+    x: dict  # a tensor (tensor_to_wire) of shape (1, sum of the parts' n, hidden size), rows in the parts' order
+
+
+@record
+class SampledToken:
+    rid: str
+    pos: int  # where the token goes: the position of the request's next decode step
+    token: int
+    done: bool
+
+
+@message("sampled")
+class Sampled:
+    model: str
+    tokens: list[SampledToken]
+
+
+@message("free")
+class Free:
+    model: str
+    rids: list[str]
+
+
+@record
+class TokenBatch:
+    rid: str
+    tokens: list[int]
+    done: bool = False
+    finish_reason: str | None = None
+
+
+@message("tokens")
+class Tokens:
+    model: str
+    batches: list[TokenBatch]
+
+
+@message("failed")
+class Failed:
+    model: str
+    rid: str
+    message: str
+    stage: int | None = None
+    not_loaded: bool = False
+
+
+@message("hop_lost")
+class HopLost:
+    model: str
+    hop_id: str
+    path: str | None = None
+
+
+# --- what a fellow reports of its machine ---------------------------------------------------------------------------
+
+
+@record
+class Gpu:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+@record
+class Hardware:
+    cpu_cores: int
+    ram_total_bytes: int
+    ram_free_bytes: int
+    gpus: list[Gpu] = dataclasses.field(default_factory=list)
+
+    def serving_free_bytes(self, device: str = "auto") -> int:
+        """Memory a stage may use: the roomiest GPU's free memory, or free RAM when serving on the CPU."""
+        if self.gpus and device != "cpu":
+            return max(g.free_bytes for g in self.gpus)
+        return self.ram_free_bytes
+
+    def to_wire(self) -> dict:
+        return to_map(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Hardware:
+        return from_map(cls, data, "hardware")
+
+    def describe(self) -> str:
+        if self.gpus:
+            return ", ".join(f"{g.name} ({g.free_bytes / 1e9:.1f} GB free)" for g in self.gpus)
+        return f"{self.cpu_cores} CPU cores, {self.ram_free_bytes / 1e9:.1f} GB RAM free"
