@@ -20,6 +20,7 @@ from swarm.mesh.hole_punch import (
     parse_packet,
     punch,
 )
+from swarm.mesh.udp import normalize_address, receive_datagram
 
 SECRET = b"s" * 32
 A_ADDR = ("198.51.100.1", 40001)  # how b sees a
@@ -254,3 +255,26 @@ async def test_non_punch_datagrams_go_to_the_callback():
                 results["b"] = await punch(b, [a.getsockname()], SECRET, "b", start)
             assert seen == [(b"late rendezvous answer", other.getsockname())]
             assert results == {"a": b.getsockname(), "b": a.getsockname()}
+
+
+async def test_read_errors_on_the_socket_are_skipped():
+    # An ICMP error from an earlier send surfaces as a failed read (Windows, or a connected socket): punching,
+    # rendezvous and QUIC's accept all read through udp.receive_datagram, which skips it.
+    class Socket:
+        def __init__(self):
+            self.results = [ConnectionResetError(10054, "port unreachable"), (b"data", ("127.0.0.1", 5))]
+
+        async def recvfrom(self, size):
+            await trio.lowlevel.checkpoint()
+            result = self.results.pop(0)
+            if isinstance(result, Exception):
+                raise result
+            return result
+
+    with trio.fail_after(5):
+        assert await receive_datagram(Socket(), 2048, "test") == (b"data", ("127.0.0.1", 5))
+
+
+def test_addresses_compare_as_plain_ip():
+    assert normalize_address(("::ffff:192.0.2.1", 7, 0, 0)) == ("192.0.2.1", 7)
+    assert normalize_address(("fe80::1%eth0", "8")) == ("fe80::1", 8)

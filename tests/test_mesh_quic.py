@@ -19,10 +19,33 @@ from swarm.mesh.quic import (
     accept_quic_server,
     open_quic_client,
 )
+from swarm.mesh.quic_config import client_initial_header, quic_configuration
 from swarm.tunnel import keys
 from swarm.tunnel.channel import MAX_WIRE_FRAME, FrameTransport, NoiseChannel
 
 SIZES = [0, 1, 64 * 1024 + 1, 5 * 1024 * 1024]
+
+
+def test_both_sides_share_one_configuration():
+    client = quic_configuration(is_client=True, idle_timeout=3.0, max_datagram_size=1300)
+    server = quic_configuration(is_client=False, idle_timeout=3.0, max_datagram_size=1300)
+    for side in (client, server):
+        assert side.alpn_protocols == [ALPN] and side.idle_timeout == 3.0 and side.max_datagram_size == 1300
+    # QUIC's TLS authenticates nothing here (Noise does): the client skips verification, the server has a cert.
+    assert client.is_client and client.verify_mode == ssl.CERT_NONE and client.certificate is None
+    assert not server.is_client and server.certificate is not None and server.private_key is not None
+    assert quic_configuration(is_client=True, idle_timeout=1.0).max_datagram_size == 1200
+
+
+def test_a_clients_first_datagram_is_recognised():
+    configuration = quic_configuration(is_client=False, idle_timeout=5.0)
+    connection = QuicConnection(configuration=quic_configuration(is_client=True, idle_timeout=5.0))
+    connection.connect(("127.0.0.1", 9), now=0.0)
+    first = connection.datagrams_to_send(now=0.0)[0][0]
+    assert client_initial_header(first, configuration) is not None
+    assert client_initial_header(first[:1000], configuration) is None  # an Initial is padded to 1200 bytes
+    assert client_initial_header(b"SWPN" + bytes(43), configuration) is None  # a late punch packet
+    assert client_initial_header(b"", configuration) is None
 
 
 async def udp_socket(host="127.0.0.1"):

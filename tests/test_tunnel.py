@@ -13,6 +13,7 @@ from swarm.errors import FrameCorrupted, HandshakeFailed, LinkClosed, PeerReject
 from swarm.tunnel import keys
 from swarm.tunnel import noise as noise_mod
 from swarm.tunnel.channel import FrameTransport, NoiseChannel, StreamFrameTransport
+from swarm.tunnel.framing import MAX_WIRE_FRAME, FrameDecoder, encode_frame
 from swarm.tunnel.noise import MAX_CHUNK, NoiseSession
 
 # Sizes around the frame boundary (65518 bytes of message per frame) and one that takes many frames.
@@ -184,6 +185,75 @@ def test_assembled_message_size_is_capped(leader, fellow, monkeypatch):
         res.decrypt(frames[2])
 
 
+# --- length-prefixed frames (sans-IO) --------------------------------------------------------------------------------
+
+
+FRAMES = [b"", b"x", pattern(1000), pattern(MAX_WIRE_FRAME, seed=3)]
+
+
+def test_frames_survive_every_split_point():
+    wire = b"".join(encode_frame(f) for f in FRAMES[:3])
+    for cut in range(len(wire) + 1):
+        decoder = FrameDecoder()
+        decoder.feed(wire[:cut])
+        got = list(decoder)
+        decoder.feed(wire[cut:])
+        got += list(decoder)
+        assert got == FRAMES[:3], cut
+        assert decoder.buffered == 0
+
+
+def test_one_byte_at_a_time_and_many_frames_per_feed():
+    wire = b"".join(encode_frame(f) for f in FRAMES)
+    decoder = FrameDecoder()
+    decoder.feed(wire)
+    assert list(decoder) == FRAMES  # several frames from one feed, in order
+    assert decoder.next_frame() is None
+
+    decoder = FrameDecoder()
+    got = []
+    for i in range(len(wire)):
+        decoder.feed(wire[i : i + 1])
+        if (frame := decoder.next_frame()) is not None:
+            got.append(frame)
+    assert got == FRAMES
+
+
+def test_partial_frame_is_held_until_complete():
+    decoder = FrameDecoder()
+    decoder.feed(encode_frame(b"hello")[:-1])
+    assert decoder.next_frame() is None and decoder.buffered == 8  # EOF now would be "in the middle of a frame"
+    decoder.feed(b"o")
+    assert decoder.next_frame() == b"hello" and decoder.buffered == 0
+
+
+def test_oversize_length_prefix_is_refused_before_its_body():
+    decoder = FrameDecoder()
+    decoder.feed((MAX_WIRE_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(ProtocolError, match="not a swarm peer"):
+        decoder.next_frame()
+    with pytest.raises(ProtocolError):  # the stream cannot be resynchronised: it stays refused
+        decoder.next_frame()
+    decoder = FrameDecoder()
+    decoder.feed(MAX_WIRE_FRAME.to_bytes(4, "big"))
+    assert decoder.next_frame() is None  # the largest allowed frame is waited for
+
+
+@pytest.mark.parametrize("garbage", [b"GET ", b"GET / HTTP/1.1\r\n\r\n", b"\x16\x03\x01\x02\x00"])
+def test_garbage_is_refused_at_once(garbage):
+    decoder = FrameDecoder()
+    decoder.feed(garbage)
+    with pytest.raises(ProtocolError, match="not a swarm peer"):
+        list(decoder)
+
+
+def test_encode_frame_limits():
+    assert encode_frame(b"abc") == b"\x00\x00\x00\x03abc"
+    assert len(encode_frame(bytes(MAX_WIRE_FRAME))) == MAX_WIRE_FRAME + 4
+    with pytest.raises(ProtocolError, match="larger than"):
+        encode_frame(bytes(MAX_WIRE_FRAME + 1))
+
+
 # --- NoiseChannel over memory streams --------------------------------------------------------------------------------
 
 
@@ -273,6 +343,21 @@ async def test_silent_peer_times_out(leader, fellow, autojump_clock):
         with pytest.raises(HandshakeFailed, match="within 10 s"):
             await NoiseChannel.connect(a, fellow[0], leader[1])
         assert trio.current_time() - start == pytest.approx(10)
+
+
+async def test_the_channel_closes_its_transport_even_for_a_malformed_key(leader, fellow):
+    # NoiseChannel owns the transport from the call on, so a caller (swarm.mesh.paths) needs no cleanup of its own.
+    with trio.fail_after(10):
+        a, b = memory_transports()
+        with pytest.raises(HandshakeFailed, match="public key"):
+            await NoiseChannel.connect(a, fellow[0], leader[1][:31])
+        with pytest.raises(LinkClosed):
+            await b.receive_frame()
+        a, b = memory_transports()
+        with pytest.raises(HandshakeFailed, match="private key"):
+            await NoiseChannel.accept(b, leader[0][:31], None)
+        with pytest.raises(LinkClosed):
+            await a.receive_frame()
 
 
 async def test_garbage_length_prefix_is_refused():

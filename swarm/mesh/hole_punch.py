@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import trio
 
 from swarm.errors import TunnelError
-from swarm.mesh.rendezvous import normalize_address, socket_address
+from swarm.mesh.udp import Address, normalize_address, receive_datagram, socket_address
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,6 @@ CONFIRM_GAP_S = 0.02
 # Bounds on state a flood of valid-looking traffic could grow: nonces remembered, peer-reflexive addresses added.
 _MAX_REMEMBERED = 2048
 _MAX_PEER_REFLEXIVE = 8
-
-Address = tuple[str, int]
 
 
 class PunchFailed(TunnelError):
@@ -329,11 +327,7 @@ async def punch(
         if session.failed:
             raise PunchFailed(session.failure_message())
         with trio.move_on_at(session.next_deadline()):
-            try:
-                data, raw_addr = await sock.recvfrom(2048)
-            except OSError as exc:  # ICMP errors surfaced on the socket (Windows, or a connected socket)
-                log.debug("punch: read error ignored: %s", exc)
-                continue
+            data, raw_addr = await receive_datagram(sock, 2048, "punch")
             addr = normalize_address(raw_addr)
             if data[:4] != MAGIC:
                 if on_other is not None:

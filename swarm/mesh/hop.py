@@ -19,9 +19,9 @@ import time
 
 import trio
 
-from swarm.errors import LinkClosed, ProtocolError, SwarmError, TunnelError
+from swarm.errors import LinkClosed, SwarmError
 from swarm.mesh import paths, sequencing
-from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
+from swarm.tunnel.channel import LINK_ERRORS, NoiseChannel, close_quietly
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,12 @@ class OutgoingHop:
                 self.bytes_sent += len(frame)
                 self.messages_sent += 1
                 self._recent_sizes.append(len(frame))
-            except (TunnelError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            except LINK_ERRORS as exc:
                 broken, self._channel = self._channel, None
                 self._reset_next = True
                 if self.path == "direct":
                     self.direct_failed = True  # the next request goes over the relay
-                await _quiet_close(broken)
+                await close_quietly(broken)
                 raise LinkClosed(f"the link to {self.config.peer_name} over the {self.path} broke: {exc}") from None
 
     async def upgrade(self, channel: NoiseChannel, path: str) -> None:
@@ -143,7 +143,7 @@ class OutgoingHop:
         while self._channel is channel:
             try:
                 await channel.send(sequencing.ping(int(time.monotonic() * 1e6)))
-            except (TunnelError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except LINK_ERRORS:
                 return  # the watcher sees the same failure and drops the path
             await trio.sleep(KEEPALIVE_S)
 
@@ -156,7 +156,7 @@ class OutgoingHop:
                 flag, stamp = sequencing.kind(frame)
                 if flag == sequencing.PONG:
                     self.rtt_s = max(0.0, time.monotonic() - stamp / 1e6)
-        except (SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+        except (SwarmError, *LINK_ERRORS):  # SwarmError: a malformed pong too
             pass
         lost = self._channel is channel
         if lost:
@@ -165,7 +165,7 @@ class OutgoingHop:
             if self.path == "tunnel":
                 self.direct_failed = True  # fall back to the relay, not to a direct port that did not work
             log.info("the %s link to %s closed", self.path, self.config.peer_name)
-        await _quiet_close(channel)
+        await close_quietly(channel)
         if lost and self.on_lost is not None:
             await self.on_lost(self)
 
@@ -179,17 +179,9 @@ class OutgoingHop:
     async def aclose(self) -> None:
         if self._channel is not None:
             channel, self._channel = self._channel, None
-            await _quiet_close(channel)
+            await close_quietly(channel)
 
 
 async def _close_later(channel: NoiseChannel) -> None:
     await trio.sleep(DRAIN_S)
-    await _quiet_close(channel)
-
-
-async def _quiet_close(channel: NoiseChannel) -> None:
-    with trio.move_on_after(CLEANUP_S, shield=True):
-        try:
-            await channel.aclose()
-        except Exception:  # closing a broken link: nothing left to report
-            pass
+    await close_quietly(channel)

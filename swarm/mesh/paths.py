@@ -7,7 +7,6 @@ The dialer names the hop in the handshake payload so one listening port serves e
 
 from __future__ import annotations
 
-import socket
 import ssl
 from collections.abc import Callable
 
@@ -16,12 +15,12 @@ import trio_websocket
 
 from swarm.errors import LinkClosed, TunnelError
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
-from swarm.tunnel.channel import NoiseChannel, StreamFrameTransport
+from swarm.tunnel.channel import HANDSHAKE_TIMEOUT, NoiseChannel, StreamFrameTransport
 
 # A hop that cannot open within this time falls back to the relay. On a LAN a TCP connect plus the Noise handshake
 # takes about a millisecond; seconds mean a filtered port, whose SYNs are dropped rather than refused.
 DIRECT_CONNECT_TIMEOUT_S = 3.0
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = HANDSHAKE_TIMEOUT  # the tunnel's own default; the name is kept for old imports
 
 
 async def dial_direct(
@@ -29,17 +28,11 @@ async def dial_direct(
 ) -> NoiseChannel:
     """Open a TCP connection to the next stage's serving port and authenticate it by its pinned key."""
     with trio.fail_after(timeout):
+        # One token per frame wants no Nagle delay: trio's SocketStream turns on TCP_NODELAY itself.
         stream = await trio.open_tcp_stream(host, port)
-    try:
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one token per frame: no Nagle delay
-    except OSError:
-        pass
+    # NoiseChannel owns the transport from here on, as in dial_relay and accept_relay: a failed handshake closes it.
     transport = StreamFrameTransport(stream)
-    try:
-        return await NoiseChannel.connect(transport, local_private, peer_public, payload=hop_id.encode())
-    except BaseException:
-        await transport.aclose()
-        raise
+    return await NoiseChannel.connect(transport, local_private, peer_public, payload=hop_id.encode())
 
 
 async def open_relay(
@@ -73,12 +66,9 @@ async def dial_relay(
     local_private: bytes,
     peer_public: bytes,
 ) -> NoiseChannel:
+    """Dial the next stage through the leader's relay and authenticate it by its pinned key."""
     transport = await open_relay(nursery, leader_url, hop_id, "dial", credential)
-    try:
-        return await NoiseChannel.connect(transport, local_private, peer_public, payload=hop_id.encode())
-    except BaseException:
-        await transport.aclose()
-        raise
+    return await NoiseChannel.connect(transport, local_private, peer_public, payload=hop_id.encode())
 
 
 async def accept_relay(
@@ -91,12 +81,8 @@ async def accept_relay(
 ) -> NoiseChannel:
     """Wait on the listener end of a relay channel until the previous stage dials it."""
     transport = await open_relay(nursery, leader_url, hop_id, "listen", credential)
-    try:
-        # No timeout: the listener waits as long as it takes for the dialer to come.
-        return await NoiseChannel.accept(transport, local_private, allow, timeout=float("inf"))
-    except BaseException:
-        await transport.aclose()
-        raise
+    # No timeout: the listener waits as long as it takes for the dialer to come.
+    return await NoiseChannel.accept(transport, local_private, allow, timeout=float("inf"))
 
 
 __all__ = ["dial_direct", "dial_relay", "accept_relay", "TunnelError", "DIRECT_CONNECT_TIMEOUT_S"]

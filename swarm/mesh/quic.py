@@ -1,16 +1,16 @@
 """A reliable, congestion-controlled frame link over a hole-punched UDP socket: one QUIC stream, driven by trio.
 
 aioquic's :class:`~aioquic.quic.connection.QuicConnection` is sans-IO; this module is the glue that moves its
-datagrams on the socket that :mod:`swarm.mesh.hole_punch` opened through both NATs. QUIC gives us what raw datagrams lack
-for a Noise session (ordering, retransmission, congestion control: noiseprotocol's implicit nonces need an ordered
+datagrams on the socket that :mod:`swarm.mesh.hole_punch` opened through both NATs. QUIC gives us what raw datagrams
+lack for a Noise session (ordering, retransmission, congestion control: noiseprotocol's implicit nonces need an ordered
 stream). QUIC's own TLS is not what authenticates the fellows — the :class:`~swarm.tunnel.channel.NoiseChannel` run
-over :class:`QuicFrameTransport` does, with the keys the leader pinned — so the server uses a throwaway
-self-signed certificate and the client does not verify it (aioquic cannot ask for a client certificate anyway).
+over :class:`QuicFrameTransport` does, with the keys the leader pinned (see :mod:`swarm.mesh.quic_config`).
 
-Frames travel on one bidirectional stream (id 0, opened by the client) as a 4-byte big-endian length and the frame,
-the same framing as TCP's :class:`~swarm.tunnel.channel.StreamFrameTransport`. The client starts the stream with
-the 4-byte preface b"SWQ1" so the server learns of the stream (aioquic cannot send on a peer's stream it has not
-seen) and can tell a swarm peer from anything else that completed a handshake.
+Frames travel on one bidirectional stream (id 0, opened by the client) as a 4-byte big-endian length and the frame:
+the framing of TCP's :class:`~swarm.tunnel.channel.StreamFrameTransport`, decoded by the same
+:class:`~swarm.tunnel.framing.FrameDecoder`. The client starts the stream with the 4-byte preface b"SWQ1" so the
+server learns of the stream (aioquic cannot send on a peer's stream it has not seen) and can tell a swarm peer from
+anything else that completed a handshake.
 
 One driver task per connection owns the socket: it reads datagrams (only those from the peer's address reach the
 connection; a stranger's handshake gets no answer), runs the connection's timer (loss recovery, delayed acks,
@@ -20,35 +20,28 @@ pacing, idle timeout), sends keepalive PINGs and flushes what the connection wan
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import socket
-import ssl
-import struct
 
 import trio
-from aioquic.buffer import Buffer
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from aioquic.quic.packet import QuicHeader
 
-from swarm.errors import HandshakeFailed, LinkClosed, ProtocolError
+from swarm.errors import HandshakeFailed, LinkClosed
 from swarm.mesh import hole_punch as punch_mod
 from swarm.mesh import rendezvous
-from swarm.tunnel.channel import CLEANUP_S, MAX_WIRE_FRAME
+from swarm.mesh.quic_config import ALPN, DEFAULT_MAX_DATAGRAM_SIZE, client_initial_header, quic_configuration
+from swarm.mesh.udp import normalize_address, receive_datagram, socket_address
+from swarm.tunnel.channel import CLEANUP_S
+from swarm.tunnel.framing import FrameDecoder, encode_frame
 
 log = logging.getLogger(__name__)
 
-ALPN = "swarm/1"
 STREAM_ID = 0  # the client's first bidirectional stream (RFC 9000 §2.1)
 PREFACE = b"SWQ1"
-_LENGTH = struct.Struct(">I")
 
 # A path that goes silent (the peer's PC slept, its NAT dropped the mapping) is reported as LinkClosed within this
 # many seconds, so the ring can fall back to the relay quickly. aioquic never uses less than 3 PTOs.
@@ -57,8 +50,6 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 # use 30-60 s); a PING every 10 s keeps the mapping, and at most a third of the idle timeout keeps the connection.
 KEEPALIVE_MAX_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0
-# QUIC's minimum (RFC 9000 §14): every path on the internet carries it, so no PMTU discovery is needed.
-DEFAULT_MAX_DATAGRAM_SIZE = 1200
 # aioquic buffers stream data without limit; send_frame waits while more than this is sent but not yet acked, so
 # a fast sender cannot queue gigabytes in memory. 1 MiB is aioquic's default stream window: more would only wait
 # for flow control credit anyway.
@@ -88,7 +79,7 @@ class QuicFrameTransport:
     def __init__(self, sock, peer: tuple[str, int], connection: QuicConnection, *, is_client: bool,
                  idle_timeout: float, keepalive: float | None = None):
         family, kind = sock.family, sock.type
-        self._sockaddr = rendezvous.socket_address(sock, peer)
+        self._sockaddr = socket_address(sock, peer)
         self._raw = socket.socket(family, kind, fileno=sock.detach())
         self._raw.setblocking(False)
         self.peer = peer
@@ -98,8 +89,10 @@ class QuicFrameTransport:
         self._keepalive = keepalive if keepalive is not None else min(KEEPALIVE_MAX_S, idle_timeout / 3)
         self._next_ping = trio.current_time() + self._keepalive
         self._ping_uid = 0
-        self._recv_buffer = bytearray()
-        self._preface_seen = is_client  # the server strips the client's preface off the stream
+        self._decoder = FrameDecoder()
+        # The server strips the client's preface off the stream; until it has all of it, the bytes wait here.
+        self._preface_seen = is_client
+        self._preface = bytearray()
         self._closed: str | None = None  # why the link is closed, once it is
         self._handshake_done = False
         self._ready = trio.Event()  # handshake done (and, on the server, the preface seen); or closed
@@ -114,12 +107,11 @@ class QuicFrameTransport:
     # --- FrameTransport --------------------------------------------------------------------------------------------
 
     async def send_frame(self, data: bytes) -> None:
-        if len(data) > MAX_WIRE_FRAME:
-            raise ProtocolError(f"a frame of {len(data)} bytes is larger than the {MAX_WIRE_FRAME} allowed")
+        wire = encode_frame(data)
         if self._closed is not None:
             raise LinkClosed(self._closed)
         # One write for header and body: a frame is never split between two senders' data.
-        self._conn.send_stream_data(STREAM_ID, _LENGTH.pack(len(data)) + data)
+        self._conn.send_stream_data(STREAM_ID, wire)
         self._flush()
         await trio.lowlevel.checkpoint()
         while self._closed is None and self._unacked() > SEND_HIGH_WATER:
@@ -131,19 +123,10 @@ class QuicFrameTransport:
 
     async def receive_frame(self) -> bytes:
         while True:
-            if len(self._recv_buffer) >= _LENGTH.size:
-                (length,) = _LENGTH.unpack_from(self._recv_buffer)
-                if length > MAX_WIRE_FRAME:
-                    raise ProtocolError(
-                        f"the peer announced a frame of {length} bytes, at most {MAX_WIRE_FRAME} are allowed; "
-                        "it is not a swarm peer"
-                    )
-                end = _LENGTH.size + length
-                if len(self._recv_buffer) >= end:
-                    frame = bytes(self._recv_buffer[_LENGTH.size : end])
-                    del self._recv_buffer[:end]
-                    await trio.lowlevel.checkpoint()
-                    return frame
+            frame = self._decoder.next_frame()
+            if frame is not None:
+                await trio.lowlevel.checkpoint()
+                return frame
             if self._closed is not None:
                 raise LinkClosed(self._closed)
             if self._data_arrived.is_set():
@@ -189,7 +172,7 @@ class QuicFrameTransport:
                     log.debug("quic: read error ignored: %s", exc)
                     continue
                 # The fast test first: parsing the address text costs more than a small packet's decryption.
-                if addr[:2] != self._sockaddr[:2] and rendezvous.normalize_address(addr) != self.peer:
+                if addr[:2] != self._sockaddr[:2] and normalize_address(addr) != self.peer:
                     log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
                     continue
                 if data[:4] in (punch_mod.MAGIC, rendezvous.MAGIC):
@@ -248,15 +231,7 @@ class QuicFrameTransport:
                 if event.stream_id != STREAM_ID:
                     log.debug("quic: ignored data on stream %d", event.stream_id)
                     continue
-                self._recv_buffer += event.data
-                if not self._preface_seen and len(self._recv_buffer) >= len(PREFACE):
-                    if self._recv_buffer[: len(PREFACE)] != PREFACE:
-                        self._close("the peer is not a swarm fellow (wrong stream preface)")
-                        continue
-                    del self._recv_buffer[: len(PREFACE)]
-                    self._preface_seen = True
-                    if self._handshake_done:
-                        self._ready.set()
+                self._on_stream_data(event.data)
                 if event.end_stream:
                     self._close("the other end closed the link")
                 self._data_arrived.set()
@@ -264,17 +239,33 @@ class QuicFrameTransport:
                 if event.stream_id == STREAM_ID:
                     self._close(f"the other end reset the link (error {event.error_code})")
             elif isinstance(event, events.ConnectionTerminated):
-                if event.reason_phrase == "Idle timeout":
-                    self._close(
-                        f"the direct path went silent for {self._idle_timeout:g} s (idle timeout): "
-                        "the peer is gone or its NAT dropped the mapping"
-                    )
-                elif event.error_code == 0:
-                    self._close("the other end closed the link")
-                else:
-                    self._close(f"the QUIC connection failed: error {event.error_code:#x} {event.reason_phrase}")
+                self._close(self._why_terminated(event))
         if self._unacked() <= SEND_HIGH_WATER:
             self._drained.set()
+
+    def _on_stream_data(self, data: bytes) -> None:
+        if not self._preface_seen:
+            self._preface += data
+            if len(self._preface) < len(PREFACE):
+                return
+            if self._preface[: len(PREFACE)] != PREFACE:
+                self._close("the peer is not a swarm fellow (wrong stream preface)")
+                return
+            data, self._preface = bytes(self._preface[len(PREFACE) :]), bytearray()
+            self._preface_seen = True
+            if self._handshake_done:
+                self._ready.set()
+        self._decoder.feed(data)
+
+    def _why_terminated(self, event: events.ConnectionTerminated) -> str:
+        if event.reason_phrase == "Idle timeout":
+            return (
+                f"the direct path went silent for {self._idle_timeout:g} s (idle timeout): "
+                "the peer is gone or its NAT dropped the mapping"
+            )
+        if event.error_code == 0:
+            return "the other end closed the link"
+        return f"the QUIC connection failed: error {event.error_code:#x} {event.reason_phrase}"
 
     def _close(self, reason: str) -> None:
         if self._closed is None:
@@ -324,23 +315,14 @@ async def open_quic_client(
     ``nursery``. Raises QuicHandshakeFailed if the connection is not up within ``handshake_timeout`` seconds.
 
     The socket belongs to the link from now on: it is closed when the link closes, or at once on failure."""
-    peer = rendezvous.normalize_address(peer)
-    configuration = QuicConfiguration(
-        is_client=True,
-        alpn_protocols=[ALPN],
-        idle_timeout=idle_timeout,
-        max_datagram_size=max_datagram_size,
-        verify_mode=ssl.CERT_NONE,  # the Noise handshake inside the stream authenticates the peer
-        server_name="swarm",
-    )
+    peer = normalize_address(peer)
+    configuration = quic_configuration(is_client=True, idle_timeout=idle_timeout, max_datagram_size=max_datagram_size)
     connection = QuicConnection(configuration=configuration)
     connection.connect(peer, now=trio.current_time())
     connection.send_stream_data(STREAM_ID, PREFACE)
     transport = QuicFrameTransport(sock, peer, connection, is_client=True,
                                    idle_timeout=idle_timeout, keepalive=keepalive)
-    await nursery.start(transport._run)
-    await transport._wait_ready(handshake_timeout, "connect")
-    return transport
+    return await _drive(transport, nursery, handshake_timeout)
 
 
 async def accept_quic_server(
@@ -358,76 +340,48 @@ async def accept_quic_server(
     connection is not up within ``handshake_timeout`` seconds.
 
     The socket belongs to the link from now on: it is closed when the link closes, or at once on failure."""
-    peer = rendezvous.normalize_address(peer)
-    configuration = QuicConfiguration(
-        is_client=False,
-        alpn_protocols=[ALPN],
-        idle_timeout=idle_timeout,
-        max_datagram_size=max_datagram_size,
-    )
-    configuration.private_key, configuration.certificate = _throwaway_certificate()
-    try:
-        with trio.move_on_after(handshake_timeout) as scope:
-            first, header = await _first_initial(sock, peer, configuration)
-    except BaseException:
-        sock.close()
-        raise
-    if scope.cancelled_caught:
-        sock.close()
-        raise QuicHandshakeFailed(
-            f"could not accept over the punched path: no QUIC connection from {peer[0]}:{peer[1]} within "
-            f"{handshake_timeout:g} s"
-        )
+    peer = normalize_address(peer)
+    configuration = quic_configuration(is_client=False, idle_timeout=idle_timeout, max_datagram_size=max_datagram_size)
+    first, header = await _first_initial(sock, peer, configuration, handshake_timeout)
     connection = QuicConnection(
         configuration=configuration, original_destination_connection_id=header.destination_cid
     )
     connection.receive_datagram(first, peer, now=trio.current_time())
     transport = QuicFrameTransport(sock, peer, connection, is_client=False,
                                    idle_timeout=idle_timeout, keepalive=keepalive)
+    return await _drive(transport, nursery, handshake_timeout)
+
+
+async def _drive(transport: QuicFrameTransport, nursery: trio.Nursery, handshake_timeout: float) -> QuicFrameTransport:
+    """Start the link's driver in ``nursery`` and wait until the link is up (it is closed if it does not come up)."""
     await nursery.start(transport._run)
-    await transport._wait_ready(handshake_timeout, "accept")
+    await transport._wait_ready(handshake_timeout, "connect" if transport.is_client else "accept")
     return transport
 
 
-async def _first_initial(sock, peer, configuration):
-    """The first datagram from ``peer`` that starts with a QUIC Initial packet of a version we speak."""
-    while True:
-        try:
-            data, addr = await sock.recvfrom(_RECV_SIZE)
-        except OSError as exc:
-            log.debug("quic: read error ignored: %s", exc)
-            continue
-        if rendezvous.normalize_address(addr) != peer:
-            log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
-            continue
-        try:
-            header = pull_quic_header(Buffer(data=data), host_cid_length=configuration.connection_id_length)
-        except ValueError:
-            continue  # a late punch packet, or garbage
-        if (
-            header.packet_type == QuicPacketType.INITIAL
-            and header.version in configuration.supported_versions
-            and len(data) >= 1200  # RFC 9000 §14.1: a client's Initial datagram is padded to 1200 bytes
-        ):
-            return data, header
+async def _first_initial(
+    sock, peer: tuple[str, int], configuration: QuicConfiguration, timeout: float
+) -> tuple[bytes, QuicHeader]:
+    """The first datagram from ``peer`` that starts with a QUIC Initial packet of a version we speak.
 
-
-def _throwaway_certificate():
-    """A fresh P-256 key and a self-signed certificate for it: QUIC needs one, nobody checks it."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarm")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=30))
-        .sign(key, hashes.SHA256())
+    The socket is closed if none comes within ``timeout`` seconds (QuicHandshakeFailed), or on cancellation."""
+    try:
+        with trio.move_on_after(timeout):
+            while True:
+                data, addr = await receive_datagram(sock, _RECV_SIZE, "quic")
+                if normalize_address(addr) != peer:
+                    log.debug("quic: ignored %d bytes from %s, which is not the peer", len(data), addr[:2])
+                    continue
+                header = client_initial_header(data, configuration)
+                if header is not None:
+                    return data, header
+    except BaseException:
+        sock.close()
+        raise
+    sock.close()
+    raise QuicHandshakeFailed(
+        f"could not accept over the punched path: no QUIC connection from {peer[0]}:{peer[1]} within {timeout:g} s"
     )
-    return key, certificate
 
 
 __all__ = ["QuicFrameTransport", "QuicHandshakeFailed", "open_quic_client", "accept_quic_server", "ALPN"]

@@ -28,6 +28,11 @@ from collections.abc import Callable
 
 import trio
 
+# normalize_address and socket_address live in swarm.mesh.udp (punching and QUIC use them too) and stay importable
+# from here, as they were.
+from swarm.mesh.udp import Address, normalize_address, receive_datagram, socket_address
+from swarm.mesh.udp import plain_ip as _plain_ip
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"SWRV"
@@ -46,8 +51,6 @@ _RECV_SIZE = 2048
 # sends with doubling gaps instead, so a caller sets one overall budget.
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_RETRIES = 3
-
-Address = tuple[str, int]
 
 
 # --- sans-IO ---------------------------------------------------------------------------------------------------------
@@ -113,26 +116,6 @@ def _parse_head(data: bytes, kind: int) -> bytes | None:
     return txid
 
 
-def _plain_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """The address as an IP object, an IPv4-mapped IPv6 address (a dual-stack socket's view) as plain IPv4."""
-    ip = ipaddress.ip_address(host.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def normalize_address(addr) -> Address:
-    """(host, port) as this package compares addresses: canonical text, IPv4-mapped IPv6 as IPv4, no flow/scope."""
-    return str(_plain_ip(addr[0])), int(addr[1])
-
-
-def socket_address(sock, addr: Address):
-    """``addr`` in the form ``sock.sendto`` wants: IPv4 on an IPv6 (dual-stack) socket becomes IPv4-mapped."""
-    if sock.family == trio.socket.AF_INET6 and ipaddress.ip_address(addr[0]).version == 4:
-        return (f"::ffff:{addr[0]}", addr[1])
-    return (addr[0], addr[1])
-
-
 # --- trio glue -------------------------------------------------------------------------------------------------------
 
 
@@ -156,13 +139,7 @@ async def serve_rendezvous(
         bound = sock.getsockname()
         task_status.started((bound[0], bound[1]))
         while True:
-            try:
-                data, addr = await sock.recvfrom(_RECV_SIZE)
-            except OSError as exc:
-                # Windows reports an ICMP port-unreachable from an earlier reply as a failed read (WSAECONNRESET);
-                # one unreachable fellow must not stop the server.
-                log.debug("rendezvous: read error ignored: %s", exc)
-                continue
+            data, addr = await receive_datagram(sock, _RECV_SIZE, "rendezvous")
             request = parse_request(data)
             if request is None:
                 log.debug("rendezvous: ignored %d bytes from %s: not a request", len(data), addr[:2])
@@ -214,11 +191,7 @@ async def discover_reflexive(
         wait_until = min(deadline, trio.current_time() + unit * 2**attempt)
         with trio.move_on_at(wait_until):
             while True:
-                try:
-                    data, addr = await sock.recvfrom(_RECV_SIZE)
-                except OSError as exc:  # an ICMP error reported on the socket (Windows): keep waiting
-                    log.debug("rendezvous: read error ignored: %s", exc)
-                    continue
+                data, addr = await receive_datagram(sock, _RECV_SIZE, "rendezvous")
                 source = normalize_address(addr)
                 if source == server_addr:
                     found = parse_response(data, txid)

@@ -1,25 +1,22 @@
 """Trio glue for the Noise tunnel: frames over a byte stream, and an encrypted channel over frames.
 
-The crypto and framing rules live in :mod:`swarm.tunnel.noise` (sans-IO); this module only moves its bytes.
+The crypto and framing rules live in :mod:`swarm.tunnel.noise` and :mod:`swarm.tunnel.framing` (sans-IO); this
+module only moves their bytes.
 A :class:`FrameTransport` is anything that carries whole frames in order — a TCP stream with length prefixes here,
 the leader's relay or a QUIC stream in :mod:`swarm.mesh` — so :class:`NoiseChannel` works unchanged on every path.
 """
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import trio
 
 from swarm.errors import HandshakeFailed, LinkClosed, ProtocolError, TunnelError
-from swarm.tunnel.noise import MAX_FRAME, NoiseSession
+from swarm.tunnel.framing import MAX_WIRE_FRAME, FrameDecoder, encode_frame  # MAX_WIRE_FRAME: re-exported
+from swarm.tunnel.noise import NoiseSession
 
-_LENGTH = struct.Struct(">I")
-# A Noise frame is at most 65535 bytes; the margin lets a future header grow without breaking old peers' limit,
-# while a garbage length prefix (e.g. an HTTP client on the port: b"GET " = 1.2 GB) is refused at once.
-MAX_WIRE_FRAME = MAX_FRAME + 1024
 # Bytes asked of the stream per read: up to four frames per wakeup when data is waiting. On loopback (2-core EPYC VM)
 # 64 KiB and 256 KiB reads measured the same, ~340 MB/s, bound by the cipher; 1 MiB reads were no faster.
 _READ_SIZE = 256 * 1024
@@ -30,6 +27,21 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds; a peer across two home NATs and a relay ans
 # Closing a link politely (a websocket close handshake) is shielded from cancellation but bounded: a peer that is
 # gone must not hold up a shutdown.
 CLEANUP_S = 2.0
+
+# What sending or receiving on a link raises when the link broke under it (whichever path it runs over).
+LINK_ERRORS = (TunnelError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+_T = TypeVar("_T")
+
+
+async def close_quietly(link) -> None:
+    """Close a channel or transport even while cancelled, for at most CLEANUP_S; a failure to close is dropped:
+    the link is broken or gone, and whatever made us close it is the error worth reporting."""
+    with trio.move_on_after(CLEANUP_S, shield=True):
+        try:
+            await link.aclose()
+        except Exception:
+            pass
 
 
 @runtime_checkable
@@ -50,40 +62,27 @@ class StreamFrameTransport:
 
     def __init__(self, stream: trio.abc.Stream):
         self.stream = stream
-        self._buffer = bytearray()  # kept between calls so a cancelled receive_frame loses nothing
+        self._decoder = FrameDecoder()  # kept between calls so a cancelled receive_frame loses nothing
 
     async def send_frame(self, data: bytes) -> None:
-        if len(data) > MAX_WIRE_FRAME:
-            raise ProtocolError(f"a frame of {len(data)} bytes is larger than the {MAX_WIRE_FRAME} allowed")
+        wire = encode_frame(data)
         try:
-            # One send_all for header and body: one syscall, and no window where only a header went out.
-            await self.stream.send_all(_LENGTH.pack(len(data)) + data)
+            await self.stream.send_all(wire)
         except trio.BrokenResourceError as exc:
             raise LinkClosed("the other end closed the link while we were sending") from exc
 
     async def receive_frame(self) -> bytes:
-        while True:
-            if len(self._buffer) >= _LENGTH.size:
-                (length,) = _LENGTH.unpack_from(self._buffer)
-                if length > MAX_WIRE_FRAME:
-                    raise ProtocolError(
-                        f"the peer announced a frame of {length} bytes, at most {MAX_WIRE_FRAME} are allowed; "
-                        "it is not a swarm peer"
-                    )
-                end = _LENGTH.size + length
-                if len(self._buffer) >= end:
-                    frame = bytes(self._buffer[_LENGTH.size : end])
-                    del self._buffer[:end]  # bytearray deletes from the front in O(1) amortized
-                    return frame
+        while (frame := self._decoder.next_frame()) is None:
             try:
                 data = await self.stream.receive_some(_READ_SIZE)
             except trio.BrokenResourceError as exc:
                 raise LinkClosed("the link broke (connection reset)") from exc
             if not data:
-                if self._buffer:
+                if self._decoder.buffered:
                     raise LinkClosed("the other end closed the link in the middle of a frame")
                 raise LinkClosed("the other end closed the link")
-            self._buffer += data
+            self._decoder.feed(data)
+        return frame
 
     async def aclose(self) -> None:
         await self.stream.aclose()
@@ -118,16 +117,17 @@ class NoiseChannel:
     ) -> NoiseChannel:
         """Open a channel as the initiator, to a peer whose key ``remote_public`` is pinned.
 
-        On failure the transport is closed and HandshakeFailed (or PeerRejected) is raised.
+        The channel owns ``transport`` from the call on: on any failure (a malformed key included) the transport
+        is closed and HandshakeFailed (or PeerRejected) is raised, so a caller needs no cleanup of its own.
         """
-        session = NoiseSession.initiator(local_private, remote_public)
 
-        async def handshake() -> None:
+        async def handshake() -> NoiseSession:
+            session = NoiseSession.initiator(local_private, remote_public)
             await transport.send_frame(session.start(payload))
             session.receive_handshake(await transport.receive_frame())
+            return session
 
-        await cls._run_handshake(transport, handshake, timeout)
-        return cls(transport, session)
+        return cls(transport, await cls._run_handshake(transport, handshake, timeout))
 
     @classmethod
     async def accept(
@@ -140,23 +140,26 @@ class NoiseChannel:
     ) -> NoiseChannel:
         """Open a channel as the responder; ``allow(key)`` says whether the leader vouched for the peer's key.
 
-        On failure the transport is closed (so the peer sees the refusal at once) and the error is raised.
+        As with :meth:`connect`, the transport is closed on any failure (so the peer sees the refusal at once)
+        and the error is raised.
         """
-        session = NoiseSession.responder(local_private, allow)
 
-        async def handshake() -> None:
+        async def handshake() -> NoiseSession:
+            session = NoiseSession.responder(local_private, allow)
             reply = session.receive_handshake(await transport.receive_frame())
             await transport.send_frame(reply)
+            return session
 
-        await cls._run_handshake(transport, handshake, timeout)
-        return cls(transport, session)
+        return cls(transport, await cls._run_handshake(transport, handshake, timeout))
 
     @staticmethod
-    async def _run_handshake(transport: FrameTransport, handshake, timeout: float) -> None:
+    async def _run_handshake(
+        transport: FrameTransport, handshake: Callable[[], Awaitable[_T]], timeout: float
+    ) -> _T:
         try:
             try:
                 with trio.fail_after(timeout):
-                    await handshake()
+                    return await handshake()
             except trio.TooSlowError:
                 raise HandshakeFailed(
                     f"the peer did not complete the handshake within {timeout:g} s; it may be down or unreachable"
@@ -169,8 +172,7 @@ class NoiseChannel:
             except ProtocolError as exc:
                 raise HandshakeFailed(f"the peer broke the handshake: {exc}") from exc
         except BaseException:
-            with trio.move_on_after(CLEANUP_S, shield=True):
-                await transport.aclose()
+            await close_quietly(transport)
             raise
 
     # --- use ---------------------------------------------------------------------------------------------------
@@ -220,3 +222,15 @@ class NoiseChannel:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+__all__ = [
+    "FrameTransport",
+    "StreamFrameTransport",
+    "NoiseChannel",
+    "close_quietly",
+    "LINK_ERRORS",
+    "CLEANUP_S",
+    "HANDSHAKE_TIMEOUT",
+    "MAX_WIRE_FRAME",
+]

@@ -39,7 +39,7 @@ PROLOGUE = b"swarm/1"
 MAX_NOISE_MESSAGE = 65535  # Noise spec §3: every handshake and transport message is at most 65535 bytes.
 TAG_SIZE = 16  # ChaCha20-Poly1305 tag.
 MAX_CHUNK = MAX_NOISE_MESSAGE - TAG_SIZE - 1  # room for the flag byte: 65518 bytes of message per frame.
-# Largest frame on the wire; StreamFrameTransport refuses larger length prefixes.
+# Largest Noise frame; swarm.tunnel.framing allows a little more on the wire and refuses larger length prefixes.
 MAX_FRAME = MAX_NOISE_MESSAGE
 
 # A peer that never sends a "last" frame could make us buffer without end. 256 MiB is far above the largest message
