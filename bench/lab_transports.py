@@ -44,13 +44,6 @@ def per_token_ms(ring: Ring, short: int = 8, long: int = 40, rounds: int = 3) ->
     return min(samples) * 1000
 
 
-def transports(ring: Ring) -> list:
-    status, perf = ring.api("GET", f"/api/v1/models/{MODEL}/performance")
-    return [h.get("transport") for h in perf.get("hops", [])]
-
-
-def set_direct_links(ring: Ring, on: bool) -> None:
-    ring.api("PUT", "/api/v1/settings/direct-links", {"enabled": on})
 
 
 def main() -> None:
@@ -68,13 +61,8 @@ def main() -> None:
 
         import_model(MODEL, work / "models")
         model_dir = work / "models" / MODEL
-    with netlab.lab(delay_ms=args.delay_ms) as lab:
-        lab.add_public_host("leader")
-        lab.add_router("nat-a", "masquerade")
-        lab.add_host("a1", "nat-a")
-        lab.add_host("a2", "nat-a")
-        lab.add_router("nat-b", "masquerade")
-        lab.add_host("b1", "nat-b")
+    # The lab's world (tests/netlab.py): the leader on the internet, two homes behind ordinary masquerade NATs.
+    with netlab.world(public=(netlab.LEADER,), homes=("nat-a", "nat-b"), delay_ms=args.delay_ms) as lab:
         ring = Ring(lab, work / "ring", model_dir)
         try:
             ring.start_leader()
@@ -84,16 +72,16 @@ def main() -> None:
             for label, hosts, direct_links in (("direct (one LAN)", ("a1", "a2"), False),
                                                ("relay (two NATs)", ("a1", "b1"), False),
                                                ("tunnel (two NATs)", ("a1", "b1"), True)):
-                set_direct_links(ring, direct_links)
+                ring.reset()  # Direct links off, nothing loaded
                 ring.use(hosts)
+                ring.direct_links(direct_links)
                 ring.load()
                 ready = time.monotonic()
                 moved = None
                 if direct_links:
-                    while transports(ring) != ["tunnel", "tunnel"] and time.monotonic() - ready < 60:
-                        time.sleep(0.2)
+                    ring.wait_transports({"tunnel"}, timeout=60)
                     moved = time.monotonic() - ready
-                rows.append((label, per_token_ms(ring), transports(ring), moved))
+                rows.append((label, per_token_ms(ring), ring.transports(), moved))
             base = rows[0][1]
             for label, ms, seen, moved in rows:
                 extra = f"+{ms - base:.1f} ms" if ms is not rows[0][1] else ""
@@ -102,7 +90,6 @@ def main() -> None:
                     line += f"   relay -> tunnel after {moved:.1f} s (1 s heartbeat resolution)"
                 print(line)
         finally:
-            set_direct_links(ring, False)
             ring.close()
 
 

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="the leader's URL, e.g. http://leader:8000")
     p.add_argument("--token", help="the join token the leader printed (needed the first time)")
     p.add_argument("--name", help="this fellow's name (default: the host name)")
+    p.add_argument("--standby", action="store_true",
+                   help="stand by to take over the stage of a fellow that drops out; plain loads leave it alone")
     p.add_argument("--data-dir", type=Path)
 
     p = sub.add_parser("model", help="manage the model catalogue")
@@ -94,7 +96,8 @@ def _dispatch(args) -> int | None:
     elif args.command == "join":
         from swarm.fellow import run_fellow
 
-        run_fellow(args.url, args.token, args.data_dir or settings.data_dir or default_data_dir("fellow"), args.name)
+        run_fellow(args.url, args.token, args.data_dir or settings.data_dir or default_data_dir("fellow"), args.name,
+                   args.standby)
     elif args.command == "model":
         from swarm.model_import import import_into_leader
 

@@ -33,6 +33,7 @@ class RequestStart:
     max_tokens: int
     eos: list[int]
     sampling: Sampling
+    drawn: int = 0  # tokens the reply had before this attempt (a request sent again after a failover)
 
 
 @message("gen")
@@ -43,6 +44,7 @@ class Generate:
     max_tokens: int
     eos: list[int]
     sampling: Sampling
+    drawn: int = 0  # tokens the reply had before this attempt: the prompt ends with them
 
 
 @message("cancel")

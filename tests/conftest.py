@@ -1,10 +1,22 @@
-"""Shared fixtures: tiny random models of each supported family, and the real built-in model, each imported once."""
+"""Shared fixtures: tiny random models of each supported family, and the real built-in model, each imported once;
+``process_logs``, which puts the logs of the processes a test started into its failure report; ``session_summary``,
+for figures shown at the end of the run.
+
+Markers (pyproject.toml): unmarked tests are fast units; ``e2e``, ``lab`` and ``browser`` mark the slow kinds, so
+``pytest -m "not e2e and not lab and not browser"`` is the quick check. Plain ``pytest`` runs everything."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Before torch is first imported (OpenMP reads it once): OpenMP threads sleep between parallel regions instead of
+# spinning. The tests put several torch users on this 2-core machine at once (fellows in-process and as processes,
+# the lab's leader and fellows, another test run): spinning threads starve each other. Measured here with another
+# e2e run going: the fast selection took 127 s spinning, 38 s passive. Inherited by the processes tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # name -> (config class, config kwargs). Hidden 64, a few layers, vocab 320: milliseconds per token on a laptop CPU.
 # initializer_range 0.2 (library default 0.02) makes random models produce varied tokens instead of one token
@@ -73,3 +85,75 @@ def smollm_model_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     import_model("smollm2-135m-instruct", root)
     return root / "smollm2-135m-instruct"
+
+
+# --- logs of the processes a test started, in its failure report --------------------------------------------------
+
+_PROCESS_LOGS = pytest.StashKey[list]()
+LOG_TAIL_LINES = 80
+LOG_TAIL_CHARS = 12_000
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return tail[-chars:] if len(tail) > chars else tail
+
+
+@pytest.fixture
+def process_logs(request):
+    """Register the log files of processes this test started: ``process_logs(name, path)``, or
+    ``process_logs(source)`` with a callable returning {name: path} (read when the report is made, so processes
+    started later are included). When the test fails (setup, call or teardown), the last lines of each log are
+    attached to its report as a section "log of <name>"."""
+    sources = request.node.stash.setdefault(_PROCESS_LOGS, [])
+
+    def register(name_or_source, path=None):
+        if path is not None:
+            sources.append(lambda: {name_or_source: path})
+        elif callable(name_or_source):
+            sources.append(name_or_source)
+        else:
+            sources.append(lambda: dict(name_or_source))
+
+    return register
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        seen = set()
+        for source in item.stash.get(_PROCESS_LOGS, []):
+            try:
+                logs = source()
+            except Exception as exc:  # noqa: BLE001 - a broken source must not hide the failure itself
+                report.sections.append(("log sources", f"could not list logs: {exc!r}"))
+                continue
+            for name, path in logs.items():
+                if (name, str(path)) in seen:
+                    continue
+                seen.add((name, str(path)))
+                report.sections.append((f"log of {name} ({path}, last {LOG_TAIL_LINES} lines)", _tail(path)))
+    return report
+
+
+# --- figures a module wants shown at the end of the run (the lab's NAT grid) ---------------------------------------
+
+_SUMMARIES = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def session_summary(request):
+    """``session_summary(title, text)`` prints ``text`` under ``title`` in pytest's terminal summary, without -s."""
+    entries = request.config.stash.setdefault(_SUMMARIES, [])
+    return lambda title, text: entries.append((title, text))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for title, text in config.stash.get(_SUMMARIES, []):
+        terminalreporter.write_sep("=", title)
+        terminalreporter.write_line(text)

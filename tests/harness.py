@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,6 +19,47 @@ from swarm.fellow import Fellow
 from swarm.leader.app import Leader
 from swarm.model_import import register
 from swarm.store.manifest import load_manifest
+
+
+def _timed_out(condition: Callable, timeout: float, message: str | Callable[[], str]) -> AssertionError:
+    name = getattr(condition, "__name__", "<lambda>")
+    what = "the condition" if name == "<lambda>" else name
+    try:
+        detail = message() if callable(message) else message
+    except Exception as exc:  # noqa: BLE001 - the timeout is the failure to report, not this
+        detail = f"(could not describe the state: {exc!r})"
+    return AssertionError(f"{what} did not hold within {timeout:g} s" + (f": {detail}" if detail else ""))
+
+
+async def wait_until(condition: Callable, timeout: float, *, interval: float = 0.05,
+                     message: str | Callable[[], str] = "") -> object:
+    """Poll ``condition()`` (a plain or async callable) every ``interval`` s until it returns something true, and
+    return that; fail with ``message`` (a string, or a callable giving one: the state worth seeing) after
+    ``timeout`` s. For state that changes without an event to wait on: real sockets, other processes."""
+    deadline = trio.current_time() + timeout
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if trio.current_time() >= deadline:
+            raise _timed_out(condition, timeout, message)
+        await trio.sleep(interval)
+
+
+def wait_for(condition: Callable[[], object], timeout: float, *, interval: float = 0.05,
+             message: str | Callable[[], str] = "") -> object:
+    """``wait_until`` for synchronous tests: real processes, network namespaces. ``condition`` may raise (e.g. an
+    AssertionError when a process it waits on has exited) to fail at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(condition, timeout, message)
+        time.sleep(interval)
 
 
 @dataclasses.dataclass

@@ -19,7 +19,13 @@ only established/related return traffic. NAT kinds:
 - ``udp-blocked``              masquerade, but every forwarded UDP packet towards the WAN is dropped
 - ``cgnat``                    a carrier-grade NAT: its downstream links (100.64.k.0/24) lead to home routers
 
-Usage::
+The lab's tests and ``bench/lab_transports.py`` share one world: ``HOMES`` (a home per NAT kind, the carrier-grade
+NAT, routers that answer strangers) and public hosts such as the leader, built by ``world()`` / ``build()``::
+
+    with netlab.world(public=["leader"], homes=["nat-a", "nat-b"]) as lab:
+        lab.check("a1", ["ping", "-c1", lab.address("leader")])
+
+Piece by piece::
 
     with Lab(delay_ms=10) as lab:
         lab.add_public_host("leader")
@@ -184,7 +190,7 @@ class Capture:
 
     def stop(self) -> Capture:
         if self.proc.poll() is None:
-            time.sleep(0.1)  # let the kernel hand over the last packets
+            self._drained()
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(5)
@@ -192,6 +198,23 @@ class Capture:
                 self.proc.kill()
                 self.proc.wait()
         return self
+
+    def _drained(self, quiet_s: float = 0.05, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout``) until tcpdump has written what the kernel handed it: the file (packet-buffered,
+        -U) stops growing for ``quiet_s``. A stop right after the last packet was sent then still has it."""
+        deadline = time.monotonic() + timeout
+        size = -1
+        while time.monotonic() < deadline:
+            now = self.path.stat().st_size if self.path.exists() else 0
+            if now == size:
+                return
+            size = now
+            time.sleep(quiet_s)
+
+    def seen(self, bpf: str = "") -> int:
+        """How many packets (optionally matching ``bpf`` too) are in the capture so far, without stopping it."""
+        out = _sh(["tcpdump", "-r", str(self.path), "-nn", *bpf.split()], check=False)
+        return sum(1 for line in out.splitlines() if line.strip())
 
     def __enter__(self) -> Capture:
         return self
@@ -717,8 +740,15 @@ print(json.dumps({"local": local, "seen": seen}))
 
 
 def print_grid(results: dict[tuple[str, str], str], file=None, title: str = "transport") -> str:
-    """Print (and return) a grid of NAT pair -> transport, rows = first NAT, columns = second, like Tailscale's NAT
-    test grid. Pairs given one way are shown both ways; missing pairs show "-"."""
+    """Print (and return) ``grid_text(results, title)``."""
+    text = grid_text(results, title)
+    print(text, file=file or sys.stdout, flush=True)
+    return text
+
+
+def grid_text(results: dict[tuple[str, str], str], title: str = "transport") -> str:
+    """A grid of NAT pair -> transport, rows = first NAT, columns = second, like Tailscale's NAT test grid. Pairs
+    given one way are shown both ways; missing pairs show "-"."""
     names: list[str] = []
     for a, b in results:
         for n in (a, b):
@@ -735,9 +765,7 @@ def print_grid(results: dict[tuple[str, str], str], file=None, title: str = "tra
     for r in names:
         cells = [str(cell.get((r, n), "-")).ljust(w) for n, w in zip(names, widths)]
         rows.append(" | ".join([r.ljust(width0)] + cells))
-    text = "\n".join(rows)
-    print(text, file=file or sys.stdout, flush=True)
-    return text
+    return "\n".join(rows)
 
 
 @contextlib.contextmanager
@@ -749,6 +777,65 @@ def lab(delay_ms: float = 10.0, **kwargs):
         yield the_lab
     finally:
         the_lab.close()
+
+
+# --- the lab's world: one topology for the lab's tests and the benchmark -------------------------------------------
+
+WAN_DELAY_MS = 10.0  # each way on every router's WAN link (a home's, and a carrier's)
+LEADER = "leader"  # the leader's place: a public host on the internet's "dc" segment
+
+
+@dataclasses.dataclass(frozen=True)
+class Home:
+    """A home network: a NAT router of kind ``nat`` with ``hosts`` on its LAN. ``carrier`` names the carrier-grade
+    NAT the home's WAN hangs off (made with the first home behind it) instead of the internet core."""
+
+    router: str
+    nat: str
+    hosts: tuple[str, ...]
+    carrier: str | None = None
+    input_filter: bool = True
+
+
+HOMES: dict[str, Home] = {home.router: home for home in (
+    Home("nat-a", "masquerade", ("a1", "a2")),
+    Home("nat-b", "masquerade", ("b1", "b2")),
+    Home("nat-r", "masquerade fully-random", ("r1",)),
+    Home("nat-u", "udp-blocked", ("u1",)),
+    Home("nat-c", "masquerade", ("c1",), carrier="cgn"),
+    # Routers that answer unsolicited packets to themselves (no input filter): the setting where an early punch
+    # packet makes a Linux masquerade NAT change port, unless the first probes die before reaching it.
+    Home("nat-p", "masquerade", ("p1",), input_filter=False),
+    Home("nat-q", "masquerade", ("q1",), input_filter=False),
+)}
+
+
+def add_home(lab: Lab, home: Home | str) -> Router:
+    """Add a home of ``HOMES`` (or any ``Home``): its carrier's NAT if not there yet, its router, its hosts."""
+    home = HOMES[home] if isinstance(home, str) else home
+    if home.carrier is not None and home.carrier not in lab.routers:
+        lab.add_router(home.carrier, "cgnat")
+    router = lab.add_router(home.router, home.nat, upstream=home.carrier, input_filter=home.input_filter)
+    for host in home.hosts:
+        lab.add_host(host, home.router)
+    return router
+
+
+def build(lab: Lab, public: Sequence[str] = (LEADER,), homes: Iterable[Home | str] = tuple(HOMES)) -> Lab:
+    """The lab's world in ``lab``: public hosts on the internet (the leader's place, test servers), then homes."""
+    for name in public:
+        lab.add_public_host(name)
+    for home in homes:
+        add_home(lab, home)
+    return lab
+
+
+@contextlib.contextmanager
+def world(public: Sequence[str] = (LEADER,), homes: Iterable[Home | str] = tuple(HOMES),
+          delay_ms: float = WAN_DELAY_MS, **kwargs):
+    """``with netlab.world() as lab:`` — a fresh lab (``lab()``) holding ``build(lab, public, homes)``."""
+    with lab(delay_ms=delay_ms, **kwargs) as the_lab:
+        yield build(the_lab, public, homes)
 
 
 def _open_tun(name: str) -> int:

@@ -138,3 +138,24 @@ def test_a_template_that_refuses_the_messages_is_the_clients_400(client, leader,
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
                      400, "invalid_messages")
     assert "alternate" in message
+
+
+def test_admins_mark_fellows_standby_and_see_it(client, leader):
+    token = leader.first_start.admin_token
+    pool = leader.store.list_pools()[0]
+    fellow, _ = leader.store.enrol_fellow("gpu-box", b"k" * 32, pool.id)
+    listed = client.get("/api/v1/fellows", headers=_auth(token)).json()["fellows"]
+    assert [(f["name"], f["standby"]) for f in listed] == [("gpu-box", False)]
+    response = client.put(f"/api/v1/fellows/{fellow.id}", json={"standby": True}, headers=_auth(token))
+    assert response.status_code == 200 and response.json()["fellow"]["standby"] is True
+    assert client.get("/api/v1/fellows", headers=_auth(token)).json()["fellows"][0]["standby"] is True
+    _error(client.put(f"/api/v1/fellows/{fellow.id}", json={"standby": "yes"}, headers=_auth(token)), 400)
+    _error(client.put("/api/v1/fellows/999", json={"standby": True}, headers=_auth(token)), 404)
+    # a fellow that joins with --standby is one; joining again without it keeps what the admin set
+    again, _ = leader.store.enrol_fellow("gpu-box", b"k" * 32, pool.id, standby=False)
+    assert again.standby is True
+    spare, _ = leader.store.enrol_fellow("spare", b"s" * 32, pool.id, standby=True)
+    assert spare.standby is True
+    hot = client.put("/api/v1/settings/hot-cover", json={"enabled": True}, headers=_auth(token))
+    assert hot.status_code == 200 and hot.json()["enabled"] is True
+    assert client.get("/api/v1/settings/hot-cover", headers=_auth(token)).json()["enabled"] is True

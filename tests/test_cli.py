@@ -5,7 +5,10 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
+
+import httpx
+
+from harness import wait_for
 
 
 def _free_port() -> int:
@@ -14,17 +17,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _leader_lines(data_dir, port, count) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", "leader", "--host", "127.0.0.1", "--port", str(port),
-                             "--data-dir", str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = [proc.stdout.readline().rstrip("\n") for _ in range(count)]
-    return proc, lines
+def _start_leader(data_dir, port, out) -> subprocess.Popen:
+    """`swarm leader` with its stdout (what a user reads) in the file ``out`` and its log (stderr) in ``out``.log."""
+    with open(out, "wb") as stdout, open(f"{out}.log", "wb") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "swarm", "leader", "--host", "127.0.0.1", "--port", str(port),
+                                 "--data-dir", str(data_dir)], stdout=stdout, stderr=stderr)
 
 
-def test_leader_prints_its_secrets_on_the_first_start_only(tmp_path):
-    port = _free_port()
-    proc, lines = _leader_lines(tmp_path, port, 4)
+def _lines(proc: subprocess.Popen, out, count: int) -> list[str]:
+    """The first ``count`` lines the leader printed, once it has printed them."""
+    def printed():
+        lines = out.read_text().splitlines()
+        assert len(lines) >= count or proc.poll() is None, f"the leader exited ({proc.returncode}): {lines}"
+        return lines[:count] if len(lines) >= count else None
+
+    return wait_for(printed, 60, message=lambda: f"printed: {out.read_text()!r}")
+
+
+def _answers(port: int) -> bool:
     try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_leader_prints_its_secrets_on_the_first_start_only(tmp_path, process_logs):
+    port = _free_port()
+    first, again = tmp_path / "first.out", tmp_path / "again.out"
+    for out in (first, again):
+        process_logs(f"leader {out.stem} (stdout)", out)
+        process_logs(f"leader {out.stem} (stderr)", f"{out}.log")
+    proc = _start_leader(tmp_path / "leader", port, first)
+    try:
+        lines = _lines(proc, first, 4)
         assert lines[0] == f"Leader: http://127.0.0.1:{port}"
         assert lines[1].startswith("Admin password: ") and len(lines[1]) > 25
         assert lines[2].startswith("Admin API token: swt_")
@@ -32,13 +57,15 @@ def test_leader_prints_its_secrets_on_the_first_start_only(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0
-    proc, lines = _leader_lines(tmp_path, port, 1)
+    proc = _start_leader(tmp_path / "leader", port, again)
     try:
-        assert lines == [f"Leader: http://127.0.0.1:{port}"]
-        time.sleep(0.5)
+        assert _lines(proc, again, 1) == [f"Leader: http://127.0.0.1:{port}"]
+        # Serving requests: it is past the point where a first start prints its secrets.
+        wait_for(lambda: _answers(port), 30, message="the leader does not answer /healthz")
     finally:
         proc.terminate()
-        rest = proc.communicate(timeout=20)[0]
+        proc.wait(timeout=20)
+    rest = again.read_text()
     assert "Admin" not in rest and "Join token" not in rest
 
 

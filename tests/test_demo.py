@@ -7,9 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
+
+from harness import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -20,38 +21,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _running(marker: str) -> list[str]:
+def _running(marker: str) -> list[int]:
+    """Pids of the processes whose command line names ``marker`` (the demo's data dir), this one excepted."""
     out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
-    return [pid for pid in out.split() if int(pid) != os.getpid()]
+    return [int(pid) for pid in out.split() if int(pid) != os.getpid()]
 
 
 @pytest.fixture
-def demo(tmp_path, smollm_model_dir):
+def demo(tmp_path, smollm_model_dir, process_logs):
     data = tmp_path / "demo"
     (data / "leader" / "models").mkdir(parents=True)
     # Reuse this session's import of the built-in model, as a second `swarm demo` run would.
     os.symlink(smollm_model_dir, data / "leader" / "models" / smollm_model_dir.name)
+    # What the demo prints, then the logs it writes for the processes it starts (data/leader.log, fellow-N.log).
+    out = tmp_path / "demo.out"
+    process_logs("demo (stdout)", out)
+    process_logs(lambda: {p.stem: p for p in sorted(data.glob("*.log"))})
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "swarm", "demo", "--port", str(port), "--stages", "2", "--no-browser",
-         "--data-dir", str(data)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines = {}
-    seen = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and "API token" not in lines:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if ": " in line:
-            key, value = line.rstrip("\n").split(": ", 1)
-            lines[key] = value
-    assert "API token" in lines, "".join(seen)
-    yield proc, lines, port, str(data)
-    if proc.poll() is None:
-        proc.kill()
+    with open(out, "wb") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm", "demo", "--port", str(port), "--stages", "2", "--no-browser",
+             "--data-dir", str(data)],
+            stdout=stdout, stderr=subprocess.STDOUT,
+        )
+
+    def printed():
+        text = out.read_text(errors="replace")
+        lines = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+        assert "API token" in lines or proc.poll() is None, f"the demo exited ({proc.returncode}):\n{text}"
+        return lines if "API token" in lines else None
+
+    try:
+        lines = wait_for(printed, 240, interval=0.2, message=lambda: out.read_text(errors="replace"))
+        yield proc, lines, port, str(data)
+    finally:
+        # The demo stops its leader and fellows on SIGTERM; whatever is left after that (a demo that hung, or was
+        # killed half-way) is ended here by pid, so no process of this test outlives it.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in _running(str(data)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_openai_package_streams_from_the_demo(demo):
@@ -125,7 +142,4 @@ def test_openai_package_streams_from_the_demo(demo):
     # SIGTERM stops every process the demo started.
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    deadline = time.monotonic() + 15
-    while _running(data) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _running(data) == []
+    wait_for(lambda: _running(data) == [], 15, interval=0.2, message=lambda: f"still running: {_running(data)}")

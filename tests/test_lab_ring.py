@@ -1,19 +1,24 @@
 """The ring across home NATs, with real processes: a leader on the lab's internet, two `swarm join` fellows in home
 networks behind the lab's NAT routers. Every case must give transformers' greedy reply token for token; which path
-the hidden states took is read off the wire (tcpdump on the routers' WANs and the LAN) and, where the fellows
-report it, from /api/v1/models/{id}/performance.
+the hidden states took is read off the wire (tcpdump on the routers' WANs and the LAN) and from what the fellows
+report in /api/v1/models/{id}/performance.
 
-One lab and one leader serve every case; each case swaps in the fellows it needs. Needs root; skips otherwise.
+One lab (netlab.world: the leader on the internet, a home of every NAT kind) and one leader serve every case; each
+case starts from Direct links off and nothing loaded, and swaps in the fellows it needs. A failing case's report holds
+the last lines of every process's log. The NAT grid is printed in pytest's summary. Needs root; skips otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import selectors
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,20 +26,22 @@ import pytest
 import torch
 
 import netlab
+from harness import install_model, wait_for
 
 _reason = netlab.available()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 24
 LEADER_PORT = 8000
 SERVE_PORT = 5559
-DELAY_MS = 10.0
+DELAY_MS = netlab.WAN_DELAY_MS
 EOS = 2
+TRANSPORTS = ("direct", "tunnel", "relay")
 
 # (case, NAT of the first fellow, NAT of the second, the two hosts, expected transport)
 CASES = {
@@ -44,8 +51,24 @@ CASES = {
     "d": ("udp-blocked", "masquerade", ("u1", "b1"), "relay"),
     "e": ("cgnat", "masquerade", ("c1", "b1"), "relay"),
 }
-GRID: dict[tuple[str, str], str] = {}
-TIMINGS: dict[str, float] = {}
+
+
+class Results:
+    """The NAT grid and the timings of the cases that ran, shown at the end of the run (pytest's summary)."""
+
+    def __init__(self):
+        self.grid: dict[tuple[str, str], str] = {}
+        self.timings: dict[str, float] = {}
+        self.lab: netlab.Lab | None = None
+
+    def record(self, row: str, column: str, value: str) -> None:
+        assert value.split(" ")[0] in TRANSPORTS, value  # every cell holds a transport the mesh knows
+        self.grid[(row, column)] = value
+
+    def text(self) -> str:
+        return "\n".join([self.lab.describe() if self.lab else "", netlab.grid_text(self.grid),
+                          "timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in self.timings.items())])
+
 
 # Runs inside the leader's namespace: one process, JSON lines in (method, path, json, token), JSON lines out.
 _API_PROXY = r"""
@@ -78,14 +101,45 @@ def reference(smollm_model_dir):
     return want[: want.index(EOS) + 1] if EOS in want else want
 
 
+class ApiProxy:
+    """A process in the leader's namespace that makes the API calls of the test (one at a time each)."""
+
+    def __init__(self, lab: netlab.Lab, stderr):
+        self.lab = lab
+        self.proc = lab.run(netlab.LEADER, [sys.executable, "-c", _API_PROXY, f"http://127.0.0.1:{LEADER_PORT}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def call(self, method: str, path: str, body: dict | None, token: str | None,
+             timeout: float = 180) -> tuple[int, object]:
+        self.proc.stdin.write(json.dumps({"method": method, "path": path, "json": body, "token": token}) + "\n")
+        self.proc.stdin.flush()
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                raise TimeoutError(f"{method} {path}: no answer within {timeout} s")
+        out = json.loads(self.proc.stdout.readline())
+        try:
+            return out["status"], json.loads(out["text"])
+        except ValueError:
+            return out["status"], out["text"]
+
+    def close(self) -> None:
+        self.lab.stop(self.proc, timeout=5)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            pipe.close()
+
+
 class Ring:
     """The lab, the leader process and whichever fellow processes the current case needs."""
 
     def __init__(self, lab: netlab.Lab, root: Path, model_dir: Path):
         self.lab, self.root, self.model_dir = lab, root, model_dir
         self.leader_dir = root / "leader"
-        self.fellows: dict[str, object] = {}  # host -> Popen
-        self.leader_url = f"http://{lab.address('leader')}:{LEADER_PORT}"
+        self.fellows: dict[str, subprocess.Popen] = {}  # host -> its `swarm join` process
+        self.leader_url = f"http://{lab.address(netlab.LEADER)}:{LEADER_PORT}"
+        self.leader = None
+        self.proxy = None
         self.token = None
         self.join_token = None
         self.logs: list = []
@@ -93,42 +147,41 @@ class Ring:
     # --- the leader and its API -----------------------------------------------------------------------------------
 
     def start_leader(self) -> None:
-        from harness import install_model
-
         install_model(self.leader_dir, self.model_dir)
-        self.leader = self.lab.run("leader", [sys.executable, "-m", "swarm", "leader", "--host", "0.0.0.0", "--port",
-                                              str(LEADER_PORT), "--data-dir", str(self.leader_dir)],
-                                   stdout=self.log("leader"), stderr=subprocess.STDOUT)
-        self.proxy = self.lab.run("leader", [sys.executable, "-c", _API_PROXY, f"http://127.0.0.1:{LEADER_PORT}"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self.log("proxy"), text=True)
-        assert self.proxy.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 120
-        while self.api("GET", "/healthz", timeout=10)[0] != 200:
-            assert self.leader.poll() is None, self.tail("leader")
-            assert time.monotonic() < deadline, self.tail("leader")
-            time.sleep(0.3)
+        self.leader = self.lab.run(netlab.LEADER, [
+            sys.executable, "-m", "swarm", "leader", "--host", "0.0.0.0", "--port", str(LEADER_PORT), "--data-dir",
+            str(self.leader_dir)], stdout=self.log("leader"), stderr=subprocess.STDOUT)
+        self.proxy = ApiProxy(self.lab, self.log("proxy"))
+
+        def healthy():
+            assert self.leader.poll() is None, f"the leader exited ({self.leader.returncode})\n{self.tail('leader')}"
+            return self.api("GET", "/healthz", timeout=10)[0] == 200
+
+        wait_for(healthy, 120, interval=0.2, message=lambda: self.tail("leader"))
         from swarm.demo import _credentials
 
         self.token, self.join_token, _ = _credentials(self.leader_dir)
 
     def api(self, method: str, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, object]:
-        self.proxy.stdin.write(json.dumps({"method": method, "path": path, "json": body, "token": self.token}) + "\n")
-        self.proxy.stdin.flush()
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proxy.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                raise TimeoutError(f"{method} {path}: no answer within {timeout} s")
-        out = json.loads(self.proxy.stdout.readline())
-        try:
-            return out["status"], json.loads(out["text"])
-        except ValueError:
-            return out["status"], out["text"]
+        return self.proxy.call(method, path, body, self.token, timeout)
 
     def online(self) -> set[str]:
         status, body = self.api("GET", "/api/v1/fellows")
         assert status == 200, body
         return {f["name"] for f in body["fellows"] if f["state"] == "online"}
+
+    def direct_links(self, enabled: bool) -> None:
+        status, body = self.api("PUT", "/api/v1/settings/direct-links", {"enabled": enabled})
+        assert status == 200 and body == {"enabled": enabled}, body
+
+    def reset(self) -> None:
+        """What every case starts from, whatever ran before it: Direct links off and the model not loaded (so the
+        leader coordinates no punch for an earlier case's hops while that case's fellows are being stopped)."""
+        self.direct_links(False)
+        status, view = self.api("GET", f"/api/v1/models/{MODEL}")
+        assert status == 200, view
+        if view.get("status") != "not_loaded":
+            self.unload()
 
     # --- fellows --------------------------------------------------------------------------------------------------
 
@@ -150,13 +203,19 @@ class Ring:
                 except OSError:
                     shutil.copyfile(self.model_dir / f.path, dst)
 
+    def forget_cache(self, host: str) -> None:
+        """Stop the host's fellow and empty its cache: it downloads the model again."""
+        if host in self.fellows:
+            self.lab.stop(self.fellows.pop(host))
+        shutil.rmtree(self.fellow_dir(host) / "cache", ignore_errors=True)
+
     def use(self, hosts: tuple[str, ...], seed: bool = True) -> None:
         """Exactly these hosts' fellows online (others stopped), with no model loaded."""
         status, view = self.api("GET", f"/api/v1/models/{MODEL}")
         if status == 200 and view.get("status") not in ("not_loaded", None):
             self.unload()
-        for host in [h for h in self.fellows if h not in hosts]:
-            self.lab.stop(self.fellows.pop(host))
+        for host in [h for h in self.fellows if h not in hosts or self.fellows[h].poll() is not None]:
+            self.lab.stop(self.fellows.pop(host))  # not needed, or exited (an earlier case's failure): restarted
         for host in hosts:
             if host in self.fellows:
                 continue
@@ -168,24 +227,24 @@ class Ring:
                 host, [sys.executable, "-m", "swarm", "join", self.leader_url, "--token", self.join_token,
                        "--name", host, "--data-dir", str(self.fellow_dir(host))],
                 env=env, stdout=self.log(host), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while self.online() != set(hosts):
+
+        def all_online():
             for host, proc in self.fellows.items():
                 assert proc.poll() is None, f"fellow {host} exited:\n{self.tail(host)}"
-            assert time.monotonic() < deadline, f"online: {self.online()}, wanted {hosts}\n" + self.tails()
-            time.sleep(0.3)
+            return self.online() == set(hosts)
+
+        wait_for(all_online, 120, interval=0.2, message=lambda: f"online: {self.online()}, wanted {hosts}")
 
     def load(self) -> dict:
         status, body = self.api("POST", f"/api/v1/models/{MODEL}/load", {"num_stages": 2})
         assert status == 202, body
-        deadline = time.monotonic() + 180
-        while True:
-            status, view = self.api("GET", f"/api/v1/models/{MODEL}")
-            if view["status"] == "ready":
-                return view
-            assert view["status"] not in ("failed", "not_loaded"), f"{view}\n{self.tails()}"
-            assert time.monotonic() < deadline, f"{view}\n{self.tails()}"
-            time.sleep(0.3)
+
+        def ready():
+            _, view = self.api("GET", f"/api/v1/models/{MODEL}")
+            assert view["status"] not in ("failed", "not_loaded"), view
+            return view if view["status"] == "ready" else None
+
+        return wait_for(ready, 180, interval=0.2, message=lambda: str(self.api("GET", f"/api/v1/models/{MODEL}")))
 
     def unload(self) -> None:
         status, body = self.api("POST", f"/api/v1/models/{MODEL}/unload")
@@ -195,19 +254,25 @@ class Ring:
         body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
                 "max_tokens": MAX_TOKENS, "return_token_ids": True}
         status, data = self.api("POST", "/v1/chat/completions", body)
-        assert status == 200, f"{data}\n{self.tails()}"
+        assert status == 200, data
         return data
 
-    def reported_transports(self, wait_s: float = 4.0) -> list[str | None]:
-        """The transports the fellows report per hop (heartbeats every second); Nones where nothing is reported."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            status, perf = self.api("GET", f"/api/v1/models/{MODEL}/performance")
-            hops = perf.get("hops", []) if status == 200 and isinstance(perf, dict) else []
-            found = [h.get("transport") for h in hops]
-            if (found and None not in found) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.5)
+    def hops(self, proxy: ApiProxy | None = None) -> list[dict]:
+        """The ring's hops as the leader reports them (figures from the fellows' heartbeats, every second)."""
+        status, perf = (proxy or self.proxy).call("GET", f"/api/v1/models/{MODEL}/performance", None, self.token)
+        assert status == 200, perf
+        return perf["hops"]
+
+    def transports(self, proxy: ApiProxy | None = None) -> list[str | None]:
+        return [h.get("transport") for h in self.hops(proxy)]
+
+    def wait_transports(self, want: set[str] | None = None, timeout: float = 10) -> list[str]:
+        """Wait until every hop reports a transport (all of them in ``want`` when given); those transports."""
+        def reported():
+            found = self.transports()
+            return found if found and None not in found and (want is None or set(found) <= want) else None
+
+        return wait_for(reported, timeout, interval=0.2, message=lambda: f"hops: {self.hops()}")
 
     # --- logs -----------------------------------------------------------------------------------------------------
 
@@ -216,6 +281,19 @@ class Ring:
         self.logs.append(f)
         return f
 
+    def log_files(self) -> dict[str, Path]:
+        """Every process's log so far: the leader, the API proxy, each fellow that ever ran."""
+        return {p.stem: p for p in sorted(self.root.glob("*.log"))}
+
+    def log_size(self, name: str) -> int:
+        path = self.root / f"{name}.log"
+        return path.stat().st_size if path.exists() else 0
+
+    def log_since(self, name: str, offset: int) -> str:
+        with open(self.root / f"{name}.log", "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     def tail(self, name: str, lines: int = 25) -> str:
         try:
             text = (self.root / f"{name}.log").read_text(errors="replace")
@@ -223,50 +301,46 @@ class Ring:
             return ""
         return f"--- {name}.log\n" + "\n".join(text.splitlines()[-lines:])
 
-    def tails(self) -> str:
-        return "\n".join(self.tail(n) for n in ["leader", *self.fellows])
-
     def close(self) -> None:
         for proc in self.fellows.values():
             self.lab.stop(proc, timeout=5)
-        for name in ("proxy", "leader"):
-            proc = getattr(self, name, None)
-            if proc is not None:
-                self.lab.stop(proc, timeout=5)
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.leader is not None:
+            self.lab.stop(self.leader, timeout=5)
         for f in self.logs:
             f.close()
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory, smollm_model_dir):
+def results(session_summary):
+    results = Results()
+    yield results
+    if results.grid:
+        session_summary("the lab's NAT grid (tests/test_lab_ring.py)", results.text())
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory, smollm_model_dir, results):
     started = time.monotonic()
-    with netlab.lab(delay_ms=DELAY_MS) as lab:
-        lab.add_public_host("leader")
-        lab.add_router("nat-a", "masquerade")
-        lab.add_host("a1", "nat-a")
-        lab.add_host("a2", "nat-a")
-        lab.add_router("nat-b", "masquerade")
-        lab.add_host("b1", "nat-b")
-        lab.add_router("nat-r", "masquerade fully-random")
-        lab.add_host("r1", "nat-r")
-        lab.add_router("nat-u", "udp-blocked")
-        lab.add_host("u1", "nat-u")
-        lab.add_router("cgn", "cgnat")
-        lab.add_router("nat-c", "masquerade", upstream="cgn")
-        lab.add_host("c1", "nat-c")
-        # Routers that answer unsolicited packets to themselves (no input filter): the setting where an early punch
-        # packet makes a Linux masquerade NAT change port, unless the first probes die before reaching it.
-        lab.add_router("nat-p", "masquerade", input_filter=False)
-        lab.add_host("p1", "nat-p")
-        lab.add_router("nat-q", "masquerade", input_filter=False)
-        lab.add_host("q1", "nat-q")
+    # The leader on the internet; a home of every kind for the fellows (netlab.HOMES).
+    with netlab.world(public=(netlab.LEADER,), delay_ms=DELAY_MS) as lab:
+        results.lab = lab
         ring = Ring(lab, tmp_path_factory.mktemp("labring"), smollm_model_dir)
         try:
             ring.start_leader()
-            TIMINGS["lab + leader"] = time.monotonic() - started
+            results.timings["lab + leader"] = time.monotonic() - started
             yield ring
         finally:
             ring.close()
+
+
+@pytest.fixture(autouse=True)
+def fresh_ring(ring, process_logs):
+    """Each case: its processes' logs in its report when it fails, and a ring with nothing left from earlier cases."""
+    process_logs(ring.log_files)
+    ring.reset()
+    yield ring
 
 
 def _wan_routers(lab: netlab.Lab, host: str) -> list[str]:
@@ -278,21 +352,21 @@ def _wan_routers(lab: netlab.Lab, host: str) -> list[str]:
     return out
 
 
-def _run_case(ring: Ring, reference: list[int], case: str) -> dict:
+def _run_case(ring: Ring, results: Results, reference: list[int], case: str) -> dict:
     nat1, nat2, hosts, expected = CASES[case]
     lab = ring.lab
     started = time.monotonic()
     ring.use(hosts, seed=True)
     routers = sorted({r for h in hosts for r in _wan_routers(lab, h)})
-    # Capture from before the load: a fellow opens its outgoing hop as soon as the whole ring is loaded.
-    wan = {r: lab.capture(r, "wan", snaplen=256) for r in routers}
-    # Established flows only: a direct attempt to an unroutable private address is a lone SYN.
-    lan = lab.capture(hosts[0], "eth0", f"tcp port {SERVE_PORT} and tcp[tcpflags] & tcp-ack != 0", snaplen=96)
-    view = ring.load()
-    assert sorted(s["fellow"] for s in view["stages"]) == sorted(hosts)
-    data = ring.chat()
-    for cap in [*wan.values(), lan]:
-        cap.stop()
+    with contextlib.ExitStack() as captures:  # stopped however the case ends
+        # Capture from before the load: a fellow opens its outgoing hop as soon as the whole ring is loaded.
+        wan = {r: captures.enter_context(lab.capture(r, "wan", snaplen=256)) for r in routers}
+        # Established flows only: a direct attempt to an unroutable private address is a lone SYN.
+        lan = captures.enter_context(lab.capture(
+            hosts[0], "eth0", f"tcp port {SERVE_PORT} and tcp[tcpflags] & tcp-ack != 0", snaplen=96))
+        view = ring.load()
+        assert sorted(s["fellow"] for s in view["stages"]) == sorted(hosts)
+        data = ring.chat()
 
     choice = data["choices"][0]
     assert choice["token_ids"] == reference, f"case {case}: {choice}"
@@ -306,15 +380,14 @@ def _run_case(ring: Ring, reference: list[int], case: str) -> dict:
     lan_bytes = lan.wire_bytes()
     wan_bytes = {r: cap.wire_bytes() for r, cap in wan.items()}
     inferred = "relay" if sum(relay_dials.values()) else ("direct" if lan_bytes else "?")
-    reported = ring.reported_transports()
+    reported = ring.wait_transports()  # the fellows' own word (heartbeats every second)
     evidence = dict(relay_dials=relay_dials, direct_on_wan=direct_on_wan, lan_bytes=lan_bytes, wan_bytes=wan_bytes,
                     reported=reported, stages=[s["fellow"] for s in view["stages"]])
     print(f"case {case} ({nat1} x {nat2}): {inferred}; {evidence}")
 
     assert inferred == expected, evidence
     assert not any(direct_on_wan.values()), evidence  # no fellow-to-fellow TCP flow ever crossed a NAT
-    if any(reported):  # the fellows' own word, where they give it, agrees with the wire
-        assert set(reported) == {expected}, evidence
+    assert set(reported) == {expected}, evidence  # the fellows' word agrees with the wire
     if expected == "direct":
         # Both hops' hidden states went over the LAN: tens of KB there, while the WAN carried only the leader's
         # traffic (request in, token batches out, heartbeats) and no relay.
@@ -330,43 +403,44 @@ def _run_case(ring: Ring, reference: list[int], case: str) -> dict:
         # Text never leaves the leader (fellows deal in token ids), and what they exchange is Noise ciphertext.
         assert not wan[router].contains(PROMPT), router
         assert not wan[router].contains(choice["message"]["content"][:16]), router
-    GRID[(nat1, nat2)] = inferred if not any(reported) else f"{inferred} ({'/'.join(sorted(set(reported)))})"
-    TIMINGS[case] = time.monotonic() - started
+    results.record(nat1, nat2, f"{inferred} ({'/'.join(sorted(set(reported)))})")
+    results.timings[case] = time.monotonic() - started
     return evidence
 
 
-def test_a_two_fellows_on_one_lan_talk_directly(ring, reference):
-    _run_case(ring, reference, "a")
+def test_a_two_fellows_on_one_lan_talk_directly(ring, results, reference):
+    _run_case(ring, results, reference, "a")
 
 
-def test_b_two_ordinary_nats_go_over_the_relay_and_open_no_port(ring, reference):
+def test_b_two_ordinary_nats_go_over_the_relay_and_open_no_port(ring, results, reference):
     ring.seed_cache("a1")
-    ring.use(("a1", "b1"), seed=False)  # b1 downloads its stage for real, through its NAT and the WAN delay
-    _run_case(ring, reference, "b")
+    ring.forget_cache("b1")  # b1 downloads its stage for real, through its NAT and the WAN delay
+    ring.use(("a1", "b1"), seed=False)
+    _run_case(ring, results, reference, "b")
     lab = ring.lab
     for host in ("a1", "b1"):
         # The fellow does listen on its serving port (its own LAN reaches it)...
         assert lab.tcp_reachable(host, lab.address(host), SERVE_PORT)
         # ...but neither the internet nor the other home can open it: not at the router's public address (nothing
         # forwarded), not at the private one (unroutable outside).
-        for outsider in ("leader", "core"):
+        for outsider in (netlab.LEADER, "core"):
             assert not lab.tcp_reachable(outsider, lab.public_address(host), SERVE_PORT, timeout=1.0), host
         other = "b1" if host == "a1" else "a1"
         assert not lab.tcp_reachable(other, lab.address(host), SERVE_PORT, timeout=1.0), host
 
 
-def test_c_fully_random_nat(ring, reference):
-    _run_case(ring, reference, "c")
+def test_c_fully_random_nat(ring, results, reference):
+    _run_case(ring, results, reference, "c")
 
 
-def test_d_udp_blocked(ring, reference):
-    _run_case(ring, reference, "d")
+def test_d_udp_blocked(ring, results, reference):
+    _run_case(ring, results, reference, "d")
 
 
-def test_e_carrier_grade_nat(ring, reference):
-    _run_case(ring, reference, "e")
+def test_e_carrier_grade_nat(ring, results, reference):
+    _run_case(ring, results, reference, "e")
     lab = ring.lab
-    assert not lab.tcp_reachable("leader", lab.public_address("c1"), SERVE_PORT, timeout=1.0)
+    assert not lab.tcp_reachable(netlab.LEADER, lab.public_address("c1"), SERVE_PORT, timeout=1.0)
     assert lab.inbound_openings("cgn") == []
 
 
@@ -381,76 +455,74 @@ TUNNEL_CASES = {
 # How long a hop may take to move to the tunnel: the ring opens on the relay, the leader gathers candidates
 # (rendezvous ~2 s) and names a start 0.5 s ahead; punch + QUIC + Noise take well under a second at 20-40 ms RTT.
 UPGRADE_WAIT_S = 25.0
-# A punch that cannot work gives up after 8 s; waiting past that shows the hop stays on the relay.
-FAIL_WAIT_S = 14.0
+# A punch that cannot work gives up after 8 s (after the rendezvous, ~2 s); the leader then logs the hop's outcome.
+FAIL_WAIT_S = 20.0
+# The leader's line for each attempt: "hop <id> (stage 0 -> 1) of <model>: tunnel" or ": failed: <why>".
+_OUTCOME = re.compile(r"hop \S+ \(stage \d+ -> \d+\) of " + re.escape(MODEL) + r": (\w+)")
 
 
-def _direct_links(ring: Ring, enabled: bool) -> None:
-    status, body = ring.api("PUT", "/api/v1/settings/direct-links", {"enabled": enabled})
-    assert status == 200 and body == {"enabled": enabled}, body
-
-
-def _run_tunnel_case(ring: Ring, reference: list[int], case: str) -> None:
+def _run_tunnel_case(ring: Ring, results: Results, reference: list[int], case: str) -> None:
     nat1, nat2, hosts, expected = TUNNEL_CASES[case]
     lab = ring.lab
     started = time.monotonic()
-    _direct_links(ring, True)
-    try:
-        ring.use(hosts, seed=True)
-        routers = sorted({r for h in hosts for r in _wan_routers(lab, h)})
-        wan = {r: lab.capture(r, "wan", snaplen=256) for r in routers}
+    ring.use(hosts, seed=True)
+    ring.direct_links(True)  # after `use`: no earlier model is loaded for the leader to punch for
+    routers = sorted({r for h in hosts for r in _wan_routers(lab, h)})
+    with contextlib.ExitStack() as captures:
+        wan = {r: captures.enter_context(lab.capture(r, "wan", snaplen=256)) for r in routers}
+        log_offset = ring.log_size("leader")
         ring.load()
-        deadline = time.monotonic() + (UPGRADE_WAIT_S if expected == "tunnel" else FAIL_WAIT_S)
-        reported = ring.reported_transports()
-        while time.monotonic() < deadline and set(reported) != {"tunnel"}:
-            time.sleep(1.0)
-            reported = ring.reported_transports()
-        data = ring.chat()
-        for cap in wan.values():
-            cap.stop()
-        evidence = {"reported": reported, "udp": {r: c.count("udp") for r, c in wan.items()}}
-        print(f"case {case} ({nat1} x {nat2}, direct links on): {evidence}")
-        assert set(reported) == {expected}, f"{evidence}\n{ring.tails()}"
-        choice = data["choices"][0]
-        assert choice["token_ids"] == reference, f"case {case}: {choice}"
         if expected == "tunnel":
-            # The hidden states crossed both NATs over UDP, and no router opened a port for it.
-            assert all(n > 20 for n in evidence["udp"].values()), evidence
-        for router in routers:
-            assert lab.inbound_openings(router) == [], router
-            assert not wan[router].contains(PROMPT), router
-            assert not wan[router].contains(choice["message"]["content"][:16]), router
-        GRID[(nat1, nat2 + " +DL")] = expected
-        TIMINGS[case] = time.monotonic() - started
-    finally:
-        _direct_links(ring, False)
+            reported = ring.wait_transports({"tunnel"}, UPGRADE_WAIT_S)
+        else:
+            # Both hops' punches end (the leader logs each attempt's outcome); they stayed on the relay.
+            def outcomes():
+                found = _OUTCOME.findall(ring.log_since("leader", log_offset))
+                return found if len(found) >= 2 else None
+
+            found = wait_for(outcomes, FAIL_WAIT_S, interval=0.2, message=lambda: ring.tail("leader"))
+            assert "tunnel" not in found, found
+            reported = ring.wait_transports()
+        data = ring.chat()
+    evidence = {"reported": reported, "udp": {r: c.count("udp") for r, c in wan.items()}}
+    print(f"case {case} ({nat1} x {nat2}, direct links on): {evidence}")
+    assert set(reported) == {expected}, evidence
+    choice = data["choices"][0]
+    assert choice["token_ids"] == reference, f"case {case}: {choice}"
+    if expected == "tunnel":
+        # The hidden states crossed both NATs over UDP, and no router opened a port for it.
+        assert all(n > 20 for n in evidence["udp"].values()), evidence
+    for router in routers:
+        assert lab.inbound_openings(router) == [], router
+        assert not wan[router].contains(PROMPT), router
+        assert not wan[router].contains(choice["message"]["content"][:16]), router
+    results.record(nat1, nat2 + " +DL", expected)
+    results.timings[case] = time.monotonic() - started
 
 
-def test_f_two_ordinary_nats_with_direct_links_punch_a_tunnel(ring, reference):
-    _run_tunnel_case(ring, reference, "f")
+def test_f_two_ordinary_nats_with_direct_links_punch_a_tunnel(ring, results, reference):
+    _run_tunnel_case(ring, results, reference, "f")
 
 
-def test_g_carrier_grade_nat_with_direct_links_punches_a_tunnel(ring, reference):
-    _run_tunnel_case(ring, reference, "g")
+def test_g_carrier_grade_nat_with_direct_links_punches_a_tunnel(ring, results, reference):
+    _run_tunnel_case(ring, results, reference, "g")
 
 
-def test_h_fully_random_nat_stays_on_the_relay(ring, reference):
-    _run_tunnel_case(ring, reference, "h")
+def test_h_fully_random_nat_stays_on_the_relay(ring, results, reference):
+    _run_tunnel_case(ring, results, reference, "h")
 
 
-def test_i_udp_blocked_stays_on_the_relay(ring, reference):
-    _run_tunnel_case(ring, reference, "i")
+def test_i_udp_blocked_stays_on_the_relay(ring, results, reference):
+    _run_tunnel_case(ring, results, reference, "i")
 
 
-def test_j_routers_that_answer_strangers_still_punch_with_a_coordinated_low_ttl_start(ring, reference):
-    _run_tunnel_case(ring, reference, "j")
+def test_j_routers_that_answer_strangers_still_punch_with_a_coordinated_low_ttl_start(ring, results, reference):
+    _run_tunnel_case(ring, results, reference, "j")
 
 
-def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, smollm_model_dir):
+def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, results, smollm_model_dir):
     """Direct links switched on while a long reply streams over the relay: the hop moves to the tunnel between two
     tokens and the reply is still exactly generate's."""
-    import threading
-
     from swarm.leader.chat_format import encode_chat
     from swarm.stage.reference import load_reference_model
 
@@ -461,14 +533,12 @@ def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, 
         want = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
     want = want[: want.index(EOS) + 1] if EOS in want else want
 
-    _direct_links(ring, False)
     ring.use(("a1", "b1"), seed=True)
     ring.load()
-    assert ring.reported_transports() == ["relay", "relay"]
+    assert ring.wait_transports() == ["relay", "relay"]
+    sent_before = ring.hops()[0]["bytes_sent"]
     # A second API proxy: the first one is busy with the long reply.
-    proxy = ring.lab.run("leader", [sys.executable, "-c", _API_PROXY, f"http://127.0.0.1:{LEADER_PORT}"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proxy.stdout.readline().strip() == "ready"
+    proxy = ApiProxy(ring.lab, ring.log("proxy-2"))
     result = {}
 
     def long_reply():
@@ -480,20 +550,15 @@ def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, 
     started = time.monotonic()
     worker.start()
     try:
-        time.sleep(1.0)
-        proxy.stdin.write(json.dumps({"method": "PUT", "path": "/api/v1/settings/direct-links",
-                                      "json": {"enabled": True}, "token": ring.token}) + "\n")
-        proxy.stdin.flush()
-        assert json.loads(json.loads(proxy.stdout.readline())["text"]) == {"enabled": True}
-        moved_at = None
-        while worker.is_alive():
-            proxy.stdin.write(json.dumps({"method": "GET", "path": f"/api/v1/models/{MODEL}/performance",
-                                          "token": ring.token}) + "\n")
-            proxy.stdin.flush()
-            perf = json.loads(json.loads(proxy.stdout.readline())["text"])
-            if moved_at is None and [h["transport"] for h in perf["hops"]] == ["tunnel", "tunnel"]:
-                moved_at = time.monotonic() - started
-            time.sleep(0.3)
+        # The reply is under way on the relay: its first hop has sent hidden states (a heartbeat tells).
+        wait_for(lambda: ring.hops(proxy)[0]["bytes_sent"] > sent_before or not worker.is_alive(), 30,
+                 interval=0.2, message="the long reply sent nothing")
+        assert worker.is_alive(), "the reply ended before Direct links were switched on"
+        assert proxy.call("PUT", "/api/v1/settings/direct-links", {"enabled": True}, ring.token) == (
+            200, {"enabled": True})
+        moved = wait_for(lambda: (ring.transports(proxy) == ["tunnel", "tunnel"] and "tunnel")
+                         or (not worker.is_alive() and "reply over"), 300, interval=0.3)
+        moved_at = time.monotonic() - started if moved == "tunnel" else None
         worker.join()
         finished_at = time.monotonic() - started
         status, data = result["reply"]
@@ -501,20 +566,8 @@ def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, 
         assert data["choices"][0]["token_ids"] == want
         print(f"case k: relay -> tunnel {moved_at} s into a {finished_at:.1f} s reply of {len(want)} tokens")
         assert moved_at is not None and moved_at < finished_at, (moved_at, finished_at)
-        assert ring.reported_transports() == ["tunnel", "tunnel"]
-        GRID[("masquerade", "masquerade +DL mid-reply")] = "relay -> tunnel"
+        assert ring.transports() == ["tunnel", "tunnel"]
+        results.record("masquerade", "masquerade +DL mid-reply", "relay -> tunnel")
     finally:
         worker.join(timeout=300)
-        proxy.stdin.close()
-        ring.lab.stop(proxy)
-        _direct_links(ring, False)
-
-
-def test_z_grid(ring):
-    """Print the NAT grid of the cases that ran (run with -s or -rA to see it)."""
-    print()
-    print(ring.lab.describe())
-    netlab.print_grid(GRID)
-    print("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in TIMINGS.items()))
-    # Every cell that ran holds a transport the mesh knows; the expected one per case was asserted by that case.
-    assert GRID and all(v.split(" ")[0] in ("direct", "tunnel", "relay") for v in GRID.values()), GRID
+        proxy.close()

@@ -133,7 +133,7 @@ async def test_other_datagrams_during_discovery_go_to_the_callback(nursery):
         with await udp_socket() as sock, await udp_socket() as peer:
             # A peer's early punch packet is already waiting when discovery starts.
             await peer.sendto(b"SWPN early punch", sock.getsockname())
-            await trio.sleep(0.05)
+            await trio.lowlevel.wait_readable(sock)  # queued on the socket (not read)
             others = []
             found = await discover_reflexive(sock, server, b"ok", on_other=lambda d, a: others.append((d, a)))
             assert found == sock.getsockname()
@@ -147,7 +147,7 @@ async def test_retransmits_until_answered(nursery):
         address = placeholder.getsockname()
         with await udp_socket() as sock:
             async def start_server_late():
-                await trio.sleep(0.15)
+                await placeholder.recv(2048)  # the first request arrived where nobody answers: it is lost
                 placeholder.close()  # free the port for the server
                 await nursery.start(serve_rendezvous, *address, lambda who: True)
 

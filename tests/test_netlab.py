@@ -12,33 +12,23 @@ import sys
 import pytest
 
 import netlab
+from harness import wait_for
 
 _reason = netlab.available()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
-DELAY_MS = 10.0
+pytestmark = pytest.mark.lab
+
+DELAY_MS = netlab.WAN_DELAY_MS
 
 
 @pytest.fixture(scope="module")
 def lab():
-    with netlab.lab(delay_ms=DELAY_MS) as lab:
-        lab.add_public_host("inet1")
-        lab.add_public_host("inet2")
-        lab.add_router("nat-a", "masquerade")
-        lab.add_host("a1", "nat-a")
-        lab.add_router("nat-b", "masquerade")
-        lab.add_host("b1", "nat-b")
-        lab.add_host("b2", "nat-b")
-        lab.add_router("nat-r", "masquerade fully-random")
-        lab.add_host("r1", "nat-r")
-        lab.add_router("nat-u", "udp-blocked")
-        lab.add_host("u1", "nat-u")
-        lab.add_router("nat-p", "masquerade", input_filter=False)
-        lab.add_host("p1", "nat-p")
-        lab.add_router("cgn", "cgnat")
-        lab.add_router("nat-c", "masquerade", upstream="cgn")
-        lab.add_host("c1", "nat-c")
+    # Two servers on the internet and a home of every kind: ordinary NATs (nat-a, nat-b), fully random (nat-r),
+    # UDP blocked (nat-u), behind a carrier's NAT (nat-c behind cgn), a router that answers strangers (nat-p).
+    homes = ("nat-a", "nat-b", "nat-r", "nat-u", "nat-c", "nat-p")
+    with netlab.world(public=("inet1", "inet2"), homes=homes, delay_ms=DELAY_MS) as lab:
         for node in ("inet1", "inet2"):
             lab.reflector(node, 7000, "tcp")
             lab.reflector(node, 7001, "udp")
@@ -76,7 +66,14 @@ def test_masquerade_tcp_reaches_the_internet_from_the_routers_public_address(lab
 
 
 def test_nothing_behind_a_nat_is_reachable_from_outside(lab):
-    lab.reflector("b1", 7100, "tcp")
+    server = lab.reflector("b1", 7100, "tcp")
+    try:
+        _check_nothing_gets_in(lab)
+    finally:
+        lab.stop(server)
+
+
+def _check_nothing_gets_in(lab):
     assert lab.tcp_reachable("b2", lab.address("b1"), 7100)  # it listens: its own LAN reaches it
     before = lab.counters("nat-b")
     for outsider in ("inet1", "a1"):
@@ -125,37 +122,64 @@ def test_cgnat_host_appears_from_the_carriers_public_address(lab):
     assert _ip(seen[0]) == lab.address("cgn")
 
 
+# One UDP socket on ``port``, driven by the test over stdin so that the packets leave in a known order:
+# "send <text>" sends to the peer, "listen" prints every address heard from (what is queued, then whatever comes
+# within 1 s of silence) and exits.
 _PUNCH = r"""
-import socket, sys, time
-port, peer, knock = int(sys.argv[1]), (sys.argv[2], int(sys.argv[3])), sys.argv[4] == "1"
+import socket, sys
+port, peer = int(sys.argv[1]), (sys.argv[2], int(sys.argv[3]))
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", port))
-s.settimeout(2.5)
-if knock:
-    s.sendto(b"knock", peer)  # reaches the far NAT before its host has sent anything to us
-    time.sleep(0.5)
-else:
-    time.sleep(0.3)  # the knock arrives first
-s.sendto(b"hello", peer)
-seen = set()
-try:
-    while True:
-        data, src = s.recvfrom(100)
-        seen.add(f"{src[0]}:{src[1]}")
-except socket.timeout:
-    pass
-print(" ".join(sorted(seen)))
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.startswith("send "):
+        s.sendto(line[5:].strip().encode(), peer)
+        print("sent", flush=True)
+        continue
+    s.settimeout(1.0)
+    seen = set()
+    try:
+        while True:
+            data, src = s.recvfrom(100)
+            seen.add(f"{src[0]}:{src[1]}")
+    except socket.timeout:
+        pass
+    print(" ".join(sorted(seen)), flush=True)
+    break
 """
 
 
 def _punch(lab, knocker: str, other: str, port: int) -> tuple[str, str]:
-    """Both hosts send from local ``port`` to the other's public address at ``port``; the knocker first, so its
-    packet reaches the other's NAT before the other's first packet leaves. Returns what each one received from."""
-    k = lab.run(knocker, [sys.executable, "-c", _PUNCH, str(port), lab.public_address(other), str(port), "1"],
-                stdout=subprocess.PIPE, text=True)
-    o = lab.run(other, [sys.executable, "-c", _PUNCH, str(port), lab.public_address(knocker), str(port), "0"],
-                stdout=subprocess.PIPE, text=True)
-    return k.communicate(timeout=20)[0].strip(), o.communicate(timeout=20)[0].strip()
+    """Both hosts send from local ``port`` to the other's public address at ``port``: first the knocker's knock,
+    which reaches the other's NAT before anything leaves it; then the other's hello; then the knocker's hello, once
+    the other's has reached the knocker's NAT. Returns the addresses each one heard from."""
+    k_public, o_public = lab.public_address(knocker), lab.public_address(other)
+    peers = {knocker: o_public, other: k_public}
+    procs = {h: lab.run(h, [sys.executable, "-c", _PUNCH, str(port), peers[h], str(port)], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True) for h in (knocker, other)}
+
+    def say(host: str, line: str) -> str:
+        procs[host].stdin.write(line + "\n")
+        procs[host].stdin.flush()
+        return procs[host].stdout.readline().strip()
+
+    try:
+        assert all(p.stdout.readline().strip() == "ready" for p in procs.values())
+        # What reaches each NAT from the other side, whatever source port the far NAT chose.
+        with lab.capture(lab.hosts[other].router, "wan", f"udp and src host {k_public} and dst port {port}") as at_o, \
+                lab.capture(lab.hosts[knocker].router, "wan", f"udp and src host {o_public}") as at_k:
+            assert say(knocker, "send knock") == "sent"
+            wait_for(lambda: at_o.seen() >= 1, 10, message=f"the knock never reached {other}'s NAT")
+            assert say(other, "send hello") == "sent"
+            wait_for(lambda: at_k.seen() >= 1, 10, message=f"{other}'s hello never reached {knocker}'s NAT")
+            assert say(knocker, "send hello") == "sent"
+            wait_for(lambda: at_o.seen() >= 2, 10, message=f"the hello never reached {other}'s NAT")
+        return say(knocker, "listen"), say(other, "listen")
+    finally:
+        for proc in procs.values():
+            lab.stop(proc)
+            proc.stdin.close()
+            proc.stdout.close()
 
 
 def test_udp_punch_keeps_the_port_unless_the_router_lets_the_first_knock_in(lab):

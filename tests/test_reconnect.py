@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
+from harness import wait_until
 from swarm.config import Settings
 from swarm.fellow import Fellow
 from swarm.leader.app import Leader
+
+pytestmark = pytest.mark.e2e  # a real leader and a real fellow over loopback
 
 
 async def _serve(leader: Leader, port: int, stop: trio.Event, task_status=trio.TASK_STATUS_IGNORED):
@@ -30,8 +34,7 @@ async def test_fellow_rejoins_a_restarted_leader(tmp_path):
             assert [c.name for c in leader.hub.online.values()] == ["pc-1"]
 
             stop.set()  # the leader goes away...
-            while fellow.connected.is_set():
-                await trio.sleep(0.05)
+            await wait_until(lambda: not fellow.connected.is_set(), 10, message="the fellow did not notice")
 
             again = Leader(tmp_path / "leader", settings)  # ...and comes back on the same port and data dir
             assert again.first_start is None  # later starts print the URL only

@@ -29,54 +29,93 @@ def test_submit_stream_and_finish():
     assert book.by_rid == {}
 
 
-def test_a_failure_before_the_first_token_is_retried_once_with_a_new_ring_id():
-    book = RequestBook()
+def test_a_failed_attempt_is_sent_again_with_its_streamed_prefix_then_gives_up():
+    book = RequestBook(max_resends=2)
     request = new_request()
     book.submit(request)
-    first_rid, stable_id = request.rid, request.id
-    actions = book.on_failed(messages.Failed("m", first_rid, "the direct link broke", stage=0))
-    cancel, resend = actions
+    stable_id = request.id
+    book.on_tokens(tokens(request.rid, [5, 6]))
+    first_rid = request.rid
+    cancel, resend = book.on_failed(messages.Failed("m", first_rid, "the direct link broke", stage=0))
     assert cancel == ToStage0("m", messages.Cancel("m", first_rid))  # frees what the first attempt left
-    assert isinstance(resend.message, messages.Generate) and resend.message.rid == request.rid != first_rid
+    generate = resend.message
+    assert isinstance(generate, messages.Generate) and generate.rid == request.rid != first_rid
+    # the prompt plus what was streamed, with the tokens it had left; a seeded sampler goes on from token 2
+    assert generate.prompt == [1, 2, 3, 5, 6] and generate.max_tokens == 8 and generate.drawn == 2
     assert request.id == stable_id and not request.ended
-    # tokens of the first attempt that arrive late are not the reply's
-    book.on_tokens(tokens(first_rid, [99]))
-    assert request.tokens == []
-    # a second failure ends it
+    book.on_tokens(tokens(first_rid, [99]))  # the first attempt's late tokens are not the reply's
+    book.on_tokens(tokens(request.rid, [7]))
+    assert request.tokens == [5, 6, 7]
+    book.on_failed(messages.Failed("m", request.rid, "again"))
+    assert not request.ended
     actions = book.on_failed(messages.Failed("m", request.rid, "still broken"))
     assert actions == [ToStage0("m", messages.Cancel("m", request.rid))]
-    assert request.error == "still broken" and book.by_rid == {}
+    assert "still broken" in request.error and "sent 3 times" in request.error and book.by_rid == {}
 
 
-def test_a_failure_after_tokens_streamed_ends_the_request():
+def test_an_attempt_cut_off_after_its_last_token_just_ends():
+    book = RequestBook()
+    request = new_request()
+    request.max_tokens = 2
+    book.submit(request)
+    book.on_tokens(tokens(request.rid, [5, 6]))  # the last token, but the done flag never came
+    book.on_failed(messages.Failed("m", request.rid, "stage 1 went away"))
+    assert request.finish_reason == "length" and request.tokens == [5, 6]
+
+
+def test_not_loaded_on_a_fellow_reloads_and_the_request_waits():
     book = RequestBook()
     request = new_request()
     book.submit(request)
     book.on_tokens(tokens(request.rid, [5]))
-    book.on_failed(messages.Failed("m", request.rid, "stage 1 failed"))
-    assert request.error == "stage 1 failed" and request.tokens == [5]
-
-
-def test_not_loaded_on_a_fellow_marks_the_model():
-    book = RequestBook()
-    request = new_request()
-    book.submit(request)
     actions = book.on_failed(messages.Failed("m", request.rid, "model m is not loaded on f1", not_loaded=True))
     assert NotLoaded("m", "model m is not loaded on f1") in actions
-    assert request.error and request.ended
+    assert request.state == "waiting" and not request.ended and book.waiting["m"] == [request]
+    (resend,) = book.resume("m")
+    assert resend.message.prompt == [1, 2, 3, 5] and resend.message.drawn == 1
 
 
-def test_a_broken_path_resends_requests_with_nothing_streamed_and_ends_the_others():
+def test_a_broken_path_sends_every_request_on_it_again_from_where_it_stands():
     book = RequestBook()
     fresh, streaming, elsewhere = new_request(), new_request(), new_request(model="other")
     for r in (fresh, streaming, elsewhere):
         book.submit(r)
     book.on_tokens(tokens(streaming.rid, [4, 4]))
-    old = fresh.rid
+    old = {fresh.rid, streaming.rid}
     actions = book.on_path_lost("m")
-    generates = [a.message for a in actions if isinstance(a.message, messages.Generate)]
-    assert [g.rid for g in generates] == [fresh.rid] and fresh.rid != old
-    assert streaming.error and not fresh.ended and not elsewhere.ended
+    generates = {a.message.rid: a.message for a in actions if isinstance(a.message, messages.Generate)}
+    assert set(generates) == {fresh.rid, streaming.rid} and not old & set(generates)
+    assert generates[streaming.rid].prompt == [1, 2, 3, 4, 4]
+    assert not fresh.ended and not streaming.ended and not elsewhere.ended
+
+
+def test_a_rebuilt_ring_holds_requests_then_sends_them_again_in_order():
+    book = RequestBook()
+    a, b = new_request(), new_request()
+    book.submit(a)
+    book.on_tokens(tokens(a.rid, [9]))
+    book.hold(b)  # arrived while the model was recovering
+    old_a = a.rid
+    cancels = book.interrupt("m")
+    assert cancels == [ToStage0("m", messages.Cancel("m", old_a))]
+    assert a.state == b.state == "waiting" and book.by_rid == {}
+    book.on_tokens(tokens(old_a, [77]))  # what the old ring still sends is ignored
+    assert a.tokens == [9]
+    first, second = book.resume("m")
+    assert first.message.prompt == [1, 2, 3, 9] and first.message.max_tokens == 9
+    assert second.message.prompt == [1, 2, 3] and b.attempts == 1
+    book.end_model("m", "gone")
+    assert a.error == b.error == "gone"
+
+
+def test_a_waiting_request_can_be_cancelled():
+    book = RequestBook()
+    request = new_request()
+    book.hold(request)
+    assert book.find(request.id) is request
+    assert book.cancel(request) == []  # nothing on the ring to cancel
+    assert request.finish_reason == "cancelled" and book.waiting["m"] == []
+    assert book.resume("m") == []
 
 
 def test_cancel_and_what_arrives_after_it():
@@ -142,3 +181,28 @@ async def test_a_silent_ring_is_reported_after_the_stall_time(autojump_clock):
     kind, text = await Reader(request).next(120)
     assert kind == "error" and "no token for 120 s" in text
     assert trio.current_time() - started >= 120
+
+
+async def test_a_waiting_request_does_not_stall_out(autojump_clock):
+    """While its model recovers a request waits as long as recovery takes; the stall time is for running ones."""
+    book = RequestBook()
+    request = new_request()
+    book.hold(request)
+    reader = Reader(request)
+
+    async def later():
+        await trio.sleep(500)
+        book.resume("m")
+        book.on_tokens(tokens(request.rid, [1], done=True, finish="stop"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(later)
+        assert await reader.next(120) == ("tokens", [1])
+
+
+async def test_a_request_waits_for_its_model_only_so_long(autojump_clock):
+    book = RequestBook()
+    request = new_request()
+    book.hold(request)
+    kind, text = await Reader(request, stall_s=120, wait_s=900).next()
+    assert kind == "error" and "not ready within 900 s" in text and "SWARM_SERVE_QUEUE_TIMEOUT_S" in text

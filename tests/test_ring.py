@@ -6,7 +6,9 @@ import pytest
 import torch
 import trio
 
-from harness import running_swarm
+from harness import running_swarm, wait_until
+
+pytestmark = pytest.mark.e2e
 
 PROMPTS = [
     "What is the capital of France?",
@@ -40,7 +42,11 @@ async def _replies(tmp_path, model_dir, transport):
                 data = await swarm.chat(model_dir.name, [{"role": "user", "content": prompt}], max_tokens=24)
                 replies[prompt] = data
             paths = {f.name: [s.driver.out_hop.path for s in f.stages.values()] for f in swarm.fellows}
-            await trio.sleep(1.5)  # a heartbeat brings the hops' figures to the leader
+            # A heartbeat after the replies brings the hops' figures to the leader (each one replaces the entries).
+            before = dict(swarm.leader.serving.hop_stats)
+            stats = swarm.leader.serving.hop_stats
+            await wait_until(lambda: len(stats) == 2 and all(stats[k] is not before.get(k) for k in stats), 10,
+                             message=lambda: f"hop stats: {stats}")
             perf = (await swarm.http.get(f"/api/v1/models/{model_dir.name}/performance")).json()
             return replies, paths, perf
 

@@ -13,6 +13,8 @@ from swarm.leader.requests import Reader, Request
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [[5, 17, 42, 99, 7, 150, 3, 88, 21, 64, 9, 200], [11, 12, 13], list(range(30, 70))]
 NEW_TOKENS = 16
 
@@ -27,7 +29,7 @@ def _reference(model_dir, prompt):
 
 async def _ring_tokens(swarm, model, prompt):
     request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-    swarm.leader.serving.submit(request)
+    await swarm.leader.serving.submit(request)
     reader = Reader(request)
     while True:
         kind, value = await reader.next(60)

@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from swarm.stage.sampling import GREEDY, SamplingParams, make_generator, sample
+from swarm.stage.sampling import GREEDY, SamplingParams, make_generator, sample, token_generator
 
 
 def logits(seed: int = 0, vocab: int = 500) -> torch.Tensor:
@@ -42,8 +42,8 @@ def test_top_k_one_is_argmax():
     ],
 )
 def test_seeded_sampling_matches_transformers_warpers(params):
-    ours, theirs = make_generator(params), torch.Generator().manual_seed(params.seed)
     for seed in range(20):
+        ours, theirs = token_generator(params.seed, seed), token_generator(params.seed, seed)
         x = logits(seed)
         scores = x.reshape(1, -1).clone()
         ids = torch.empty((1, 0), dtype=torch.long)
@@ -67,3 +67,16 @@ def test_same_seed_same_tokens_and_filters_hold():
     draws = [sample(x, params, a) for _ in range(50)]
     assert draws == [sample(x, params, b) for _ in range(50)]
     assert set(draws) <= set(x.topk(3).indices.tolist())
+
+
+def test_each_token_draws_from_its_own_seeded_generator():
+    """Token i of a seeded reply depends on (seed, i) alone: a reply sent again from token i draws the same."""
+    params = SamplingParams(temperature=1.0, seed=99)
+    x = logits(3)
+    first = [sample(x, params, token_generator(99, i)) for i in range(40)]
+    assert first == [sample(x, params, token_generator(99, i)) for i in range(40)]
+    resumed = [sample(x, params, token_generator(99, i)) for i in range(17, 40)]
+    assert resumed == first[17:]
+    assert len(set(first)) > 5  # the draws really differ from token to token
+    other = [sample(x, params, token_generator(100, i)) for i in range(40)]
+    assert other != first

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
+
+pytestmark = pytest.mark.e2e
 
 
 def test_two_stage_greedy_reply_matches_generate(smollm_model_dir):

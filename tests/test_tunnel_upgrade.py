@@ -9,7 +9,9 @@ import pytest
 import torch
 import trio
 
-from harness import running_swarm
+from harness import running_swarm, wait_until
+
+pytestmark = pytest.mark.e2e
 
 LONG = "Write a long story about a lighthouse keeper."
 LONG_TOKENS = 96
@@ -39,6 +41,18 @@ async def _block_direct(swarm):
 
 async def _perf(swarm, name):
     return (await swarm.http.get(f"/api/v1/models/{name}/performance")).json()
+
+
+async def _wait_transports(swarm, name, want: list[str], timeout: float = 30) -> dict:
+    """Poll the leader's performance view until the hops report ``want``; that view."""
+    seen = {}
+
+    async def reported():
+        seen["perf"] = await _perf(swarm, name)
+        return [h["transport"] for h in seen["perf"]["hops"]] == want
+
+    await wait_until(reported, timeout, interval=0.2, message=lambda: f"hops: {seen.get('perf', {}).get('hops')}")
+    return seen["perf"]
 
 
 async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact(
@@ -76,12 +90,7 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
             assert "".join(tokens_text) == expected_text
 
             # Both hops end on the tunnel; a greedy reply over it is exact token for token.
-            for _ in range(100):
-                perf = await _perf(swarm, name)
-                if [h["transport"] for h in perf["hops"]] == ["tunnel", "tunnel"]:
-                    break
-                await trio.sleep(0.2)
-            assert [h["transport"] for h in perf["hops"]] == ["tunnel", "tunnel"]
+            await _wait_transports(swarm, name, ["tunnel", "tunnel"])
             data = await swarm.chat(name, [{"role": "user", "content": LONG}], max_tokens=LONG_TOKENS)
             assert data["choices"][0]["token_ids"] == long_reference
 
@@ -92,11 +101,7 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
             data = await swarm.chat(name, [{"role": "user", "content": LONG}], max_tokens=24)
             assert data["choices"][0]["token_ids"] == long_reference[:24]
             assert hop._channel is not tunnel
-            for _ in range(150):
-                if hop.path == "tunnel":
-                    break
-                await trio.sleep(0.2)
-            assert hop.path == "tunnel"
+            await wait_until(lambda: hop.path == "tunnel", 30, message=lambda: f"the hop is on {hop.path}")
 
 
 async def test_a_ring_of_three_fellows_tunnels_every_hop_including_last_to_first(
@@ -109,11 +114,7 @@ async def test_a_ring_of_three_fellows_tunnels_every_hop_including_last_to_first
             await swarm.http.put("/api/v1/settings/direct-links", json={"enabled": True})
             view = await swarm.load(name, 3)
             assert [s["layers"] for s in view["stages"]] == [[0, 10], [10, 20], [20, 30]]
-            for _ in range(150):
-                perf = await _perf(swarm, name)
-                if [h["transport"] for h in perf["hops"]] == ["tunnel"] * 3:
-                    break
-                await trio.sleep(0.2)
+            perf = await _wait_transports(swarm, name, ["tunnel"] * 3)
             assert [(h["from_stage"], h["to_stage"], h["transport"]) for h in perf["hops"]] == [
                 (0, 1, "tunnel"), (1, 2, "tunnel"), (2, 0, "tunnel")]
             data = await swarm.chat(name, [{"role": "user", "content": LONG}], max_tokens=32)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import re
 
 import json
-import time
 
 import httpx
 import pytest
 
+from harness import wait_for
 from web_helpers import ARTIFACTS, CHROMIUM_ARGS, BackgroundSwarm, chromium_path
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 if chromium_path() is None:
@@ -135,14 +137,12 @@ def test_stop_ends_generation_on_the_fellows(bg, browser, model):
     page.click("#stop-button")
     expect(page.locator("#send-button")).to_be_visible()
     expect(reply.locator(".speed")).to_contain_text("stopped")
-    deadline = time.monotonic() + 10
-    while True:
-        left = bg.sync(lambda: (list(bg.swarm.leader.serving.requests),
+    def generating():
+        return bg.sync(lambda: (list(bg.swarm.leader.serving.requests),
                                 [list(f.stages[model].driver.stage_model.requests()) for f in bg.swarm.fellows]))
-        if not left[0] and not any(left[1]):
-            break
-        assert time.monotonic() < deadline, f"still generating after Stop: {left}"
-        time.sleep(0.2)
+
+    wait_for(lambda: generating() == ([], [[]] * len(bg.swarm.fellows)), 10, interval=0.2,
+             message=lambda: f"still generating after Stop: {generating()}")
     expect(page.locator("#save-state")).to_have_text("Saved")
     page.context.close()
 

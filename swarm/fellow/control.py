@@ -12,7 +12,7 @@ import trio
 import trio_websocket
 
 from swarm import __version__, messages, wire
-from swarm.errors import AuthError, LinkClosed, SwarmError
+from swarm.errors import AuthError, LinkClosed
 from swarm.fellow import hardware
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # a control message the leader has not taken by then means the link is dead
 CONNECT_TIMEOUT_S = 10.0
+# Both ends say "alive" every ALIVE_S; a link silent for SILENT_S is dead even if no socket said so (a power cut, a
+# pulled cable, a laptop lid shut): the fellow reconnects, the leader fails the fellow's stages over. 4 s of silence
+# and a check every second: noticed within about 5 s.
+ALIVE_S = 1.0
+SILENT_S = 4.0
 
 
 class ControlLink:
@@ -46,8 +51,14 @@ class ControlLink:
             try:
                 await self._enrol(channel)
                 nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self._alive)
                 while True:
-                    await self.dispatch(wire.unpack(await channel.receive()))
+                    try:
+                        with trio.fail_after(SILENT_S):
+                            data = await channel.receive()
+                    except trio.TooSlowError:
+                        raise LinkClosed(f"the leader went silent for {SILENT_S:.0f} s") from None
+                    await self.dispatch(wire.unpack(data))
             finally:
                 self._channel = None
                 nursery.cancel_scope.cancel()
@@ -58,7 +69,8 @@ class ControlLink:
             "t": "hello", "name": fellow.name, "version": __version__,
             "hardware": hardware.probe().to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
-            "stages": sorted(fellow.stages),
+            "stages": [stage.summary() for stage in fellow.stages.values()],
+            "standby": fellow.standby,
         }
         if fellow.join_secret:
             hello["join_token"] = fellow.join_secret
@@ -91,6 +103,11 @@ class ControlLink:
         if scope.cancelled_caught:
             raise LinkClosed(f"the leader did not take a message within {SEND_TIMEOUT_S:.0f} s")
 
+    async def _alive(self) -> None:
+        while True:
+            await trio.sleep(ALIVE_S)
+            await self.send({"t": "alive"})
+
     async def _heartbeat(self) -> None:
         fellow = self.fellow
         while True:
@@ -106,8 +123,12 @@ class ControlLink:
             stage = fellow.stages.get(message.model)
             if stage is None:
                 await self.send(messages.Failed(message.model, message.rid,
-                                            f"model {message.model} is not loaded on {fellow.name}",
-                                            not_loaded=True))
+                                                f"model {message.model} is not loaded on {fellow.name}",
+                                                not_loaded=True))
+            elif stage.ring_id is None:
+                await self.send(messages.Failed(message.model, message.rid,
+                                                f"stage {stage.index} of {message.model} on {fellow.name} is not "
+                                                "linked into a ring yet"))
             else:
                 await stage.driver.deliver(message)
             return
@@ -115,16 +136,30 @@ class ControlLink:
             log.debug("ignoring control message %s", type(message).__name__)
             return
         kind = message["t"]
+        if kind == "alive":
+            return
         if kind == "load":
             fellow.nursery.start_soon(fellow.loader.load, message)
+        elif kind == "link":
+            stage = fellow.stages.get(message["model"])
+            if stage is None or stage.load_id != message.get("load_id"):
+                await self.send({"t": "link_failed", "model": message["model"], "ring_id": message["ring_id"],
+                                 "message": f"stage {message['index']} of {message['model']} is not loaded on "
+                                            f"{fellow.name}"})
+                return
+            await stage.link(message)
+            await self.send({"t": "linked", "model": stage.model, "ring_id": stage.ring_id})
+        elif kind == "ring_ready":
+            stage = fellow.stages.get(message["model"])
+            if stage is not None:
+                stage.ring_ready(message.get("ring_id"))
+        elif kind == "unlink":
+            stage = fellow.stages.get(message["model"])
+            if stage is not None:
+                stage.unlink()
         elif kind == "unload":
             fellow.unload(message["model"])
             await self.send({"t": "unloaded", "model": message["model"]})
-        elif kind == "ring_ready":
-            # Every stage is loaded: open the outgoing link now, so the first reply does not wait for it.
-            stage = fellow.stages.get(message["model"])
-            if stage is not None and stage.driver.out_hop is not None:
-                stage.nursery.start_soon(_open_quietly, stage.driver.out_hop)
         elif kind == "punch_ping":
             await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":
@@ -133,10 +168,3 @@ class ControlLink:
             fellow.nursery.start_soon(fellow.direct_links.start, message)
         else:
             log.debug("ignoring control message %r", kind)
-
-
-async def _open_quietly(hop) -> None:
-    try:
-        await hop.ensure_open()
-    except SwarmError as exc:
-        log.info("the link to %s is not open yet (%s); the first request opens it", hop.config.peer_name, exc)

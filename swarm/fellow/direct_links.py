@@ -95,16 +95,20 @@ class DirectLinkAgent:
 
     async def _dial(self, stage, sock, peer, hop_id: str) -> None:
         hop = stage.driver.out_hop
-        transport = await quic.open_quic_client(sock, peer, stage.nursery)
+        if hop is None or hop.config.hop_id != hop_id or stage.links_nursery is None:
+            raise SwarmError("the ring was rebuilt meanwhile: this hop is gone")
+        transport = await quic.open_quic_client(sock, peer, stage.links_nursery)
         channel = await NoiseChannel.connect(transport, self.fellow.private, hop.config.peer_public,
                                              payload=hop_id.encode())
         await hop.upgrade(channel, "tunnel")
 
     async def _accept(self, stage, sock, peer, hop_id: str) -> None:
-        transport = await quic.accept_quic_server(sock, peer, stage.nursery)
+        if not stage.hop_in or stage.hop_in["hop_id"] != hop_id or stage.links_nursery is None:
+            raise SwarmError("the ring was rebuilt meanwhile: this hop is gone")
+        transport = await quic.accept_quic_server(sock, peer, stage.links_nursery)
         expected = stage.hop_in["peer_key"]
         channel = await NoiseChannel.accept(transport, self.fellow.private, lambda key: key == expected)
         if channel.handshake_payload.decode(errors="replace") != hop_id:
             await channel.aclose()
             raise SwarmError("the tunnel's peer named another hop")
-        stage.nursery.start_soon(self.fellow.links.pump, channel, stage.driver, hop_id)
+        stage.links_nursery.start_soon(self.fellow.links.pump, channel, stage, hop_id)

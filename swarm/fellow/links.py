@@ -14,12 +14,14 @@ import trio_websocket
 from swarm import wire
 from swarm.errors import SwarmError, TunnelError, first_leaf
 from swarm.mesh import sequencing
+from swarm.mesh.hop import SILENT_S
 from swarm.mesh.paths import accept_relay
-from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, StreamFrameTransport
+from swarm.tunnel.channel import NoiseChannel, StreamFrameTransport, close_quietly
 
 log = logging.getLogger(__name__)
 
 RELAY_RETRY_S = 1.0  # after the relay listener's connection drops (a leader restart, a Wi-Fi blip)
+
 
 
 class IncomingLinks:
@@ -44,50 +46,51 @@ class IncomingLinks:
         return any(s.hop_in is not None and s.hop_in["peer_key"] == key for s in self.fellow.stages.values())
 
     def stage_for_hop(self, hop_id: str, key: bytes):
-        """The driver of the stage that receives on ``hop_id`` from the fellow with ``key`` (None: no such hop)."""
+        """The stage that receives on ``hop_id`` from the fellow with ``key`` (None: no such hop)."""
         for stage in self.fellow.stages.values():
             if stage.hop_in is not None and stage.hop_in["hop_id"] == hop_id and stage.hop_in["peer_key"] == key:
-                return stage.driver
+                return stage
         return None
 
-    async def pump(self, channel: NoiseChannel, driver, hop_id: str) -> None:
-        """Ring messages of one incoming path, handed to the stage in the hop's order."""
+    async def pump(self, channel: NoiseChannel, stage, hop_id: str) -> None:
+        """Ring messages of one incoming path, handed to the stage in the hop's order. A path that goes silent
+        (the sender pings every KEEPALIVE_S) is closed after SILENT_S: the previous stage's fellow is gone or the
+        path broke, and the leader will rebuild the ring or the sender will take another path."""
         order = self._resequencers.setdefault(hop_id, sequencing.Resequencer())
+        ring_id, driver = stage.ring_id, stage.driver
         try:
             while True:
-                frame = await channel.receive()
+                with trio.fail_after(SILENT_S):
+                    frame = await channel.receive()
                 flag, _ = sequencing.kind(frame)
                 if flag == sequencing.PING:
                     await channel.send(sequencing.pong(frame))
                     continue
                 for payload in order.push(frame):
-                    await driver.deliver(wire.decode_message(payload))
+                    await driver.deliver(wire.decode_message(payload), ring_id)
+        except trio.TooSlowError:
+            log.info("incoming link of %s went silent for %.0f s; closing it", stage.model, SILENT_S)
         except (TunnelError, SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.info("incoming link of %s closed: %s", driver.model, exc)
+            log.info("incoming link of %s closed: %s", stage.model, exc)
         finally:
-            with trio.move_on_after(CLEANUP_S, shield=True):
-                try:
-                    await channel.aclose()
-                except Exception:
-                    pass
+            await close_quietly(channel)
 
     async def _on_direct_connection(self, stream: trio.SocketStream) -> None:
         transport = StreamFrameTransport(stream)
         try:
             channel = await NoiseChannel.accept(transport, self.fellow.private, self._expects)
         except (SwarmError, OSError, trio.BrokenResourceError) as exc:
-            log.info("refused a direct ring connection: %s", exc)
-            await transport.aclose()
+            log.info("refused a direct ring connection: %s", exc)  # the channel closed the transport
             return
         hop_id = channel.handshake_payload.decode(errors="replace")
-        driver = self.stage_for_hop(hop_id, channel.remote_static)
-        if driver is None:
+        stage = self.stage_for_hop(hop_id, channel.remote_static)
+        if stage is None:
             log.info("refused a direct ring connection for an unknown hop")
             await channel.aclose()
             return
-        await self.pump(channel, driver, hop_id)
+        await self.pump(channel, stage, hop_id)
 
-    async def relay_listener(self, driver, hop_in: dict) -> None:
+    async def relay_listener(self, stage, hop_in: dict) -> None:
         """Keep one listener waiting on this stage's relay channel, for whenever the previous stage uses it."""
         while True:
             try:
@@ -97,10 +100,10 @@ class IncomingLinks:
                             nursery, self.fellow.leader_url, hop_in["hop_id"], self.fellow.credential,
                             self.fellow.private, lambda key: key == hop_in["peer_key"],
                         )
-                        await self.pump(channel, driver, hop_in["hop_id"])
+                        await self.pump(channel, stage, hop_in["hop_id"])
                         nursery.cancel_scope.cancel()
                 except BaseExceptionGroup as group:
                     raise first_leaf(group) from None
             except (SwarmError, OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
-                log.info("relay listener for %s: %s", driver.model, exc)
+                log.info("relay listener for %s: %s", stage.model, exc)
                 await trio.sleep(RELAY_RETRY_S)

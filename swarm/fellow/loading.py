@@ -1,12 +1,12 @@
 """Loading a stage on this fellow: fetch its files from the leader (only this stage's, resumed and verified, cached
-by content hash), build the slice of the model, warm it up, then serve it until it is unloaded.
+by content hash), build the slice of the model, warm it up, then hold it (swarm.fellow.stages) until it is
+unloaded; the leader links it into a ring once every stage is loaded.
 
 Progress goes to the leader per load (download -> extract -> load), so the page and the CLI show each stage's bar.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -15,23 +15,12 @@ import trio
 
 from swarm.errors import SwarmError, first_leaf
 from swarm.fellow.downloads import fetch_with_retries
-from swarm.fellow.ring import StageDriver
-from swarm.mesh.hop import HopConfig, OutgoingHop
-from swarm.tunnel.channel import CLEANUP_S
+from swarm.fellow.stages import LoadedStage
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.5
 CREDENTIAL_WAIT_S = 60.0  # how long a download waits for the control link to come back with a new credential
-
-
-@dataclasses.dataclass(eq=False)
-class LoadedStage:
-    driver: StageDriver
-    cancel_scope: trio.CancelScope  # cancelled on unload
-    nursery: trio.Nursery  # the stage's tasks: links, tunnels
-    hop_in: dict | None  # the hop this stage receives on: id and the previous stage's key
-    load_id: str
 
 
 class LoadProgress:
@@ -80,7 +69,7 @@ class StageLoader:
             except SwarmError:
                 pass
             return
-        await fellow.nursery.start(self._serve, message, stage_model)
+        await self._serve(message, stage_model)
 
     async def _fetch(self, message: dict, progress: LoadProgress) -> dict[str, Path]:
         fellow = self.fellow
@@ -135,65 +124,23 @@ class StageLoader:
         await progress.report("load", 1.0)
         return stage_model
 
-    def _out_hop(self, message: dict, nursery: trio.Nursery) -> OutgoingHop | None:
+    async def _serve(self, message: dict, stage_model) -> None:
         fellow = self.fellow
-        hop_out = message.get("hop_out")
-        if not hop_out:
-            return None
-        hop = OutgoingHop(
-            HopConfig(
-                hop_id=hop_out["hop_id"],
-                peer_public=hop_out["peer_key"],
-                peer_name=hop_out["peer_name"],
-                direct=tuple(hop_out["direct"]) if hop_out.get("direct") else None,
-                transport=hop_out.get("transport", "auto"),
-            ),
-            nursery=nursery,
-            leader_url=fellow.leader_url,
-            credential=lambda: fellow.credential,
-            local_private=fellow.private,
-            connect_timeout=fellow.settings.direct_connect_timeout_s,
-        )
+        stage = LoadedStage(fellow, message, stage_model)
+        await fellow.nursery.start(self._hold, stage)
+        await fellow.send_to_leader({"t": "loaded", "model": stage.model, "load_id": stage.load_id,
+                                     "stage": stage.summary()})
 
-        async def lost(hop: OutgoingHop, model: str = message["model"]) -> None:
-            try:
-                await fellow.send_to_leader({"t": "hop_lost", "model": model, "hop_id": hop.config.hop_id,
-                                             "path": hop.path})
-            except SwarmError:
-                pass
-
-        hop.on_lost = lost
-        return hop
-
-    async def _serve(self, message: dict, stage_model, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _hold(self, stage: LoadedStage, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve ``stage`` until it is unloaded, then hand its memory back."""
         fellow = self.fellow
-        model, spec_msg, hop_in = message["model"], message["stage"], message.get("hop_in")
-        with trio.CancelScope() as scope:
-            async with trio.open_nursery() as nursery:
-                out_hop = self._out_hop(message, nursery)
-                driver = StageDriver(
-                    model=model, index=spec_msg["index"], num_stages=spec_msg["num_stages"], stage_model=stage_model,
-                    out_hop=out_hop, send_to_leader=fellow.send_to_leader,
-                    prefill_chunk=fellow.settings.serve_prefill_chunk,
-                )
-                fellow.stages[model] = LoadedStage(driver, scope, nursery, hop_in, message["load_id"])
-                await nursery.start(driver.run)
-                if hop_in:
-                    nursery.start_soon(fellow.links.relay_listener, driver, hop_in)
-                await fellow.send_to_leader({"t": "loaded", "model": model, "load_id": message["load_id"]})
-                task_status.started()
-                try:
-                    await trio.sleep_forever()
-                finally:
-                    if out_hop is not None:
-                        with trio.move_on_after(CLEANUP_S, shield=True):
-                            await out_hop.aclose()
-        stage = fellow.stages.get(model)
-        if stage is not None and stage.cancel_scope is scope:
-            del fellow.stages[model]
-        if hop_in:
-            fellow.links.forget_hop(hop_in["hop_id"])
-        del driver, stage_model
+        fellow.stages[stage.model] = stage
+        try:
+            await stage.serve(task_status=task_status)
+        finally:
+            if fellow.stages.get(stage.model) is stage:
+                del fellow.stages[stage.model]
+        del stage
         _free_memory()
 
 

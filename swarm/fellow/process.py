@@ -40,7 +40,7 @@ BACKOFF_MAX_S = 30.0
 
 class Fellow:
     def __init__(self, *, leader_url: str, data_dir: Path, settings: Settings, name: str | None = None,
-                 join_token: str | None = None):
+                 join_token: str | None = None, standby: bool = False):
         self.leader_url = leader_url.rstrip("/")
         self.data_dir = data_dir
         self.settings = settings
@@ -60,6 +60,7 @@ class Fellow:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.state_path.write_text(json.dumps(state, indent=1))
         self.cache_dir = data_dir / "cache"
+        self.standby = standby  # offered to take over stages of fellows that drop out, left alone by plain loads
         self.fellow_id: int | None = None
         self.credential: str | None = None
         self.stages: dict[str, LoadedStage] = {}  # model name -> the stage of it this fellow serves
@@ -107,8 +108,10 @@ class Fellow:
             log.info("unloaded %s", model)
 
 
-def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None) -> None:
+def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None,
+               standby: bool = False) -> None:
     settings = Settings.from_env()
-    fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token)
+    fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token,
+                    standby=standby)
     print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)
     trio.run(fellow.run)

@@ -4,6 +4,10 @@ tokens to the leader, caches dropped.
 
 One task works through the stage: it takes every message waiting, computes the next batch the protocol names
 (forward pass, sampling, the copy off the device and the wire encoding, all in the thread), then acts on the result.
+
+The stage serves one ring generation at a time (``ring_id``, set when the leader links the stage). Relinking starts a
+fresh protocol: the requests of the old generation are dropped with their caches, and messages that still arrive for
+it -- or computations that finish for it -- are ignored.
 """
 
 from __future__ import annotations
@@ -27,79 +31,120 @@ INBOX_SIZE = 10_000
 
 
 class StageDriver:
-    def __init__(
-        self,
-        *,
-        model: str,
-        index: int,
-        num_stages: int,
-        stage_model,
-        out_hop: OutgoingHop | None,
-        send_to_leader: Callable[[Any], Awaitable[None]],
-        prefill_chunk: int,
-    ):
+    def __init__(self, *, model: str, stage_model, send_to_leader: Callable[[Any], Awaitable[None]],
+                 prefill_chunk: int):
         self.model = model
-        self.index = index
-        self.num_stages = num_stages
-        self.protocol = StageProtocol(model=model, index=index, num_stages=num_stages, prefill_chunk=prefill_chunk)
         self.stage_model = stage_model
-        self.out_hop = out_hop
+        self.prefill_chunk = prefill_chunk
+        self.protocol: StageProtocol | None = None  # None until the stage is linked into a ring
+        self.out_hop: OutgoingHop | None = None
+        self.ring_id: str | None = None
+        # Cancelled when the generation ends: a send stuck on a hop of the old ring (a dead peer, a relay channel the
+        # leader closed) must not hold up the stage's work in the new one.
+        self._acting: set[trio.CancelScope] = set()
         self._send_to_leader = send_to_leader
-        self._inbox_send, self._inbox = trio.open_memory_channel[Any](INBOX_SIZE)
-        self._streamed: dict[str, messages.TokenBatch] = {}  # last stage: tokens waiting for the next post to the leader
+        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str | None, Any]](INBOX_SIZE)
+        self._streamed: dict[str, messages.TokenBatch] = {}  # last stage: tokens waiting for the next post
         self._stream_ready = trio.Event()
         self.last_used = trio.current_time()
 
-    async def deliver(self, message: Any) -> None:
-        """A ring message for this stage (from the control link or an incoming hop)."""
+    @property
+    def index(self) -> int | None:
+        return self.protocol.index if self.protocol is not None else None
+
+    @property
+    def busy(self) -> bool:
+        return self.protocol is not None and self.protocol.busy
+
+    # --- ring generations ---------------------------------------------------------------------------------------
+
+    def relink(self, ring_id: str, index: int, num_stages: int, out_hop: OutgoingHop | None) -> None:
+        self.unlink()
+        self.protocol = StageProtocol(model=self.model, index=index, num_stages=num_stages,
+                                      prefill_chunk=self.prefill_chunk)
+        self.out_hop, self.ring_id = out_hop, ring_id
         self.last_used = trio.current_time()
-        await self._inbox_send.send(message)
+
+    def unlink(self) -> None:
+        if self.protocol is not None:
+            for rid in list(self.protocol.requests):
+                self.stage_model.drop(rid)
+        self.protocol = self.out_hop = self.ring_id = None
+        self._streamed.clear()
+        for scope in self._acting:
+            scope.cancel()
+
+    # --- running ------------------------------------------------------------------------------------------------
+
+    async def deliver(self, message: Any, ring_id: str | None = None) -> None:
+        """A ring message for this stage: from the control link (the current generation) or from an incoming hop
+        of generation ``ring_id``."""
+        self.last_used = trio.current_time()
+        await self._inbox_send.send((ring_id or self.ring_id, message))
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from swarm.stage.execute import run_batch  # torch: imported once a stage is placed here
 
         async with trio.open_nursery() as nursery:
-            if self.protocol.is_last:
-                nursery.start_soon(self._post_tokens)
+            nursery.start_soon(self._post_tokens)
             task_status.started()
             while True:
                 while True:  # everything that arrived while the last batch computed
                     try:
-                        message = self._inbox.receive_nowait()
+                        ring_id, message = self._inbox.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    await self._receive(message)
-                batch = self.protocol.next_batch()
+                    await self._receive(ring_id, message)
+                protocol = self.protocol
+                batch = protocol.next_batch() if protocol is not None else []
                 if not batch:
-                    await self._receive(await self._inbox.receive())
+                    await self._receive(*await self._inbox.receive())
                     continue
                 try:
                     output = await trio.to_thread.run_sync(run_batch, self.stage_model, batch)
                 except Exception as exc:  # a bug in one request must not take the stage down
                     if not isinstance(exc, SwarmError):
-                        log.exception("stage %s of %s failed a batch", self.index, self.model)
-                    actions = self.protocol.compute_failed(
-                        batch, str(exc) if isinstance(exc, SwarmError)
-                        else f"stage {self.index} failed: {type(exc).__name__}: {exc}")
+                        log.exception("stage %s of %s failed a batch", protocol.index, self.model)
+                    text = str(exc) if isinstance(exc, SwarmError) else \
+                        f"stage {protocol.index} failed: {type(exc).__name__}: {exc}"
+                    actions = protocol.compute_failed(batch, text)
                 else:
-                    actions = self.protocol.computed(batch, output)
-                await self._perform(actions)
+                    actions = protocol.computed(batch, output)
+                if self.protocol is not protocol:  # relinked while computing: that work belongs to no ring now
+                    for work in batch:
+                        self.stage_model.drop(work.rid)
+                    continue
+                await self._perform(protocol, actions)
 
-    async def _receive(self, message: Any) -> None:
+    async def _receive(self, ring_id: str | None, message: Any) -> None:
+        protocol = self.protocol
+        if protocol is None or ring_id != self.ring_id:
+            return  # left behind by an earlier ring generation
         try:
-            actions = self.protocol.receive(message)
+            actions = protocol.receive(message)
         except ProtocolError as exc:
-            log.warning("stage %s of %s ignored a message: %s", self.index, self.model, exc)
+            log.warning("stage %s of %s ignored a message: %s", protocol.index, self.model, exc)
             return
-        await self._perform(actions)
+        await self._perform(protocol, actions)
 
-    async def _perform(self, actions: list) -> None:
+    async def _perform(self, protocol: StageProtocol, actions: list) -> None:
+        scope = trio.CancelScope()
+        self._acting.add(scope)
+        try:
+            with scope:
+                await self._perform_in_generation(protocol, actions)
+        finally:
+            self._acting.discard(scope)
+
+    async def _perform_in_generation(self, protocol: StageProtocol, actions: list) -> None:
         for action in actions:
+            if self.protocol is not protocol:
+                return  # relinked meanwhile: the rest belongs to the old ring
             if isinstance(action, Send):
                 try:
                     await self._send_next(action.message)
                 except SwarmError as exc:
-                    await self._perform(self.protocol.send_failed(action.message, str(exc)))
+                    await self._perform_in_generation(protocol, protocol.send_failed(action.message, str(exc)))
             elif isinstance(action, Stream):
                 self._queue_token(action)
             elif isinstance(action, Release):

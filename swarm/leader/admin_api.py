@@ -12,6 +12,7 @@ from swarm.leader.api import as_dict, handles_errors
 from swarm.leader.http_errors import json_body, problem
 from swarm.leader.auth import current_user
 from swarm.leader.direct_links import DIRECT_LINKS
+from swarm.leader.recovery import HOT_COVER
 
 
 class AdminRoutes:
@@ -78,6 +79,36 @@ class AdminRoutes:
         return JSONResponse({"enabled": bool(enabled)})
 
 
+    @handles_errors
+    async def hot_cover(self, request: Request):
+        await self._admin(request)
+        if request.method == "PUT":
+            body = await json_body(request)
+            if not isinstance(body.get("enabled"), bool):
+                raise BadRequest('send {"enabled": true} or {"enabled": false}.', "invalid_enabled")
+            await trio.to_thread.run_sync(self.store.set_setting, HOT_COVER, body["enabled"])
+            if body["enabled"]:
+                await self.leader.serving.recovery.cover_all()
+        enabled = self.leader.settings.serve_hot_cover or bool(
+            await trio.to_thread.run_sync(self.store.get_setting, HOT_COVER, False))
+        return JSONResponse({"enabled": enabled, "forced_by_env": self.leader.settings.serve_hot_cover})
+
+    @handles_errors
+    async def fellow_update(self, request: Request):
+        await self._admin(request)
+        body = await json_body(request)
+        if not isinstance(body.get("standby"), bool):
+            raise BadRequest('send {"standby": true} or {"standby": false}.', "invalid_standby")
+        fellow_id = int(request.path_params["fellow_id"])
+        row = await trio.to_thread.run_sync(self.store.set_fellow_standby, fellow_id, body["standby"])
+        if row is None:
+            return problem(404, f"there is no fellow {fellow_id}", "not_found")
+        conn = self.leader.hub.online.get(fellow_id)
+        if conn is not None:
+            conn.standby = row.standby
+        return JSONResponse({"fellow": as_dict(row)})
+
+
 def admin_routes(leader, web_dir) -> list[Route]:
     admin = AdminRoutes(leader, web_dir)
     return [
@@ -86,4 +117,6 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/api/v1/users/{user_id:int}", admin.user_delete, methods=["DELETE"]),
         Route("/api/v1/pools", admin.pools),
         Route("/api/v1/settings/direct-links", admin.direct_links, methods=["GET", "PUT"]),
+        Route("/api/v1/settings/hot-cover", admin.hot_cover, methods=["GET", "PUT"]),
+        Route("/api/v1/fellows/{fellow_id:int}", admin.fellow_update, methods=["PUT"]),
     ]

@@ -147,6 +147,7 @@ class Leader:
         config.keep_alive_timeout = 75
         async with trio.open_nursery() as nursery:
             self.serving.nursery = nursery
+            await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
 
             async def http(task_status):
                 await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -106,3 +106,9 @@ class TextStream:
             return ""
         self._prefix, self._read = self._read, len(self.tokens)
         return text[len(seen) :]
+
+
+def warm_up(model_dir: Path) -> None:
+    """Load the tokenizer and run the chat template once, so the first real request pays for neither."""
+    ids = encode_chat(model_dir, [{"role": "user", "content": "Hello"}], None)
+    load_tokenizer(str(model_dir)).decode(ids[-4:], skip_special_tokens=True)

@@ -47,7 +47,7 @@ class DirectLinkCoordinator:
         for i, hop_id in enumerate(model.hop_ids):
             if hop_id not in self._active:
                 self._active.add(hop_id)
-                self.serving.nursery.start_soon(self._hop_loop, model, i)
+                self.serving._start(self._hop_loop, model, i, hop_id, model.ring_id)
 
     async def start_all(self) -> None:
         """Direct links were just turned on: look for better paths for every model already serving."""
@@ -64,30 +64,30 @@ class DirectLinkCoordinator:
             except (trio.WouldBlock, trio.BrokenResourceError):
                 pass
 
-    def _current(self, model) -> bool:
+    def _current(self, model, ring_id: str | None) -> bool:
+        """Whether the ring generation a hop loop works for is still the one serving (not unloaded, not rebuilt)."""
         live = self.serving.models.get(model.name)
-        return live is model and model.status == "ready"
+        return live is model and model.status == "ready" and model.ring_id == ring_id
 
-    async def _hop_loop(self, model, i: int) -> None:
+    async def _hop_loop(self, model, i: int, hop_id: str, ring_id: str | None) -> None:
         try:
-            await self._hop_attempts(model, i)
+            await self._hop_attempts(model, i, hop_id, ring_id)
         finally:
-            self._active.discard(model.hop_ids[i])
+            self._active.discard(hop_id)
 
-    async def _hop_attempts(self, model, i: int) -> None:
-        hop_id = model.hop_ids[i]
+    async def _hop_attempts(self, model, i: int, hop_id: str, ring_id: str | None) -> None:
         failures = 0
-        while self._current(model) and await self.enabled():
+        while self._current(model, ring_id) and await self.enabled():
             try:
                 outcome = await self._attempt(model, i)
-            except SwarmError as exc:
-                outcome = f"failed: {exc}"
+            except* SwarmError as group:  # both ends are asked at once: a nursery's group, or a plain failure
+                outcome = "failed: " + "; ".join(str(exc) for exc in group.exceptions)
             log.info("hop %s (stage %d -> %d) of %s: %s", hop_id, i, (i + 1) % len(model.stages), model.name,
                      outcome)
             if outcome in ("direct", "tunnel"):
                 failures = 0
                 # Stay while the hop keeps that path; a tunnel that went silent falls back to the relay.
-                while self._current(model):
+                while self._current(model, ring_id):
                     await trio.sleep(WATCH_S)
                     if self.serving.hop_stats.get(hop_id, {}).get("transport") == "relay":
                         break

@@ -14,10 +14,15 @@ from swarm import wire
 from swarm.errors import AuthError, ProtocolError, SwarmError
 from swarm.messages import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
-from swarm.tunnel.channel import CLEANUP_S, NoiseChannel
+from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, close_quietly
 from swarm.tunnel.keys import fingerprint
 
 log = logging.getLogger(__name__)
+
+# Both ends say "alive" every ALIVE_S (swarm.fellow.control); a fellow silent for SILENT_S is gone even if its socket
+# never closed (a power cut, a pulled cable): its stages fail over. Checked every ALIVE_S: noticed within ~5 s.
+ALIVE_S = 1.0
+SILENT_S = 4.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,6 +38,8 @@ class FellowConn:
     channel: NoiseChannel
     connected_at: float
     last_heartbeat: float
+    standby: bool = False  # left alone by plain loads: it takes over stages of fellows that drop out
+    last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
     # Messages to the fellow wait here for the connection's writer task, so whoever posts one -- the loop reading
     # another fellow's link, a client's request -- never waits on this fellow's network.
@@ -63,6 +70,7 @@ class FellowConn:
             "hardware_text": self.hardware.describe(),
             "serve": {"host": self.serve_host, "port": self.serve_port},
             "version": self.version,
+            "standby": self.standby,
         }
 
 
@@ -96,14 +104,16 @@ class FellowHub:
             return
         previous = self.online.get(conn.id)
         if previous is not None:
-            await _quiet_close(previous.channel)
+            await close_quietly(previous.channel)
         self.online[conn.id] = conn
         log.info("fellow %s (%s) connected: %s", conn.name, conn.id, conn.hardware.describe())
         try:
+            keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
             conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
-                       "stages": self.serving.models_on_fellow(conn.id)})
+                       "stages": keep})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write, conn, nursery.cancel_scope)
+                nursery.start_soon(self._watch, conn, nursery.cancel_scope)
                 await self._read(conn)
                 nursery.cancel_scope.cancel()
         finally:
@@ -112,7 +122,7 @@ class FellowHub:
                 del self.online[conn.id]
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await self.serving.on_fellow_lost(conn)
-            await _quiet_close(channel)
+            await close_quietly(channel)
 
     async def _read(self, conn: FellowConn) -> None:
         try:
@@ -123,6 +133,7 @@ class FellowHub:
                 except ProtocolError as exc:  # the link itself is fine: skip what we cannot read
                     log.warning("fellow %s sent a message the leader cannot read: %s", conn.name, exc)
                     continue
+                conn.last_seen = trio.current_time()
                 if isinstance(message, dict) and message["t"] == "heartbeat":
                     conn.hardware = Hardware.from_wire(message["hardware"])
                     conn.last_heartbeat = trio.current_time()
@@ -130,6 +141,16 @@ class FellowHub:
                 await self.serving.on_fellow_message(conn, message)
         except SwarmError as exc:
             log.info("fellow %s disconnected: %s", conn.name, exc)
+
+    async def _watch(self, conn: FellowConn, scope: trio.CancelScope) -> None:
+        """Say alive; drop a fellow that stopped saying anything."""
+        while True:
+            await trio.sleep(ALIVE_S)
+            if trio.current_time() - conn.last_seen > SILENT_S:
+                log.warning("fellow %s went silent for %.0f s: treating it as gone", conn.name, SILENT_S)
+                scope.cancel()
+                return
+            conn.post({"t": "alive"})
 
     async def _write(self, conn: FellowConn, scope: trio.CancelScope) -> None:
         try:
@@ -153,22 +174,15 @@ class FellowHub:
         else:
             pool_id = known.pool_id
             name = known.name
-        fellow, credential = await trio.to_thread.run_sync(self.store.enrol_fellow, name, key, pool_id)
+        fellow, credential = await trio.to_thread.run_sync(self.store.enrol_fellow, name, key, pool_id,
+                                                           hello.get("standby") is True)
         serve = hello.get("serve") or {}
         now = trio.current_time()
         conn = FellowConn(
             id=fellow.id, name=fellow.name, public_key=key, pool_id=pool_id,
             hardware=Hardware.from_wire(hello["hardware"]),
             serve_host=serve.get("host"), serve_port=serve.get("port"), version=str(hello.get("version", "?")),
-            channel=channel, connected_at=now, last_heartbeat=now,
+            channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
         )
         conn.credential = credential
         return conn
-
-
-async def _quiet_close(channel: NoiseChannel) -> None:
-    with trio.move_on_after(CLEANUP_S, shield=True):
-        try:
-            await channel.aclose()
-        except Exception:
-            pass

@@ -1,5 +1,5 @@
-"""What the leader knows of a model it serves: its stages (placement, load progress), the hops between them, and the
-load message each fellow gets."""
+"""What the leader knows of a model it serves: its stages (placement, load progress, hot covers), the current ring
+generation and its hops, and the messages that load and link each stage."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ class StageState:
     plan: StagePlan
     phase: str = "queued"  # queued -> download -> extract -> load -> ready
     fraction: float = 0.0
-    ready: bool = False
+    ready: bool = False  # loaded on plan.fellow_id
+    linked: bool = False  # linked into the current ring generation
     error: str | None = None
+    cover: int | None = None  # a standby fellow holding a hot cover of this stage
+    cover_ready: bool = False
+    failed_on: set[int] = dataclasses.field(default_factory=set)  # fellows whose load of this stage failed
 
 
 @dataclasses.dataclass
@@ -27,10 +31,21 @@ class ModelServing:
     name: str
     load_id: str
     stages: list[StageState]
-    status: str = "loading"  # loading | ready | failed
+    status: str = "loading"  # loading | ready | recovering | failed
     error: str | None = None
+    ring_id: str | None = None  # the current ring generation, once every stage is loaded
     hop_ids: list[str] = dataclasses.field(default_factory=list)  # hop i carries stage i -> i+1 (the last: -> 0)
+    manifest: dict = dataclasses.field(default_factory=dict)
+    config: dict = dataclasses.field(default_factory=dict)
+    recovering_since: float | None = None
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+    def slot_of(self, fellow_id: int) -> StageState | None:
+        return next((s for s in self.stages if s.plan.fellow_id == fellow_id), None)
+
+    @property
+    def fellow_ids(self) -> set[int]:
+        return {s.plan.fellow_id for s in self.stages}
 
     def notify(self) -> None:
         self.changed.set()
@@ -68,28 +83,36 @@ class ModelServing:
             "stages": [
                 {"index": s.plan.index, "fellow_id": s.plan.fellow_id, "fellow": s.plan.fellow_name,
                  "layers": [s.plan.first_layer, s.plan.end_layer], "memory_bytes": s.plan.weight_bytes,
-                 "phase": s.phase, "ready": s.ready}
+                 "phase": s.phase, "ready": s.ready, "cover_fellow_id": s.cover if s.cover_ready else None}
                 for s in self.stages
             ],
             "progress": self.progress(),
         }
 
 
-def load_message(serving: ModelServing, manifest: dict, config: dict, i: int, online: dict, transport: str) -> dict:
-    """What the fellow of stage ``i`` needs to load and link it: its layers, files, and both hops' ends."""
+def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
+    """What a fellow needs to load stage ``i`` (or a hot cover of it): its layers and their files."""
     from swarm.store.manifest import Manifest, stage_files
 
-    plans = [s.plan for s in serving.stages]
-    plan, n = plans[i], len(plans)
+    plan, n = serving.stages[i].plan, len(serving.stages)
     spec = {"index": i, "num_stages": n, "first_layer": plan.first_layer, "end_layer": plan.end_layer,
             "is_first": i == 0, "is_last": i == n - 1}
-    files = stage_files(Manifest.from_dict(manifest), plan.first_layer, plan.end_layer, spec["is_first"],
+    files = stage_files(Manifest.from_dict(serving.manifest), plan.first_layer, plan.end_layer, spec["is_first"],
                         spec["is_last"])
-    message = {
-        "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": config,
+    dtype = serving.manifest.get("dtype")
+    return {
+        "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": serving.config,
         "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
-        "gpu_dtype": manifest.get("dtype") if manifest.get("dtype") in ("float16", "bfloat16") else "float16",
+        "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
     }
+
+
+def link_message(serving: ModelServing, i: int, online: dict, transport: str) -> dict:
+    """Stage ``i``'s hops in the current ring generation: where it sends, and who may send to it."""
+    plans = [s.plan for s in serving.stages]
+    n = len(plans)
+    message = {"t": "link", "model": serving.name, "load_id": serving.load_id, "ring_id": serving.ring_id,
+               "index": i, "num_stages": n}
     if n > 1:
         nxt = online.get(plans[(i + 1) % n].fellow_id)
         direct = None
@@ -115,5 +138,5 @@ def model_size(manifest: dict, cpu: bool) -> ModelSize:
             embed = int(f["size"] * scale)
         elif f["kind"] == "final":
             final = int(f["size"] * scale)
-    kv = manifest.get("kv_bytes_per_token_per_layer") or 0
+    kv = manifest.get("kv_bytes_per_token") or 0  # per token, per layer, at the stored dtype
     return ModelSize(tuple(layers), embed, final, bool(manifest.get("tie_word_embeddings")), int(kv * scale))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import time
 
 import trio
@@ -66,12 +67,17 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
 
 
 def to_sampling(values: dict) -> messages.Sampling:
+    temperature = float(values.get("temperature", 0.0))
+    seed = int(values["seed"]) if values.get("seed") is not None else None
+    if seed is None and temperature > 0:
+        # Every sampled request gets a seed: a reply sent again after a failover goes on with the same draws.
+        seed = secrets.randbits(63)
     return messages.Sampling(
-        temperature=float(values.get("temperature", 0.0)),
+        temperature=temperature,
         top_k=int(values.get("top_k") or 0),
         top_p=float(values["top_p"]) if values.get("top_p") is not None else 1.0,
         min_p=float(values.get("min_p") or 0.0),
-        seed=int(values["seed"]) if values.get("seed") is not None else None,
+        seed=seed,
     )
 
 
@@ -123,11 +129,10 @@ class OpenAIRoutes:
     async def _submit(self, params: ChatParams, owner: int) -> Request:
         leader = self.leader
         manifest = await leader.serving.manifest(params.model)
-        status = leader.serving.status(params.model)
-        if status != "ready":
+        if leader.serving.status(params.model) == "not_loaded" and params.model not in leader.serving.reload_on_request:
             raise ModelNotLoaded(
-                f"model {params.model} is {status.replace('_', ' ')}. Load it first (swarm model-load "
-                f"{params.model}, or Load on the chat page), then send the request again.")
+                f"model {params.model} is not loaded. Load it first (swarm model-load {params.model}, or Load on "
+                "the chat page), then send the request again.")
         model_dir = leader.models_root / params.model
         try:
             prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking)
@@ -152,13 +157,17 @@ class OpenAIRoutes:
         eos = await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
         request = Request(model=params.model, prompt=prompt, max_tokens=max_tokens, sampling=to_sampling(sampling),
                           eos=eos, owner=owner)
-        return leader.serving.submit(request)
+        return await leader.serving.submit(request)
+
+    def _reader(self, ring_request: Request) -> Reader:
+        settings = self.leader.settings
+        return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 
     async def _collect(self, ring_request: Request, text: TextStream) -> str:
         parts = []
-        reader = Reader(ring_request)
+        reader = self._reader(ring_request)
         while True:
-            kind, value = await reader.next(self.leader.settings.request_stall_s)
+            kind, value = await reader.next()
             if kind == "tokens":
                 parts.append(text.push(value))
             elif kind == "error":
@@ -178,11 +187,11 @@ class OpenAIRoutes:
                 data["usage"] = usage
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        reader = Reader(ring_request)
+        reader = self._reader(ring_request)
         try:
             yield chunk({"role": "assistant", "content": ""})
             while True:
-                kind, value = await reader.next(self.leader.settings.request_stall_s)
+                kind, value = await reader.next()
                 if kind == "tokens":
                     delta = text.push(value)
                     if delta:

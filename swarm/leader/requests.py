@@ -7,13 +7,18 @@ swarm.leader.serving carries out (a message for the fellow serving a model's sta
 waits on a client: a request's tokens pile up in the request, and its readers catch up at their own pace.
 
 Each attempt on the ring has its own ring id (``rid``); the request keeps its ``id`` across attempts (what clients
-see as x-swarm-request-id and cancel by). A request that fails before its first token is sent again once, unnoticed
-by the user -- the hop whose direct link broke is on the relay by then.
+see as x-swarm-request-id and cancel by). An attempt that is cut off -- a stage failed it, a path under it broke, the
+ring lost a fellow -- is sent again as the prompt plus the tokens already streamed, with the tokens it had left, so
+the client's stream pauses and goes on: nothing lost, nothing repeated.
+
+A request is ``waiting`` while its model loads or recovers (it goes out when the ring is whole again), ``running``
+while an attempt is on the ring, then ended (finish_reason or error).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import secrets
 from typing import Any
 
@@ -21,7 +26,13 @@ import trio
 
 from swarm import messages
 
-RETRIES_BEFORE_FIRST_TOKEN = 1
+# How often one request may be sent again before it fails for good: a stage that fails the same request every time
+# (a bug, a request it cannot hold) must not loop. Failovers do not count: a whole ring rebuilt is not the request's
+# fault.
+MAX_RESENDS = 3
+
+
+_arrivals = itertools.count()
 
 
 def new_rid() -> str:
@@ -42,6 +53,9 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     error: str | None = None
     attempts: int = 0
+    resends: int = 0  # attempts that were sent again after a failure or a broken path
+    state: str = "new"  # new | waiting | running | ended
+    arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))  # first come, first served
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
@@ -57,18 +71,25 @@ class Request:
         self.changed = trio.Event()
 
     def generate_message(self) -> messages.Generate:
-        return messages.Generate(self.model, self.rid, self.prompt, self.max_tokens, self.eos, self.sampling)
+        """This attempt's message to stage 0: the prompt plus what was streamed already, with the tokens left."""
+        return messages.Generate(self.model, self.rid, self.prompt + self.tokens, self.max_tokens - len(self.tokens),
+                                 self.eos, self.sampling, drawn=len(self.tokens))
 
 
 class Reader:
     """One client's view of a request: the tokens it has not seen yet, then how the request ended."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, stall_s: float = 120.0, wait_s: float = 900.0):
         self.request = request
         self.seen = 0
+        self.stall_s = stall_s  # a running attempt with no new token for this long has failed
+        self.wait_s = wait_s  # a request waiting for its model to load or recover gives up after this long
+        self._waiting_since: float | None = None
 
-    async def next(self, stall_s: float) -> tuple[str, Any]:
-        """("tokens", ids) / ("done", finish reason) / ("error", text); an error when the ring goes silent."""
+    async def next(self, stall_s: float | None = None) -> tuple[str, Any]:
+        """("tokens", ids) / ("done", finish reason) / ("error", text); an error when the ring goes silent or the
+        model does not come back in time."""
+        stall_s = self.stall_s if stall_s is None else stall_s
         request = self.request
         while True:
             if len(request.tokens) > self.seen:
@@ -80,11 +101,20 @@ class Reader:
             if request.finish_reason is not None:
                 return "done", request.finish_reason
             changed = request.changed
-            with trio.move_on_after(stall_s):
+            if request.state == "running":
+                self._waiting_since = None
+                timeout = stall_s
+            else:
+                self._waiting_since = self._waiting_since or trio.current_time()
+                timeout = self._waiting_since + self.wait_s - trio.current_time()
+            with trio.move_on_after(max(0.0, timeout)):
                 await changed.wait()
                 continue
-            return "error", (f"the ring stopped answering: no token for {stall_s:.0f} s (SWARM_REQUEST_STALL_S). "
-                             "A fellow may have gone away; send the message again.")
+            if request.state == "running":
+                return "error", (f"the ring stopped answering: no token for {stall_s:.0f} s (SWARM_REQUEST_STALL_S). "
+                                 "A fellow may have gone away; send the message again.")
+            return "error", (f"model {request.model} was not ready within {self.wait_s:.0f} s "
+                             "(SWARM_SERVE_QUEUE_TIMEOUT_S): it is still loading or recovering. Try again later.")
 
 
 # --- actions ---------------------------------------------------------------------------------------------------------
@@ -110,20 +140,52 @@ class NotLoaded:
 
 
 class RequestBook:
-    def __init__(self, retries_before_first_token: int = RETRIES_BEFORE_FIRST_TOKEN):
-        self.retries = retries_before_first_token
-        self.by_rid: dict[str, Request] = {}
+    def __init__(self, max_resends: int = MAX_RESENDS):
+        self.max_resends = max_resends
+        self.by_rid: dict[str, Request] = {}  # running attempts
+        self.waiting: dict[str, list[Request]] = {}  # model -> requests waiting for its ring, first come first
 
     def find(self, request_id: str) -> Request | None:
-        return next((r for r in self.by_rid.values() if r.id == request_id), None)
+        for request in [*self.by_rid.values(), *(r for rs in self.waiting.values() for r in rs)]:
+            if request.id == request_id:
+                return request
+        return None
 
     def of_model(self, model: str) -> list[Request]:
+        """The running requests of ``model``."""
         return [r for r in self.by_rid.values() if r.model == model]
 
     def submit(self, request: Request) -> list:
         request.attempts += 1
+        request.state = "running"
         self.by_rid[request.rid] = request
+        request.notify()
         return [ToStage0(request.model, request.generate_message())]
+
+    def hold(self, request: Request) -> None:
+        """``request`` waits until its model's ring is whole (loading, recovering)."""
+        request.state = "waiting"
+        self.waiting.setdefault(request.model, []).append(request)
+        request.notify()
+
+    def interrupt(self, model: str) -> list:
+        """The ring of ``model`` is being rebuilt: every running request waits to be sent again. The stages drop
+        their state themselves when they are relinked; the cancels free them sooner where they are still alive."""
+        actions: list = []
+        for request in self.of_model(model):
+            self.by_rid.pop(request.rid, None)
+            actions.append(ToStage0(model, messages.Cancel(model, request.rid)))
+            request.rid = new_rid()
+            self.hold(request)
+        return actions
+
+    def resume(self, model: str) -> list:
+        """The ring of ``model`` is whole: send every waiting request, in the order they came."""
+        actions: list = []
+        for request in sorted(self.waiting.pop(model, []), key=lambda r: r.arrival):
+            if not request.ended:
+                actions += self._send_again(request) if request.attempts else self.submit(request)
+        return actions
 
     def on_tokens(self, message: messages.Tokens) -> None:
         for batch in message.batches:
@@ -142,13 +204,17 @@ class RequestBook:
             return []
         actions: list = [ToStage0(request.model, messages.Cancel(request.model, request.rid))]  # free what it left
         if message.not_loaded:
-            self._end(request, error=message.message)
+            # The fellow does not hold the model (it unloaded it, or restarted): the leader reloads the model and the
+            # request waits for it, unnoticed by the user.
+            self.by_rid.pop(request.rid, None)
+            request.rid = new_rid()
+            self.hold(request)
             return actions + [NotLoaded(request.model, message.message)]
         return actions + self._retry_or_end(request, message.message)
 
     def on_path_lost(self, model: str) -> list:
-        """A path between two stages of ``model`` broke: what it carried may be lost. Requests with nothing streamed
-        yet are sent again; the others end with an error rather than hang."""
+        """A path between two stages of ``model`` broke: what it carried may be lost. Every request on it is sent
+        again from where its stream stands (the hop is on another path by the time the message arrives)."""
         actions: list = []
         for request in self.of_model(model):
             actions.append(ToStage0(model, messages.Cancel(model, request.rid)))
@@ -158,23 +224,36 @@ class RequestBook:
     def cancel(self, request: Request) -> list:
         if request.ended:
             return []
+        running = request.state == "running"
+        waiting = self.waiting.get(request.model, [])
+        if request in waiting:
+            waiting.remove(request)
         self._end(request, finish="cancelled")
-        return [ToStage0(request.model, messages.Cancel(request.model, request.rid))]
+        return [ToStage0(request.model, messages.Cancel(request.model, request.rid))] if running else []
 
     def end_model(self, model: str, text: str) -> None:
-        for request in self.of_model(model):
+        """``model`` is gone: its running and waiting requests end with ``text``."""
+        for request in [*self.of_model(model), *self.waiting.pop(model, [])]:
             self._end(request, error=text)
 
     def _retry_or_end(self, request: Request, text: str) -> list:
         self.by_rid.pop(request.rid, None)
-        if not request.tokens and request.attempts <= self.retries:
-            request.rid = new_rid()
-            return self.submit(request)
-        self._end(request, error=text)
+        if request.resends < self.max_resends:
+            request.resends += 1
+            return self._send_again(request)
+        self._end(request, error=f"{text} (the request was sent {request.resends + 1} times)")
         return []
+
+    def _send_again(self, request: Request) -> list:
+        if len(request.tokens) >= request.max_tokens:  # cut off right after its last token: nothing left to do
+            self._end(request, finish="length")
+            return []
+        request.rid = new_rid()
+        return self.submit(request)
 
     def _end(self, request: Request, *, finish: str | None = None, error: str | None = None) -> None:
         self.by_rid.pop(request.rid, None)
         if not request.ended:
             request.finish_reason, request.error = finish, error
+        request.state = "ended"
         request.notify()

@@ -1,8 +1,9 @@
 """The leader's serving brain: load and unload models over fellows, run requests on the ring, stream their tokens.
 
 State lives here, on the leader: which fellow holds which stage (swarm.leader.models), and every request in flight
-(swarm.leader.requests decides what happens to them; this module sends what it asks). Nothing here waits on a
-client: messages to fellows are posted to each fellow's outbox, and tokens pile up in the requests.
+(swarm.leader.requests decides what happens to them; this module sends what it asks). Rings are built, rebuilt after
+a fellow drops out, and adopted after a leader restart by swarm.leader.recovery. Nothing here waits on a client:
+messages to fellows are posted to each fellow's outbox, and tokens pile up in the requests.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import trio
 
 from swarm import messages
 from swarm.config import Settings
-from swarm.errors import ModelNotFound, ModelNotLoaded, PlacementError, SwarmError
+from swarm.errors import ModelNotFound, ModelNotLoaded, PlacementError
 from swarm.leader.models import ModelServing, StageState, load_message, model_size
 from swarm.leader.placement import FellowCapacity, place
+from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0
 
@@ -33,12 +35,14 @@ class Serving:
         self.models_root = models_root
         self.relay = relay
         self.hub = None  # set by the app: FellowHub
-        self.nursery: trio.Nursery | None = None  # set while the leader serves: background work (Direct links)
+        self.nursery: trio.Nursery | None = None  # set while the leader serves: background work
         self.direct_links = None  # set by the app: swarm.leader.direct_links.DirectLinkCoordinator
-        self.on_ready = None  # set by the app: called with a model's name when it becomes ready
         self.models: dict[str, ModelServing] = {}
         self.book = RequestBook()
         self.hop_stats: dict[str, dict] = {}  # hop id -> what its sending fellow last reported
+        # Models that went because nobody used them (or a fellow dropped them): a request loads them again.
+        self.reload_on_request: set[str] = set()
+        self.recovery = Recovery(self)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -47,7 +51,9 @@ class Serving:
         return self.book.by_rid
 
     def models_on_fellow(self, fellow_id: int) -> list[str]:
-        return [m.name for m in self.models.values() if any(s.plan.fellow_id == fellow_id for s in m.stages)]
+        """The models a fellow holds a stage (or a hot cover) of."""
+        return [m.name for m in self.models.values()
+                if any(s.plan.fellow_id == fellow_id or s.cover == fellow_id for s in m.stages)]
 
     def status(self, name: str) -> str:
         serving = self.models.get(name)
@@ -64,41 +70,39 @@ class Serving:
     async def load(self, name: str, num_stages: int | None = None) -> ModelServing:
         manifest = await self.manifest(name)
         current = self.models.get(name)
-        if current is not None and current.status in ("loading", "ready"):
+        if current is not None and current.status in ("loading", "ready", "recovering"):
             return current
-        fellows = list(self.hub.online.values())
+        fellows = [f for f in self.hub.online.values() if not f.standby]  # standbys wait for failovers
         if num_stages is None:
             num_stages = max(1, min(len(fellows), manifest["num_layers"]))
         size = model_size(manifest, cpu=not any(f.hardware.gpus for f in fellows))
         capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
         plans = place(size, capacities, num_stages, self.settings.serve_context_tokens)
-        serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p) for p in plans])
-        self.models[name] = serving
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
-        n = len(plans)
-        serving.hop_ids = ["h" + secrets.token_hex(8) for _ in range(n)] if n > 1 else []
-        for i, hop_id in enumerate(serving.hop_ids):
-            self.relay.open_channel(hop_id, plans[i].fellow_id, plans[(i + 1) % n].fellow_id)
+        serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p) for p in plans], manifest=manifest,
+                               config=config)
+        self.models[name] = serving
+        self.reload_on_request.discard(name)
         for i, plan in enumerate(plans):
-            self.hub.online[plan.fellow_id].post(load_message(serving, manifest, config, i, self.hub.online,
-                                                              self.settings.pipeline_transport))
+            self.hub.online[plan.fellow_id].post(load_message(serving, i))
+        self._start(self._warm_tokenizer, name)
         serving.notify()
         return serving
 
-    async def unload(self, name: str, keep_state: bool = False) -> None:
+    async def unload(self, name: str, *, reason: str | None = None, keep_state: bool = False) -> None:
+        """Unload ``name`` from every fellow; its requests end with ``reason`` (an admin's unload says so)."""
         serving = self.models.get(name)
         if serving is None:
             return
-        for stage in serving.stages:
-            conn = self.hub.online.get(stage.plan.fellow_id)
+        for fellow_id in serving.fellow_ids | {s.cover for s in serving.stages if s.cover is not None}:
+            conn = self.hub.online.get(fellow_id)
             if conn is not None:
                 conn.post({"t": "unload", "model": name})
-        for hop_id in serving.hop_ids:
-            self.relay.close_channel(hop_id)
-            self.hop_stats.pop(hop_id, None)
-        self.book.end_model(name, f"model {name} was unloaded")
+        self.recovery.close_ring(serving)
+        self.book.end_model(name, reason or f"model {name} was unloaded")
         if not keep_state:
             del self.models[name]
+        await trio.to_thread.run_sync(self.store.delete_serving, name)
         serving.notify()
 
     async def wait_ready(self, name: str, timeout: float) -> ModelServing:
@@ -114,19 +118,48 @@ class Serving:
                 await serving.changed.wait()
         raise ModelNotLoaded(f"model {name} did not become ready within {timeout:.0f} s")
 
+    async def _warm_tokenizer(self, name: str) -> None:
+        """Load the tokenizer and chat template while the fellows load, so the first chat does not pay for it."""
+        from swarm.leader.chat_format import warm_up
+
+        try:
+            await trio.to_thread.run_sync(warm_up, self.models_root / name)
+        except Exception as exc:  # the first request reports whatever is wrong with the tokenizer
+            log.warning("could not prepare the tokenizer of %s: %s", name, exc)
+
+    def _start(self, fn, *args) -> None:
+        """Run ``fn(*args)`` in the background. These tasks share the leader's nursery: a bug in one is logged and
+        must not take the leader down."""
+        if self.nursery is None:
+            return
+
+        async def guarded() -> None:
+            try:
+                await fn(*args)
+            except Exception:
+                log.exception("background work %s failed", getattr(fn, "__name__", fn))
+
+        self.nursery.start_soon(guarded)
+
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> Request:
+    async def submit(self, request: Request) -> Request:
+        """Send ``request`` to its model's ring, or let it wait while the model loads or recovers; a model that went
+        idle is loaded again for it."""
         serving = self.models.get(request.model)
-        if serving is None or serving.status != "ready":
-            state = "loading" if serving and serving.status == "loading" else "not loaded"
+        if serving is None and request.model in self.reload_on_request:
+            log.info("loading %s again for a request (it was unloaded while idle)", request.model)
+            serving = await self.load(request.model)
+        if serving is None or serving.status == "failed":
+            state = "not loaded" if serving is None else f"failed to load ({serving.error})"
             raise ModelNotLoaded(
                 f"model {request.model} is {state}. Load it first (swarm model-load {request.model}, or Load on the "
                 f"chat page), then send the request again."
             )
-        if self.hub.online.get(serving.stages[0].plan.fellow_id) is None:
-            raise ModelNotLoaded(f"stage 0 of {request.model} is offline")
-        self._perform(self.book.submit(request))
+        if serving.status == "ready":
+            self._perform(self.book.submit(request))
+        else:
+            self.book.hold(request)
         return request
 
     def find(self, request_id: str) -> Request | None:
@@ -146,74 +179,84 @@ class Serving:
                     self._perform(self.book.on_failed(messages.Failed(
                         action.model, action.message.rid, f"stage 0 of {action.model} is offline")))
             elif isinstance(action, NotLoaded):
-                serving = self.models.get(action.model)
-                if serving is not None:
-                    serving.status, serving.error = "failed", action.text
-                    serving.notify()
+                self._start(self._reload, action.model, action.text)
+
+    async def _reload(self, name: str, why: str) -> None:
+        """A fellow said it does not hold the model: unload what is left and load it again; the requests that were
+        running wait for it and go out again."""
+        serving = self.models.get(name)
+        if serving is None or serving.status != "ready":
+            return
+        log.info("%s; loading %s again", why, name)
+        self._perform(self.book.interrupt(name))
+        waiting = self.book.waiting.pop(name, [])
+        await self.unload(name)
+        self.reload_on_request.add(name)
+        try:
+            await self.load(name, len(serving.stages))
+        except Exception as exc:
+            for request in waiting:
+                self.book.hold(request)
+            self.book.end_model(name, f"{why}, and loading it again failed: {exc}")
+            return
+        for request in waiting:
+            self.book.hold(request)
+
+    def resume(self, name: str) -> None:
+        """The ring of ``name`` is whole: send every request that waited for it."""
+        self._perform(self.book.resume(name))
 
     # --- messages from fellows ------------------------------------------------------------------------------------
 
     async def on_fellow_message(self, conn, message: Any) -> None:
         """Everything a fellow's control link brings. Never waits on a client or another fellow."""
         if isinstance(message, messages.Tokens):
-            self.book.on_tokens(message)
+            if self._serves(conn, message.model):
+                self.book.on_tokens(message)
         elif isinstance(message, messages.Failed):
-            log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)
-            self._perform(self.book.on_failed(message))
+            if self._serves(conn, message.model):
+                log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)
+                self._perform(self.book.on_failed(message))
         elif isinstance(message, messages.HopLost):
-            log.info("a link of %s over the %s broke; re-sending its requests", message.model, message.path)
-            self._perform(self.book.on_path_lost(message.model))
+            if self._serves(conn, message.model):
+                log.info("a link of %s over the %s broke; re-sending its requests", message.model, message.path)
+                self._perform(self.book.on_path_lost(message.model))
         elif not isinstance(message, dict):
             log.debug("ignoring a %s from %s", type(message).__name__, conn.name)
         elif message["t"] == "heartbeat":
             for hop in message.get("hops") or []:
                 if isinstance(hop, dict) and isinstance(hop.get("hop_id"), str):
                     self.hop_stats[hop["hop_id"]] = hop
-        elif message["t"] in ("load_progress", "loaded", "load_failed"):
-            self._on_load_event(conn, message)
+        elif message["t"] in ("load_progress", "loaded", "load_failed", "linked", "link_failed"):
+            self.recovery.on_stage_event(conn, message)
+        elif message["t"] == "unloaded" and message.get("reason") == "idle":
+            await self._idle(conn, message)
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
             self.direct_links.on_message(conn, message)
 
-    def _on_load_event(self, conn, message: dict) -> None:
-        serving = self.models.get(message["model"])
-        if serving is None or serving.load_id != message.get("load_id"):
-            return
-        stage = next((s for s in serving.stages if s.plan.fellow_id == conn.id), None)
-        if stage is None:
-            return
-        if message["t"] == "load_progress":
-            stage.phase, stage.fraction = message["phase"], float(message["fraction"])
-        elif message["t"] == "loaded":
-            stage.phase, stage.fraction, stage.ready = "ready", 1.0, True
-            if all(s.ready for s in serving.stages) and serving.status == "loading":
-                serving.status = "ready"
-                log.info("model %s is ready over %d stages", serving.name, len(serving.stages))
-                if len(serving.stages) > 1 and self.nursery is not None:
-                    self.nursery.start_soon(self._ring_ready, serving)
-        elif message["t"] == "load_failed":
-            stage.error = message.get("message")
-            serving.status, serving.error = "failed", stage.error
-            log.warning("loading %s failed: %s", serving.name, stage.error)
-        serving.notify()
+    def _serves(self, conn, model: str) -> bool:
+        """Whether ``conn`` serves a stage of ``model``: only those fellows speak for its requests."""
+        serving = self.models.get(model)
+        return serving is not None and conn.id in serving.fellow_ids
 
-    async def _ring_ready(self, serving: ModelServing) -> None:
-        for stage in serving.stages:
-            conn = self.hub.online.get(stage.plan.fellow_id)
-            if conn is not None:
-                conn.post({"t": "ring_ready", "model": serving.name})
-        if self.direct_links is not None:
-            await self.direct_links.start(serving)
+    async def _idle(self, conn, message: dict) -> None:
+        serving = self.models.get(message.get("model"))
+        if serving is None or serving.load_id != message.get("load_id") or conn.id not in serving.fellow_ids:
+            return
+        log.info("%s went idle on %s: unloading it from every fellow", serving.name, conn.name)
+        await self.unload(serving.name, reason=f"model {serving.name} was unloaded: nobody used it for a while")
+        self.reload_on_request.add(serving.name)
+
+    def on_fellow_joined(self, conn, stages: list) -> list[str]:
+        """A fellow (re)connected holding ``stages``: the models whose stage it keeps (it unloads the others).
+        What follows from it -- adopting its stages, linking rings -- runs once its welcome has gone out."""
+        self._start(self._adopt, conn, stages)
+        return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
+
+    async def _adopt(self, conn, stages: list) -> None:
+        if self.hub.online.get(conn.id) is conn:
+            self.recovery.adopt(conn, stages)
+            self.recovery.fleet_changed()
 
     async def on_fellow_lost(self, conn) -> None:
-        for serving in list(self.models.values()):
-            lost = [s for s in serving.stages if s.plan.fellow_id == conn.id]
-            if not lost:
-                continue
-            serving.status = "failed"
-            serving.error = f"stage {lost[0].plan.index} on {conn.name} went away"
-            self.book.end_model(serving.name, f"{serving.error} while answering; send the message again once the "
-                                              f"model is loaded")
-            serving.notify()
-
-
-__all__ = ["Serving", "Request", "ModelServing", "SwarmError"]
+        self.recovery.fellow_lost(conn)

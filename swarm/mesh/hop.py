@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 # Under the ~30 s UDP mapping timeout of common home routers (Linux conntrack's udp timeout is 30 s; RFC 4787
 # REQ-5 asks for at least 2 minutes, many routers do less), and well under idle timeouts of proxies in front of the
 # leader (60 s is common).
-KEEPALIVE_S = 10.0
+KEEPALIVE_S = 1.0
+# A path with no pong for this long is dead (a fellow lost power, a cable was pulled): noticed within seconds, so the
+# leader can rebuild the ring long before a user gives up on the reply.
+SILENT_S = 4 * KEEPALIVE_S
 # How long the old path stays open after an upgrade, so what is still on its way there arrives.
 DRAIN_S = 2.0
 
@@ -74,6 +77,7 @@ class OutgoingHop:
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=64)
         # Called (async) when the path in use breaks under it: what was in flight on it may be lost.
         self.on_lost = None
+        self.closed = False
 
     async def _open(self) -> NoiseChannel:
         cfg = self.config
@@ -112,6 +116,8 @@ class OutgoingHop:
 
     async def send(self, message: bytes) -> None:
         """Send one ring message; raises LinkClosed/TunnelError when the path breaks (the caller fails the request)."""
+        if self.closed:
+            raise LinkClosed(f"the hop to {self.config.peer_name} is closed")
         async with self._lock:
             if self._channel is None:
                 self._adopt(await self._open())
@@ -152,10 +158,13 @@ class OutgoingHop:
         next send opens a fresh path instead of writing into a dead socket."""
         try:
             while True:
-                frame = await channel.receive()
+                with trio.fail_after(SILENT_S):
+                    frame = await channel.receive()
                 flag, stamp = sequencing.kind(frame)
                 if flag == sequencing.PONG:
                     self.rtt_s = max(0.0, time.monotonic() - stamp / 1e6)
+        except trio.TooSlowError:
+            log.info("the %s link to %s went silent for %.0f s", self.path, self.config.peer_name, SILENT_S)
         except (SwarmError, *LINK_ERRORS):  # SwarmError: a malformed pong too
             pass
         lost = self._channel is channel
@@ -177,6 +186,7 @@ class OutgoingHop:
                 "bytes_per_token": int(statistics.median(self._recent_sizes)) if self._recent_sizes else None}
 
     async def aclose(self) -> None:
+        self.closed = True
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await close_quietly(channel)

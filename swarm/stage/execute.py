@@ -9,7 +9,7 @@ import torch
 
 from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
-from swarm.stage.sampling import SamplingParams, make_generator, sample
+from swarm.stage.sampling import SamplingParams, sample, token_generator
 from swarm.stage.slice import StageModel
 
 
@@ -44,6 +44,7 @@ def sampling_params(sampling: messages.Sampling) -> SamplingParams:
 def _sample(work: Work, logits: torch.Tensor) -> int:
     request = work.request
     params = sampling_params(request.sampling)
-    if not params.greedy and request.generator is None:
-        request.generator = make_generator(params)  # on the CPU: the logits are moved there to sample
-    return sample(logits.cpu(), params, request.generator)
+    generator = None
+    if not params.greedy:  # on the CPU: the logits are moved there to sample
+        generator = token_generator(params.seed, request.start.drawn + request.generated)
+    return sample(logits.cpu(), params, generator)

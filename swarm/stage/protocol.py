@@ -77,7 +77,6 @@ class StageRequest:
     generated: int = 0  # last stage: tokens sampled so far
     next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
-    generator: Any = None  # last stage: the request's random generator (made by the executor on first use)
 
     @property
     def sampling(self) -> messages.Sampling:
@@ -172,7 +171,8 @@ class StageProtocol:
             return self._fail_new(message.rid, "the prompt is empty")
         if message.rid in self.requests:
             return self._fail_new(message.rid, f"request {message.rid} is already on stage 0")
-        start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling)
+        start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling,
+                                      message.drawn)
         request = StageRequest(message.rid, list(message.prompt), start)
         self.requests[request.rid] = request
         self._queue_next_chunk(request)

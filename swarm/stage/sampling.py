@@ -1,8 +1,9 @@
 """Turning the last stage's logits into a token, exactly as transformers' generate samples.
 
 Greedy (temperature 0) is argmax. Otherwise the logits warpers run in the order generate applies them --
-temperature, top_k, top_p, min_p -- and a token is drawn with torch.multinomial from the stage's own generator, so a
-seeded request is reproducible.
+temperature, top_k, top_p, min_p -- and a token is drawn with torch.multinomial. Each token draws from a generator
+seeded by the request's seed and the token's number in the reply, so a seeded reply is reproducible, and a reply that
+is sent again after a failover (prompt plus the tokens already streamed) goes on with the same random draws.
 """
 
 from __future__ import annotations
@@ -55,6 +56,21 @@ def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -
         generator.seed()
     else:
         generator.manual_seed(params.seed)
+    return generator
+
+
+# splitmix64's increment: consecutive tokens of one seed get well-spread generator seeds.
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def token_generator(seed: int | None, index: int) -> torch.Generator:
+    """The generator token ``index`` of a reply draws from: a function of (seed, index) alone; fresh entropy for a
+    request without a seed."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed((seed * _GOLDEN + index) % (1 << 63))
     return generator
 
 

@@ -295,16 +295,18 @@ class StageModel:
             return self.lm_head(last)[0, -1].float()
 
     def warm_up(self) -> None:
-        """One short dummy pass, so the first real request does not pay for kernel and allocator set-up."""
+        """Dummy passes of the shapes serving uses -- a prompt chunk, then a decode step -- so the first real request
+        does not pay for kernel selection and the allocator's set-up."""
         rid = "__warm_up__"
         self.drop(rid)
         self.new_request(rid)
         try:
-            if self.spec.is_first:
-                self.forward(rid, 0, input_ids=torch.zeros((1, 4), dtype=torch.long))
-            else:
-                hidden = torch.zeros((1, 4, self.config.hidden_size), dtype=self.dtype)
-                self.forward(rid, 0, hidden=hidden)
+            for position, n in ((0, 8), (8, 1)):
+                if self.spec.is_first:
+                    self.forward(rid, position, input_ids=torch.zeros((1, n), dtype=torch.long))
+                else:
+                    hidden = torch.zeros((1, n, self.config.hidden_size), dtype=self.dtype, device=self.device)
+                    self.forward(rid, position, hidden=hidden)
         finally:
             self.drop(rid)
 

@@ -106,6 +106,15 @@ MIGRATIONS: list[str] = [
         value_json TEXT NOT NULL
     );
     """,
+    """
+    ALTER TABLE fellows ADD COLUMN standby INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE serving (
+        model TEXT PRIMARY KEY,
+        load_id TEXT NOT NULL,
+        plans_json TEXT NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    """,
 ]
 
 

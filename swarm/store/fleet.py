@@ -40,6 +40,7 @@ class Fellow:
     pool_id: int
     created_at: float
     last_seen_at: float | None
+    standby: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +131,12 @@ class FleetMixin(StoreCore):
             pool_id=row["pool_id"],
             created_at=row["created_at"],
             last_seen_at=row["last_seen_at"],
+            standby=bool(row["standby"]),
         )
 
-    def enrol_fellow(self, name: str, public_key: bytes, pool_id: int) -> tuple[Fellow, str]:
-        """(fellow, node credential plaintext). The same key again is the same fellow, with a new credential."""
+    def enrol_fellow(self, name: str, public_key: bytes, pool_id: int, standby: bool = False) -> tuple[Fellow, str]:
+        """(fellow, node credential plaintext). The same key again is the same fellow, with a new credential.
+        ``standby`` (`swarm join --standby`) marks it a standby; joining without it keeps what an admin set."""
         credential = new_secret("swn_")
         digest = sha256_hex(credential)
         with self._tx() as db:
@@ -156,6 +159,8 @@ class FleetMixin(StoreCore):
                     (unique, bytes(public_key), pool_id, digest, self._now()),
                 )
                 fellow_id = cur.lastrowid
+            if standby:
+                db.execute("UPDATE fellows SET standby = 1 WHERE id = ?", (fellow_id,))
             row = db.execute("SELECT * FROM fellows WHERE id = ?", (fellow_id,)).fetchone()
         return self._fellow(row), credential
 
@@ -173,6 +178,12 @@ class FleetMixin(StoreCore):
     def touch_fellow(self, fellow_id: int) -> None:
         with self._tx() as db:
             db.execute("UPDATE fellows SET last_seen_at = ? WHERE id = ?", (self._now(), fellow_id))
+
+    def set_fellow_standby(self, fellow_id: int, standby: bool) -> Fellow | None:
+        with self._tx() as db:
+            db.execute("UPDATE fellows SET standby = ? WHERE id = ?", (int(standby), fellow_id))
+            row = db.execute("SELECT * FROM fellows WHERE id = ?", (fellow_id,)).fetchone()
+        return self._fellow(row) if row else None
 
     def delete_fellow(self, fellow_id: int) -> bool:
         with self._tx() as db:
@@ -207,3 +218,23 @@ class FleetMixin(StoreCore):
     def delete_model(self, name: str) -> bool:
         with self._tx() as db:
             return db.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount > 0
+
+    # --- what is serving (so a restarted leader adopts the stages its fellows still hold) ---------------------------
+
+    def save_serving(self, model: str, load_id: str, plans: list[dict[str, Any]]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO serving (model, load_id, plans_json, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(model) DO UPDATE SET load_id = excluded.load_id, plans_json = excluded.plans_json, "
+                "updated_at = excluded.updated_at",
+                (model, load_id, json.dumps(plans), self._now()),
+            )
+
+    def list_serving(self) -> list[tuple[str, str, list[dict[str, Any]]]]:
+        """(model, load id, stage plans) of every model that was serving."""
+        return [(r["model"], r["load_id"], json.loads(r["plans_json"]))
+                for r in self._all("SELECT * FROM serving ORDER BY model")]
+
+    def delete_serving(self, model: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM serving WHERE model = ?", (model,))

@@ -1,4 +1,4 @@
-// The admin page: users, pools, fellows with their hardware and state, join tokens, and the Direct links switch.
+// The admin page: users, pools, fellows (hardware, state, standby), join tokens, the Direct links and Hot cover switches.
 import { api, get, post, del, setCsrf } from "./api.js";
 import { h, formatWhen } from "./dom.js";
 import { confirmAction, showOnce, showError } from "./ui.js";
@@ -40,6 +40,16 @@ async function loadFellows() {
     h("span", { class: f.state === "online" ? "state-online" : "state-offline" }, f.state === "online" ? "Online" : "Offline"),
     f.hardware_text || h("span", { class: "muted" }, f.state === "online" ? "—" : "unknown while offline"),
     (f.stages || []).length ? (f.stages || []).map((s) => (typeof s === "string" ? s : `${s.model ?? ""} stage ${s.index ?? s.stage ?? ""}`)).join(", ") : "—",
+    h("label", { class: "switch" }, [
+      h("input", {
+        type: "checkbox", role: "switch", "aria-label": `${f.name} is a standby`, checked: f.standby,
+        onchange: async (e) => {
+          try { await api("PUT", `/api/v1/fellows/${f.id}`, { standby: e.target.checked }); } catch (err) { showError(err.message); }
+          loadFellows();
+        },
+      }),
+      h("span", {}, f.standby ? "Standby" : "—"),
+    ]),
   ], "No fellow has joined yet: create a join token and run swarm join on a PC.");
 }
 
@@ -55,6 +65,13 @@ async function loadDirectLinks() {
   const { enabled } = await get("/api/v1/settings/direct-links");
   $("direct-links").checked = enabled;
   $("direct-links-state").textContent = enabled ? "Direct links are on" : "Direct links are off";
+}
+
+async function loadHotCover() {
+  const { enabled, forced_by_env: forced } = await get("/api/v1/settings/hot-cover");
+  $("hot-cover").checked = enabled;
+  $("hot-cover").disabled = forced;
+  $("hot-cover-state").textContent = enabled ? (forced ? "Hot cover is on (SWARM_SERVE_HOT_COVER=1 on the leader)" : "Hot cover is on") : "Hot cover is off";
 }
 
 async function main() {
@@ -84,7 +101,11 @@ async function main() {
     try { await api("PUT", "/api/v1/settings/direct-links", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
     loadDirectLinks();
   });
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks()]);
+  $("hot-cover").addEventListener("change", async (e) => {
+    try { await api("PUT", "/api/v1/settings/hot-cover", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
+    loadHotCover();
+  });
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);

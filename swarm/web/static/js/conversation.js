@@ -147,7 +147,8 @@ async function generate() {
   try {
     for (let attempt = 0; ; attempt++) {
       if (modelStatus() !== "ready") {
-        reply.status = attempt ? "The model was not loaded — loading it again…" : "Loading the model…";
+        reply.status = modelStatus() === "recovering" ? "A fellow dropped out — the model is recovering…"
+          : attempt ? "The model was not loaded — loading it again…" : "Loading the model…";
         transcript.update(reply, false);
         await ensureLoaded(run.controller.signal);
         reply.status = null;

@@ -1,0 +1,156 @@
+"""A stage this fellow holds: loaded once, then linked into a ring -- and linked again, onto new hops, whenever the
+leader rebuilds the ring (a failover, a leader restart) -- until it is unloaded.
+
+Linking gives the stage its hops: the outgoing one to the next stage (swarm.mesh.hop) and the id and key of the
+incoming one. Each link is a generation of the ring: linking again drops every request in flight and closes the old
+hops, and nothing that arrives on an old hop is read (swarm.fellow.ring drops messages of other generations).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from swarm.errors import SwarmError
+from swarm.fellow.ring import StageDriver
+from swarm.mesh.hop import HopConfig, OutgoingHop
+
+log = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 5.0  # how often a stage looks at its idle time: the unload comes at most this late
+
+
+class LoadedStage:
+    def __init__(self, fellow, message: dict, stage_model):
+        spec = message["stage"]
+        self.fellow = fellow
+        self.model: str = message["model"]
+        self.load_id: str = message["load_id"]
+        self.index: int = spec["index"]
+        self.num_stages: int = spec["num_stages"]
+        self.first_layer: int = spec["first_layer"]
+        self.end_layer: int = spec["end_layer"]
+        self.cover: bool = bool(message.get("cover"))  # a hot cover: loaded and waiting to take over the stage
+        self.driver = StageDriver(model=self.model, stage_model=stage_model, send_to_leader=fellow.send_to_leader,
+                                  prefill_chunk=fellow.settings.serve_prefill_chunk)
+        self.ring_id: str | None = None
+        self.hop_in: dict | None = None  # the hop this stage receives on: id and the previous stage's key
+        self.cancel_scope = trio.CancelScope()  # the whole stage: cancelled on unload
+        self.nursery: trio.Nursery | None = None
+        self.links_nursery: trio.Nursery | None = None  # this ring generation's hops and tunnels
+        self._links_scope: trio.CancelScope | None = None
+
+    def summary(self) -> dict:
+        """What the fellow tells the leader of this stage (in its hello: a restarted leader adopts it)."""
+        return {"model": self.model, "load_id": self.load_id, "index": self.index, "num_stages": self.num_stages,
+                "first_layer": self.first_layer, "end_layer": self.end_layer, "cover": self.cover}
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self.cancel_scope:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                await nursery.start(self.driver.run)
+                if not self.cover:
+                    nursery.start_soon(self._unload_when_idle)
+                task_status.started()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self.driver.unlink()
+
+    # --- linking ------------------------------------------------------------------------------------------------
+
+    async def link(self, message: dict) -> None:
+        """Join the ring generation ``message["ring_id"]``: new hops, no requests carried over."""
+        self.unlink()
+        self.cover = False
+        self.index, self.num_stages = message["index"], message["num_stages"]
+        self.ring_id, self.hop_in = message["ring_id"], message.get("hop_in")
+        self._links_scope = trio.CancelScope()
+        self.links_nursery = await self.nursery.start(self._hold_links, self._links_scope)
+        out_hop = self._out_hop(message.get("hop_out"))
+        self.driver.relink(self.ring_id, self.index, self.num_stages, out_hop)
+        if self.hop_in:
+            self.links_nursery.start_soon(self.fellow.links.relay_listener, self, self.hop_in)
+
+    def ring_ready(self, ring_id: str) -> None:
+        """Every stage is linked: open the outgoing link now, so the first reply does not wait for it. (Not at link
+        time: the next stage may not know this hop yet, and a refused direct link would leave the hop on the relay.)"""
+        out_hop = self.driver.out_hop
+        if ring_id == self.ring_id and out_hop is not None and self.links_nursery is not None:
+            self.links_nursery.start_soon(_open_quietly, out_hop)
+
+    def unlink(self) -> None:
+        """Leave the current ring: drop every request in flight and close its hops."""
+        self.driver.unlink()
+        if self._links_scope is not None:
+            self._links_scope.cancel()
+            self._links_scope = None
+        if self.hop_in:
+            self.fellow.links.forget_hop(self.hop_in["hop_id"])
+        self.ring_id = self.hop_in = self.links_nursery = None
+
+    async def _hold_links(self, scope: trio.CancelScope, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                task_status.started(nursery)
+                await trio.sleep_forever()
+
+    def _out_hop(self, hop_out: dict | None) -> OutgoingHop | None:
+        if not hop_out:
+            return None
+        fellow = self.fellow
+        hop = OutgoingHop(
+            HopConfig(
+                hop_id=hop_out["hop_id"],
+                peer_public=hop_out["peer_key"],
+                peer_name=hop_out["peer_name"],
+                direct=tuple(hop_out["direct"]) if hop_out.get("direct") else None,
+                transport=hop_out.get("transport", "auto"),
+            ),
+            nursery=self.links_nursery,
+            leader_url=fellow.leader_url,
+            credential=lambda: fellow.credential,
+            local_private=fellow.private,
+            connect_timeout=fellow.settings.direct_connect_timeout_s,
+        )
+
+        async def lost(hop: OutgoingHop) -> None:
+            try:
+                await fellow.send_to_leader({"t": "hop_lost", "model": self.model, "hop_id": hop.config.hop_id,
+                                             "path": hop.path})
+            except SwarmError:
+                pass
+
+        hop.on_lost = lost
+        return hop
+
+    # --- idle unload --------------------------------------------------------------------------------------------
+
+    async def _unload_when_idle(self) -> None:
+        """Free the model once nobody has used it for SWARM_MODEL_IDLE_UNLOAD_S. Every stage sees the ring's work
+        (a later stage gets the hidden states of every chat), so all of a model's stages agree on when it was last
+        used; the leader unloads the other stages as soon as one reports it went."""
+        limit = self.fellow.settings.model_idle_unload_s
+        if limit <= 0:
+            return
+        while True:
+            await trio.sleep(min(IDLE_CHECK_S, limit))
+            if self.driver.busy or trio.current_time() - self.driver.last_used < limit:
+                continue
+            log.info("unloading %s: unused for %.0f s (SWARM_MODEL_IDLE_UNLOAD_S)", self.model, limit)
+            try:
+                await self.fellow.send_to_leader({"t": "unloaded", "model": self.model, "load_id": self.load_id,
+                                                  "reason": "idle"})
+            except SwarmError:
+                pass
+            self.fellow.unload(self.model)  # cancels this task too
+            return
+
+
+async def _open_quietly(hop: OutgoingHop) -> None:
+    try:
+        await hop.ensure_open()
+    except SwarmError as exc:
+        log.info("the link to %s is not open yet (%s); the first request opens it", hop.config.peer_name, exc)

@@ -1,0 +1,360 @@
+"""Building and rebuilding rings: a ring is linked once every stage is loaded, rebuilt when a fellow drops out, and
+adopted when a restarted leader's fellows come back still holding their stages.
+
+Every link is a new generation of the ring (``ring_id``): new hop ids, new relay channels, new Noise sessions, and
+every stage drops what the old ring left behind. The steps when a stage's fellow goes away (its control link closes,
+or goes silent for a few seconds):
+
+  1. the model is ``recovering``; its running requests wait to be sent again, the other stages drop their work;
+  2. the lost stage is loaded on another fellow -- a hot cover when a standby holds one, else a standby, else an
+     idle fellow with the stage's memory free (swarm.leader.failover) -- or the same fellow if it comes back first;
+  3. once every stage is loaded, the ring is linked again and the requests go out again as their prompt plus the
+     tokens they had streamed. New requests wait meanwhile. If no fellow can take the stage within
+     SWARM_SERVE_FAILOVER_WAIT_S, the model is unloaded and the waiting requests get the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+
+import trio
+
+from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
+from swarm.leader.models import ModelServing, StageState, link_message, load_message
+from swarm.leader.placement import StagePlan
+
+log = logging.getLogger(__name__)
+
+HOT_COVER = "hot_cover"  # the store setting the admin page writes (SWARM_SERVE_HOT_COVER=1 turns it on too)
+RETRY_S = 1.0  # how often a stage with no replacement yet looks again (also woken when a fellow joins)
+ADOPT_WAIT_S = 15.0  # after a leader restart, how long fellows have to come back before their stages are re-placed
+
+
+class Recovery:
+    def __init__(self, serving):
+        self.serving = serving
+        self._fleet = trio.Event()  # set whenever a fellow joins: stages waiting for one look again
+
+    def fleet_changed(self) -> None:
+        self._fleet.set()
+        self._fleet = trio.Event()
+
+    # --- events from fellows ------------------------------------------------------------------------------------
+
+    def on_stage_event(self, conn, message: dict) -> None:
+        model = self.serving.models.get(message.get("model"))
+        if model is None:
+            return
+        kind = message["t"]
+        if kind in ("linked", "link_failed"):
+            self._on_link_event(model, conn, message)
+            return
+        if model.load_id != message.get("load_id"):
+            return
+        slot = model.slot_of(conn.id)
+        cover = next((s for s in model.stages if s.cover == conn.id), None)
+        if slot is None and cover is not None:
+            self._on_cover_event(model, cover, conn, kind)
+            return
+        if slot is None:
+            return
+        if kind == "load_progress":
+            slot.phase, slot.fraction = message["phase"], float(message["fraction"])
+        elif kind == "loaded":
+            slot.phase, slot.fraction, slot.ready, slot.error = "ready", 1.0, True, None
+            self._link_when_loaded(model)
+        elif kind == "load_failed":
+            self._on_load_failed(model, slot, conn, message.get("message"))
+        model.notify()
+
+    def _on_load_failed(self, model: ModelServing, slot: StageState, conn, text: str | None) -> None:
+        slot.error = text
+        log.warning("loading %s failed: %s", model.name, text)
+        if model.status == "loading":
+            model.status, model.error = "failed", text
+            self.serving.book.end_model(model.name, f"loading {model.name} failed: {text}")
+        else:  # a replacement failed to load: try another fellow
+            slot.failed_on.add(conn.id)
+            self.serving._start(self._replace, model, slot.plan.index)
+
+    def _on_cover_event(self, model: ModelServing, slot: StageState, conn, kind: str) -> None:
+        if kind == "loaded":
+            slot.cover_ready = True
+            log.info("%s holds a hot cover of stage %d of %s", conn.name, slot.plan.index, model.name)
+        elif kind == "load_failed":
+            slot.cover, slot.cover_ready = None, False
+
+    def _on_link_event(self, model: ModelServing, conn, message: dict) -> None:
+        if message.get("ring_id") != model.ring_id:
+            return  # an older generation's answer
+        slot = model.slot_of(conn.id)
+        if slot is None:
+            return
+        if message["t"] == "link_failed":
+            log.warning("linking %s failed: %s", model.name, message.get("message"))
+            slot.ready = False
+            self.serving._start(self._replace, model, slot.plan.index)
+            return
+        slot.linked = True
+        if all(s.linked for s in model.stages) and model.status in ("loading", "recovering"):
+            was = model.status
+            model.status, model.error, model.recovering_since = "ready", None, None
+            log.info("model %s is %s over %d stages", model.name, "ready" if was == "loading" else "back",
+                     len(model.stages))
+            model.notify()
+            self.serving._start(self._ready, model)
+
+    async def _ready(self, model: ModelServing) -> None:
+        for slot in model.stages:
+            conn = self.serving.hub.online.get(slot.plan.fellow_id)
+            if conn is not None:
+                conn.post({"t": "ring_ready", "model": model.name, "ring_id": model.ring_id})
+        self.serving.resume(model.name)
+        plans = [_plan_to_dict(s.plan) for s in model.stages]
+        await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
+        if len(model.stages) > 1 and self.serving.direct_links is not None:
+            await self.serving.direct_links.start(model)
+        await self._cover(model)
+
+    # --- linking ------------------------------------------------------------------------------------------------
+
+    def _link_when_loaded(self, model: ModelServing) -> None:
+        if all(s.ready for s in model.stages) and model.status in ("loading", "recovering"):
+            self.link(model)
+
+    def link(self, model: ModelServing) -> None:
+        """Start a new generation of ``model``'s ring over the fellows that hold its stages now."""
+        serving = self.serving
+        self.close_ring(model)
+        n = len(model.stages)
+        model.ring_id = "g" + secrets.token_hex(6)
+        model.hop_ids = ["h" + secrets.token_hex(8) for _ in range(n)] if n > 1 else []
+        for i, hop_id in enumerate(model.hop_ids):
+            serving.relay.open_channel(hop_id, model.stages[i].plan.fellow_id, model.stages[(i + 1) % n].plan.fellow_id)
+        for i, slot in enumerate(model.stages):
+            slot.linked = False
+            conn = serving.hub.online.get(slot.plan.fellow_id)
+            if conn is not None:
+                conn.post(link_message(model, i, serving.hub.online, serving.settings.pipeline_transport))
+
+    def close_ring(self, model: ModelServing) -> None:
+        for hop_id in model.hop_ids:
+            self.serving.relay.close_channel(hop_id)
+            self.serving.hop_stats.pop(hop_id, None)
+        model.hop_ids = []
+
+    # --- a fellow goes --------------------------------------------------------------------------------------------
+
+    def fellow_lost(self, conn) -> None:
+        for model in list(self.serving.models.values()):
+            for slot in model.stages:
+                if slot.cover == conn.id:
+                    slot.cover, slot.cover_ready = None, False
+            slot = model.slot_of(conn.id)
+            if slot is not None:
+                self._slot_lost(model, slot, f"stage {slot.plan.index} of {model.name} on {conn.name} went away")
+
+    def _slot_lost(self, model: ModelServing, slot: StageState, why: str) -> None:
+        log.warning("%s; recovering", why)
+        slot.ready = slot.linked = False
+        slot.phase, slot.fraction = "queued", 0.0
+        if model.status in ("ready", "recovering"):
+            self._begin_recovery(model)
+        self.serving._start(self._replace, model, slot.plan.index)
+        model.notify()
+
+    def _begin_recovery(self, model: ModelServing) -> None:
+        serving = self.serving
+        if model.status != "recovering":
+            model.status = "recovering"
+            model.error = None
+            model.recovering_since = trio.current_time()
+        serving._perform(serving.book.interrupt(model.name))
+        model.ring_id = None
+        self.close_ring(model)
+        for slot in model.stages:  # the stages still there drop their work until the ring is linked again
+            conn = serving.hub.online.get(slot.plan.fellow_id)
+            if conn is not None and slot.ready:
+                conn.post({"t": "unlink", "model": model.name})
+
+    async def _replace(self, model: ModelServing, index: int) -> None:
+        """Find a fellow for stage ``index`` of ``model`` and load it there; give up after the failover wait."""
+        serving = self.serving
+        started = model.recovering_since if model.recovering_since is not None else trio.current_time()
+        deadline = started + serving.settings.serve_failover_wait_s
+        while serving.models.get(model.name) is model and model.status in ("recovering", "loading"):
+            slot = model.stages[index]
+            if slot.ready or serving.hub.online.get(slot.plan.fellow_id) is not None and slot.phase != "queued":
+                return  # it came back, or a load is under way
+            if self._take_over(model, slot):
+                return
+            if trio.current_time() >= deadline:
+                why = why_no_replacement(slot.plan, self.candidates(model, index), slot.failed_on)
+                await self._give_up(model, why)
+                return
+            fleet = self._fleet
+            with trio.move_on_after(min(RETRY_S, max(0.0, deadline - trio.current_time()))):
+                await fleet.wait()
+
+    def _take_over(self, model: ModelServing, slot: StageState) -> bool:
+        """Put stage ``slot`` on a hot cover or a new fellow; False when none can take it now."""
+        serving = self.serving
+        index = slot.plan.index
+        if slot.cover is not None and slot.cover_ready and serving.hub.online.get(slot.cover) is not None:
+            conn = serving.hub.online[slot.cover]
+            log.info("stage %d of %s moves to its hot cover on %s", index, model.name, conn.name)
+            slot.plan = _moved(slot.plan, conn)
+            slot.cover, slot.cover_ready, slot.ready, slot.phase = None, False, True, "ready"
+            self._link_when_loaded(model)
+            model.notify()
+            return True
+        # the lost fellow itself, back without its stage (restarted), may load it again
+        back = serving.hub.online.get(slot.plan.fellow_id)
+        choice = choose_replacement(slot.plan, self.candidates(model, index), slot.failed_on)
+        target = back if back is not None and slot.plan.fellow_id not in slot.failed_on else \
+            (serving.hub.online.get(choice.fellow_id) if choice is not None else None)
+        if target is None:
+            return False
+        log.info("stage %d of %s goes to %s", index, model.name, target.name)
+        slot.plan = _moved(slot.plan, target)
+        slot.ready, slot.phase, slot.fraction, slot.error = False, "queued", 0.0, None
+        target.post(load_message(model, index))
+        model.notify()
+        return True
+
+    async def _give_up(self, model: ModelServing, why: str) -> None:
+        wait = self.serving.settings.serve_failover_wait_s
+        text = (f"model {model.name} lost a stage and no fellow could take it over within {wait:.0f} s "
+                f"(SWARM_SERVE_FAILOVER_WAIT_S): {why}. Start or free a fellow, then load the model again.")
+        log.warning("%s", text)
+        await self.serving.unload(model.name, reason=text)
+
+    def candidates(self, model: ModelServing, index: int | None = None) -> list[Candidate]:
+        """Every online fellow as a candidate to take a stage of ``model`` (``index``: the stage to replace)."""
+        serving = self.serving
+        out = []
+        for conn in serving.hub.online.values():
+            serves = any(s.plan.fellow_id == conn.id and not (m is model and s.plan.index == index)
+                         for m in serving.models.values() for s in m.stages)
+            covering = any(s.cover == conn.id for m in serving.models.values() for s in m.stages)
+            out.append(Candidate(conn.id, conn.name, conn.hardware.serving_free_bytes(serving.settings.device),
+                                 conn.standby, serves, covering))
+        return out
+
+    # --- hot cover ----------------------------------------------------------------------------------------------
+
+    async def cover_all(self) -> None:
+        """Hot cover was just turned on: cover the models already serving."""
+        for model in list(self.serving.models.values()):
+            await self._cover(model)
+
+    async def _cover(self, model: ModelServing) -> None:
+        """Keep a loaded copy of one stage on a standby, when hot cover is on: a failover is then a rewire."""
+        serving = self.serving
+        enabled = serving.settings.serve_hot_cover or bool(
+            await trio.to_thread.run_sync(serving.store.get_setting, HOT_COVER, False))
+        if not enabled or model.status != "ready" or any(s.cover is not None for s in model.stages):
+            return
+        choice = choose_cover([s.plan for s in model.stages], self.candidates(model), set())
+        if choice is None:
+            return
+        index, standby = choice
+        conn = serving.hub.online.get(standby.fellow_id)
+        if conn is None:
+            return
+        slot = model.stages[index]
+        slot.cover, slot.cover_ready = conn.id, False
+        log.info("%s loads a hot cover of stage %d of %s", conn.name, index, model.name)
+        conn.post(load_message(model, index, cover=True))
+
+    # --- adoption -----------------------------------------------------------------------------------------------
+
+    def keeps(self, conn, stages: list) -> list[str]:
+        """The models whose stage (or hot cover) a rejoining fellow keeps: what it holds of the current loads."""
+        keep = []
+        for summary in stages:
+            if not isinstance(summary, dict):
+                continue
+            model = self.serving.models.get(summary.get("model"))
+            index = summary.get("index")
+            if model is None or model.load_id != summary.get("load_id") or not isinstance(index, int) \
+                    or not 0 <= index < len(model.stages):
+                continue
+            slot = model.stages[index]
+            if (slot.plan.fellow_id == conn.id and not summary.get("cover")) or \
+                    (summary.get("cover") and slot.cover in (None, conn.id)):
+                keep.append(model.name)
+        return keep
+
+    def adopt(self, conn, stages: list) -> list[str]:
+        """A fellow that rejoins still holding stages of models the leader serves keeps them: no reload. A stage the
+        leader counted on it that it no longer holds (the fellow restarted) is lost, and fails over. Called once the
+        fellow has its welcome: what this sends it (unlink, link) must come after."""
+        adopted = self._claim(conn, stages)
+        for model in list(self.serving.models.values()):
+            slot = model.slot_of(conn.id)
+            if slot is not None and slot.ready and model.name not in adopted:
+                self._slot_lost(model, slot, f"{conn.name} came back without stage {slot.plan.index} of {model.name}")
+        return adopted
+
+    def _claim(self, conn, stages: list) -> list[str]:
+        adopted = []
+        for summary in stages:
+            if not isinstance(summary, dict):
+                continue
+            model = self.serving.models.get(summary.get("model"))
+            if model is None or model.load_id != summary.get("load_id"):
+                continue
+            index = summary.get("index")
+            slot = model.stages[index] if isinstance(index, int) and 0 <= index < len(model.stages) else None
+            if slot is None:
+                continue
+            if summary.get("cover") and slot.cover in (None, conn.id) and slot.plan.fellow_id != conn.id:
+                slot.cover, slot.cover_ready = conn.id, True
+                adopted.append(model.name)
+            elif slot.plan.fellow_id == conn.id and not summary.get("cover"):
+                log.info("%s rejoined holding stage %d of %s: adopted", conn.name, index, model.name)
+                slot.ready, slot.phase, slot.fraction = True, "ready", 1.0
+                adopted.append(model.name)
+                if model.status == "ready":  # it was not noticed gone: the ring is rebuilt over its new link
+                    self._begin_recovery(model)
+                self._link_when_loaded(model)
+                model.notify()
+        return adopted
+
+    async def restore(self) -> None:
+        """After a leader restart: the models that were serving come back as recovering, waiting for their fellows."""
+        serving = self.serving
+        records = await trio.to_thread.run_sync(serving.store.list_serving)
+        for name, load_id, plans in records:
+            try:
+                manifest = await serving.manifest(name)
+                config = await trio.to_thread.run_sync(
+                    lambda: json.loads((serving.models_root / name / "config.json").read_text()))
+                stages = [StageState(StagePlan(**p)) for p in plans]
+            except Exception as exc:
+                log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
+                await trio.to_thread.run_sync(serving.store.delete_serving, name)
+                continue
+            model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
+                                 recovering_since=trio.current_time())
+            serving.models[name] = model
+            log.info("%s was serving before the restart: waiting for its fellows", name)
+            serving._start(self._adopt_or_replace, model)
+
+    async def _adopt_or_replace(self, model: ModelServing) -> None:
+        await trio.sleep(ADOPT_WAIT_S)
+        for slot in model.stages:
+            if not slot.ready and self.serving.models.get(model.name) is model:
+                self.serving._start(self._replace, model, slot.plan.index)
+
+
+def _moved(plan: StagePlan, conn) -> StagePlan:
+    return dataclasses.replace(plan, fellow_id=conn.id, fellow_name=conn.name)
+
+
+def _plan_to_dict(plan: StagePlan) -> dict:
+    return dataclasses.asdict(plan)

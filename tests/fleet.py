@@ -1,0 +1,116 @@
+"""Fellows as real `swarm join` processes, for tests that kill, freeze or restart them (kill -9, SIGSTOP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+class FellowProcess:
+    def __init__(self, url: str, join_token: str, data_dir: Path, name: str, *, standby: bool = False,
+                 env: dict | None = None):
+        self.url, self.join_token, self.data_dir, self.name = url, join_token, data_dir, name
+        self.standby = standby
+        self.env = {**os.environ, "SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "OMP_NUM_THREADS": "1",
+                    **(env or {})}
+        self.log_path = data_dir.parent / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> FellowProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "swarm", "join", self.url, "--token", self.join_token, "--name", self.name,
+                "--data-dir", str(self.data_dir)]
+        if self.standby:
+            args.append("--standby")
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        return self
+
+    def kill(self) -> None:
+        """kill -9: no goodbye on any socket."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP: the process and its sockets go silent without closing (a power cut, a laptop lid shut)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def logs(fellows: list[FellowProcess], lines: int = 40) -> str:
+    return "\n".join(f"--- {f.name} ---\n{f.log(lines)}" for f in fellows)
+
+
+class LeaderProcess:
+    """`swarm leader` as a real process: its first-start secrets come from what it prints."""
+
+    def __init__(self, data_dir: Path, port: int, env: dict | None = None):
+        self.data_dir, self.port = data_dir, port
+        self.env = {**os.environ, **(env or {})}
+        self.out_path = data_dir.parent / "leader.out"
+        self.log_path = data_dir.parent / "leader.log"
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> LeaderProcess:
+        with open(self.out_path, "ab") as out, open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "swarm", "leader", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--data-dir", str(self.data_dir)], stdout=out, stderr=log, env=self.env, start_new_session=True)
+        return self
+
+    def printed(self, prefix: str) -> str | None:
+        for line in self.out_path.read_text().splitlines() if self.out_path.exists() else []:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        return None
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
