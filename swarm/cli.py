@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 from pathlib import Path
 
 from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
+
+
+# What a fellow's OpenMP threads do between passes (see bench/RESULTS.md, many chats).
+FELLOW_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _leader_options(p: argparse.ArgumentParser) -> None:
@@ -45,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model-load", help="load a model over the fellows")
     p.add_argument("model")
     p.add_argument("--num-stages", type=int)
+    p.add_argument("--fellow-id", type=int, help="serve on this one fellow (with --num-stages 1)")
     p.add_argument("--no-wait", action="store_true", help="return once the load has started")
     _leader_options(p)
 
@@ -94,6 +100,10 @@ def _dispatch(args) -> int | None:
 
         run_leader(args.host, args.port, args.data_dir or settings.data_dir or default_data_dir("leader"), settings)
     elif args.command == "join":
+        # Before torch loads: OpenMP threads that spin while idle take the cores from another fellow on the same
+        # machine (bench/many_chats.py measures it); a user's own setting wins.
+        for name, value in FELLOW_THREAD_ENV.items():
+            os.environ.setdefault(name, value)
         from swarm.fellow import run_fellow
 
         run_fellow(args.url, args.token, args.data_dir or settings.data_dir or default_data_dir("fellow"), args.name,
@@ -117,6 +127,8 @@ def _dispatch(args) -> int | None:
             print(f"Unloaded {args.model}")
         else:
             body = {"num_stages": args.num_stages} if args.num_stages else {}
+            if args.fellow_id:
+                body = {"num_stages": args.num_stages or 1, "fellow_id": args.fellow_id}
             client.post(f"/api/v1/models/{args.model}/load", body)
             if not args.no_wait:
                 view = client.wait_ready(args.model, show_progress=True)

@@ -36,6 +36,8 @@ class Settings:
     model_idle_unload_s: float = 900.0  # SWARM_MODEL_IDLE_UNLOAD_S (0 keeps a model loaded)
     heartbeat_s: float = 5.0  # SWARM_HEARTBEAT_S: fellow -> leader hardware report period
     device: str = "auto"  # SWARM_DEVICE: auto, cpu, cuda, cuda:N
+    serve_max_batch: int = 16  # SWARM_SERVE_MAX_BATCH: requests one pass of a stage takes at most (1: no batching)
+    threads: int = 0  # SWARM_THREADS: torch threads of a fellow (0: torch's choice, the machine's cores)
 
     # --- serving (leader side) ---
     pipeline_transport: str = "auto"  # SWARM_PIPELINE_TRANSPORT: auto (direct, relay on failure), direct, relay
@@ -74,6 +76,8 @@ class Settings:
             raise ConfigError(f"SWARM_SERVE_PORT is {self.serve_port}; use a port number from 0 to 65535.")
         if self.serve_prefill_chunk < 1:
             raise ConfigError("SWARM_SERVE_PREFILL_CHUNK must be at least 1 token.")
+        if self.serve_max_batch < 1:
+            raise ConfigError("SWARM_SERVE_MAX_BATCH must be at least 1 request.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -56,3 +56,27 @@ def test_place_picks_the_roomiest_fellows():
     fellows = [FellowCapacity(i, f"f{i}", free) for i, free in enumerate([1 * GB, 9 * GB, 5 * GB])]
     plans = place(size(), fellows, 2, 1024)
     assert {p.fellow_name for p in plans} == {"f1", "f2"}
+
+
+def test_one_fellow_needs_the_weights_plus_a_gigabyte_and_names_each_fellows_room():
+    from swarm.leader.placement import ONE_FELLOW_HEADROOM
+
+    model = size(per_layer=100_000_000)
+    weights = sum(model.layer_bytes) + model.embed_bytes + model.final_bytes
+    need = weights + ONE_FELLOW_HEADROOM
+    fellows = [FellowCapacity(1, "fxserver", int(1.2 * GB)), FellowCapacity(2, "fxserver96", int(2.3 * GB)),
+               FellowCapacity(3, "big", need)]
+    (plan,) = place(model, fellows, 1, 4096)
+    assert (plan.fellow_name, plan.first_layer, plan.end_layer) == ("big", 0, len(model.layer_bytes))
+    (plan,) = place(model, fellows, 1, 4096, fellow_id=3)
+    assert plan.fellow_id == 3
+    with pytest.raises(PlacementError) as refused:
+        place(model, fellows[:2], 1, 4096)
+    assert str(refused.value).startswith(f"The model needs {need / GB:.1f} GB free on one fellow: fxserver has 1.2 GB "
+                                         "free; fxserver96 has 2.3 GB free.")
+    with pytest.raises(PlacementError, match="fxserver has 1.2 GB free"):
+        place(model, fellows, 1, 4096, fellow_id=1)
+    with pytest.raises(PlacementError, match="not online"):
+        place(model, fellows, 1, 4096, fellow_id=9)
+    with pytest.raises(PlacementError, match="--num-stages 1"):
+        place(model, fellows, 2, 4096, fellow_id=1)

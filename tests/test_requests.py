@@ -6,7 +6,18 @@ import trio
 import trio.testing
 
 from swarm import messages
+from swarm.leader.admission import Budget
 from swarm.leader.requests import NotLoaded, Reader, Request, RequestBook, ToStage0
+
+ROOMY = Budget(max_requests=16, tokens=100_000)
+
+
+def ready_book(**kwargs) -> RequestBook:
+    """A book whose models' rings are whole, with room for plenty."""
+    book = RequestBook(**kwargs)
+    book.resume("m", ROOMY)
+    book.resume("other", ROOMY)
+    return book
 
 
 def new_request(model="m", prompt=(1, 2, 3)) -> Request:
@@ -18,7 +29,7 @@ def tokens(rid, ids, done=False, finish=None, model="m"):
 
 
 def test_submit_stream_and_finish():
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     (action,) = book.submit(request)
     assert action == ToStage0("m", request.generate_message())
@@ -30,7 +41,7 @@ def test_submit_stream_and_finish():
 
 
 def test_a_failed_attempt_is_sent_again_with_its_streamed_prefix_then_gives_up():
-    book = RequestBook(max_resends=2)
+    book = ready_book(max_resends=2)
     request = new_request()
     book.submit(request)
     stable_id = request.id
@@ -54,7 +65,7 @@ def test_a_failed_attempt_is_sent_again_with_its_streamed_prefix_then_gives_up()
 
 
 def test_an_attempt_cut_off_after_its_last_token_just_ends():
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     request.max_tokens = 2
     book.submit(request)
@@ -64,19 +75,19 @@ def test_an_attempt_cut_off_after_its_last_token_just_ends():
 
 
 def test_not_loaded_on_a_fellow_reloads_and_the_request_waits():
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.submit(request)
     book.on_tokens(tokens(request.rid, [5]))
     actions = book.on_failed(messages.Failed("m", request.rid, "model m is not loaded on f1", not_loaded=True))
     assert NotLoaded("m", "model m is not loaded on f1") in actions
     assert request.state == "waiting" and not request.ended and book.waiting["m"] == [request]
-    (resend,) = book.resume("m")
+    (resend,) = book.resume("m", ROOMY)
     assert resend.message.prompt == [1, 2, 3, 5] and resend.message.drawn == 1
 
 
 def test_a_broken_path_sends_every_request_on_it_again_from_where_it_stands():
-    book = RequestBook()
+    book = ready_book()
     fresh, streaming, elsewhere = new_request(), new_request(), new_request(model="other")
     for r in (fresh, streaming, elsewhere):
         book.submit(r)
@@ -90,18 +101,18 @@ def test_a_broken_path_sends_every_request_on_it_again_from_where_it_stands():
 
 
 def test_a_rebuilt_ring_holds_requests_then_sends_them_again_in_order():
-    book = RequestBook()
+    book = ready_book()
     a, b = new_request(), new_request()
     book.submit(a)
     book.on_tokens(tokens(a.rid, [9]))
-    book.hold(b)  # arrived while the model was recovering
     old_a = a.rid
     cancels = book.interrupt("m")
     assert cancels == [ToStage0("m", messages.Cancel("m", old_a))]
+    assert book.submit(b) == []  # arrived while the model was recovering: it waits
     assert a.state == b.state == "waiting" and book.by_rid == {}
     book.on_tokens(tokens(old_a, [77]))  # what the old ring still sends is ignored
     assert a.tokens == [9]
-    first, second = book.resume("m")
+    first, second = book.resume("m", ROOMY)
     assert first.message.prompt == [1, 2, 3, 9] and first.message.max_tokens == 9
     assert second.message.prompt == [1, 2, 3] and b.attempts == 1
     book.end_model("m", "gone")
@@ -111,15 +122,15 @@ def test_a_rebuilt_ring_holds_requests_then_sends_them_again_in_order():
 def test_a_waiting_request_can_be_cancelled():
     book = RequestBook()
     request = new_request()
-    book.hold(request)
+    book.submit(request)
     assert book.find(request.id) is request
     assert book.cancel(request) == []  # nothing on the ring to cancel
     assert request.finish_reason == "cancelled" and book.waiting["m"] == []
-    assert book.resume("m") == []
+    assert book.resume("m", ROOMY) == []
 
 
 def test_cancel_and_what_arrives_after_it():
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.submit(request)
     assert book.cancel(request) == [ToStage0("m", messages.Cancel("m", request.rid))]
@@ -130,7 +141,7 @@ def test_cancel_and_what_arrives_after_it():
 
 
 def test_a_fellow_cannot_feed_another_models_request():
-    book = RequestBook()
+    book = ready_book()
     request = new_request(model="m")
     book.submit(request)
     book.on_tokens(tokens(request.rid, [66], model="other"))
@@ -139,7 +150,7 @@ def test_a_fellow_cannot_feed_another_models_request():
 
 
 async def test_readers_never_hold_up_the_producer_and_see_every_token():
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.submit(request)
     for i in range(500):  # nobody reads meanwhile: nothing blocks, nothing is lost
@@ -151,7 +162,7 @@ async def test_readers_never_hold_up_the_producer_and_see_every_token():
 
 
 async def test_a_reader_wakes_on_each_batch_then_on_the_end():
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.submit(request)
     reader = Reader(request)
@@ -174,7 +185,7 @@ async def test_a_reader_wakes_on_each_batch_then_on_the_end():
 
 
 async def test_a_silent_ring_is_reported_after_the_stall_time(autojump_clock):
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.submit(request)
     started = trio.current_time()
@@ -185,14 +196,14 @@ async def test_a_silent_ring_is_reported_after_the_stall_time(autojump_clock):
 
 async def test_a_waiting_request_does_not_stall_out(autojump_clock):
     """While its model recovers a request waits as long as recovery takes; the stall time is for running ones."""
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.hold(request)
     reader = Reader(request)
 
     async def later():
         await trio.sleep(500)
-        book.resume("m")
+        book.resume("m", ROOMY)
         book.on_tokens(tokens(request.rid, [1], done=True, finish="stop"))
 
     async with trio.open_nursery() as nursery:
@@ -201,8 +212,53 @@ async def test_a_waiting_request_does_not_stall_out(autojump_clock):
 
 
 async def test_a_request_waits_for_its_model_only_so_long(autojump_clock):
-    book = RequestBook()
+    book = ready_book()
     request = new_request()
     book.hold(request)
     kind, text = await Reader(request, stall_s=120, wait_s=900).next()
     assert kind == "error" and "not ready within 900 s" in text and "SWARM_SERVE_QUEUE_TIMEOUT_S" in text
+
+
+
+def generates(actions) -> list[str]:
+    return [a.message.rid for a in actions if isinstance(a, ToStage0) and isinstance(a.message, messages.Generate)]
+
+
+def test_no_more_requests_run_than_the_budget_holds_and_the_rest_wait_in_order():
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=2, tokens=100_000))
+    reqs = [new_request() for _ in range(4)]
+    started = [generates(book.submit(r)) for r in reqs]
+    assert started == [[reqs[0].rid], [reqs[1].rid], [], []]
+    assert [r.state for r in reqs] == ["running", "running", "waiting", "waiting"]
+    # the first ends: the next in line starts, not the last
+    assert generates(book.on_tokens(tokens(reqs[0].rid, [5], done=True, finish="stop"))) == [reqs[2].rid]
+    assert generates(book.cancel(reqs[1])) == [reqs[3].rid]
+
+
+def test_the_token_budget_holds_a_long_conversation_back_until_it_fits_and_nobody_passes_it():
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=8, tokens=100))
+    short = Request(model="m", prompt=[1] * 10, max_tokens=20, sampling=messages.Sampling(), eos=[])  # needs 30
+    long = Request(model="m", prompt=[1] * 50, max_tokens=40, sampling=messages.Sampling(), eos=[])  # needs 90
+    later = Request(model="m", prompt=[1] * 5, max_tokens=5, sampling=messages.Sampling(), eos=[])  # needs 10
+    assert generates(book.submit(short)) == [short.rid]
+    assert book.submit(long) == []  # 30 + 90 > 100: it waits
+    assert book.submit(later) == []  # would fit, but it came after the long one: first come, first served
+    assert generates(book.on_tokens(tokens(short.rid, [2], done=True, finish="stop"))) == [long.rid, later.rid]
+
+
+def test_the_admission_budget_follows_the_placement():
+    from swarm.leader.admission import budget
+    from swarm.leader.placement import GB, OVERHEAD_BYTES, StagePlan
+
+    kv = 100_000  # bytes per token per layer
+    plans = [StagePlan(0, 1, "a", 0, 10, 2 * GB, 0), StagePlan(1, 2, "b", 10, 20, 2 * GB, 0)]
+    roomy = {1: 2 * GB + OVERHEAD_BYTES + 10 * kv * 40_000, 2: 2 * GB + OVERHEAD_BYTES + 10 * kv * 50_000}
+    b = budget(plans, roomy, kv, typical_tokens=1024, context_tokens=4096)
+    assert b.tokens == 40_000 and b.max_requests == 8  # four per stage, and the caches hold 39 typical chats
+    tight = {1: 2 * GB + OVERHEAD_BYTES + 10 * kv * 5_000, 2: roomy[2]}
+    b = budget(plans, tight, kv, typical_tokens=1024, context_tokens=4096)
+    assert b.tokens == 5_000 and b.max_requests == 4  # lowered to what fits, not refused
+    b = budget(plans, {1: 0, 2: 0}, kv, typical_tokens=1024, context_tokens=4096)
+    assert b.tokens == 4096 and b.max_requests == 4  # placement guaranteed one full context

@@ -228,3 +228,38 @@ def test_rollback_past_a_full_sliding_window_is_refused_and_harmless(tiny_model_
     assert stage.cached_length("r") == 21
     stage.rollback("r", 0)  # starting over is always possible
     assert stage.cached_length("r") == 0
+
+
+def test_layers_spread_over_the_cards_of_one_pc():
+    from swarm.stage.devices import layer_devices
+
+    GB = 10**9
+    eight = [GB] * 8
+    assert layer_devices(eight, [("cuda:0", 24 * GB), ("cuda:1", 24 * GB)]) == ["cuda:0"] * 8  # one card holds it
+    # two 6 GB cards hold 8 GB of layers together, each a contiguous run; the head rides with the last layer
+    spread = layer_devices(eight, [("cuda:0", 6 * GB), ("cuda:1", 6 * GB)], first_extra=GB // 2, last_extra=GB // 2)
+    assert spread == ["cuda:0"] * 4 + ["cuda:1"] * 4
+    with pytest.raises(ModelError, match="cannot hold it"):
+        layer_devices(eight, [("cuda:0", 4 * GB), ("cuda:1", 4 * GB)])
+
+
+def test_a_stage_with_a_device_map_computes_what_the_plain_stage_does(tiny_model_dirs):
+    """On this machine every "card" is the CPU: the map's bookkeeping (per-layer moves, the head with the last layer)
+    runs, and must not change a single value."""
+    from swarm.stage.ragged import forward_batch
+
+    model_dir = tiny_model_dirs["qwen3"]
+    spec = StageSpec(0, 5, is_first=True, is_last=True)
+    plain = StageModel.load_dir(model_dir, spec)
+    config = json.loads((model_dir / "config.json").read_text())
+    files = {rel: model_dir / rel for rel in spec.files(False)}
+    mapped = StageModel.load(config, files, spec, layer_devices=["cpu", "cpu", "cpu:0", "cpu:0", "cpu:0"])
+    assert [str(d) for d in mapped.layer_devices] == ["cpu", "cpu", "cpu:0", "cpu:0", "cpu:0"]
+    for stage in (plain, mapped):
+        stage.new_request("a")
+        stage.new_request("b")
+    ids = torch.tensor([PROMPTS[2]])
+    assert torch.equal(plain.forward("a", 0, input_ids=ids), mapped.forward("a", 0, input_ids=ids))
+    items = [("b", 0, torch.tensor([PROMPTS[0]]), True), ("a", ids.shape[1], torch.tensor([[7]]), True)]
+    for want, got in zip(forward_batch(plain, items), forward_batch(mapped, items)):
+        assert torch.equal(want, got)

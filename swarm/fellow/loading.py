@@ -117,8 +117,10 @@ class StageLoader:
         # On CPU compute in float32; on a GPU in the checkpoint's half precision (DESIGN.md, The ring).
         dtype = torch.float32 if device == "cpu" else getattr(torch, message.get("gpu_dtype") or "float16")
         await progress.report("load", 0.0)
+        layer_devices = _spread_over_cards(message, spec, device, dtype)
         stage_model = await trio.to_thread.run_sync(
-            lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device)
+            lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
+                                    layer_devices=layer_devices)
         )
         await trio.to_thread.run_sync(stage_model.warm_up)
         await progress.report("load", 1.0)
@@ -142,6 +144,28 @@ class StageLoader:
                 del fellow.stages[stage.model]
         del stage
         _free_memory()
+
+
+def _spread_over_cards(message: dict, spec, device: str, dtype) -> list[str] | None:
+    """On a PC with several GPUs and SWARM_DEVICE=auto/cuda, the cards that together hold the stage (None: one)."""
+    if device != "cuda":
+        return None
+    from swarm.fellow.hardware import nvidia_gpus
+    from swarm.model_format import EMBED_FILE, FINAL_FILE, dtype_bytes, layer_file
+    from swarm.stage.devices import layer_devices
+
+    gpus = nvidia_gpus()
+    if len(gpus) < 2:
+        return None
+    scale = dtype.itemsize / dtype_bytes(message.get("stored_dtype") or "float32")  # file bytes -> memory bytes
+    sizes = {f["path"]: f["size"] * scale for f in message["files"]}
+
+    layers = [int(sizes.get(layer_file(i), 0)) for i in range(spec.first_layer, spec.end_layer)]
+    first = int(sizes.get(EMBED_FILE, 0)) if spec.is_first else 0
+    last = int(sizes.get(FINAL_FILE, 0)) if spec.is_last else 0
+    cards = sorted(((f"cuda:{g.index}", g.free_bytes) for g in gpus), key=lambda c: -c[1])
+    devices = layer_devices(layers, cards, first, last)
+    return devices if len(set(devices)) > 1 else None
 
 
 def _free_memory() -> None:

@@ -111,6 +111,10 @@ class Fellow:
 def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None,
                standby: bool = False) -> None:
     settings = Settings.from_env()
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token,
                     standby=standby)
     print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)

@@ -32,10 +32,11 @@ INBOX_SIZE = 10_000
 
 class StageDriver:
     def __init__(self, *, model: str, stage_model, send_to_leader: Callable[[Any], Awaitable[None]],
-                 prefill_chunk: int):
+                 prefill_chunk: int, max_batch: int = 16):
         self.model = model
         self.stage_model = stage_model
         self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch
         self.protocol: StageProtocol | None = None  # None until the stage is linked into a ring
         self.out_hop: OutgoingHop | None = None
         self.ring_id: str | None = None
@@ -61,7 +62,7 @@ class StageDriver:
     def relink(self, ring_id: str, index: int, num_stages: int, out_hop: OutgoingHop | None) -> None:
         self.unlink()
         self.protocol = StageProtocol(model=self.model, index=index, num_stages=num_stages,
-                                      prefill_chunk=self.prefill_chunk)
+                                      prefill_chunk=self.prefill_chunk, max_batch=self.max_batch)
         self.out_hop, self.ring_id = out_hop, ring_id
         self.last_used = trio.current_time()
 

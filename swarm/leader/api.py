@@ -166,10 +166,13 @@ class ApiRoutes:
         name = request.path_params["model_id"]
         await self._model_row(name)
         body = await self._json(request) if await request.body() else {}
-        num_stages = body.get("num_stages")
-        if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
-            raise BadRequest("num_stages must be a positive integer.", "invalid_num_stages")
-        serving = await self.leader.serving.load(name, num_stages)
+        num_stages, fellow_id = body.get("num_stages"), body.get("fellow_id")
+        for key, value in (("num_stages", num_stages), ("fellow_id", fellow_id)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise BadRequest(f"{key} must be a positive integer.", f"invalid_{key}")
+        if fellow_id is not None and num_stages is None:
+            num_stages = 1
+        serving = await self.leader.serving.load(name, num_stages, fellow_id)
         if serving.status == "failed":
             raise PlacementError(serving.error or "the load failed")
         return JSONResponse(self._model_view(await self._model_row(name)), status_code=202)

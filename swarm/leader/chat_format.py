@@ -5,6 +5,7 @@ Tokenisation happens on the leader; fellows see token ids only.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -18,12 +19,36 @@ QWEN_NON_THINKING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0
 OTHER = {"temperature": 0.7, "top_p": 0.95, "top_k": 0, "min_p": 0.0}
 
 
-def sampling_defaults(architecture: str, thinking: bool) -> dict:
+def sampling_defaults(architecture: str, thinking: bool, name: str = "", generation_top_k: int | None = None) -> dict:
+    """What a request leaves unset, per the user's manual's table. Qwen3's Instruct-2507 and Coder models, which do
+    not think, get the thinking-off row; ``generation_top_k`` (a model served on one fellow keeps its own
+    generation_config's top_k) fills the other models' top_k."""
+    lowered = name.lower()
     if architecture == "qwen3":
-        return dict(QWEN3_THINKING if thinking else QWEN_NON_THINKING)
+        non_thinking = "2507" in lowered and "instruct" in lowered or "coder" in lowered
+        return dict(QWEN3_THINKING if thinking and not non_thinking else QWEN_NON_THINKING)
     if architecture == "qwen2":
         return dict(QWEN_NON_THINKING)
-    return dict(OTHER)
+    out = dict(OTHER)
+    if generation_top_k:
+        out["top_k"] = int(generation_top_k)
+    return out
+
+
+def generation_top_k(model_dir: Path) -> int | None:
+    """The top_k of the model's own generation_config.json, when it has one."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        value = json.loads(path.read_text()).get("top_k")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def prompt_opens_thinking(model_dir: Path, prompt: list[int]) -> bool:
+    """Whether the chat template opened the thinking block in the prompt (the reply starts inside it)."""
+    tail = load_tokenizer(str(model_dir)).decode(prompt[-4:], skip_special_tokens=False)
+    return tail.rstrip().endswith("<think>")
 
 
 _tokenizers: dict[str, object] = {}
@@ -55,9 +80,16 @@ def _text(content) -> str:
     return str(content)
 
 
-def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | None) -> list[int]:
+def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | None,
+                architecture: str = "") -> list[int]:
+    """The prompt's token ids through the model's chat template. Thinking off reaches the template as its
+    ``enable_thinking`` switch and, for Qwen3, as Qwen's ``/no_think`` soft switch on the last user message too."""
     tokenizer = load_tokenizer(str(model_dir))
     clean = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
+    if enable_thinking is False and architecture == "qwen3":
+        last_user = max((i for i, m in enumerate(clean) if m["role"] == "user"), default=None)
+        if last_user is not None and not clean[last_user]["content"].rstrip().endswith("/no_think"):
+            clean[last_user]["content"] = clean[last_user]["content"].rstrip() + " /no_think"
     kwargs = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking

@@ -7,6 +7,8 @@ import dataclasses
 
 import trio
 
+from swarm.leader import admission
+from swarm.leader.admission import Budget
 from swarm.leader.placement import ModelSize, StagePlan
 from swarm.model_format import DTYPE_BYTES
 
@@ -24,6 +26,7 @@ class StageState:
     cover: int | None = None  # a standby fellow holding a hot cover of this stage
     cover_ready: bool = False
     failed_on: set[int] = dataclasses.field(default_factory=set)  # fellows whose load of this stage failed
+    free_bytes: int = 0  # what its fellow had free when the stage was placed there: its KV budget comes from it
 
 
 @dataclasses.dataclass
@@ -38,7 +41,14 @@ class ModelServing:
     manifest: dict = dataclasses.field(default_factory=dict)
     config: dict = dataclasses.field(default_factory=dict)
     recovering_since: float | None = None
+    size: ModelSize | None = None  # what its stages hold, at the dtype they compute in
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+    def budget(self, settings) -> Budget:
+        """What the ring holds at once, from the memory its stages' fellows had for them (swarm.leader.admission)."""
+        kv = self.size.kv_bytes_per_token_per_layer if self.size is not None else 0
+        return admission.budget([s.plan for s in self.stages], {s.plan.fellow_id: s.free_bytes for s in self.stages},
+                                kv, settings.serve_typical_tokens, settings.serve_context_tokens)
 
     def slot_of(self, fellow_id: int) -> StageState | None:
         return next((s for s in self.stages if s.plan.fellow_id == fellow_id), None)
@@ -104,6 +114,7 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
         "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": serving.config,
         "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
         "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
+        "stored_dtype": dtype or "float32",
     }
 
 

@@ -15,8 +15,17 @@ from starlette.responses import JSONResponse, StreamingResponse
 from swarm import messages
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError
 from swarm.leader.auth import current_user
-from swarm.leader.chat_format import TextStream, encode_chat, eos_ids, load_tokenizer, sampling_defaults
-from swarm.leader.http_errors import json_body, openai_error, openai_problem
+from swarm.leader.chat_format import (
+    TextStream,
+    encode_chat,
+    eos_ids,
+    generation_top_k,
+    load_tokenizer,
+    prompt_opens_thinking,
+    sampling_defaults,
+)
+from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
+from swarm.leader.reasoning import ReasoningSplitter
 from swarm.leader.requests import Reader, Request
 
 log = logging.getLogger(__name__)
@@ -35,6 +44,7 @@ class ChatParams:
     thinking: bool | None
     sampling: dict
     return_token_ids: bool
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
 
 
 def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
@@ -49,8 +59,9 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
     requested = body.get("max_completion_tokens", body.get("max_tokens"))
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 1):
         raise BadRequest("'max_tokens' must be a positive integer.", "invalid_max_tokens")
-    if requested is not None:
-        requested = min(requested, max_tokens_limit)
+    if requested is not None and requested > max_tokens_limit:
+        raise BadRequest(f"'max_tokens' is {requested}; a reply may have at most {max_tokens_limit} tokens. "
+                         f"Ask for {max_tokens_limit} or fewer.", "invalid_max_tokens")
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
     sampling = {}
@@ -63,7 +74,7 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
     if not 0 <= sampling.get("temperature", 0) <= 2:
         raise BadRequest("'temperature' must be between 0 and 2.", "invalid_temperature")
     return ChatParams(model, messages, bool(body.get("stream")), requested, thinking, sampling,
-                      bool(body.get("return_token_ids")))
+                      bool(body.get("return_token_ids")), body.get("ignore_eos") is True)
 
 
 def to_sampling(values: dict) -> messages.Sampling:
@@ -96,14 +107,18 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": data})
 
     async def chat_completions(self, request: HttpRequest):
+        stream = False
         try:
             user = await current_user(request, self.leader.store)
-            params = parse_chat_body(await json_body(request), self.leader.settings.max_tokens_limit)
-            ring_request = await self._submit(params, user.id)
+            body = await json_body(request)
+            stream = body.get("stream") is True
+            params = parse_chat_body(body, self.leader.settings.max_tokens_limit)
+            ring_request, inside = await self._submit(params, user.id)
         except Exception as exc:
+            if stream and isinstance(exc, ContextTooLong):  # the seed: context_length_exceeded in a stream
+                return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
-        model_dir = self.leader.models_root / params.model
-        text = TextStream(load_tokenizer(str(model_dir)))  # loaded already: the prompt went through it
+        text = ReplyText(load_tokenizer(str(self.leader.models_root / params.model)), inside)
         created = int(time.time())
         if params.stream:
             return StreamingResponse(
@@ -111,22 +126,26 @@ class OpenAIRoutes:
                 headers={"x-swarm-request-id": ring_request.id, "cache-control": "no-cache"},
             )
         try:
-            content = await self._collect(ring_request, text)
+            reasoning, content = await self._collect(ring_request, text)
         except SwarmError as exc:
             return openai_problem(502, str(exc), "server_error", "ring_failed")
         finally:
             self.leader.serving.cancel(ring_request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": content},
-                  "finish_reason": ring_request.finish_reason}
+        message = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        choice = {"index": 0, "message": message, "finish_reason": ring_request.finish_reason}
         if params.return_token_ids:  # vLLM's extension: the exact tokens, for tests and tools
             choice["token_ids"] = list(ring_request.tokens)
             choice["prompt_token_ids"] = list(ring_request.prompt)
         return JSONResponse({
             "id": f"chatcmpl-{ring_request.id}", "object": "chat.completion", "created": created,
             "model": params.model, "choices": [choice], "usage": _usage(ring_request),
+            "swarm": {"timing": _timing(ring_request)},
         }, headers={"x-swarm-request-id": ring_request.id})
 
-    async def _submit(self, params: ChatParams, owner: int) -> Request:
+    async def _submit(self, params: ChatParams, owner: int) -> tuple[Request, bool]:
+        """The request on its way to the ring, and whether its prompt opened a thinking block."""
         leader = self.leader
         manifest = await leader.serving.manifest(params.model)
         if leader.serving.status(params.model) == "not_loaded" and params.model not in leader.serving.reload_on_request:
@@ -134,8 +153,10 @@ class OpenAIRoutes:
                 f"model {params.model} is not loaded. Load it first (swarm model-load {params.model}, or Load on "
                 "the chat page), then send the request again.")
         model_dir = leader.models_root / params.model
+        architecture = manifest.get("architecture", "")
         try:
-            prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking)
+            prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
+                                                   architecture)
         except Exception as exc:
             from jinja2 import TemplateError
 
@@ -143,49 +164,50 @@ class OpenAIRoutes:
                 raise BadRequest(f"the messages cannot be put through the model's chat template: {exc}",
                                  "invalid_messages") from None
             raise
-        context = leader.settings.serve_context_tokens
         max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, min(leader.settings.max_tokens_limit, context - len(prompt)))
-        if len(prompt) + max_tokens > context:
-            raise ContextTooLong(
-                f"This model's maximum context length is {context} tokens. This conversation needs "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt and up to {max_tokens} in the "
-                f"reply). Start a new conversation, lower max_tokens, or raise SWARM_SERVE_CONTEXT_TOKENS.")
-        sampling = sampling_defaults(manifest.get("architecture", ""), params.thinking is not False)
+        if max_tokens is None:  # as long a reply as the pool leaves room for
+            max_tokens = max(1, min(leader.settings.max_tokens_limit,
+                                    leader.serving.pool_tokens(params.model) - len(prompt)))
+        serving = leader.serving.models.get(params.model)
+        own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
+        sampling = sampling_defaults(architecture, params.thinking is not False, params.model, own_top_k)
         sampling.update(params.sampling)
-        eos = await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
+        eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
+        inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
         request = Request(model=params.model, prompt=prompt, max_tokens=max_tokens, sampling=to_sampling(sampling),
                           eos=eos, owner=owner)
-        return await leader.serving.submit(request)
+        return await leader.serving.submit(request), inside
 
     def _reader(self, ring_request: Request) -> Reader:
         settings = self.leader.settings
         return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 
-    async def _collect(self, ring_request: Request, text: TextStream) -> str:
-        parts = []
+    async def _collect(self, ring_request: Request, text: ReplyText) -> tuple[str, str]:
+        reasoning, content = [], []
         reader = self._reader(ring_request)
         while True:
             kind, value = await reader.next()
-            if kind == "tokens":
-                parts.append(text.push(value))
-            elif kind == "error":
+            if kind == "error":
                 raise SwarmError(value)
-            else:
-                break
-        parts.append(text.flush())
-        return "".join(parts)
+            r, c = text.push(value) if kind == "tokens" else text.flush()
+            reasoning.append(r)
+            content.append(c)
+            if kind != "tokens":
+                return "".join(reasoning), "".join(content)
 
-    async def _stream(self, ring_request: Request, text: TextStream, created: int):
+    async def _stream(self, ring_request: Request, text: ReplyText, created: int):
         base = {"id": f"chatcmpl-{ring_request.id}", "object": "chat.completion.chunk", "created": created,
                 "model": ring_request.model}
 
-        def chunk(delta: dict, finish=None, usage=None) -> str:
-            data = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            if usage is not None:
-                data["usage"] = usage
+        def chunk(delta: dict, finish=None, extra=None) -> str:
+            data = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **(extra or {})}
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def deltas(reasoning: str, content: str):
+            if reasoning:
+                yield chunk({"reasoning_content": reasoning})
+            if content:
+                yield chunk({"content": content})
 
         reader = self._reader(ring_request)
         try:
@@ -193,25 +215,54 @@ class OpenAIRoutes:
             while True:
                 kind, value = await reader.next()
                 if kind == "tokens":
-                    delta = text.push(value)
-                    if delta:
-                        yield chunk({"content": delta})
+                    for token in value:  # one token per chunk, however the fellows batched them
+                        for line in deltas(*text.push([token])):
+                            yield line
                 elif kind == "error":
                     payload = {"error": {"message": value, "type": "server_error", "code": "ring_failed"}}
                     yield f"data: {json.dumps(payload)}\n\n"
                     break
                 else:
-                    rest = text.flush()
-                    if rest:
-                        yield chunk({"content": rest})
+                    for line in deltas(*text.flush()):
+                        yield line
                     finish = "stop" if value == "cancelled" else value
-                    yield chunk({}, finish=finish, usage=_usage(ring_request))
+                    yield chunk({}, finish=finish, extra={"usage": _usage(ring_request),
+                                                          "swarm": {"timing": _timing(ring_request)}})
                     break
             yield "data: [DONE]\n\n"
         finally:
             # The client went away or the stream ended: make sure the fellows stop (hypercorn may never tell us of a
             # disconnect, so this also runs when a send fails).
             self.leader.serving.cancel(ring_request)
+
+
+class ReplyText:
+    """Token ids in, (reasoning, content) text deltas out: incremental detokenising, then the thinking split."""
+
+    def __init__(self, tokenizer, inside: bool):
+        self.text = TextStream(tokenizer)
+        self.split = ReasoningSplitter(inside)
+
+    def push(self, tokens: list[int]) -> tuple[str, str]:
+        return self.split.push(self.text.push(tokens))
+
+    def flush(self) -> tuple[str, str]:
+        r1, c1 = self.split.push(self.text.flush())
+        r2, c2 = self.split.flush()
+        return r1 + r2, c1 + c2
+
+
+async def _error_events(exc: Exception):
+    status, code, openai_type, message = classify(exc)
+    yield f"data: {json.dumps({'error': {'message': message, 'type': openai_type, 'code': code}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _timing(request: Request) -> dict:
+    """What the leader measured of the reply (the fellows' split of each token's time comes with issue 12's work)."""
+    first = request.first_token_at
+    return {"queue_ms": round(request.queue_s * 1000, 1),
+            "ttft_ms": round((first - request.created_at) * 1000, 1) if first is not None else None}
 
 
 def _usage(request: Request) -> dict:

@@ -49,15 +49,46 @@ class StagePlan:
         return self.weight_bytes + self.kv_bytes + OVERHEAD_BYTES
 
 
+# The user's manual: "A single-node model needs its weights plus 1 GB free on one fellow."
+ONE_FELLOW_HEADROOM = 1_000_000_000
+
+
+def place_on_one(size: ModelSize, fellows: list[FellowCapacity], fellow_id: int | None = None) -> list[StagePlan]:
+    """The whole model on one fellow -- ``fellow_id``, or the one with most memory free."""
+    weight = sum(size.layer_bytes) + size.embed_bytes + size.final_bytes
+    need = weight + ONE_FELLOW_HEADROOM
+    if fellow_id is not None:
+        chosen = [f for f in fellows if f.fellow_id == fellow_id]
+        if not chosen:
+            online = ", ".join(f"{f.name} (id {f.fellow_id})" for f in fellows) or "none"
+            raise PlacementError(f"fellow {fellow_id} is not online in the pool; online: {online}.")
+    else:
+        chosen = sorted(fellows, key=lambda f: (-f.free_bytes, f.fellow_id))[:1]
+    if not chosen or chosen[0].free_bytes < need:
+        states = "; ".join(f"{f.name} has {f.free_bytes / GB:.1f} GB free" for f in (chosen if fellow_id else fellows))
+        raise PlacementError(
+            f"The model needs {need / GB:.1f} GB free on one fellow: {states or 'no fellow is online'}. Serve it "
+            "over several fellows, or free memory on one."
+        )
+    fellow = chosen[0]
+    kv = max(0, fellow.free_bytes - weight - OVERHEAD_BYTES)
+    return [StagePlan(0, fellow.fellow_id, fellow.name, 0, len(size.layer_bytes), weight, min(kv, ONE_FELLOW_HEADROOM))]
+
+
 def place(
     size: ModelSize,
     fellows: list[FellowCapacity],
     num_stages: int,
     context_tokens: int,
+    fellow_id: int | None = None,
 ) -> list[StagePlan]:
     """Choose ``num_stages`` fellows (most free memory first, then kept in a stable ring order) and their layers."""
     if num_stages < 1:
         raise PlacementError("a model needs at least one stage.")
+    if num_stages == 1:
+        return place_on_one(size, fellows, fellow_id)
+    if fellow_id is not None:
+        raise PlacementError("--fellow-id picks the fellow of a model served on one PC: use it with --num-stages 1.")
     if len(fellows) < num_stages:
         online = ", ".join(f.name for f in fellows) or "none"
         raise PlacementError(

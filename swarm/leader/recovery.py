@@ -23,7 +23,7 @@ import secrets
 import trio
 
 from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
-from swarm.leader.models import ModelServing, StageState, link_message, load_message
+from swarm.leader.models import ModelServing, StageState, link_message, load_message, model_size
 from swarm.leader.placement import StagePlan
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Recovery:
             if conn is not None:
                 conn.post({"t": "ring_ready", "model": model.name, "ring_id": model.ring_id})
         self.serving.resume(model.name)
-        plans = [_plan_to_dict(s.plan) for s in model.stages]
+        plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes} for s in model.stages]
         await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
         if len(model.stages) > 1 and self.serving.direct_links is not None:
             await self.serving.direct_links.start(model)
@@ -207,6 +207,8 @@ class Recovery:
             conn = serving.hub.online[slot.cover]
             log.info("stage %d of %s moves to its hot cover on %s", index, model.name, conn.name)
             slot.plan = _moved(slot.plan, conn)
+            # its free memory already counts the cover's weights, which the budget subtracts again
+            slot.free_bytes = conn.hardware.serving_free_bytes(serving.settings.device) + slot.plan.weight_bytes
             slot.cover, slot.cover_ready, slot.ready, slot.phase = None, False, True, "ready"
             self._link_when_loaded(model)
             model.notify()
@@ -220,6 +222,7 @@ class Recovery:
             return False
         log.info("stage %d of %s goes to %s", index, model.name, target.name)
         slot.plan = _moved(slot.plan, target)
+        slot.free_bytes = target.hardware.serving_free_bytes(serving.settings.device)
         slot.ready, slot.phase, slot.fraction, slot.error = False, "queued", 0.0, None
         target.post(load_message(model, index))
         model.notify()
@@ -334,13 +337,15 @@ class Recovery:
                 manifest = await serving.manifest(name)
                 config = await trio.to_thread.run_sync(
                     lambda: json.loads((serving.models_root / name / "config.json").read_text()))
-                stages = [StageState(StagePlan(**p)) for p in plans]
+                stages = [StageState(StagePlan(**{k: v for k, v in p.items() if k != "free_bytes"}),
+                                     free_bytes=int(p.get("free_bytes", 0))) for p in plans]
             except Exception as exc:
                 log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
                 await trio.to_thread.run_sync(serving.store.delete_serving, name)
                 continue
+            cpu = not any(c.hardware.gpus for c in serving.hub.online.values())
             model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
-                                 recovering_since=trio.current_time())
+                                 recovering_since=trio.current_time(), size=model_size(manifest, cpu=cpu))
             serving.models[name] = model
             log.info("%s was serving before the restart: waiting for its fellows", name)
             serving._start(self._adopt_or_replace, model)

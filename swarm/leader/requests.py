@@ -17,6 +17,7 @@ while an attempt is on the ring, then ended (finish_reason or error).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import secrets
@@ -25,6 +26,7 @@ from typing import Any
 import trio
 
 from swarm import messages
+from swarm.leader.admission import Budget
 
 # How often one request may be sent again before it fails for good: a stage that fails the same request every time
 # (a bug, a request it cannot hold) must not loop. Failovers do not count: a whole ring rebuilt is not the request's
@@ -33,6 +35,13 @@ MAX_RESENDS = 3
 
 
 _arrivals = itertools.count()
+
+
+def _now() -> float:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # outside trio (plain-logic tests)
+        return 0.0
 
 
 def new_rid() -> str:
@@ -56,11 +65,23 @@ class Request:
     resends: int = 0  # attempts that were sent again after a failure or a broken path
     state: str = "new"  # new | waiting | running | ended
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))  # first come, first served
+    created_at: float = dataclasses.field(default_factory=lambda: _now())
+    started_at: float | None = None  # when it first went to the ring: the wait before is its queue time
+    first_token_at: float | None = None
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
         self.rid = self.rid or new_rid()
         self.id = self.id or self.rid
+
+    @property
+    def need(self) -> int:
+        """KV tokens the request may take on every stage: its prompt and the longest reply it may get."""
+        return len(self.prompt) + self.max_tokens
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started_at if self.started_at is not None else _now()) - self.created_at
 
     @property
     def ended(self) -> bool:
@@ -140,10 +161,15 @@ class NotLoaded:
 
 
 class RequestBook:
+    """Every request the leader holds: running ones by their attempt's ring id, waiting ones per model, first come
+    first served. A model's requests run only while its ring is whole (``resume`` gives its admission budget,
+    ``interrupt`` takes it away), and only as many as the budget holds; the rest wait their turn."""
+
     def __init__(self, max_resends: int = MAX_RESENDS):
         self.max_resends = max_resends
         self.by_rid: dict[str, Request] = {}  # running attempts
-        self.waiting: dict[str, list[Request]] = {}  # model -> requests waiting for its ring, first come first
+        self.waiting: dict[str, list[Request]] = {}  # model -> requests waiting, in order of arrival
+        self.budgets: dict[str, Budget] = {}  # models whose ring is whole -> what they hold at once
 
     def find(self, request_id: str) -> Request | None:
         for request in [*self.by_rid.values(), *(r for rs in self.waiting.values() for r in rs)]:
@@ -156,21 +182,43 @@ class RequestBook:
         return [r for r in self.by_rid.values() if r.model == model]
 
     def submit(self, request: Request) -> list:
-        request.attempts += 1
-        request.state = "running"
-        self.by_rid[request.rid] = request
-        request.notify()
-        return [ToStage0(request.model, request.generate_message())]
+        """A new request: it runs now if its model's ring is whole and has room, else it waits its turn."""
+        self.hold(request)
+        return self.pump(request.model)
 
     def hold(self, request: Request) -> None:
-        """``request`` waits until its model's ring is whole (loading, recovering)."""
+        """``request`` waits until its model's ring is whole and has room for it."""
         request.state = "waiting"
-        self.waiting.setdefault(request.model, []).append(request)
+        bisect.insort(self.waiting.setdefault(request.model, []), request, key=lambda r: r.arrival)
         request.notify()
+
+    def pump(self, model: str) -> list:
+        """Start the waiting requests of ``model`` that fit, in order of arrival: the first one that does not fit
+        holds the others back, so a long conversation is not passed over forever."""
+        budget = self.budgets.get(model)
+        queue = self.waiting.get(model, [])
+        actions: list = []
+        while budget is not None and queue:
+            request = queue[0]
+            if request.ended:
+                queue.pop(0)
+                continue
+            running = [r.need for r in self.of_model(model)]
+            if not budget.fits(running, request.need):
+                if running:
+                    break
+                queue.pop(0)  # alone and still too big: the pool shrank under it (a failover to a smaller fellow)
+                self._end(request, error=too_long(request.need, len(request.prompt), request.max_tokens,
+                                                  budget.tokens))
+                continue
+            queue.pop(0)
+            actions += self._start(request)
+        return actions
 
     def interrupt(self, model: str) -> list:
         """The ring of ``model`` is being rebuilt: every running request waits to be sent again. The stages drop
         their state themselves when they are relinked; the cancels free them sooner where they are still alive."""
+        self.budgets.pop(model, None)
         actions: list = []
         for request in self.of_model(model):
             self.by_rid.pop(request.rid, None)
@@ -179,24 +227,26 @@ class RequestBook:
             self.hold(request)
         return actions
 
-    def resume(self, model: str) -> list:
-        """The ring of ``model`` is whole: send every waiting request, in the order they came."""
-        actions: list = []
-        for request in sorted(self.waiting.pop(model, []), key=lambda r: r.arrival):
-            if not request.ended:
-                actions += self._send_again(request) if request.attempts else self.submit(request)
-        return actions
+    def resume(self, model: str, budget: Budget) -> list:
+        """The ring of ``model`` is whole: start what waited for it, as the budget allows."""
+        self.budgets[model] = budget
+        return self.pump(model)
 
-    def on_tokens(self, message: messages.Tokens) -> None:
+    def on_tokens(self, message: messages.Tokens) -> list:
+        ended = False
         for batch in message.batches:
             request = self.by_rid.get(batch.rid)
             if request is None or request.model != message.model:
                 continue  # an attempt that was cancelled or retried: its late tokens are not the reply's
+            if request.first_token_at is None:
+                request.first_token_at = _now()
             request.tokens.extend(batch.tokens)
             if batch.done:
                 self._end(request, finish=batch.finish_reason or "stop")
+                ended = True
             else:
                 request.notify()
+        return self.pump(message.model) if ended else []
 
     def on_failed(self, message: messages.Failed) -> list:
         request = self.by_rid.get(message.rid)
@@ -206,11 +256,12 @@ class RequestBook:
         if message.not_loaded:
             # The fellow does not hold the model (it unloaded it, or restarted): the leader reloads the model and the
             # request waits for it, unnoticed by the user.
+            self.budgets.pop(request.model, None)
             self.by_rid.pop(request.rid, None)
             request.rid = new_rid()
             self.hold(request)
             return actions + [NotLoaded(request.model, message.message)]
-        return actions + self._retry_or_end(request, message.message)
+        return actions + self._retry_or_end(request, message.message) + self.pump(request.model)
 
     def on_path_lost(self, model: str) -> list:
         """A path between two stages of ``model`` broke: what it carried may be lost. Every request on it is sent
@@ -219,7 +270,7 @@ class RequestBook:
         for request in self.of_model(model):
             actions.append(ToStage0(model, messages.Cancel(model, request.rid)))
             actions += self._retry_or_end(request, "a link between stages broke")
-        return actions
+        return actions + self.pump(model)
 
     def cancel(self, request: Request) -> list:
         if request.ended:
@@ -229,27 +280,41 @@ class RequestBook:
         if request in waiting:
             waiting.remove(request)
         self._end(request, finish="cancelled")
-        return [ToStage0(request.model, messages.Cancel(request.model, request.rid))] if running else []
+        if not running:
+            return []
+        return [ToStage0(request.model, messages.Cancel(request.model, request.rid))] + self.pump(request.model)
 
     def end_model(self, model: str, text: str) -> None:
         """``model`` is gone: its running and waiting requests end with ``text``."""
+        self.budgets.pop(model, None)
         for request in [*self.of_model(model), *self.waiting.pop(model, [])]:
             self._end(request, error=text)
 
+    def _start(self, request: Request) -> list:
+        if request.attempts and len(request.tokens) >= request.max_tokens:
+            self._end(request, finish="length")  # cut off right after its last token: nothing left to do
+            return []
+        if request.attempts:
+            request.rid = new_rid()
+        else:
+            request.started_at = _now()
+        request.attempts += 1
+        request.state = "running"
+        self.by_rid[request.rid] = request
+        request.notify()
+        return [ToStage0(request.model, request.generate_message())]
+
     def _retry_or_end(self, request: Request, text: str) -> list:
         self.by_rid.pop(request.rid, None)
-        if request.resends < self.max_resends:
+        if request.resends < self.max_resends and request.model in self.budgets:
             request.resends += 1
-            return self._send_again(request)
+            return self._start(request)
+        if request.resends < self.max_resends:  # the ring is being rebuilt: wait for it
+            request.resends += 1
+            self.hold(request)
+            return []
         self._end(request, error=f"{text} (the request was sent {request.resends + 1} times)")
         return []
-
-    def _send_again(self, request: Request) -> list:
-        if len(request.tokens) >= request.max_tokens:  # cut off right after its last token: nothing left to do
-            self._end(request, finish="length")
-            return []
-        request.rid = new_rid()
-        return self.submit(request)
 
     def _end(self, request: Request, *, finish: str | None = None, error: str | None = None) -> None:
         self.by_rid.pop(request.rid, None)
@@ -257,3 +322,11 @@ class RequestBook:
             request.finish_reason, request.error = finish, error
         request.state = "ended"
         request.notify()
+
+
+def too_long(need: int, prompt: int, reply: int, pool: int) -> str:
+    """The seed's words for a conversation longer than the whole pool holds (with the words client libraries look
+    for: "maximum context length")."""
+    return (f"this conversation needs {need} tokens ({prompt} in the prompt and up to {reply} in the reply); the "
+            f"pool serving this model holds {pool}. This model's maximum context length on this pool is {pool} "
+            "tokens. Start a new conversation, lower max_tokens, or serve on fellows with more free memory.")

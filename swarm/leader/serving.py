@@ -18,12 +18,12 @@ import trio
 
 from swarm import messages
 from swarm.config import Settings
-from swarm.errors import ModelNotFound, ModelNotLoaded, PlacementError
+from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError
 from swarm.leader.models import ModelServing, StageState, load_message, model_size
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
-from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0
+from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +67,23 @@ class Serving:
 
     # --- load / unload --------------------------------------------------------------------------------------------
 
-    async def load(self, name: str, num_stages: int | None = None) -> ModelServing:
+    async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None) -> ModelServing:
         manifest = await self.manifest(name)
         current = self.models.get(name)
         if current is not None and current.status in ("loading", "ready", "recovering"):
             return current
-        fellows = [f for f in self.hub.online.values() if not f.standby]  # standbys wait for failovers
+        # standbys wait for failovers, unless one is asked for by name
+        fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
         if num_stages is None:
             num_stages = max(1, min(len(fellows), manifest["num_layers"]))
         size = model_size(manifest, cpu=not any(f.hardware.gpus for f in fellows))
         capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
-        plans = place(size, capacities, num_stages, self.settings.serve_context_tokens)
+        plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
-        serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p) for p in plans], manifest=manifest,
-                               config=config)
+        free = {c.fellow_id: c.free_bytes for c in capacities}
+        serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
+                                                                  for p in plans],
+                               manifest=manifest, config=config, size=size)
         self.models[name] = serving
         self.reload_on_request.discard(name)
         for i, plan in enumerate(plans):
@@ -156,11 +159,18 @@ class Serving:
                 f"model {request.model} is {state}. Load it first (swarm model-load {request.model}, or Load on the "
                 f"chat page), then send the request again."
             )
-        if serving.status == "ready":
-            self._perform(self.book.submit(request))
-        else:
-            self.book.hold(request)
+        pool = self.pool_tokens(request.model)
+        if request.need > pool:
+            raise ContextTooLong(too_long(request.need, len(request.prompt), request.max_tokens, pool))
+        self._perform(self.book.submit(request))  # runs now, or waits for the ring or for room
         return request
+
+    def pool_tokens(self, name: str) -> int:
+        """The longest conversation (prompt and reply) the ring serving ``name`` holds."""
+        serving = self.models.get(name)
+        if serving is None or serving.size is None:
+            return self.settings.serve_context_tokens
+        return serving.budget(self.settings).tokens
 
     def find(self, request_id: str) -> Request | None:
         return self.book.find(request_id)
@@ -203,8 +213,10 @@ class Serving:
             self.book.hold(request)
 
     def resume(self, name: str) -> None:
-        """The ring of ``name`` is whole: send every request that waited for it."""
-        self._perform(self.book.resume(name))
+        """The ring of ``name`` is whole: send the requests that waited for it, as its budget allows."""
+        serving = self.models.get(name)
+        if serving is not None:
+            self._perform(self.book.resume(name, serving.budget(self.settings)))
 
     # --- messages from fellows ------------------------------------------------------------------------------------
 
@@ -212,7 +224,7 @@ class Serving:
         """Everything a fellow's control link brings. Never waits on a client or another fellow."""
         if isinstance(message, messages.Tokens):
             if self._serves(conn, message.model):
-                self.book.on_tokens(message)
+                self._perform(self.book.on_tokens(message))
         elif isinstance(message, messages.Failed):
             if self._serves(conn, message.model):
                 log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)

@@ -9,11 +9,14 @@ import torch
 
 from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
+from swarm.stage.ragged import forward_batch
 from swarm.stage.sampling import SamplingParams, sample, token_generator
 from swarm.stage.slice import StageModel
 
 
 def run_batch(stage: StageModel, batch: list[Work]) -> Output:
+    if len(batch) > 1:
+        return _run_together(stage, batch)
     hidden_out: list[torch.Tensor] = []
     tokens: list[int | None] = []
     for work in batch:
@@ -48,3 +51,21 @@ def _sample(work: Work, logits: torch.Tensor) -> int:
     if not params.greedy:  # on the CPU: the logits are moved there to sample
         generator = token_generator(params.seed, request.start.drawn + request.generated)
     return sample(logits.cpu(), params, generator)
+
+
+def _run_together(stage: StageModel, batch: list[Work]) -> Output:
+    """Several requests in one pass (swarm.stage.ragged): each weight is read once for all of them."""
+    items = []
+    for work in batch:
+        if work.start:
+            stage.new_request(work.rid)
+        if work.ids is not None:
+            x = torch.tensor([work.ids], dtype=torch.long)
+        else:
+            rows = work.rows
+            x = rows.source.tensor()[:, rows.row : rows.row + rows.n]
+        items.append((work.rid, work.pos, x, work.last))
+    out = forward_batch(stage, items)
+    if not stage.spec.is_last:
+        return Output(hidden=wire.tensor_to_wire(out))
+    return Output(tokens=[_sample(work, logits) if work.last else None for work, logits in zip(batch, out)])

@@ -102,6 +102,7 @@ class StageModel:
         self.device = device
         self._mask_types = _layer_mask_types(config)
         self._caches: dict[str, DynamicCache] = {}
+        self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
 
     # --- building ----------------------------------------------------------------------------------------------------
 
@@ -113,13 +114,18 @@ class StageModel:
         spec: StageSpec,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        layer_devices: list[str] | None = None,
     ) -> StageModel:
         """Build the stage from config.json's contents and its weight files.
 
         ``files`` maps each relative model path this stage needs (see StageSpec.files) to a local file -- which may be
-        a cache entry named by its hash.
+        a cache entry named by its hash. ``layer_devices`` spreads the layers over several cards of one PC
+        (swarm.stage.devices); by default every layer is on ``device``.
         """
-        device = torch.device(device)
+        devices = [torch.device(d) for d in (layer_devices or [device] * spec.num_layers)]
+        if len(devices) != spec.num_layers:
+            raise ModelError(f"{len(devices)} devices given for a stage of {spec.num_layers} layers")
+        device = devices[0]
         full_config = config_from_dict(dict(config))
         total = full_config.num_hidden_layers
         if not 0 <= spec.first_layer < spec.end_layer <= total:
@@ -136,22 +142,23 @@ class StageModel:
         # sdpa is what from_pretrained picks on CPU and GPU; the masks below follow this setting.
         stage_config._attn_implementation = "sdpa"
 
-        def read(rel: str) -> dict[str, torch.Tensor]:
+        def read(rel: str, on: torch.device = device) -> dict[str, torch.Tensor]:
             try:
                 tensors = load_file(str(files[rel]), device="cpu")
             except Exception as exc:
                 raise ModelError(f"cannot read {rel} from {files[rel]} ({exc}); fetch it again") from exc
-            return {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+            return {k: v.to(device=on, dtype=dtype) for k, v in tensors.items()}
 
         with torch.device("meta"):
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))
         for local, index in enumerate(range(spec.first_layer, spec.end_layer)):
-            _assign(layers[local], read(layer_file(index)), f"layer {index}")
+            _assign(layers[local], read(layer_file(index), devices[local]), f"layer {index}")
 
-        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read)
+        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1])
         with device:
             rotary = blocks.rotary_embedding(config=stage_config)
         stage = cls(stage_config, spec, embed, layers, norm, lm_head, rotary, dtype, device)
+        stage.layer_devices = devices
         for module in stage.modules():
             module.eval()
         return stage
@@ -277,14 +284,17 @@ class StageModel:
             )
             masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
             position_embeddings = self.rotary(states, position_ids)
-            for layer, kind in zip(self.layers, self._mask_types):
+            on = _OnDevices(position_embeddings, masks)
+            for layer, kind, device in zip(self.layers, self._mask_types, self.layer_devices):
+                states = states.to(device)  # a no-op unless the layers spread over several cards
+                pe, layer_masks = on.device(device)
                 states = layer(
                     states,
-                    attention_mask=masks[kind],
+                    attention_mask=layer_masks[kind],
                     position_ids=position_ids,
                     cache=cache,
                     use_cache=True,
-                    position_embeddings=position_embeddings,
+                    position_embeddings=pe,
                 )
             if not self.spec.is_last:
                 return states
@@ -311,30 +321,46 @@ class StageModel:
             self.drop(rid)
 
 
-def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read) -> tuple:
-    """The embedding (first stage) and the final norm and head (last stage), or None where this stage has none."""
+def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device) -> tuple:
+    """The embedding (first stage, with the first layer) and the final norm and head (last stage, with the last
+    layer), or None where this stage has none."""
     embed = norm = lm_head = None
     embed_weight = None
     if spec.is_first or (spec.is_last and tied):
-        embed_weight = read(EMBED_FILE)["embed_tokens.weight"]
+        embed_weight = read(EMBED_FILE, first if spec.is_first else last)["embed_tokens.weight"]
     if spec.is_first:
         with torch.device("meta"):
             embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         _assign(embed, {"weight": embed_weight}, "embedding")
     if spec.is_last:
-        final = read(FINAL_FILE)
+        final = read(FINAL_FILE, last)
         with torch.device("meta"):
             norm = blocks.norm(config.hidden_size, eps=config.rms_norm_eps)
             lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _assign(norm, {"weight": final["norm.weight"]}, "final norm")
-        if tied:  # the head is the embedding matrix: share the stage's one copy
+        if tied:  # the head is the embedding matrix: share the stage's one copy (on the last card when it differs)
             head_weight = embed.weight if embed is not None else embed_weight
+            head_weight = head_weight if head_weight.device == last else head_weight.to(last)
         else:
             head_weight = final.get("lm_head.weight")
         if head_weight is None:
             raise ModelError("final.safetensors has no lm_head.weight and the model's embeddings are not tied")
         _assign(lm_head, {"weight": head_weight}, "lm_head")
     return embed, norm, lm_head
+
+
+class _OnDevices:
+    """Position embeddings and masks, copied once to each card the layers are on."""
+
+    def __init__(self, position_embeddings, masks: dict):
+        self._copies = {position_embeddings[0].device: (position_embeddings, masks)}
+
+    def device(self, device: torch.device):
+        if device not in self._copies:
+            pe, masks = next(iter(self._copies.values()))
+            self._copies[device] = (tuple(t.to(device) for t in pe),
+                                    {k: (m.to(device) if isinstance(m, torch.Tensor) else m) for k, m in masks.items()})
+        return self._copies[device]
 
 
 def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:

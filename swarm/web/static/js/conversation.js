@@ -141,9 +141,10 @@ async function generate() {
   const body = {
     model, messages,
     max_tokens: state.settings.maxTokens,
-    temperature: state.settings.temperature,
     chat_template_kwargs: { enable_thinking: state.settings.reasoning },
   };
+  // Only what the user set: the leader fills in the model's own sampling defaults (Qwen3 wants 0.6, say).
+  if (state.settings.temperature !== null && state.settings.temperature !== undefined) body.temperature = state.settings.temperature;
   try {
     for (let attempt = 0; ; attempt++) {
       if (modelStatus() !== "ready") {

@@ -52,15 +52,30 @@ function renderModel() {
 }
 
 function generation() {
-  const temp = h("input", { type: "range", min: "0", max: "2", step: "0.05", value: String(state.settings.temperature), "aria-label": "Temperature" });
-  const tempNum = h("input", { type: "number", min: "0", max: "2", step: "0.05", value: String(state.settings.temperature), "aria-label": "Temperature value" });
+  const shown = state.settings.temperature ?? 0.7;
+  const temp = h("input", { type: "range", min: "0", max: "2", step: "0.05", value: String(shown), "aria-label": "Temperature" });
+  const tempNum = h("input", { type: "number", min: "0", max: "2", step: "0.05", value: String(shown), "aria-label": "Temperature value" });
+  const note = h("span", { class: "muted", id: "temperature-note" });
+  const reset = h("button", { class: "btn small", type: "button", id: "temperature-default" }, "Model default");
+  const showNote = () => {
+    const own = state.settings.temperature === null || state.settings.temperature === undefined;
+    note.textContent = own ? "the model's own default" : "";
+    reset.hidden = own;
+  };
   const setTemp = (v) => {
     const value = Math.min(2, Math.max(0, Number(v) || 0));
     temp.value = tempNum.value = String(value);
     saveSetting("temperature", value);
+    showNote();
   };
   temp.addEventListener("input", () => setTemp(temp.value));
   tempNum.addEventListener("change", () => setTemp(tempNum.value));
+  reset.addEventListener("click", () => {
+    saveSetting("temperature", null);
+    temp.value = tempNum.value = "0.7";
+    showNote();
+  });
+  showNote();
   const reasoning = h("input", { type: "checkbox", role: "switch", checked: state.settings.reasoning || undefined, id: "reasoning-switch" });
   reasoning.addEventListener("change", () => saveSetting("reasoning", reasoning.checked));
   const maxTokens = h("input", { type: "number", min: "1", max: "4096", step: "1", value: String(state.settings.maxTokens), id: "max-tokens" });
@@ -73,6 +88,7 @@ function generation() {
     h("h3", { id: "gen-title" }, "Generation"),
     h("div", { class: "card stack", style: "gap:12px" },
       h("label", { class: "field" }, "Temperature (0 = deterministic)", h("div", { class: "range-row" }, temp, tempNum)),
+      h("div", { class: "range-row" }, note, reset),
       h("label", { class: "switch" }, reasoning, h("span", {}, "Reasoning"),
         h("span", { class: "muted", style: "font-size:12.5px" }, "off answers without thinking first")),
       h("label", { class: "field" }, "Max tokens (up to 4096)", maxTokens)));

@@ -6,7 +6,7 @@ export const state = {
   models: [], // GET /api/v1/models
   modelId: store.get("model", null),
   settings: {
-    temperature: store.get("temperature", 0.7),
+    temperature: store.get("temperature", null), // null: the model's own default (the leader fills it in)
     reasoning: store.get("reasoning", true),
     maxTokens: store.get("maxTokens", 1024),
   },
