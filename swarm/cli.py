@@ -12,8 +12,11 @@ from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
 
 
-# What a fellow's OpenMP threads do between passes (see bench/RESULTS.md, many chats).
-FELLOW_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# A fellow's OpenMP threads spin only briefly between two operations before they sleep: long enough to keep a pass
+# fast, short enough that another fellow on the same machine gets the cores between passes. Measured on the demo
+# (2 stages, 2 cores): the default spin gave one chat 16 tok/s but four chats only 17 in all; passive waiting 10 and
+# 29; GOMP_SPINCOUNT=20000 (with busy stages on their share of the cores) 20 and 43 (bench/RESULTS.md).
+FELLOW_THREAD_ENV = {"GOMP_SPINCOUNT": "20000"}
 
 
 def _leader_options(p: argparse.ArgumentParser) -> None:
@@ -100,8 +103,7 @@ def _dispatch(args) -> int | None:
 
         run_leader(args.host, args.port, args.data_dir or settings.data_dir or default_data_dir("leader"), settings)
     elif args.command == "join":
-        # Before torch loads: OpenMP threads that spin while idle take the cores from another fellow on the same
-        # machine (bench/many_chats.py measures it); a user's own setting wins.
+        # Before torch loads (OpenMP reads it once); a user's own setting wins.
         for name, value in FELLOW_THREAD_ENV.items():
             os.environ.setdefault(name, value)
         from swarm.fellow import run_fellow

@@ -8,6 +8,7 @@ initialised in this process. Without the library, a driver or a GPU, the fellow 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 
@@ -48,3 +49,39 @@ def probe() -> Hardware:
         ram_free_bytes=memory.available,
         gpus=nvidia_gpus(),
     )
+
+
+class MachineShare:
+    """How many fellows run on this machine, so each takes its share of the cores when they are all busy.
+
+    Each fellow keeps a file named by its pid in the user's runtime folder while it runs; the others count the files
+    whose process is alive. (The demo, and a PC with two GPUs running a fellow per card, run several.)"""
+
+    def __init__(self, folder: Path | None = None):
+        import platformdirs
+
+        self.folder = folder or Path(platformdirs.user_runtime_dir("swarm")) / "fellows"
+        self._mine: Path | None = None
+
+    def register(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._mine = self.folder / str(os.getpid())
+            self._mine.write_text("")
+        except OSError:
+            self._mine = None  # no runtime folder: count as alone
+
+    def unregister(self) -> None:
+        if self._mine is not None:
+            self._mine.unlink(missing_ok=True)
+
+    def fellows(self) -> int:
+        try:
+            pids = [int(p.name) for p in self.folder.iterdir() if p.name.isdigit()]
+        except OSError:
+            return 1
+        return max(1, sum(1 for pid in pids if psutil.pid_exists(pid)))
+
+    def busy_threads(self) -> int:
+        """Threads a busy stage takes: the machine's cores split between the fellows on it."""
+        return max(1, (os.cpu_count() or 1) // self.fellows())

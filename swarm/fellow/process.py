@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import socket
 from pathlib import Path
@@ -25,6 +26,7 @@ from swarm.config import Settings
 from swarm.errors import AuthError, SwarmError, first_leaf
 from swarm.fellow.control import ControlLink
 from swarm.fellow.direct_links import DirectLinkAgent
+from swarm.fellow.hardware import MachineShare
 from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
 from swarm.tunnel.join_token import parse_join_token
@@ -66,6 +68,7 @@ class Fellow:
         self.stages: dict[str, LoadedStage] = {}  # model name -> the stage of it this fellow serves
         self.connected = trio.Event()
         self.nursery: trio.Nursery | None = None
+        self.machine = MachineShare()
         self.control = ControlLink(self)
         self.links = IncomingLinks(self)
         self.loader = StageLoader(self)
@@ -75,7 +78,22 @@ class Fellow:
     def serve_port(self) -> int | None:
         return self.links.serve_port
 
+    def threads_for(self, requests: int) -> int:
+        """Torch threads for one pass of a stage holding ``requests`` requests. A stage working alone (one request:
+        the other stages wait for it) takes every core; busier stages run at once, so each takes its share of the
+        machine. SWARM_THREADS fixes the number."""
+        if self.settings.threads:
+            return self.settings.threads
+        return (os.cpu_count() or 1) if requests <= 1 else self.machine.busy_threads()
+
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.machine.register()
+        try:
+            await self._run(task_status)
+        finally:
+            self.machine.unregister()
+
+    async def _run(self, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             await self.links.start_listener(nursery)
@@ -111,10 +129,6 @@ class Fellow:
 def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None,
                standby: bool = False) -> None:
     settings = Settings.from_env()
-    if settings.threads:
-        import torch
-
-        torch.set_num_threads(settings.threads)
     fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token,
                     standby=standby)
     print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)

@@ -32,8 +32,10 @@ INBOX_SIZE = 10_000
 
 class StageDriver:
     def __init__(self, *, model: str, stage_model, send_to_leader: Callable[[Any], Awaitable[None]],
-                 prefill_chunk: int, max_batch: int = 16):
+                 prefill_chunk: int, max_batch: int = 16, threads: Callable[[int], int | None] | None = None):
         self.model = model
+        # Torch threads for a pass, given how many requests the stage holds (None: leave them as they are).
+        self.threads = threads or (lambda requests: None)
         self.stage_model = stage_model
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
@@ -102,7 +104,8 @@ class StageDriver:
                     await self._receive(*await self._inbox.receive())
                     continue
                 try:
-                    output = await trio.to_thread.run_sync(run_batch, self.stage_model, batch)
+                    threads = self.threads(len(protocol.requests))
+                    output = await trio.to_thread.run_sync(run_batch, self.stage_model, batch, threads)
                 except Exception as exc:  # a bug in one request must not take the stage down
                     if not isinstance(exc, SwarmError):
                         log.exception("stage %s of %s failed a batch", protocol.index, self.model)

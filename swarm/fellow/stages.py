@@ -34,7 +34,7 @@ class LoadedStage:
         self.cover: bool = bool(message.get("cover"))  # a hot cover: loaded and waiting to take over the stage
         self.driver = StageDriver(model=self.model, stage_model=stage_model, send_to_leader=fellow.send_to_leader,
                                   prefill_chunk=fellow.settings.serve_prefill_chunk,
-                                  max_batch=fellow.settings.serve_max_batch)
+                                  max_batch=fellow.settings.serve_max_batch, threads=fellow.threads_for)
         self.ring_id: str | None = None
         self.hop_in: dict | None = None  # the hop this stage receives on: id and the previous stage's key
         self.cancel_scope = trio.CancelScope()  # the whole stage: cancelled on unload

@@ -14,7 +14,9 @@ from swarm.stage.sampling import SamplingParams, sample, token_generator
 from swarm.stage.slice import StageModel
 
 
-def run_batch(stage: StageModel, batch: list[Work]) -> Output:
+def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) -> Output:
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)  # in this worker thread: OpenMP keeps the count per calling thread
     if len(batch) > 1:
         return _run_together(stage, batch)
     hidden_out: list[torch.Tensor] = []
