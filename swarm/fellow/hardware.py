@@ -58,9 +58,7 @@ class MachineShare:
     whose process is alive. (The demo, and a PC with two GPUs running a fellow per card, run several.)"""
 
     def __init__(self, folder: Path | None = None):
-        import platformdirs
-
-        self.folder = folder or Path(platformdirs.user_runtime_dir("swarm")) / "fellows"
+        self.folder = folder or _runtime_dir() / "fellows"
         self._mine: Path | None = None
 
     def register(self) -> None:
@@ -85,3 +83,15 @@ class MachineShare:
     def busy_threads(self) -> int:
         """Threads a busy stage takes: the machine's cores split between the fellows on it."""
         return max(1, (os.cpu_count() or 1) // self.fellows())
+
+
+def _runtime_dir() -> Path:
+    """Where a running fellow leaves notes for the others on this machine: the user's runtime folder."""
+    import sys
+    import tempfile
+
+    import platformdirs
+
+    if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(tempfile.gettempdir()) / f"swarm-{os.getuid()}"  # no session runtime folder (a service, a container)
+    return Path(platformdirs.user_runtime_dir("swarm"))
