@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -159,3 +161,28 @@ def test_admins_mark_fellows_standby_and_see_it(client, leader):
     hot = client.put("/api/v1/settings/hot-cover", json={"enabled": True}, headers=_auth(token))
     assert hot.status_code == 200 and hot.json()["enabled"] is True
     assert client.get("/api/v1/settings/hot-cover", headers=_auth(token)).json()["enabled"] is True
+
+
+def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(client, leader, monkeypatch):
+    from swarm.errors import ContextTooLong
+    from swarm.leader.requests import too_long
+
+    token = leader.first_start.admin_token
+
+    async def refuse(request):
+        raise ContextTooLong(too_long(4312, 3800, 512, 4096))
+
+    monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
+    monkeypatch.setattr(leader.serving, "submit", refuse)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 512}
+    message = _error(client.post("/v1/chat/completions", json=body, headers=_auth(token)), 413,
+                     "context_length_exceeded")
+    assert message.startswith("this conversation needs 4312 tokens (3800 in the prompt and up to 512 in the reply); "
+                              "the pool serving this model holds 4096.")
+    assert "maximum context length" in message
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True}, headers=_auth(token))
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    event = json.loads(streamed.text.split("\n")[0].removeprefix("data: "))
+    assert event["error"]["code"] == "context_length_exceeded" and "4312 tokens" in event["error"]["message"]
+    over = client.post("/v1/chat/completions", json={**body, "max_tokens": 5000}, headers=_auth(token))
+    assert "at most 4096 tokens" in _error(over, 400, "invalid_max_tokens")

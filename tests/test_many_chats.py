@@ -84,3 +84,42 @@ async def test_a_long_prompt_does_not_stall_the_other_chats(tmp_path, tiny_model
                 pass
             # about one token per two chunks over two stages; all at the end would be 0 or 1
             assert len(short.tokens) >= 6, "the short chat waited for the whole long prompt"
+
+
+async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_path, tiny_model_dirs, monkeypatch):
+    """Fellows with little memory: the leader lowers how many chats run at once instead of refusing the load, the
+    others wait their turn (first come, first served), and a conversation longer than the pool is a 413."""
+    from swarm.fellow import hardware
+    from swarm.leader.placement import OVERHEAD_BYTES
+    from swarm.messages import Hardware
+
+    d = tiny_model_dirs["llama"]
+    weights = sum(f.stat().st_size for f in (d / "weights").iterdir())
+    kv_per_token = 2 * 2 * 16 * 4 * 2  # k and v, 2 kv heads of 16, float32, 2 layers a stage
+    free = weights + OVERHEAD_BYTES + 100 * kv_per_token  # room for ~100 tokens of KV cache
+    monkeypatch.setattr(hardware, "probe", lambda: Hardware(2, 1 << 34, free, []))
+    with trio.fail_after(300):
+        async with running_swarm(tmp_path, [d], fellows=2, leader_env={"SWARM_SERVE_CONTEXT_TOKENS": "48"}) as swarm:
+            await swarm.load(d.name, 2)
+            budget = swarm.leader.serving.models[d.name].budget(swarm.leader.settings)
+            assert budget.max_requests == 1 and 48 <= budget.tokens < 2000  # not the 8 two stages take at most
+            requests = [Request(model=d.name, prompt=[5, 6, 7 + i], max_tokens=30, sampling=messages.Sampling(),
+                                eos=[]) for i in range(3)]
+            for r in requests:
+                await swarm.leader.serving.submit(r)
+            assert [r.state for r in requests] == ["running", "waiting", "waiting"]
+            for r in requests:
+                reader = Reader(r)
+                while (await reader.next(60))[0] != "done":
+                    pass
+            assert requests[0].queue_s < requests[1].queue_s < requests[2].queue_s  # one after another, in order
+            # too long for the pool: the seed's words
+            from swarm.errors import ContextTooLong
+
+            reply = budget.tokens - 39
+            with pytest.raises(ContextTooLong) as refused:
+                await swarm.leader.serving.submit(Request(model=d.name, prompt=[1] * 40, max_tokens=reply,
+                                                          sampling=messages.Sampling(), eos=[]))
+            assert f"this conversation needs {budget.tokens + 1} tokens (40 in the prompt and up to {reply} in the " \
+                   f"reply); the pool serving this model holds {budget.tokens}" in str(refused.value)
+            assert "maximum context length" in str(refused.value)
