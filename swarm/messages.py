@@ -23,6 +23,16 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    # OpenAI's penalties over the reply so far, and transformers' over prompt and reply (1.0: off); the last stage
+    # applies them before the filters above.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; else the sampled token's log-probability and this many alternatives
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @record

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import secrets
 import time
 
 import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from swarm import messages
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import (
@@ -25,72 +22,12 @@ from swarm.leader.chat_format import (
     sampling_defaults,
 )
 from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
+from swarm.leader.openai_params import ChatParams, parse_chat_body, to_sampling
 from swarm.leader.reasoning import ReasoningSplitter
 from swarm.leader.requests import Reader, Request
+from swarm.leader.stops import StopFinder
 
 log = logging.getLogger(__name__)
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
-
-
-@dataclasses.dataclass
-class ChatParams:
-    """A validated chat completion request."""
-
-    model: str
-    messages: list[dict]
-    stream: bool
-    max_tokens: int | None  # None: as much as the context leaves
-    thinking: bool | None
-    sampling: dict
-    return_token_ids: bool
-    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
-
-
-def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
-    model = body.get("model")
-    messages = body.get("messages")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required: one of the ids from GET /v1/models.", "missing_model")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool") for m in messages
-    ):
-        raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "invalid_messages")
-    requested = body.get("max_completion_tokens", body.get("max_tokens"))
-    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 1):
-        raise BadRequest("'max_tokens' must be a positive integer.", "invalid_max_tokens")
-    if requested is not None and requested > max_tokens_limit:
-        raise BadRequest(f"'max_tokens' is {requested}; a reply may have at most {max_tokens_limit} tokens. "
-                         f"Ask for {max_tokens_limit} or fewer.", "invalid_max_tokens")
-    kwargs = body.get("chat_template_kwargs") or {}
-    thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
-    sampling = {}
-    for key in SAMPLING_KEYS:
-        value = body.get(key)
-        if value is not None:
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise BadRequest(f"'{key}' must be a number.", f"invalid_{key}")
-            sampling[key] = value
-    if not 0 <= sampling.get("temperature", 0) <= 2:
-        raise BadRequest("'temperature' must be between 0 and 2.", "invalid_temperature")
-    return ChatParams(model, messages, bool(body.get("stream")), requested, thinking, sampling,
-                      bool(body.get("return_token_ids")), body.get("ignore_eos") is True)
-
-
-def to_sampling(values: dict) -> messages.Sampling:
-    temperature = float(values.get("temperature", 0.0))
-    seed = int(values["seed"]) if values.get("seed") is not None else None
-    if seed is None and temperature > 0:
-        # Every sampled request gets a seed: a reply sent again after a failover goes on with the same draws.
-        seed = secrets.randbits(63)
-    return messages.Sampling(
-        temperature=temperature,
-        top_k=int(values.get("top_k") or 0),
-        top_p=float(values["top_p"]) if values.get("top_p") is not None else 1.0,
-        min_p=float(values.get("min_p") or 0.0),
-        seed=seed,
-    )
-
 
 class OpenAIRoutes:
     def __init__(self, leader):
@@ -114,11 +51,12 @@ class OpenAIRoutes:
             stream = body.get("stream") is True
             params = parse_chat_body(body, self.leader.settings.max_tokens_limit)
             ring_request, inside = await self._submit(params, user.id)
+            await self.leader.serving.wait_started(ring_request, request.receive)  # 503 if it waits too long
         except Exception as exc:
             if stream and isinstance(exc, ContextTooLong):  # the seed: context_length_exceeded in a stream
                 return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
-        text = ReplyText(load_tokenizer(str(self.leader.models_root / params.model)), inside)
+        text = ReplyText(load_tokenizer(str(self.leader.models_root / params.model)), inside, params.stop)
         created = int(time.time())
         if params.stream:
             return StreamingResponse(
@@ -126,7 +64,7 @@ class OpenAIRoutes:
                 headers={"x-swarm-request-id": ring_request.id, "cache-control": "no-cache"},
             )
         try:
-            reasoning, content = await self._collect(ring_request, text)
+            reasoning, content, finish = await self._collect(ring_request, text)
         except SwarmError as exc:
             return openai_problem(502, str(exc), "server_error", "ring_failed")
         finally:
@@ -134,13 +72,13 @@ class OpenAIRoutes:
         message = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": message, "finish_reason": ring_request.finish_reason}
+        choice = {"index": 0, "message": message, "finish_reason": finish}
         if params.return_token_ids:  # vLLM's extension: the exact tokens, for tests and tools
-            choice["token_ids"] = list(ring_request.tokens)
+            choice["token_ids"] = list(ring_request.tokens[: text.used])
             choice["prompt_token_ids"] = list(ring_request.prompt)
         return JSONResponse({
             "id": f"chatcmpl-{ring_request.id}", "object": "chat.completion", "created": created,
-            "model": params.model, "choices": [choice], "usage": _usage(ring_request),
+            "model": params.model, "choices": [choice], "usage": _usage(ring_request, text.used),
             "swarm": {"timing": _timing(ring_request)},
         }, headers={"x-swarm-request-id": ring_request.id})
 
@@ -182,7 +120,8 @@ class OpenAIRoutes:
         settings = self.leader.settings
         return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 
-    async def _collect(self, ring_request: Request, text: ReplyText) -> tuple[str, str]:
+    async def _collect(self, ring_request: Request, text: ReplyText) -> tuple[str, str, str]:
+        """(reasoning, content, finish reason) of the whole reply."""
         reasoning, content = [], []
         reader = self._reader(ring_request)
         while True:
@@ -192,8 +131,11 @@ class OpenAIRoutes:
             r, c = text.push(value) if kind == "tokens" else text.flush()
             reasoning.append(r)
             content.append(c)
+            if text.stopped:
+                self.leader.serving.cancel(ring_request)  # the ring stops now and frees the request's caches
+                return "".join(reasoning), "".join(content), "stop"
             if kind != "tokens":
-                return "".join(reasoning), "".join(content)
+                return "".join(reasoning), "".join(content), "stop" if value == "cancelled" else value
 
     async def _stream(self, ring_request: Request, text: ReplyText, created: int):
         base = {"id": f"chatcmpl-{ring_request.id}", "object": "chat.completion.chunk", "created": created,
@@ -218,6 +160,13 @@ class OpenAIRoutes:
                     for token in value:  # one token per chunk, however the fellows batched them
                         for line in deltas(*text.push([token])):
                             yield line
+                        if text.stopped:
+                            break
+                    if text.stopped:
+                        self.leader.serving.cancel(ring_request)  # the ring stops now and frees the caches
+                        yield chunk({}, finish="stop", extra={"usage": _usage(ring_request, text.used),
+                                                              "swarm": {"timing": _timing(ring_request)}})
+                        break
                 elif kind == "error":
                     payload = {"error": {"message": value, "type": "server_error", "code": "ring_failed"}}
                     yield f"data: {json.dumps(payload)}\n\n"
@@ -226,7 +175,7 @@ class OpenAIRoutes:
                     for line in deltas(*text.flush()):
                         yield line
                     finish = "stop" if value == "cancelled" else value
-                    yield chunk({}, finish=finish, extra={"usage": _usage(ring_request),
+                    yield chunk({}, finish=finish, extra={"usage": _usage(ring_request, text.used),
                                                           "swarm": {"timing": _timing(ring_request)}})
                     break
             yield "data: [DONE]\n\n"
@@ -237,19 +186,40 @@ class OpenAIRoutes:
 
 
 class ReplyText:
-    """Token ids in, (reasoning, content) text deltas out: incremental detokenising, then the thinking split."""
+    """Token ids in, (reasoning, content) text deltas out: incremental detokenising, stop strings, then the thinking
+    split. ``used`` counts the tokens whose text made the reply: all of them, unless a stop string cut it short."""
 
-    def __init__(self, tokenizer, inside: bool):
+    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = ()):
         self.text = TextStream(tokenizer)
+        self.stop = StopFinder(list(stops))
         self.split = ReasoningSplitter(inside)
+        self.used = 0
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was met: the reply is over."""
+        return self.stop.stopped
 
     def push(self, tokens: list[int]) -> tuple[str, str]:
-        return self.split.push(self.text.push(tokens))
+        reasoning, content = "", ""
+        for token in tokens:  # one at a time: a stop string ends the reply at the token that completed it
+            if self.stopped:
+                break
+            self.used += 1
+            r, c = self.split.push(self.stop.push(self.text.push([token])))
+            reasoning, content = reasoning + r, content + c
+        if self.stopped:
+            r, c = self.split.flush()
+            reasoning, content = reasoning + r, content + c
+        return reasoning, content
 
     def flush(self) -> tuple[str, str]:
-        r1, c1 = self.split.push(self.text.flush())
-        r2, c2 = self.split.flush()
-        return r1 + r2, c1 + c2
+        if self.stopped:
+            return "", ""
+        r1, c1 = self.split.push(self.stop.push(self.text.flush()))
+        r2, c2 = self.split.push(self.stop.flush())
+        r3, c3 = self.split.flush()
+        return r1 + r2 + r3, c1 + c2 + c3
 
 
 async def _error_events(exc: Exception):
@@ -265,6 +235,8 @@ def _timing(request: Request) -> dict:
             "ttft_ms": round((first - request.created_at) * 1000, 1) if first is not None else None}
 
 
-def _usage(request: Request) -> dict:
-    return {"prompt_tokens": len(request.prompt), "completion_tokens": len(request.tokens),
-            "total_tokens": len(request.prompt) + len(request.tokens)}
+def _usage(request: Request, used: int | None = None) -> dict:
+    """Token counts; ``used``: the reply's tokens up to the one that completed a stop string."""
+    reply = len(request.tokens) if used is None else min(used, len(request.tokens))
+    return {"prompt_tokens": len(request.prompt), "completion_tokens": reply,
+            "total_tokens": len(request.prompt) + reply}

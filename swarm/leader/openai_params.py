@@ -1,0 +1,205 @@
+"""What a request to the OpenAI-compatible API may ask for, checked before anything reaches the ring.
+
+Every field of a request body is one of three kinds: one we implement; one that changes nothing in a reply and that
+clients send anyway (``user``, ``metadata``, ``stream_options``...), accepted and ignored; or one we do not implement,
+refused with a 400 that names it -- a server that silently ignores ``response_format`` or ``tools`` gives wrong
+answers that look right. A field we do not implement is still accepted at the value that means "off" (``n: 1``,
+``logit_bias: {}``, ``response_format: {"type": "text"}``), and a null is the same as leaving a field out, as in
+OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from swarm import messages
+from swarm.errors import BadRequest
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+MAX_STOPS = 4  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_CHOICES = 8  # n: each choice is a request of its own on the ring
+
+# Fields that change nothing in a reply: who sent it, what to store, how to bill it, caching hints.
+IGNORED = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "stream_options",  # usage comes in the last chunk of every stream anyway
+    "parallel_tool_calls",  # only means something with tools, which are refused
+})
+
+# Fields we do not implement, accepted only at the value that means "off".
+_OFF_VALUES = {
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "modalities": (["text"],),
+    "best_of": (1,),
+    "suffix": ("",),
+    "n": (1,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+}
+
+CHAT_FIELDS = frozenset({
+    "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
+    "ignore_eos", "stop", *SAMPLING_KEYS,
+})
+
+# What to tell a client that asks for something we do not do, where there is more to say than "not supported".
+_ADVICE = {
+    "reasoning_effort": "Turn thinking on or off with \"chat_template_kwargs\": {\"enable_thinking\": false}.",
+    "response_format": "Only {\"type\": \"text\"} is supported; ask for JSON in the prompt instead.",
+    "tools": "Tool calls are not supported yet; describe the tools in the system message instead.",
+}
+
+
+def check_fields(body: dict, implemented: frozenset[str]) -> dict:
+    """``body`` without its nulls and ignored fields; BadRequest naming the first field we do not implement."""
+    out = {}
+    for key, value in body.items():
+        if value is None or key in IGNORED:
+            continue
+        if key in implemented:
+            out[key] = value
+            continue
+        if value in _OFF_VALUES.get(key, ()):
+            continue
+        advice = _ADVICE.get(key, "Leave it out, or set it to null.")
+        raise BadRequest(f"the parameter '{key}' is not supported by this server, so the request was not run "
+                         f"(it would have been ignored). {advice}", "unsupported_parameter")
+    return out
+
+
+@dataclasses.dataclass
+class ChatParams:
+    """A validated chat completion request."""
+
+    model: str
+    messages: list[dict]
+    stream: bool
+    max_tokens: int | None  # None: as much as the context leaves
+    thinking: bool | None
+    sampling: dict
+    return_token_ids: bool
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
+    stop: list[str] = dataclasses.field(default_factory=list)
+    n: int = 1
+    logprobs: int | None = None  # None: off; else how many alternatives each token comes with (0 to 20)
+
+
+def _number(body: dict, key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be a number.", f"invalid_{key}")
+    if not low <= value <= high:
+        raise BadRequest(f"'{key}' is {value}; it must be between {low:g} and {high:g}.", f"invalid_{key}")
+    return value
+
+
+def _integer(body: dict, key: str, low: int, high: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(f"'{key}' is {value!r}; it must be a whole number from {low} to {high}.", f"invalid_{key}")
+    return value
+
+
+def parse_stop(value) -> list[str]:
+    """``stop``: a string or a list of up to four non-empty strings."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings.", "invalid_stop")
+    return [s for s in dict.fromkeys(stops) if s]
+
+
+def parse_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0 to 20, only with logprobs) as one number."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest("'logprobs' must be true or false.", "invalid_logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not logprobs:
+        raise BadRequest("'top_logprobs' needs \"logprobs\": true.", "invalid_top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def parse_sampling(body: dict) -> dict:
+    """The sampling settings a request gives (the model's defaults fill in the rest)."""
+    sampling = {}
+    for key in SAMPLING_KEYS:
+        value = body.get(key)
+        if value is not None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise BadRequest(f"'{key}' must be a number.", f"invalid_{key}")
+            sampling[key] = value
+    if not 0 <= sampling.get("temperature", 0) <= 2:
+        raise BadRequest("'temperature' must be between 0 and 2.", "invalid_temperature")
+    for key in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
+        value = _number(body, key, -2.0, 2.0)
+        if value:
+            sampling[key] = value
+    value = _number(body, "repetition_penalty", 0.01, 10.0)  # transformers' and vLLM's: > 0, 1 is off
+    if value is not None and value != 1.0:
+        sampling["repetition_penalty"] = value
+    return sampling
+
+
+def parse_max_tokens(body: dict, max_tokens_limit: int) -> int | None:
+    requested = body.get("max_completion_tokens", body.get("max_tokens"))
+    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 1):
+        raise BadRequest("'max_tokens' must be a positive integer.", "invalid_max_tokens")
+    if requested is not None and requested > max_tokens_limit:
+        raise BadRequest(f"'max_tokens' is {requested}; a reply may have at most {max_tokens_limit} tokens. "
+                         f"Ask for {max_tokens_limit} or fewer.", "invalid_max_tokens")
+    return requested
+
+
+def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
+    body = check_fields(body, CHAT_FIELDS)
+    model = body.get("model")
+    chat = body.get("messages")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required: one of the ids from GET /v1/models.", "missing_model")
+    if not isinstance(chat, list) or not chat or not all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool") for m in chat
+    ):
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "invalid_messages")
+    requested = parse_max_tokens(body, max_tokens_limit)
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    return ChatParams(model, chat, bool(body.get("stream")), requested, thinking, parse_sampling(body),
+                      bool(body.get("return_token_ids")), body.get("ignore_eos") is True, parse_stop(body.get("stop")),
+                      n, parse_logprobs(body))
+
+
+def to_sampling(values: dict, logprobs: int | None = None) -> messages.Sampling:
+    temperature = float(values.get("temperature", 0.0))
+    seed = int(values["seed"]) if values.get("seed") is not None else None
+    if seed is None and temperature > 0:
+        # Every sampled request gets a seed: a reply sent again after a failover goes on with the same draws.
+        seed = secrets.randbits(63)
+    return messages.Sampling(
+        temperature=temperature,
+        top_k=int(values.get("top_k") or 0),
+        top_p=float(values["top_p"]) if values.get("top_p") is not None else 1.0,
+        min_p=float(values.get("min_p") or 0.0),
+        seed=seed,
+        presence_penalty=float(values.get("presence_penalty", 0.0)),
+        frequency_penalty=float(values.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(values.get("repetition_penalty", 1.0)),
+        logprobs=logprobs,
+    )

@@ -1,0 +1,81 @@
+"""What the OpenAI-compatible API accepts, refuses and makes of a request body; stop strings over a streamed text."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.errors import BadRequest
+from swarm.leader.openai_params import parse_chat_body
+from swarm.leader.stops import StopFinder
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def parse(**fields):
+    return parse_chat_body({**BASE, **fields}, 4096)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"50256": -100}),
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("reasoning_effort", "low"),
+    ("audio", {"voice": "alloy"}),
+    ("best_of", 3),
+    ("made_up_field", 1),
+])
+def test_what_we_do_not_implement_is_refused_by_name(field, value):
+    with pytest.raises(BadRequest) as info:
+        parse(**{field: value})
+    assert f"'{field}'" in str(info.value) and "not supported" in str(info.value)
+    assert info.value.code == "unsupported_parameter"
+
+
+def test_what_clients_send_anyway_is_accepted():
+    params = parse(user="u-1", metadata={"a": "b"}, store=False, stream_options={"include_usage": True},
+                   service_tier="auto", logit_bias={}, response_format={"type": "text"}, tools=[], tool_choice="none",
+                   top_p=None, safety_identifier="x", prompt_cache_key="k")
+    assert params.model == "m" and params.sampling == {}
+
+
+def test_max_completion_tokens_is_max_tokens():
+    assert parse(max_completion_tokens=7).max_tokens == 7
+    assert parse(max_tokens=9).max_tokens == 9
+    with pytest.raises(BadRequest, match="at most 4096"):
+        parse(max_completion_tokens=5000)
+
+
+def test_stop_is_a_string_or_up_to_four():
+    assert parse(stop="\n").stop == ["\n"]
+    assert parse(stop=["a", "b", "a", ""]).stop == ["a", "b"]
+    with pytest.raises(BadRequest, match="up to 4"):
+        parse(stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(BadRequest):
+        parse(stop=[1])
+
+
+def feed(finder: StopFinder, pieces: list[str]) -> list[str]:
+    out = [finder.push(p) for p in pieces]
+    out.append(finder.flush())
+    return out
+
+
+def test_a_stop_string_split_over_deltas_ends_the_text_before_it():
+    finder = StopFinder(["three"])
+    out = feed(finder, ["One", " two", " th", "r", "ee", " four"])
+    assert "".join(out) == "One two " and finder.stopped
+    # only what could still become the stop string was held back
+    assert out[:3] == ["One", " two", " "]
+
+
+def test_text_that_only_looked_like_a_stop_string_goes_out():
+    finder = StopFinder(["5."])
+    out = feed(finder, ["Count to 5", " now"])
+    assert out == ["Count to ", "5 now", ""] and not finder.stopped
+    finder = StopFinder(["xyz"])
+    assert feed(finder, ["ab", "xy"]) == ["ab", "", "xy"]  # the end of the reply releases what was held
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    finder = StopFinder(["world", "lo w"])
+    assert "".join(feed(finder, ["hello world"])) == "hel"
