@@ -49,7 +49,8 @@ class Settings:
     request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
     serve_failover_wait_s: float = 300.0  # SWARM_SERVE_FAILOVER_WAIT_S: how long a lost stage may take to re-place
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
-    serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long for its model
+    serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
+    serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -78,6 +79,8 @@ class Settings:
             raise ConfigError("SWARM_SERVE_PREFILL_CHUNK must be at least 1 token.")
         if self.serve_max_batch < 1:
             raise ConfigError("SWARM_SERVE_MAX_BATCH must be at least 1 request.")
+        if self.serve_queue_limit < 1:
+            raise ConfigError("SWARM_SERVE_QUEUE_LIMIT must be at least 1 request.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -105,6 +105,18 @@ class ContextTooLong(RequestFailed):
     """The conversation does not fit in the model's context."""
 
 
+class PoolBusy(RequestFailed):
+    """The queue of requests waiting for a model is full; the client may try again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTimeout(RequestFailed):
+    """A request waited longer than SWARM_SERVE_QUEUE_TIMEOUT_S to start and was given up."""
+
+
 def first_leaf(exc: BaseException) -> BaseException:
     """The first real exception inside (nested) exception groups: trio nurseries wrap even a single failure, and a
     user should read what failed, not "Exceptions from Trio nursery"."""

@@ -262,3 +262,20 @@ def test_the_admission_budget_follows_the_placement():
     assert b.tokens == 5_000 and b.max_requests == 4  # lowered to what fits, not refused
     b = budget(plans, {1: 0, 2: 0}, kv, typical_tokens=1024, context_tokens=4096)
     assert b.tokens == 4096 and b.max_requests == 4  # placement guaranteed one full context
+
+
+async def test_a_full_queue_says_when_to_come_back_from_the_rings_recent_pace(autojump_clock):
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=2, tokens=100_000))
+    assert book.retry_after("m") == 1 and book.queued("m") == 0  # nothing waits: come back at once
+    requests = [new_request() for _ in range(6)]
+    for request in requests:
+        book.submit(request)
+    assert book.queued("m") == 4  # two run, four wait
+    await trio.sleep(8)
+    book.on_tokens(tokens(requests[0].rid, [5], done=True, finish="stop"))  # it ran 8 s
+    assert book.service_s["m"] == 8.0
+    # three wait now, two run, a request takes ~8 s: the queue is worked through in ~12 s
+    assert book.queued("m") == 3 and book.retry_after("m") == 12
+    book.cancel(requests[3])  # a cancelled request neither waits nor counts
+    assert book.queued("m") == 2 and book.retry_after("m") == 8

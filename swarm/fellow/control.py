@@ -115,7 +115,7 @@ class ControlLink:
             hw = await trio.to_thread.run_sync(hardware.probe)
             hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
             await self.send({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(fellow.stages),
-                             "hops": hops})
+                             "hops": hops, "held": {name: s.held() for name, s in fellow.stages.items()}})
 
     async def dispatch(self, message: Any) -> None:
         fellow = self.fellow

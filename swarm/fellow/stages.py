@@ -47,6 +47,13 @@ class LoadedStage:
         return {"model": self.model, "load_id": self.load_id, "index": self.index, "num_stages": self.num_stages,
                 "first_layer": self.first_layer, "end_layer": self.end_layer, "cover": self.cover}
 
+    def held(self) -> dict:
+        """The requests this stage holds state for: in the ring protocol, and KV caches (0 and 0 when idle: a
+        request that ended, was cancelled or whose client went away leaves nothing behind)."""
+        protocol = self.driver.protocol
+        return {"requests": len(protocol.requests) if protocol is not None else 0,
+                "caches": len(self.driver.stage_model.requests())}
+
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.cancel_scope:
             async with trio.open_nursery() as nursery:

@@ -39,6 +39,7 @@ class FellowConn:
     connected_at: float
     last_heartbeat: float
     standby: bool = False  # left alone by plain loads: it takes over stages of fellows that drop out
+    held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
     last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
     # Messages to the fellow wait here for the connection's writer task, so whoever posts one -- the loop reading
@@ -71,6 +72,7 @@ class FellowConn:
             "serve": {"host": self.serve_host, "port": self.serve_port},
             "version": self.version,
             "standby": self.standby,
+            "held": self.held,
         }
 
 
@@ -136,6 +138,7 @@ class FellowHub:
                 conn.last_seen = trio.current_time()
                 if isinstance(message, dict) and message["t"] == "heartbeat":
                     conn.hardware = Hardware.from_wire(message["hardware"])
+                    conn.held = message.get("held") or {}
                     conn.last_heartbeat = trio.current_time()
                     await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
                 await self.serving.on_fellow_message(conn, message)

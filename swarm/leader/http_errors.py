@@ -18,6 +18,8 @@ from swarm.errors import (
     ModelNotFound,
     ModelNotLoaded,
     PlacementError,
+    PoolBusy,
+    QueueTimeout,
     StoreError,
     SwarmError,
 )
@@ -34,6 +36,8 @@ _TABLE: list[tuple[type, int, str, str]] = [
     (ChatLimitReached, 409, "chat_limit_reached", "invalid_request_error"),
     (PlacementError, 409, "placement_refused", "invalid_request_error"),
     (ModelNotLoaded, 503, "model_not_loaded", "server_error"),
+    (PoolBusy, 429, "pool_busy", "rate_limit_error"),
+    (QueueTimeout, 503, "queue_timeout", "server_error"),
     (BadRequest, 400, "bad_request", "invalid_request_error"),
     (StoreError, 400, "store_refused", "invalid_request_error"),
     (SwarmError, 500, "swarm_error", "server_error"),
@@ -56,20 +60,30 @@ def classify(exc: BaseException) -> tuple[int, str, str, str]:
 
 def api_error(exc: BaseException) -> JSONResponse:
     status, code, _, message = classify(exc)
-    return problem(status, message, code)
+    return problem(status, message, code, headers=_headers(exc))
 
 
 def openai_error(exc: BaseException) -> JSONResponse:
     status, code, openai_type, message = classify(exc)
-    return openai_problem(status, message, openai_type, _OPENAI_CODES.get(code, code))
+    return openai_problem(status, message, openai_type, _OPENAI_CODES.get(code, code), headers=_headers(exc))
 
 
-def problem(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
+def _headers(exc: BaseException) -> dict | None:
+    """Retry-After for a refusal that passes (a full queue): clients such as openai's wait that long and retry."""
+    if isinstance(exc, PoolBusy):
+        return {"retry-after": str(exc.retry_after)}
+    return None
 
 
-def openai_problem(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+def problem(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status,
+                        headers=headers)
+
+
+def openai_problem(status: int, message: str, type_: str, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status,
+                        headers=headers)
 
 
 async def json_body(request) -> dict:

@@ -299,8 +299,13 @@ class Recovery:
         adopted = self._claim(conn, stages)
         for model in list(self.serving.models.values()):
             slot = model.slot_of(conn.id)
-            if slot is not None and slot.ready and model.name not in adopted:
+            if slot is None or model.name in adopted:
+                continue
+            if slot.ready:
                 self._slot_lost(model, slot, f"{conn.name} came back without stage {slot.plan.index} of {model.name}")
+            elif model.status == "recovering" and slot.phase == "queued":
+                # after a leader restart: its fellow is back but restarted too -- load the stage again right away
+                self.serving._start(self._replace, model, slot.plan.index)
         return adopted
 
     def _claim(self, conn, stages: list) -> list[str]:

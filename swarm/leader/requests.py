@@ -170,6 +170,18 @@ class RequestBook:
         self.by_rid: dict[str, Request] = {}  # running attempts
         self.waiting: dict[str, list[Request]] = {}  # model -> requests waiting, in order of arrival
         self.budgets: dict[str, Budget] = {}  # models whose ring is whole -> what they hold at once
+        self.service_s: dict[str, float] = {}  # model -> how long a request ran, on average of the recent ones
+
+    def queued(self, model: str) -> int:
+        """How many requests of ``model`` wait to start."""
+        return sum(not r.ended for r in self.waiting.get(model, []))
+
+    def retry_after(self, model: str) -> int:
+        """A client's fair wait, in seconds, before it sends again a request that found the queue full: the time the
+        ring takes to work through the queue at its recent pace (1 s to 5 minutes)."""
+        running = max(1, len(self.of_model(model)))
+        each = self.service_s.get(model, 10.0)
+        return int(min(300, max(1, round(self.queued(model) / running * each))))
 
     def find(self, request_id: str) -> Request | None:
         for request in [*self.by_rid.values(), *(r for rs in self.waiting.values() for r in rs)]:
@@ -320,6 +332,10 @@ class RequestBook:
         self.by_rid.pop(request.rid, None)
         if not request.ended:
             request.finish_reason, request.error = finish, error
+            if finish in ("stop", "length") and request.started_at is not None:
+                took = _now() - request.started_at
+                last = self.service_s.get(request.model)
+                self.service_s[request.model] = took if last is None else 0.8 * last + 0.2 * took
         request.state = "ended"
         request.notify()
 

@@ -18,7 +18,7 @@ import trio
 
 from swarm import messages
 from swarm.config import Settings
-from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError
+from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout
 from swarm.leader.models import ModelServing, StageState, load_message, model_size
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
@@ -71,7 +71,12 @@ class Serving:
         manifest = await self.manifest(name)
         current = self.models.get(name)
         if current is not None and current.status in ("loading", "ready", "recovering"):
-            return current
+            asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
+                (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
+            if not (current.status == "recovering" and asked_otherwise):
+                return current
+            # asked for another shape while the old one is still being put back together: start over as asked
+            await self.unload(name, reason=f"model {name} is being loaded again as asked")
         # standbys wait for failovers, unless one is asked for by name
         fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
         if num_stages is None:
@@ -162,8 +167,45 @@ class Serving:
         pool = self.pool_tokens(request.model)
         if request.need > pool:
             raise ContextTooLong(too_long(request.need, len(request.prompt), request.max_tokens, pool))
+        limit = self.settings.serve_queue_limit
+        if self.book.queued(request.model) >= limit:
+            wait = self.book.retry_after(request.model)
+            raise PoolBusy(f"the pool serving {request.model} is busy: {limit} requests are already waiting for it "
+                           f"(SWARM_SERVE_QUEUE_LIMIT). Send this one again in about {wait} s.", wait)
         self._perform(self.book.submit(request))  # runs now, or waits for the ring or for room
         return request
+
+    async def wait_started(self, request: Request, receive=None) -> None:
+        """Until ``request`` leaves the queue: it runs on the ring, or it ended. A request that waits longer than
+        SWARM_SERVE_QUEUE_TIMEOUT_S is taken out of the queue and refused (QueueTimeout: a 503). With ``receive``
+        (the ASGI receive of the client's connection), a client that goes away meanwhile takes its request out of
+        the queue at once rather than leave it to run for nobody."""
+        timeout = self.settings.serve_queue_timeout_s
+        async with trio.open_nursery() as nursery:
+            if receive is not None:
+                nursery.start_soon(self._cancel_on_disconnect, request, receive)
+            with trio.move_on_after(max(0.0, request.created_at + timeout - trio.current_time())):
+                while request.state in ("new", "waiting"):
+                    await request.changed.wait()
+            nursery.cancel_scope.cancel()
+        if request.state in ("new", "waiting"):
+            ahead = self.book.queued(request.model) + len(self.book.of_model(request.model))
+            self.cancel(request)
+            status = self.status(request.model)
+            if status == "ready":
+                raise QueueTimeout(
+                    f"this request waited {timeout:.0f} s for room on the pool serving {request.model} and did not "
+                    f"start (SWARM_SERVE_QUEUE_TIMEOUT_S); {ahead - 1} other requests were running or waiting. Try "
+                    "again later, or serve the model on more fellows.")
+            raise QueueTimeout(
+                f"model {request.model} was not ready within {timeout:.0f} s (SWARM_SERVE_QUEUE_TIMEOUT_S): it is "
+                f"still {status.replace('_', ' ')}. Try again later.")
+
+    async def _cancel_on_disconnect(self, request: Request, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        log.info("request %s: its client went away while it waited to start", request.id)
+        self.cancel(request)
 
     def pool_tokens(self, name: str) -> int:
         """The longest conversation (prompt and reply) the ring serving ``name`` holds."""
