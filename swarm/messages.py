@@ -44,6 +44,9 @@ class RequestStart:
     eos: list[int]
     sampling: Sampling
     drawn: int = 0  # tokens the reply had before this attempt (a request sent again after a failover)
+    # The prompt's token ids, only for a request with penalties (the last stage counts the tokens they apply to);
+    # its last ``drawn`` ids are the reply's so far.
+    context: list[int] | None = None
 
 
 @message("gen")
@@ -103,11 +106,22 @@ class Free:
 
 
 @record
+class TokenLogprob:
+    """What the last stage tells of one sampled token when the request asked for logprobs: its log-probability and
+    the most likely tokens' ids and log-probabilities, in the distribution it was drawn from."""
+
+    logprob: float
+    top_ids: list[int] = dataclasses.field(default_factory=list)
+    top_logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+@record
 class TokenBatch:
     rid: str
     tokens: list[int]
     done: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token when asked for
 
 
 @message("tokens")

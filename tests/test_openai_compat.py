@@ -89,3 +89,125 @@ async def test_stop_strings_across_tokens_and_chunks_and_refused_parameters(tmp_
                                max_completion_tokens=2, user="someone", metadata={"run": "1"}, store=False,
                                stream_options=None)
             assert reply.choices[0].message.content == "One two" and reply.choices[0].finish_reason == "length"
+
+
+async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
+    import torch
+
+    from swarm.leader.chat_format import load_tokenizer
+    from swarm.stage.reference import load_reference_model
+
+    name = scripted_dir.name
+    seen = []
+    with trio.fail_after(240):
+        async with running_swarm(tmp_path, [scripted_dir], fellows=2) as swarm:
+            await swarm.load(name, 2)
+            client = client_of(swarm)
+            base = dict(model=name, messages=ASK, temperature=0, max_tokens=20)
+
+            # logprobs: transformers' log_softmax of the same model's logits, token by token
+            reply = await call(client.chat.completions.create, **base, logprobs=True, top_logprobs=3,
+                               extra_body={"return_token_ids": True})
+            choice = reply.choices[0]
+            content = choice.logprobs.content
+            assert "".join(e.token for e in content) == choice.message.content + "<|im_end|>"
+            model = load_reference_model(scripted_dir)
+            ids = choice.model_extra["prompt_token_ids"]
+            tokens = choice.model_extra["token_ids"]
+            tokenizer = load_tokenizer(str(scripted_dir))
+            for token, entry in zip(tokens, content):
+                with torch.no_grad():
+                    want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+                assert entry.logprob == pytest.approx(float(want[token]), abs=1e-4)
+                values, top = torch.topk(want, 3)
+                assert [e.token for e in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.tolist()]
+                assert [e.logprob for e in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+                ids = ids + [token]
+            # streamed: the same entries, spread over the chunks
+            _, chunks = await stream_text(client, **base, logprobs=True, top_logprobs=3, stop=" four")
+            streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            assert [e.token for e in streamed] == [e.token for e in content[:5]]  # up to the stop string's token
+            assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content[:5]])
+
+            # n: greedy choices are the same reply; usage counts them all
+            reply = await call(client.chat.completions.create, **base, n=3)
+            assert [c.index for c in reply.choices] == [0, 1, 2]
+            assert {c.message.content for c in reply.choices} == {"".join(SCRIPT)}
+            assert reply.usage.completion_tokens == 3 * (len(SCRIPT) + 1)  # the script and the end of turn, thrice
+            # sampled with a seed: reproducible, and each choice draws on its own
+            hot = dict(model=name, messages=ASK, temperature=2.0, top_p=1.0, max_tokens=6, seed=11, n=4)
+            first = await call(client.chat.completions.create, **hot, extra_body={"return_token_ids": True})
+            again = await call(client.chat.completions.create, **hot, extra_body={"return_token_ids": True})
+            drawn = [c.model_extra["token_ids"] for c in first.choices]
+            assert drawn == [c.model_extra["token_ids"] for c in again.choices]
+            alone = await call(client.chat.completions.create, **{**hot, "n": 1}, extra_body={"return_token_ids": True})
+            assert alone.choices[0].model_extra["token_ids"] == drawn[0]  # choice 0 is the n=1 reply
+            # streamed: each chunk says whose it is; every choice ends once
+            chunks = await trio.to_thread.run_sync(lambda: list(client.chat.completions.create(
+                stream=True, **{**base, "n": 2, "stop": "ee"})))
+            texts = {0: "", 1: ""}
+            ends = []
+            for c in chunks:
+                for item in c.choices:
+                    texts[item.index] += item.delta.content or ""
+                    if item.finish_reason:
+                        ends.append((item.index, item.finish_reason))
+            assert texts == {0: "One two thr", 1: "One two thr"} and sorted(ends) == [(0, "stop"), (1, "stop")]
+            assert chunks[-1].usage.completion_tokens == 8
+            await idle(swarm, name)
+
+            # penalties reach the ring
+            submit = swarm.leader.serving.submit
+
+            async def spy(request):
+                seen.append(request.sampling)
+                return await submit(request)
+
+            swarm.leader.serving.submit = spy
+            reply = await call(client.chat.completions.create, **base, presence_penalty=0.5, frequency_penalty=0.25,
+                               extra_body={"repetition_penalty": 1.3})
+            assert reply.choices[0].message.content == "".join(SCRIPT)  # a script that never repeats a token
+    (sampling,) = seen
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, 0.25, 1.3)
+
+
+async def test_the_built_in_model_sampled_choices_and_filtered_logprobs(tmp_path, smollm_model_dir):
+    """SmolLM2 over two stages: n sampled choices differ and come back the same with the same seed; logprobs of a
+    sampled reply are transformers' log_softmax after its warpers; a frequency penalty changes a greedy reply."""
+    import torch
+
+    from swarm.stage.reference import load_reference_model
+    from swarm.stage.sampling import SamplingParams
+
+    name = smollm_model_dir.name
+    ask = [{"role": "user", "content": "Write a list of fruits."}]
+    with trio.fail_after(300):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=2) as swarm:
+            await swarm.load(name, 2)
+            client = client_of(swarm)
+            body = dict(model=name, messages=ask, temperature=0.8, top_p=0.9, max_tokens=8, seed=5, n=3,
+                        extra_body={"top_k": 40, "return_token_ids": True})
+            first = await call(client.chat.completions.create, **body, logprobs=True, top_logprobs=2)
+            again = await call(client.chat.completions.create, **body)
+            drawn = [c.model_extra["token_ids"] for c in first.choices]
+            assert drawn == [c.model_extra["token_ids"] for c in again.choices]
+            assert len({tuple(d) for d in drawn}) > 1
+            greedy = dict(model=name, messages=ask, temperature=0, max_tokens=24, extra_body={"return_token_ids": True})
+            plain = await call(client.chat.completions.create, **greedy, n=2)
+            assert plain.choices[0].model_extra["token_ids"] == plain.choices[1].model_extra["token_ids"]
+            penalised = await call(client.chat.completions.create, **greedy, frequency_penalty=2.0)
+            assert penalised.choices[0].model_extra["token_ids"] != plain.choices[0].model_extra["token_ids"]
+
+    model = load_reference_model(smollm_model_dir)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+    for choice in first.choices:
+        ids = choice.model_extra["prompt_token_ids"]
+        for token, entry in zip(choice.model_extra["token_ids"], choice.logprobs.content):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1:].float()
+            want = torch.log_softmax(params.warpers()(torch.empty((1, 0), dtype=torch.long), logits), dim=-1)[0]
+            want = want.clamp(min=-9999.0)  # a token the filters ruled out: OpenAI's -9999.0 (JSON has no -inf)
+            assert entry.logprob == pytest.approx(float(want[token]), abs=1e-4)
+            assert [e.logprob for e in entry.top_logprobs] == pytest.approx(torch.topk(want, 2).values.tolist(),
+                                                                            abs=1e-4)
+            ids = ids + [token]

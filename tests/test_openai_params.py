@@ -79,3 +79,25 @@ def test_text_that_only_looked_like_a_stop_string_goes_out():
 def test_the_earliest_of_several_stop_strings_wins():
     finder = StopFinder(["world", "lo w"])
     assert "".join(feed(finder, ["hello world"])) == "hel"
+
+
+def test_n_logprobs_and_penalties_are_checked():
+    params = parse(n=3, logprobs=True, top_logprobs=5, presence_penalty=0.5, frequency_penalty=0,
+                   repetition_penalty=1.1)
+    assert (params.n, params.logprobs) == (3, 5)
+    assert params.sampling == {"presence_penalty": 0.5, "repetition_penalty": 1.1}  # 0 is off: not sent
+    assert parse(logprobs=True).logprobs == 0 and parse(logprobs=False, top_logprobs=0).logprobs is None
+    for bad in ({"n": 9}, {"n": 0}, {"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2},
+                {"presence_penalty": 2.5}, {"repetition_penalty": 0}, {"logprobs": "yes"}):
+        with pytest.raises(BadRequest):
+            parse(**bad)
+
+
+def test_choices_get_seeds_of_their_own():
+    from swarm.leader.openai_params import choice_seed, to_sampling
+
+    seeds = [choice_seed(42, i) for i in range(1, 8)]
+    assert len(set(seeds)) == 7 and 42 not in seeds and all(0 <= s < 1 << 63 for s in seeds)
+    sampling = to_sampling({"temperature": 0.5, "presence_penalty": 1.0}, logprobs=2)
+    assert sampling.seed is not None and sampling.penalised and sampling.logprobs == 2
+    assert not to_sampling({}).penalised and to_sampling({}).seed is None

@@ -171,8 +171,11 @@ class StageDriver:
         if batch is None:
             batch = self._streamed[action.rid] = messages.TokenBatch(action.rid, [])
         batch.tokens.append(action.token)
+        if action.logprob is not None:
+            batch.logprobs.append(action.logprob)
         if action.finish_reason is not None:
-            self._streamed[action.rid] = messages.TokenBatch(action.rid, batch.tokens, True, action.finish_reason)
+            self._streamed[action.rid] = messages.TokenBatch(action.rid, batch.tokens, True, action.finish_reason,
+                                                             batch.logprobs)
         self._stream_ready.set()
 
     async def _post_tokens(self) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
+from typing import Any
 
 import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError
+from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError, first_leaf
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import (
     TextStream,
@@ -22,7 +24,8 @@ from swarm.leader.chat_format import (
     sampling_defaults,
 )
 from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
-from swarm.leader.openai_params import ChatParams, parse_chat_body, to_sampling
+from swarm.leader.logprobs import logprob_entries
+from swarm.leader.openai_params import ChatParams, choice_seed, parse_chat_body, to_sampling
 from swarm.leader.reasoning import ReasoningSplitter
 from swarm.leader.requests import Reader, Request
 from swarm.leader.stops import StopFinder
@@ -45,45 +48,64 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: HttpRequest):
         stream = False
+        ring_requests: list[Request] = []
         try:
             user = await current_user(request, self.leader.store)
             body = await json_body(request)
             stream = body.get("stream") is True
             params = parse_chat_body(body, self.leader.settings.max_tokens_limit)
-            ring_request, inside = await self._submit(params, user.id)
-            await self.leader.serving.wait_started(ring_request, request.receive)  # 503 if it waits too long
+            inside = await self._submit(params, user.id, ring_requests)
+            for ring_request in ring_requests:
+                await self.leader.serving.wait_started(ring_request, request.receive)  # 503 if it waits too long
         except Exception as exc:
+            for ring_request in ring_requests:
+                self.leader.serving.cancel(ring_request)
             if stream and isinstance(exc, ContextTooLong):  # the seed: context_length_exceeded in a stream
                 return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
-        text = ReplyText(load_tokenizer(str(self.leader.models_root / params.model)), inside, params.stop)
+        tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
+        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self._reader(r), params.logprobs)
+                   for i, r in enumerate(ring_requests)]
+        first = ring_requests[0]
         created = int(time.time())
         if params.stream:
             return StreamingResponse(
-                self._stream(ring_request, text, created), media_type="text/event-stream",
-                headers={"x-swarm-request-id": ring_request.id, "cache-control": "no-cache"},
+                self._stream(choices, created), media_type="text/event-stream",
+                headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"},
             )
         try:
-            reasoning, content, finish = await self._collect(ring_request, text)
-        except SwarmError as exc:
-            return openai_problem(502, str(exc), "server_error", "ring_failed")
+            async with trio.open_nursery() as nursery:  # every choice read at once: a stop string cancels it at once
+                for choice in choices:
+                    nursery.start_soon(self._collect, choice)
+        except BaseException as exc:
+            failure = first_leaf(exc)
+            if isinstance(failure, SwarmError):
+                return openai_problem(502, str(failure), "server_error", "ring_failed")
+            raise
         finally:
-            self.leader.serving.cancel(ring_request)
-        message = {"role": "assistant", "content": content}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": message, "finish_reason": finish}
-        if params.return_token_ids:  # vLLM's extension: the exact tokens, for tests and tools
-            choice["token_ids"] = list(ring_request.tokens[: text.used])
-            choice["prompt_token_ids"] = list(ring_request.prompt)
+            for choice in choices:
+                self.leader.serving.cancel(choice.request)
+        out = []
+        for choice in choices:
+            message = {"role": "assistant", "content": choice.content}
+            if choice.reasoning:
+                message["reasoning_content"] = choice.reasoning
+            item = {"index": choice.index, "message": message, "finish_reason": choice.finish}
+            if choice.top is not None:
+                item["logprobs"] = {"content": choice.logprobs(tokenizer, choice.text.used), "refusal": None}
+            if params.return_token_ids:  # vLLM's extension: the exact tokens, for tests and tools
+                item["token_ids"] = list(choice.request.tokens[: choice.text.used])
+                item["prompt_token_ids"] = list(choice.request.prompt)
+            out.append(item)
         return JSONResponse({
-            "id": f"chatcmpl-{ring_request.id}", "object": "chat.completion", "created": created,
-            "model": params.model, "choices": [choice], "usage": _usage(ring_request, text.used),
-            "swarm": {"timing": _timing(ring_request)},
-        }, headers={"x-swarm-request-id": ring_request.id})
+            "id": f"chatcmpl-{first.id}", "object": "chat.completion", "created": created,
+            "model": params.model, "choices": out, "usage": _usage(choices),
+            "swarm": {"timing": _timing(first)},
+        }, headers={"x-swarm-request-id": first.id})
 
-    async def _submit(self, params: ChatParams, owner: int) -> tuple[Request, bool]:
-        """The request on its way to the ring, and whether its prompt opened a thinking block."""
+    async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> bool:
+        """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
+        cancel them if a later one is refused), and whether the prompt opened a thinking block."""
         leader = self.leader
         manifest = await leader.serving.manifest(params.model)
         if leader.serving.status(params.model) == "not_loaded" and params.model not in leader.serving.reload_on_request:
@@ -112,77 +134,133 @@ class OpenAIRoutes:
         sampling.update(params.sampling)
         eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
         inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
-        request = Request(model=params.model, prompt=prompt, max_tokens=max_tokens, sampling=to_sampling(sampling),
-                          eos=eos, owner=owner)
-        return await leader.serving.submit(request), inside
+        first = to_sampling(sampling, params.logprobs)
+        for i in range(params.n):
+            # Choice i draws from its own seed, derived from the request's: a seeded request gives the same n replies
+            # every time, and choice 0 is the reply the same request with n=1 gets.
+            seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
+            request = Request(model=params.model, prompt=prompt, max_tokens=max_tokens,
+                              sampling=dataclasses.replace(first, seed=seed), eos=eos, owner=owner)
+            out.append(await leader.serving.submit(request))
+        return inside
 
     def _reader(self, ring_request: Request) -> Reader:
         settings = self.leader.settings
         return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 
-    async def _collect(self, ring_request: Request, text: ReplyText) -> tuple[str, str, str]:
-        """(reasoning, content, finish reason) of the whole reply."""
-        reasoning, content = [], []
-        reader = self._reader(ring_request)
+    async def _collect(self, choice: Choice) -> None:
+        """Read one choice to its end (its text, finish reason and token count in ``choice``)."""
         while True:
-            kind, value = await reader.next()
+            kind, value = await choice.reader.next()
             if kind == "error":
                 raise SwarmError(value)
-            r, c = text.push(value) if kind == "tokens" else text.flush()
-            reasoning.append(r)
-            content.append(c)
-            if text.stopped:
-                self.leader.serving.cancel(ring_request)  # the ring stops now and frees the request's caches
-                return "".join(reasoning), "".join(content), "stop"
+            r, c = choice.text.push(value) if kind == "tokens" else choice.text.flush()
+            choice.reasoning += r
+            choice.content += c
+            if choice.text.stopped:
+                self.leader.serving.cancel(choice.request)  # the ring stops now and frees the request's caches
+                choice.finish = "stop"
+                return
             if kind != "tokens":
-                return "".join(reasoning), "".join(content), "stop" if value == "cancelled" else value
+                choice.finish = "stop" if value == "cancelled" else value
+                return
 
-    async def _stream(self, ring_request: Request, text: ReplyText, created: int):
-        base = {"id": f"chatcmpl-{ring_request.id}", "object": "chat.completion.chunk", "created": created,
-                "model": ring_request.model}
+    async def _stream(self, choices: list[Choice], created: int):
+        first = choices[0].request
+        base = {"id": f"chatcmpl-{first.id}", "object": "chat.completion.chunk", "created": created,
+                "model": first.model}
+        tokenizer = choices[0].text.text.tokenizer
 
-        def chunk(delta: dict, finish=None, extra=None) -> str:
-            data = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **(extra or {})}
+        def chunk(choice: Choice, delta: dict, finish=None, extra=None) -> str:
+            item = {"index": choice.index, "delta": delta, "finish_reason": finish}
+            if choice.top is not None and (delta or finish):  # the tokens behind this chunk's text
+                item["logprobs"] = {"content": choice.logprobs(tokenizer, choice.text.used, choice.sent)}
+                choice.sent = choice.text.used
+            data = {**base, "choices": [item], **(extra or {})}
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        def deltas(reasoning: str, content: str):
+        def deltas(choice: Choice, reasoning: str, content: str):
             if reasoning:
-                yield chunk({"reasoning_content": reasoning})
+                yield chunk(choice, {"reasoning_content": reasoning})
             if content:
-                yield chunk({"content": content})
+                yield chunk(choice, {"content": content})
 
-        reader = self._reader(ring_request)
+        def finished(choice: Choice, finish: str):
+            choice.finish = finish
+            last = all(c.finish is not None for c in choices)  # usage comes with the last choice's end
+            extra = {"usage": _usage(choices), "swarm": {"timing": _timing(first)}} if last else None
+            return chunk(choice, {}, finish=finish, extra=extra)
+
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, value = await reader.next()
+            for choice in choices:
+                yield chunk(choice, {"role": "assistant", "content": ""})
+            while any(c.finish is None for c in choices):
+                choice, kind, value = await _next_event([c for c in choices if c.finish is None])
+                text = choice.text
                 if kind == "tokens":
                     for token in value:  # one token per chunk, however the fellows batched them
-                        for line in deltas(*text.push([token])):
+                        for line in deltas(choice, *text.push([token])):
                             yield line
                         if text.stopped:
                             break
                     if text.stopped:
-                        self.leader.serving.cancel(ring_request)  # the ring stops now and frees the caches
-                        yield chunk({}, finish="stop", extra={"usage": _usage(ring_request, text.used),
-                                                              "swarm": {"timing": _timing(ring_request)}})
-                        break
+                        self.leader.serving.cancel(choice.request)  # the ring stops now and frees the caches
+                        yield finished(choice, "stop")
                 elif kind == "error":
                     payload = {"error": {"message": value, "type": "server_error", "code": "ring_failed"}}
                     yield f"data: {json.dumps(payload)}\n\n"
                     break
                 else:
-                    for line in deltas(*text.flush()):
+                    for line in deltas(choice, *text.flush()):
                         yield line
-                    finish = "stop" if value == "cancelled" else value
-                    yield chunk({}, finish=finish, extra={"usage": _usage(ring_request, text.used),
-                                                          "swarm": {"timing": _timing(ring_request)}})
-                    break
+                    yield finished(choice, "stop" if value == "cancelled" else value)
             yield "data: [DONE]\n\n"
         finally:
             # The client went away or the stream ended: make sure the fellows stop (hypercorn may never tell us of a
             # disconnect, so this also runs when a send fails).
-            self.leader.serving.cancel(ring_request)
+            for choice in choices:
+                self.leader.serving.cancel(choice.request)
+
+
+class Choice:
+    """One of a reply's n choices: its request on the ring, its text so far and how it ended."""
+
+    def __init__(self, index: int, request: Request, text: ReplyText, reader: Reader, top: int | None):
+        self.index = index
+        self.request = request
+        self.text = text
+        self.reader = reader
+        self.top = top  # None: no logprobs; else how many alternatives per token
+        self.reasoning = ""
+        self.content = ""
+        self.finish: str | None = None
+        self.sent = 0  # tokens whose logprobs went out in a stream
+        self.pending: list[tuple] = []  # what its reader gave while another choice's event was being taken
+
+    def logprobs(self, tokenizer, end: int, start: int = 0) -> list[dict]:
+        """OpenAI's logprobs content for tokens [start, end) of the reply."""
+        return logprob_entries(tokenizer, self.request.tokens[start:end], self.request.logprobs[start:end])
+
+
+async def _next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
+    """The next thing that happens to any of ``choices``: (choice, kind, value) as Reader.next gives it."""
+    for choice in choices:
+        if choice.pending:
+            return (choice, *choice.pending.pop(0))
+    if len(choices) == 1:
+        return (choices[0], *await choices[0].reader.next())
+    done: list = []
+    async with trio.open_nursery() as nursery:
+        async def read(choice: Choice) -> None:
+            result = await choice.reader.next()
+            done.append((choice, *result))  # kept even if another read won the race: nothing is lost
+            nursery.cancel_scope.cancel()
+
+        for choice in choices:
+            nursery.start_soon(read, choice)
+    for extra in done[1:]:
+        extra[0].pending.append(extra[1:])
+    return done[0]
 
 
 class ReplyText:
@@ -235,8 +313,8 @@ def _timing(request: Request) -> dict:
             "ttft_ms": round((first - request.created_at) * 1000, 1) if first is not None else None}
 
 
-def _usage(request: Request, used: int | None = None) -> dict:
-    """Token counts; ``used``: the reply's tokens up to the one that completed a stop string."""
-    reply = len(request.tokens) if used is None else min(used, len(request.tokens))
-    return {"prompt_tokens": len(request.prompt), "completion_tokens": reply,
-            "total_tokens": len(request.prompt) + reply}
+def _usage(choices: list[Choice]) -> dict:
+    """Token counts: the prompt once, and every choice's reply up to the token that completed a stop string."""
+    prompt = len(choices[0].request.prompt)
+    reply = sum(min(c.text.used, len(c.request.tokens)) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": reply, "total_tokens": prompt + reply}

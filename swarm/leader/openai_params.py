@@ -40,17 +40,11 @@ _OFF_VALUES = {
     "modalities": (["text"],),
     "best_of": (1,),
     "suffix": ("",),
-    "n": (1,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
 }
 
 CHAT_FIELDS = frozenset({
     "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
-    "ignore_eos", "stop", *SAMPLING_KEYS,
+    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", *SAMPLING_KEYS, *PENALTY_KEYS,
 })
 
 # What to tell a client that asks for something we do not do, where there is more to say than "not supported".
@@ -203,3 +197,12 @@ def to_sampling(values: dict, logprobs: int | None = None) -> messages.Sampling:
         repetition_penalty=float(values.get("repetition_penalty", 1.0)),
         logprobs=logprobs,
     )
+
+
+# splitmix64's increment, as the stage's per-token generators use it: well-spread seeds for consecutive choices.
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` (1 and up) of a request seeded with ``seed``."""
+    return (seed + index * _GOLDEN) % (1 << 63)

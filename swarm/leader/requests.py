@@ -59,6 +59,7 @@ class Request:
     rid: str = ""  # this attempt, on the ring
     owner: int | None = None  # the user who sent it
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)  # one per token, when asked
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     error: str | None = None
     attempts: int = 0
@@ -253,6 +254,7 @@ class RequestBook:
             if request.first_token_at is None:
                 request.first_token_at = _now()
             request.tokens.extend(batch.tokens)
+            request.logprobs.extend(batch.logprobs)
             if batch.done:
                 self._end(request, finish=batch.finish_reason or "stop")
                 ended = True

@@ -10,7 +10,7 @@ import torch
 from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_batch
-from swarm.stage.sampling import SamplingParams, sample, token_generator
+from swarm.stage.sampling import SamplingParams, penalise, sample, sample_with_logprobs, token_generator
 from swarm.stage.slice import StageModel
 
 
@@ -36,7 +36,7 @@ def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) 
         else:
             hidden_out.append(out)
     if stage.spec.is_last:
-        return Output(tokens=tokens)
+        return _sampled(tokens)
     states = hidden_out[0] if len(hidden_out) == 1 else torch.cat(hidden_out, dim=1)
     return Output(hidden=wire.tensor_to_wire(states))
 
@@ -46,13 +46,32 @@ def sampling_params(sampling: messages.Sampling) -> SamplingParams:
                           min_p=sampling.min_p, seed=sampling.seed)
 
 
-def _sample(work: Work, logits: torch.Tensor) -> int:
+def _sample(work: Work, logits: torch.Tensor) -> tuple[int, messages.TokenLogprob | None]:
+    """The request's next token (and its logprobs, when it asked for them), from the logits of its last row."""
     request = work.request
-    params = sampling_params(request.sampling)
+    sampling = request.sampling
+    params = sampling_params(sampling)
     generator = None
     if not params.greedy:  # on the CPU: the logits are moved there to sample
         generator = token_generator(params.seed, request.start.drawn + request.generated)
-    return sample(logits.cpu(), params, generator)
+    logits = logits.cpu()
+    context = request.start.context
+    if context is not None:
+        # the reply so far: the tokens a resent request had before this attempt (the prompt ends with them), then
+        # this attempt's
+        reply = context[len(context) - request.start.drawn :] + request.reply
+        logits = penalise(logits, presence=sampling.presence_penalty, frequency=sampling.frequency_penalty,
+                          repetition=sampling.repetition_penalty, context=context + request.reply, reply=reply)
+    if sampling.logprobs is None:
+        return sample(logits, params, generator), None
+    token, logprob, top_ids, top_logprobs = sample_with_logprobs(logits, params, generator, sampling.logprobs)
+    return token, messages.TokenLogprob(logprob, top_ids, top_logprobs)
+
+
+def _sampled(results: list) -> Output:
+    tokens = [r[0] if r is not None else None for r in results]
+    logprobs = [r[1] if r is not None else None for r in results]
+    return Output(tokens=tokens, logprobs=logprobs if any(lp is not None for lp in logprobs) else None)
 
 
 def _run_together(stage: StageModel, batch: list[Work]) -> Output:
@@ -70,4 +89,4 @@ def _run_together(stage: StageModel, batch: list[Work]) -> Output:
     out = forward_batch(stage, items)
     if not stage.spec.is_last:
         return Output(hidden=wire.tensor_to_wire(out))
-    return Output(tokens=[_sample(work, logits) if work.last else None for work, logits in zip(batch, out)])
+    return _sampled([_sample(work, logits) if work.last else None for work, logits in zip(batch, out)])

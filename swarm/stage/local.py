@@ -20,6 +20,7 @@ from swarm.stage.protocol import Output, Release, Report, Send, StageProtocol, S
 @dataclasses.dataclass
 class LocalReply:
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -103,6 +104,8 @@ class LocalRing:
                 reply = self.replies.get(action.rid)
                 if reply is not None and not reply.ended:
                     reply.tokens.append(action.token)
+                    if action.logprob is not None:
+                        reply.logprobs.append(action.logprob)
                     reply.finish_reason = action.finish_reason
             elif isinstance(action, Report):
                 reply = self.replies.get(action.message.rid)

@@ -59,6 +59,7 @@ class Stream:
     rid: str
     token: int
     finish_reason: str | None  # "stop" (end of turn), "length" (max_tokens) or None while it goes on
+    logprob: messages.TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,7 @@ class StageRequest:
     prompt: list[int] | None  # stage 0 only
     start: messages.RequestStart
     generated: int = 0  # last stage: tokens sampled so far
+    reply: list[int] = dataclasses.field(default_factory=list)  # last stage, with penalties: the tokens sampled
     next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
 
@@ -140,6 +142,7 @@ class Output:
 
     hidden: dict | None = None
     tokens: list[int | None] | None = None
+    logprobs: list[messages.TokenLogprob | None] | None = None  # with tokens, for requests that asked for them
 
 
 # --- the protocol ----------------------------------------------------------------------------------------------------
@@ -183,8 +186,9 @@ class StageProtocol:
             return self._fail_new(message.rid, "the prompt is empty")
         if message.rid in self.requests:
             return self._fail_new(message.rid, f"request {message.rid} is already on stage 0")
+        context = list(message.prompt) if message.sampling.penalised else None  # the penalties count these
         start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling,
-                                      message.drawn)
+                                      message.drawn, context)
         request = StageRequest(message.rid, list(message.prompt), start)
         self.requests[request.rid] = request
         self._queue_next_chunk(request)
@@ -273,19 +277,22 @@ class StageProtocol:
             actions.append(Send(messages.Hidden(self.model, parts, output.hidden)))
             return actions
         sampled = []
-        for work, token in zip(batch, output.tokens or [None] * len(batch)):
+        logprobs = output.logprobs or [None] * len(batch)
+        for work, token, logprob in zip(batch, output.tokens or [None] * len(batch), logprobs):
             if self.is_first and not work.last:
                 self._queue_next_chunk(work.request)  # one stage: the next prompt chunk
             if not work.last or token is None:
                 continue
             request = work.request
             request.generated += 1
+            if request.start.context is not None:
+                request.reply.append(token)
             finish = None
             if token in request.start.eos:
                 finish = "stop"
             elif request.generated >= request.start.max_tokens:
                 finish = "length"
-            actions.append(Stream(work.rid, token, finish))
+            actions.append(Stream(work.rid, token, finish, logprob))
             if finish is not None:
                 self._forget(work.rid)
                 actions.append(Release(work.rid))

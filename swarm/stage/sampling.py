@@ -1,6 +1,8 @@
 """Turning the last stage's logits into a token, exactly as transformers' generate samples.
 
-Greedy (temperature 0) is argmax. Otherwise the logits warpers run in the order generate applies them --
+Penalties come first, on the raw logits: transformers' repetition penalty (over the prompt and the reply, as
+generate applies it) and OpenAI's presence and frequency penalties (over the reply only, as OpenAI and vLLM apply
+them). Then greedy (temperature 0) is argmax. Otherwise the logits warpers run in the order generate applies them --
 temperature, top_k, top_p, min_p -- and a token is drawn with torch.multinomial. Each token draws from a generator
 seeded by the request's seed and the token's number in the reply, so a seeded reply is reproducible, and a reply that
 is sent again after a failover (prompt plus the tokens already streamed) goes on with the same random draws.
@@ -14,10 +16,14 @@ import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+# The log-probability reported for a token the filters ruled out (JSON has no -inf); OpenAI's API uses the same.
+IMPOSSIBLE = -9999.0
 
 
 @dataclass(frozen=True)
@@ -83,3 +89,42 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     scores = params.warpers()(torch.empty((1, 0), dtype=torch.long, device=scores.device), scores)
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
+
+
+def penalise(logits: torch.Tensor, *, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0,
+             context: list[int] = (), reply: list[int] = ()) -> torch.Tensor:
+    """The logits (vocab,) with the penalties applied: transformers' RepetitionPenaltyLogitsProcessor over
+    ``context`` (the prompt and the reply so far, as generate gives it), then OpenAI's presence penalty (once for
+    every token the reply holds) and frequency penalty (once per occurrence) over ``reply``."""
+    scores = logits.float().reshape(1, -1)
+    if repetition != 1.0 and context:
+        ids = torch.tensor([list(context)], dtype=torch.long)
+        scores = RepetitionPenaltyLogitsProcessor(penalty=repetition)(ids, scores)
+    if (presence or frequency) and reply:
+        counts = torch.bincount(torch.tensor(list(reply), dtype=torch.long), minlength=scores.shape[-1])
+        counts = counts[: scores.shape[-1]].to(scores.dtype)
+        scores = scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+    return scores.reshape(-1)
+
+
+def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                         top: int) -> tuple[int, float, list[int], list[float]]:
+    """One token id, like :func:`sample`, with its log-probability and the ``top`` most likely tokens' ids and
+    log-probabilities -- in the distribution the token was drawn from: after the temperature and the filters (and
+    the penalties given to :func:`penalise`); for greedy, the model's own. Ruled-out tokens are IMPOSSIBLE."""
+    scores = logits.float().reshape(1, -1)
+    if not params.greedy:
+        scores = params.warpers()(torch.empty((1, 0), dtype=torch.long, device=scores.device), scores)
+    logprobs = torch.log_softmax(scores, dim=-1)[0]
+    if params.greedy:
+        token = int(torch.argmax(scores))
+    else:
+        # the same draw as sample(): asking for logprobs does not change a seeded reply
+        token = int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)[0, 0])
+    values, ids = torch.topk(logprobs, top) if top > 0 else (logprobs[:0], logprobs[:0].long())
+    return (token, _finite(logprobs[token]), [int(i) for i in ids], [_finite(v) for v in values])
+
+
+def _finite(value: torch.Tensor) -> float:
+    value = float(value)
+    return value if value > IMPOSSIBLE else IMPOSSIBLE

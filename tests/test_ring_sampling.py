@@ -1,0 +1,125 @@
+"""The last stage's logprobs and penalties, through the real ring protocol and stage models in one process
+(swarm.stage.local), checked against transformers' own model, logits processors and log_softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from swarm import messages
+from swarm.stage import LocalRing, StageModel, stage_specs
+from swarm.stage.reference import load_reference_model
+from swarm.stage.sampling import SamplingParams
+from swarm.store.manifest import load_manifest
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dirs):
+    model_dir = tiny_model_dirs["llama"]
+    return model_dir, load_reference_model(model_dir)
+
+
+def ring_of(model_dir, stages=2) -> LocalRing:
+    specs = stage_specs(load_manifest(model_dir).num_layers, stages)
+    return LocalRing([StageModel.load_dir(model_dir, s) for s in specs], prefill_chunk=4)
+
+
+def last_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_greedy_logprobs_are_transformers_log_softmax(llama):
+    model_dir, model = llama
+    ring = ring_of(model_dir)
+    reply = ring.submit("a", PROMPT, STEPS, messages.Sampling(logprobs=5))
+    ring.run()
+    assert len(reply.tokens) == len(reply.logprobs) == STEPS
+    ids = list(PROMPT)
+    for token, got in zip(reply.tokens, reply.logprobs):
+        want = torch.log_softmax(last_logits(model, ids), dim=-1)
+        assert token == int(want.argmax())
+        assert got.logprob == pytest.approx(float(want[token]), abs=1e-4)
+        values, top = torch.topk(want, 5)
+        assert got.top_ids == top.tolist()
+        assert got.top_logprobs == pytest.approx(values.tolist(), abs=1e-4)
+        ids.append(token)
+
+
+def test_sampled_logprobs_are_of_the_filtered_distribution_and_change_no_draw(llama):
+    model_dir, model = llama
+    sampling = messages.Sampling(temperature=0.8, top_k=10, top_p=0.9, seed=7)
+    ring = ring_of(model_dir)
+    plain = ring.submit("plain", PROMPT, STEPS, sampling)
+    with_lp = ring.submit("lp", PROMPT, STEPS, messages.Sampling(**{**sampling.__dict__, "logprobs": 3}))
+    ring.run()
+    assert with_lp.tokens == plain.tokens and not plain.logprobs  # asking for logprobs does not change the reply
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+    ids = list(PROMPT)
+    for token, got in zip(with_lp.tokens, with_lp.logprobs):
+        scores = params.warpers()(torch.empty((1, 0), dtype=torch.long), last_logits(model, ids).reshape(1, -1))
+        want = torch.log_softmax(scores, dim=-1)[0]
+        assert got.logprob == pytest.approx(float(want[token]), abs=1e-4) and got.logprob > -9999
+        assert got.top_logprobs == pytest.approx(torch.topk(want, 3).values.tolist(), abs=1e-4)
+        ids.append(token)
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.3])  # below 1 favours what was said: this random model then repeats
+def test_repetition_penalty_is_transformers_generate(llama, penalty):
+    model_dir, model = llama
+    ring = ring_of(model_dir)
+    reply = ring.submit("a", PROMPT, STEPS, messages.Sampling(repetition_penalty=penalty))
+    plain = ring.submit("b", PROMPT, STEPS)
+    ring.run()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False,
+                             repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)
+    assert reply.tokens == out[0, len(PROMPT):].tolist()
+    if penalty < 1:
+        assert plain.tokens != reply.tokens  # the penalty changed something worth checking
+
+
+def penalised_greedy(model, prompt, steps, presence, frequency, repetition=1.0) -> list[int]:
+    """OpenAI's presence and frequency penalties over the reply, written out from their definition."""
+    ids, reply = list(prompt), []
+    for _ in range(steps):
+        logits = last_logits(model, ids).reshape(1, -1)
+        if repetition != 1.0:
+            logits = RepetitionPenaltyLogitsProcessor(repetition)(torch.tensor([ids]), logits)
+        logits = logits[0]
+        for token in set(reply):
+            logits[token] -= presence + frequency * reply.count(token)
+        token = int(logits.argmax())
+        ids.append(token)
+        reply.append(token)
+    return reply
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 1.0), (0.5, 0.7), (-2.0, 0.0), (0.0, -1.5)])
+def test_presence_and_frequency_penalties_are_openais(llama, presence, frequency):
+    model_dir, model = llama
+    ring = ring_of(model_dir)
+    reply = ring.submit("a", PROMPT, STEPS, messages.Sampling(presence_penalty=presence, frequency_penalty=frequency))
+    plain = ring.submit("b", PROMPT, STEPS)
+    ring.run()
+    assert reply.tokens == penalised_greedy(model, PROMPT, STEPS, presence, frequency)
+    if presence < 0 or frequency < 0:  # negative values favour repeating: this random model then does
+        assert plain.tokens != reply.tokens
+
+
+def test_a_resent_request_keeps_counting_the_reply_it_had(llama):
+    """After a failover the leader sends the prompt plus the tokens already streamed (drawn): the penalties must
+    still count those as the reply's."""
+    model_dir, model = llama
+    sampling = messages.Sampling(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.2)
+    want = penalised_greedy(model, PROMPT, STEPS, 0.8, 0.6, 1.2)
+    ring = ring_of(model_dir, stages=3)
+    ring.replies["again"] = reply = type(ring.submit("x", PROMPT, 1))()
+    ring.run()
+    ring.inboxes[0].append(messages.Generate(ring.model, "again", PROMPT + want[:5], STEPS - 5, [], sampling, drawn=5))
+    ring.run()
+    assert want[:5] + reply.tokens == want
