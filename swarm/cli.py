@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("source")
     mi.add_argument("--name")
     mi.add_argument("--data-dir", type=Path, help="the leader's data dir")
-    mi.add_argument("--replace", action="store_true", help="replace a model of the same name")
+    mi.add_argument("--replace", action="store_true",
+                    help="replace a model of the same name (the old one stays if the import fails)")
+    mi.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="store the weights in this dtype; auto: the checkpoint's own 16-bit dtype "
+                         "(bfloat16 for a quantized GGUF)")
 
     p = sub.add_parser("model-load", help="load a model over the fellows")
     p.add_argument("model")
@@ -114,9 +118,10 @@ def _dispatch(args) -> int | None:
         from swarm.model_import import import_into_leader
 
         data_dir = args.data_dir or settings.data_dir or default_data_dir("leader")
-        manifest = import_into_leader(args.source, data_dir, args.name, replace=args.replace, show_progress=True)
+        manifest = import_into_leader(args.source, data_dir, args.name, replace=args.replace, show_progress=True,
+                                      dtype=args.dtype)
         print(f"Imported {manifest.name}: {manifest.architecture}, {manifest.num_layers} layers, "
-              f"{manifest.total_bytes / 1e9:.2f} GB")
+              f"{manifest.total_bytes / 1e9:.2f} GB in {manifest.dtype}")
     elif args.command in ("model-load", "model-unload", "models"):
         from swarm.client import LeaderClient
 

@@ -11,10 +11,12 @@ from swarm.store.manifest import Manifest, load_manifest
 
 
 def import_into_leader(source: str, data_dir: Path, name: str | None = None, *, replace: bool = False,
-                       show_progress: bool = False) -> Manifest:
+                       show_progress: bool = False, dtype: str = "auto") -> Manifest:
+    """Import SOURCE and list it in the catalogue -- only once its files are complete, so a failed or interrupted
+    import (a --replace included) leaves the catalogue as it was."""
     progress = _ProgressBar() if show_progress else None
     try:
-        manifest = import_model(source, data_dir / "models", name, progress, replace=replace)
+        manifest = import_model(source, data_dir / "models", name, progress, replace=replace, dtype=dtype)
     finally:
         if progress is not None:
             progress.close()
@@ -43,7 +45,7 @@ def ensure_imported(source: str, data_dir: Path, name: str, show_progress: bool 
 
 
 class _ProgressBar:
-    """One tqdm bar per import phase (convert, write layers, ...)."""
+    """One tqdm bar per import phase (read, write layers, checksum), the current layer and tensor beside it."""
 
     def __init__(self):
         from tqdm import tqdm
@@ -52,13 +54,15 @@ class _ProgressBar:
         self.bar = None
         self.phase = None
 
-    def __call__(self, phase: str, fraction: float) -> None:
+    def __call__(self, phase: str, fraction: float, detail: str = "") -> None:
         if phase != self.phase:
             self.close()
             self.phase = phase
-            self.bar = self._tqdm(total=100, desc=f"import: {phase}", unit="%", file=sys.stderr,
-                                  bar_format="{desc:<24} {bar} {percentage:3.0f}%")
-        self.bar.n = int(fraction * 100)
+            self.bar = self._tqdm(total=1000, desc=f"import: {phase}", file=sys.stderr,
+                                  bar_format="{desc:<24} {bar} {percentage:3.0f}%{postfix}")
+        self.bar.n = int(fraction * 1000)
+        if detail:
+            self.bar.set_postfix_str(detail, refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:

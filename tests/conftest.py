@@ -44,8 +44,9 @@ TINY_MODELS = {
 }
 
 
-def build_tiny_source(folder: Path, kind: str, dtype=None) -> Path:
-    """Save a random-weight model of family ``kind`` as a transformers folder (no tokenizer) and return it."""
+def build_tiny_source(folder: Path, kind: str, dtype=None, **save_kwargs) -> Path:
+    """Save a random-weight model of family ``kind`` as a transformers folder (no tokenizer) and return it
+    (``save_kwargs`` go to save_pretrained, e.g. max_shard_size for a sharded folder)."""
     import torch
     import transformers
 
@@ -55,7 +56,7 @@ def build_tiny_source(folder: Path, kind: str, dtype=None) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config)
     if dtype is not None:
         model = model.to(dtype)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **save_kwargs)
     return folder
 
 
@@ -75,7 +76,8 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm_model_dir(tmp_path_factory) -> Path:
-    """The built-in SmolLM2-135M-Instruct, imported once per test session (~30 s: GGUF dequantization)."""
+    """The built-in SmolLM2-135M-Instruct, imported once per test session (~20 s: GGUF dequantization, the tokenizer
+    rebuilt from the GGUF's vocabulary), stored in bfloat16."""
     from swarm.store.importer import builtin_gguf_path, import_model
 
     try:

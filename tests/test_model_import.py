@@ -1,4 +1,5 @@
-"""Importing a model into per-layer files: refusals, the manifest, and which files a stage needs."""
+"""Importing a model into per-layer files: refusals, the manifest, which files a stage needs, streaming a GGUF in
+bounded memory, 16-bit storage, sharded folders, free disk, interruptions and --replace."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from conftest import build_tiny_source
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from swarm.errors import ImportFailed, ModelNotFound, UnsupportedArchitecture
 from swarm.store.importer import import_model
@@ -23,7 +25,7 @@ def test_refuses_unsupported_architecture(tmp_path):
         import_model(str(source), tmp_path / "models")
     message = str(caught.value)
     assert "gpt2" in message and "llama" in message and "qwen3" in message
-    assert list((tmp_path / "models").iterdir()) == []  # no half-imported model, no leftover temp folder
+    assert not (tmp_path / "models").exists()  # refused before anything was written
 
 
 def test_refuses_missing_or_broken_sources(tmp_path):
@@ -70,7 +72,7 @@ def test_stage_files_tied_and_untied(tiny_model_dirs):
     tied = load_manifest(tiny_model_dirs["llama"])  # 4 layers, tied
     with safe_open(tiny_model_dirs["llama"] / "weights/final.safetensors", framework="pt") as f:
         assert set(f.keys()) == {"norm.weight"}
-    paths = lambda entries: [e.path for e in entries]  # noqa: E731
+    paths = lambda entries: [e.path for e in entries]
     assert paths(stage_files(tied, 0, 2, True, False)) == [
         "config.json", "weights/embed.safetensors", "weights/layer_000.safetensors", "weights/layer_001.safetensors"
     ]
@@ -91,7 +93,8 @@ def test_stage_files_tied_and_untied(tiny_model_dirs):
 def test_existing_name_needs_replace_and_keeps_source_dtype(tmp_path):
     source = build_tiny_source(tmp_path / "src", "llama", dtype=torch.bfloat16)
     seen = []
-    manifest = import_model(str(source), tmp_path / "models", "m", progress=lambda s, f: seen.append((s, f)))
+    manifest = import_model(str(source), tmp_path / "models", "m",
+                            progress=lambda s, f, detail="": seen.append((s, f)))
     assert manifest.dtype == "bfloat16" and manifest.kv_bytes_per_token == 2 * 2 * 16 * 2
     with safe_open(tmp_path / "models/m/weights/layer_000.safetensors", framework="pt") as f:
         assert f.get_tensor("mlp.up_proj.weight").dtype == torch.bfloat16
@@ -106,7 +109,7 @@ def test_existing_name_needs_replace_and_keeps_source_dtype(tmp_path):
 def test_interrupted_import_leaves_nothing(tmp_path):
     source = build_tiny_source(tmp_path / "src", "llama")
 
-    def progress(stage, fraction):
+    def progress(stage, fraction, detail=""):
         if stage == "write layers" and fraction > 0.5:
             raise KeyboardInterrupt
 
@@ -119,3 +122,205 @@ def test_refuses_bad_names(tmp_path):
     source = build_tiny_source(tmp_path / "src", "llama")
     with pytest.raises(ImportFailed, match="cannot be a model name"):
         import_model(str(source), tmp_path / "models", "../escape")
+
+
+# --- streaming, storage dtype, sources -------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_streamed_gguf_import_equals_transformers_load(tmp_path):
+    """The built-in SmolLM2 GGUF, streamed tensor by tensor: in float32 every tensor is exactly what transformers'
+    whole-file from_pretrained produces (the import before streaming stored that); in the default 16-bit storage
+    it is that value rounded to bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from swarm.store.importer import builtin_gguf_path
+
+    path = builtin_gguf_path()
+    f32 = import_model("smollm2-135m-instruct", tmp_path, "f32", dtype="float32")
+    auto = import_model("smollm2-135m-instruct", tmp_path, "auto")
+    assert f32.dtype == "float32" and auto.dtype == "bfloat16"
+    assert auto.total_bytes < 0.55 * f32.total_bytes
+    whole = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).state_dict()
+    compared = 0
+    for entry in f32.files:
+        if not entry.path.endswith(".safetensors"):
+            continue
+        prefix = f"model.layers.{entry.layer}." if entry.kind == "layer" else "model."
+        a = load_file(tmp_path / "f32" / entry.path)
+        b = load_file(tmp_path / "auto" / entry.path)
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            want = whole["lm_head.weight" if key == "lm_head.weight" else prefix + key]
+            assert torch.equal(value, want), key
+            assert torch.equal(b[key], want.to(torch.bfloat16)), key
+            compared += 1
+    assert compared == len(whole) - 1  # everything but the tied head
+
+
+def test_gguf_import_holds_a_layer_at_a_time(tmp_path):
+    """A generated Llama GGUF of ~270 MB (Q8_0; 1 GB dequantized to float32) imports with the importing process's
+    peak RSS less than a quarter of the dequantized size above what it held before."""
+    import subprocess
+    import sys
+
+    from gguf_files import write_llama_gguf
+
+    gguf = tmp_path / "big.gguf"
+    values = write_llama_gguf(gguf, hidden=1024, intermediate=4096, layers=12, vocab=32000)
+    dequantized = values * 4
+    assert gguf.stat().st_size > 250e6
+    child = (
+        "import json, sys, torch, transformers, gguf\n"
+        "from transformers import AutoModelForCausalLM, LlamaForCausalLM\n"
+        "from swarm.store.importer import import_model\n"
+        "def status(key):\n"
+        "    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key))\n"
+        "before = status('VmRSS')\n"
+        "m = import_model(sys.argv[1], sys.argv[2], 'big')\n"
+        "print(json.dumps({'raise': status('VmHWM') - before, 'dtype': m.dtype, 'bytes': m.total_bytes}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child, str(gguf), str(tmp_path / "models")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"peak RSS raised by {figures['raise'] / 1e6:.0f} MB importing {dequantized / 1e6:.0f} MB of float32 values")
+    assert figures["raise"] < dequantized / 4, figures
+    assert figures["dtype"] == "bfloat16" and figures["bytes"] < dequantized / 2 + 10e6
+    manifest = load_manifest(tmp_path / "models" / "big")
+    assert manifest.num_layers == 12 and not manifest.tie_word_embeddings
+
+
+def test_sharded_folder_imports_by_its_index_in_its_16_bit_dtype(tmp_path):
+    source = build_tiny_source(tmp_path / "src", "qwen3", dtype=torch.bfloat16, max_shard_size="40KB")
+    assert (source / "model.safetensors.index.json").is_file() and len(list(source.glob("*.safetensors"))) > 2
+    whole = {}
+    for shard in source.glob("*.safetensors"):
+        whole.update(load_file(shard))
+    # A stray copy that the index does not list (Mistral folders carry consolidated.safetensors) is not read.
+    torch.save({}, source / "ignored.bin")
+    (source / "consolidated.safetensors").write_bytes(b"not read")
+    manifest = import_model(str(source), tmp_path / "models", "m")
+    assert manifest.dtype == "bfloat16" and manifest.num_layers == 5
+    layer = load_file(tmp_path / "models/m/weights/layer_004.safetensors")
+    for key, value in layer.items():
+        assert torch.equal(value, whole[f"model.layers.4.{key}"])
+    assert json.loads((tmp_path / "models/m/config.json").read_text())["dtype"] == "bfloat16"
+    # A float32 checkpoint can be stored in 16 bits on request, and a 16-bit one widened.
+    f16 = import_model(str(source), tmp_path / "models", "m16", dtype="float16")
+    assert f16.dtype == "float16" and f16.kv_bytes_per_token == manifest.kv_bytes_per_token
+    assert load_file(tmp_path / "models/m16/weights/embed.safetensors")["embed_tokens.weight"].dtype == torch.float16
+
+
+def test_sharded_folder_missing_a_shard_is_refused(tmp_path):
+    source = build_tiny_source(tmp_path / "src", "llama", max_shard_size="40KB")
+    max(source.glob("model-*.safetensors")).unlink()
+    with pytest.raises(ImportFailed, match="missing 1 of the"):
+        import_model(str(source), tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+
+
+# --- refusals before writing, disk, interruptions, --replace --------------------------------------------------------
+
+
+def test_refuses_when_the_disk_is_too_small_saying_how_much_it_needs(tmp_path, monkeypatch):
+    from swarm.store import importer
+
+    source = build_tiny_source(tmp_path / "src", "llama")
+    monkeypatch.setattr(importer, "_free_bytes", lambda path: 100 << 20)
+    with pytest.raises(ImportFailed) as caught:
+        import_model(str(source), tmp_path / "models", "m")
+    message = str(caught.value)
+    assert "needs 0.3 GB free" in message and "has 0.1 GB free" in message and "float32" in message
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_refuses_a_gguf_quant_type_it_cannot_read_before_writing(tmp_path, monkeypatch):
+    from gguf_files import write_llama_gguf
+
+    from swarm.store import gguf_source
+
+    gguf = tmp_path / "q.gguf"
+    write_llama_gguf(gguf, hidden=64, intermediate=128, layers=2, vocab=320)
+    monkeypatch.setattr(gguf_source, "supported_quant_types", lambda: ["F16", "F32", "Q4_K"])
+    with pytest.raises(ImportFailed) as caught:
+        import_model(str(gguf), tmp_path / "models")
+    message = str(caught.value)
+    assert "Q8_0 (16 tensors, e.g. token_embd.weight)" in message and "F16, F32, Q4_K" in message
+    assert not (tmp_path / "models").exists()
+
+
+def test_refuses_an_unsupported_gguf_architecture_naming_the_supported(tmp_path):
+    from gguf import GGUFWriter
+
+    gguf = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(gguf), "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchitecture, match="gpt2 model.*llama.*qwen3"):
+        import_model(str(gguf), tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+
+
+def test_progress_goes_tensor_by_tensor_and_layer_by_layer(tmp_path):
+    source = build_tiny_source(tmp_path / "src", "llama")
+    seen = []
+    import_model(str(source), tmp_path / "models", "m", progress=lambda *a: seen.append(a))
+    writes = [a for a in seen if a[0] == "write layers"]
+    fractions = [a[1] for a in writes]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    details = [a[2] for a in writes]
+    assert "layer 1 of 4: self_attn.q_proj.weight" in details and "layer 4 of 4 written" in details
+    assert "embedding written" in details
+
+
+def test_failed_replace_keeps_the_old_model_and_its_listing(tmp_path):
+    from swarm.model_import import import_into_leader
+    from swarm.store.db import Store
+
+    source = build_tiny_source(tmp_path / "src", "llama")
+    first = import_into_leader(str(source), tmp_path / "leader", "m")
+
+    def fail(phase, fraction, detail=""):
+        if phase == "write layers" and fraction > 0.5:
+            raise OSError("disk full")
+
+    from swarm.store import importer
+
+    with pytest.raises(OSError):
+        importer.import_model(str(source), tmp_path / "leader/models", "m", progress=fail, replace=True,
+                              dtype="bfloat16")
+    assert load_manifest(tmp_path / "leader/models/m") == first
+    assert sorted(p.name for p in (tmp_path / "leader/models").iterdir()) == ["m"]
+    store = Store(tmp_path / "leader/leader.db")
+    try:
+        assert "m" in [m.name for m in store.list_models()]
+    finally:
+        store.close()
+
+
+def test_leftovers_of_a_killed_import_are_cleared_by_the_next(tmp_path):
+    source = build_tiny_source(tmp_path / "src", "llama")
+    models = tmp_path / "models"
+    (models / ".m.importing-999999-abcd/weights").mkdir(parents=True)  # pid 999999: long gone
+    (models / ".other.importing-999999-abcd").mkdir()  # another model's: left alone
+    import_model(str(source), models, "m")
+    assert sorted(p.name for p in models.iterdir()) == [".other.importing-999999-abcd", "m"]
+
+
+def test_budget_counts_what_a_stage_holds_not_what_the_file_holds(tmp_path):
+    """A bfloat16 model budgets float32 bytes on CPU fellows (they compute in float32) and its own bytes on GPUs."""
+    from swarm.leader.models import model_size
+
+    source = build_tiny_source(tmp_path / "src", "llama")
+    import_model(str(source), tmp_path / "models", "m16", dtype="bfloat16")
+    import_model(str(source), tmp_path / "models", "m32", dtype="float32")
+    m16 = json.loads((tmp_path / "models/m16/manifest.json").read_text())
+    m32 = json.loads((tmp_path / "models/m32/manifest.json").read_text())
+    cpu16, cpu32, gpu16 = model_size(m16, cpu=True), model_size(m32, cpu=True), model_size(m16, cpu=False)
+    assert abs(cpu16.layer_bytes[0] - cpu32.layer_bytes[0]) < 1000  # the file headers differ, not the weights
+    assert abs(gpu16.layer_bytes[0] * 2 - cpu32.layer_bytes[0]) < 1000
+    assert cpu16.kv_bytes_per_token_per_layer == cpu32.kv_bytes_per_token_per_layer == 2 * gpu16.kv_bytes_per_token_per_layer

@@ -1,9 +1,14 @@
 """Importing a model once into per-layer safetensors files (named in swarm.model_format) with their manifest.
 
-Sources: a transformers folder (safetensors), a .gguf file, or a built-in name. The GGUF dequantization and dtype
-conversions happen here, once: stages and the reference model only ever read safetensors. The result is written to
-a temporary folder next to the target and renamed into place, so an interrupted import leaves nothing that looks
-like a model.
+Sources: a transformers folder (safetensors, one file or sharded with its index; swarm.store.folder_source), a .gguf
+file (swarm.store.gguf_source), or a built-in name. The import streams: tensors are read, dequantized and converted
+one at a time and written one stage file at a time, so memory holds about one layer whatever the model's size
+(measured in tests/test_model_import.py). Weights are stored in the checkpoint's 16-bit dtype -- half of float32 on
+the leader's disk and in every fellow's download; stages widen them to the dtype they compute in when they load.
+
+Every refusal (name, architecture, GGUF tensor types, free disk) comes before anything is written. The result is
+written to a temporary folder next to the target and renamed into place, so an interrupted import leaves nothing that
+looks like a model, and --replace swaps the old model out only for a complete new one.
 
 torch and transformers are imported inside the functions that need them, so the leader reads manifests without
 paying for torch at start-up.
@@ -19,12 +24,14 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from swarm.errors import ImportFailed, UnsupportedArchitecture
 from swarm.model_format import (
     CONFIG_FILE,
+    DTYPE_BYTES,
     EMBED_FILE,
     FINAL_FILE,
     GENERATION_CONFIG_FILE,
@@ -33,6 +40,8 @@ from swarm.model_format import (
     WEIGHTS_DIR,
     layer_file,
 )
+from swarm.store import gguf_source
+from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 
 log = logging.getLogger(__name__)
@@ -47,7 +56,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LAYER_KEY_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
-Progress = Callable[[str, float], None]
+# progress(phase, fraction of the phase done, detail): phases "read", "write layers" (per tensor; the detail names the
+# file and tensor), "checksum", "done".
+Progress = Callable[..., None]
 
 
 def builtin_gguf_path(name: str = DEFAULT_BUILTIN) -> Path:
@@ -65,6 +76,13 @@ def builtin_gguf_path(name: str = DEFAULT_BUILTIN) -> Path:
     return path
 
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+# Beyond the weights, an import writes config, tokenizer and manifest files (a large vocabulary's tokenizer.json is
+# tens of MB) and safetensors headers: room kept free on top of the weights' own bytes.
+DISK_MARGIN_BYTES = 256 << 20
+
+
 def import_model(
     source: str,
     models_root: Path,
@@ -72,30 +90,23 @@ def import_model(
     progress: Progress | None = None,
     *,
     replace: bool = False,
+    dtype: str = "auto",
 ) -> Manifest:
     """Import SOURCE (a transformers folder, a .gguf file, or a built-in name) as ``models_root / name``.
 
-    The model is converted once here; the result is written to a temporary folder next to the target and renamed
-    into place, so an interrupted import leaves nothing that looks like a model.
+    The weights are stored in ``dtype``; "auto" is the checkpoint's own precision (the 16-bit dtype its config names,
+    bfloat16 for a quantized GGUF; see GGUFSource.stored_dtype). Everything that can refuse the import -- the name,
+    the architecture, the GGUF's tensor types, free disk space -- is checked before anything is written. The tensors
+    are then read, converted and written one stage file at a time, into a temporary folder next to the target that is
+    renamed into place once complete: an interrupted import leaves nothing that looks like a model, and --replace
+    swaps the old model out only for a complete new one.
     """
-    report = progress or (lambda stage, fraction: None)
+    report = progress or _no_progress
     models_root = Path(models_root)
-    if source in BUILTIN_MODELS:
-        name = name or source
-        gguf_path = builtin_gguf_path(source)
-    else:
-        gguf_path = None
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise ImportFailed(
-                f"{source!r} is neither a folder, a .gguf file nor a built-in model "
-                f"({', '.join(BUILTIN_MODELS)}); give a path to a transformers folder or a GGUF file"
-            )
-        if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ImportFailed(f"{path} is a file but not a .gguf; give a GGUF file or a transformers folder")
-            gguf_path = path
-        name = name or _default_name(path)
+    if dtype not in DTYPE_CHOICES:
+        raise ImportFailed(f"cannot store weights as {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    path, is_gguf = _locate(source)
+    name = name or (source if source in BUILTIN_MODELS else _default_name(path))
     if not _NAME_RE.match(name):
         raise ImportFailed(
             f"{name!r} cannot be a model name: use letters, digits, '.', '_' and '-' (up to 128), e.g. --name my-model"
@@ -104,14 +115,16 @@ def import_model(
     if target.exists() and not replace:
         raise ImportFailed(f"a model named {name!r} already exists at {target}; pass --replace to import it again")
 
+    report("read", 0.0)
+    plan = _plan_gguf(path, dtype) if is_gguf else _plan_folder(path, dtype)
     models_root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{name}.importing-", dir=models_root))
+    _remove_stale_work(models_root, name)
+    _check_disk(plan, models_root)
+
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.importing-{os.getpid()}-", dir=models_root))
     os.chmod(work, 0o755)  # mkdtemp makes it owner-only; the model folder should read like any other
     try:
-        if gguf_path is not None:
-            manifest = _import_gguf(gguf_path, work, name, report)
-        else:
-            manifest = _import_folder(Path(source).expanduser(), work, name, report)
+        manifest = _write_model(work, name, plan, report)
         _install(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -120,19 +133,67 @@ def import_model(
     return manifest
 
 
+def _no_progress(phase: str, fraction: float, detail: str = "") -> None:
+    pass
+
+
+def _locate(source: str) -> tuple[Path, bool]:
+    """The file or folder SOURCE names, and whether it is a GGUF file."""
+    if source in BUILTIN_MODELS:
+        return builtin_gguf_path(source), True
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ImportFailed(
+            f"{source!r} is neither a folder, a .gguf file nor a built-in model "
+            f"({', '.join(BUILTIN_MODELS)}); give a path to a transformers folder or a GGUF file"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ImportFailed(f"{path} is a file but not a .gguf; give a GGUF file or a transformers folder")
+        return path, True
+    return path, False
+
+
 def _default_name(path: Path) -> str:
     stem = path.stem if path.is_file() else path.resolve().name
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._").lower()
     return cleaned or "model"
 
 
+def _remove_stale_work(models_root: Path, name: str) -> None:
+    """Leftovers of an import of ``name`` that was killed (its temporary folder) or of a swap that was cut short."""
+    for leftover in models_root.glob(f".{name}.*"):
+        match = re.fullmatch(rf"\.{re.escape(name)}\.(?:importing|old)-(\d+)-?.*", leftover.name)
+        if match and not _alive(int(match.group(1))):
+            log.info("removing %s, left by an import that did not finish", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # an earlier import in this process that failed without cleaning up
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _install(work: Path, target: Path) -> None:
-    """Move the finished import into place; an existing model is swapped out only once the new one is complete."""
+    """Move the finished import into place; an existing model is swapped out only once the new one is complete, and
+    put back if the swap fails."""
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
-    os.replace(work, target)
+    try:
+        os.replace(work, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old, target)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -146,96 +207,90 @@ def _check_architecture(model_type: str | None, where: object) -> str:
     return model_type
 
 
-def _import_folder(folder: Path, work: Path, name: str, report: Progress) -> Manifest:
-    from safetensors import safe_open
+# --- what an import will write --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """Everything an import writes, known before the first byte is: config, the tensors (read lazily), the dtype they
+    are stored in, tokenizer and generation config."""
+
+    source: str
+    config: Any
+    tensors: list  # of objects with hf_name, shape, read(dtype)
+    dtype: str
+    tokenizer: Callable[[], Any]
+    generation_config: Any
+
+    def weight_bytes(self) -> int:
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        total = 0
+        for tensor in self.tensors:
+            if tied and tensor.hf_name == "lm_head.weight":
+                continue
+            n = 1
+            for d in tensor.shape:
+                n *= d
+            total += n * DTYPE_BYTES[self.dtype]
+        return total
+
+
+def _plan_folder(folder: Path, dtype: str) -> _Plan:
     from transformers import AutoConfig
 
-    config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise ImportFailed(f"{folder} has no {CONFIG_FILE}; give a folder saved by transformers' save_pretrained")
-    try:
-        raw_config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise ImportFailed(f"{config_path} is not valid JSON ({exc}); fix or re-download the model") from exc
-    _check_architecture(raw_config.get("model_type"), folder)
-    weight_files = sorted(folder.glob("*.safetensors"))
-    if not weight_files:
-        raise ImportFailed(
-            f"{folder} has no *.safetensors weights; swarm imports safetensors folders or GGUF files "
-            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
-        )
+    source = FolderSource(folder)
+    _check_architecture(source.architecture, folder)
+    tensors = source.tensors()
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many kinds here
-        raise ImportFailed(f"transformers cannot read {config_path}: {exc}") from exc
-    report("read", 0.0)
-
-    # key -> file holding it; tensors are read lazily (memory-mapped) while the layer files are written.
-    handles = []
-    where: dict[str, Any] = {}
-    try:
-        for path in weight_files:
-            handle = safe_open(str(path), framework="pt")
-            handles.append(handle)
-            for key in handle.keys():
-                where[key] = handle
-    except Exception as exc:
-        raise ImportFailed(f"cannot read the weights in {folder} ({exc}); the files may be damaged") from exc
-
-    def tensors() -> Iterable[tuple[str, Any]]:
-        for key, handle in where.items():
-            yield key, (lambda h=handle, k=key: h.get_tensor(k))
-
+        raise ImportFailed(f"transformers cannot read {folder / CONFIG_FILE}: {exc}") from exc
     if any((folder / f).exists() for f in _TOKENIZER_MARKERS):
-        tokenizer = _load_tokenizer(lambda: _auto_tokenizer(folder))
+        tokenizer = lambda: _load_tokenizer(lambda: _auto_tokenizer(folder))
     else:
-        tokenizer = ImportFailed(f"no tokenizer files ({', '.join(_TOKENIZER_MARKERS)})")
-    generation_config = _load_generation_config(folder)
-    return _write_model(work, name, config, tensors(), tokenizer, generation_config, str(folder), report)
+        tokenizer = lambda: ImportFailed(f"no tokenizer files ({', '.join(_TOKENIZER_MARKERS)})")
+    return _Plan(str(folder), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
+                 _load_generation_config(folder))
 
 
-def _import_gguf(path: Path, work: Path, name: str, report: Progress) -> Manifest:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    report("read", 0.0)
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as exc:
-        arch = _gguf_architecture(path)
-        if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
-            _check_architecture(arch, path)
-        raise ImportFailed(f"transformers cannot read the GGUF file {path}: {exc}") from exc
-    _check_architecture(config.model_type, path)
-    report("convert", 0.0)
-    try:
-        # transformers dequantizes every tensor to float; float32 keeps the Q4/Q8 values exactly.
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except Exception as exc:
+def _plan_gguf(path: Path, dtype: str) -> _Plan:
+    source = gguf_source.GGUFSource(path)
+    if source.architecture not in _GGUF_ARCHITECTURES:
+        _check_architecture(source.architecture, path)
+    unsupported = source.unsupported_types()
+    if unsupported:
+        kinds = ", ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in unsupported.items())
         raise ImportFailed(
-            f"transformers could not convert {path} ({exc}); make sure the `gguf` and `accelerate` packages are "
-            "installed and the file is complete"
-        ) from exc
-    report("convert", 1.0)
-    state = model.state_dict()
-
-    def tensors() -> Iterable[tuple[str, Any]]:
-        for key, value in state.items():
-            yield key, (lambda v=value: v)
-
-    tokenizer = _load_tokenizer(lambda: _auto_tokenizer(path.parent, gguf_file=path.name))
-    generation_config = model.generation_config
-    return _write_model(work, name, model.config, tensors(), tokenizer, generation_config, str(path), report)
+            f"{path} stores tensors as {kinds}, which swarm cannot dequantize; it reads "
+            f"{', '.join(gguf_source.supported_quant_types())}. Use a GGUF of another quantization (Q4_K_M and Q8_0 are the "
+            "common ones) or the model's safetensors folder."
+        )
+    config = source.config()
+    _check_architecture(config.model_type, path)
+    tensors = source.tensors(config)
+    tokenizer = lambda: _load_tokenizer(lambda: _auto_tokenizer(path.parent, gguf_file=path.name))
+    return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
+                 source.generation_config(config))
 
 
-def _gguf_architecture(path: Path) -> str | None:
-    try:
-        from gguf import GGUFReader
+# GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
+# model types: llama.cpp calls Gemma 3's text model "gemma3" and writes Mistral as "llama".
+_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3"}
 
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except Exception:
-        return None
+
+def _check_disk(plan: _Plan, models_root: Path) -> None:
+    need = plan.weight_bytes() + DISK_MARGIN_BYTES
+    free = _free_bytes(models_root)
+    if free < need:
+        raise ImportFailed(
+            f"importing {plan.source} needs {need / 1e9:.1f} GB free in {models_root} "
+            f"({plan.weight_bytes() / 1e9:.1f} GB of weights in {plan.dtype} + {DISK_MARGIN_BYTES >> 20} MB for "
+            f"tokenizer and config), has {free / 1e9:.1f} GB free; free some space or import into another data dir"
+        )
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
 
 
 # Any of these in a folder means it carries a tokenizer (without one, AutoTokenizer may build an empty one).
@@ -268,27 +323,22 @@ def _load_generation_config(folder: Path) -> Any:
         raise ImportFailed(f"cannot read {folder / GENERATION_CONFIG_FILE}: {exc}") from exc
 
 
-def _write_model(
-    work: Path,
-    name: str,
-    config: Any,
-    tensors: Iterable[tuple[str, Callable[[], Any]]],
-    tokenizer: Any,
-    generation_config: Any,
-    source: str,
-    report: Progress,
-) -> Manifest:
+def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manifest:
+    config = plan.config
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    groups = _group_by_file(tensors, num_layers, tied, source)
-    dtype = _write_weights(work, groups, num_layers, report)
+    groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
+    _write_weights(work, groups, num_layers, plan.dtype, report)
+    dtype = plan.dtype
     config.dtype = dtype
     config.save_pretrained(work)
     warnings: list[str] = []
+    generation_config = plan.generation_config
     if generation_config is not None:
         generation_config.save_pretrained(work)
+    tokenizer = plan.tokenizer()
     if isinstance(tokenizer, Exception) or tokenizer is None:
-        warnings.append(f"no usable tokenizer in {source} ({tokenizer}); this model can take token ids only")
+        warnings.append(f"no usable tokenizer in {plan.source} ({tokenizer}); this model can take token ids only")
         tokenizer_files: list[str] = []
         tokenizer = None
     else:
@@ -319,7 +369,7 @@ def _write_model(
         total_bytes=sum(e.size for e in entries),
         files=entries,
         kv_bytes_per_token=kv_bytes_per_token(raw_config, dtype),
-        source=source,
+        source=plan.source,
         warnings=warnings,
     )
     (work / MANIFEST_FILE).write_text(manifest.to_json())
@@ -327,26 +377,26 @@ def _write_model(
     return manifest
 
 
-def _group_by_file(
-    tensors: Iterable[tuple[str, Callable[[], Any]]], num_layers: int, tied: bool, source: str
-) -> dict[str, dict[str, Callable[[], Any]]]:
+def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
+                   source: str) -> dict[str, dict[str, Any]]:
     """Which file each tensor goes to (layer files get names relative to the layer), checking nothing is missing."""
-    groups: dict[str, dict[str, Callable[[], Any]]] = {}
-    for key, get in tensors:
+    groups: dict[str, dict[str, Any]] = {}
+    for tensor in tensors:
+        key = tensor.hf_name
         if key.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config; some old checkpoints carry it
         if match := _LAYER_KEY_RE.match(key):
             index = int(match.group(1))
             if index >= num_layers:
                 raise ImportFailed(f"{source} has weights for layer {index} but its config says {num_layers} layers")
-            groups.setdefault(layer_file(index), {})[match.group(2)] = get
+            groups.setdefault(layer_file(index), {})[match.group(2)] = tensor
         elif key in ("model.embed_tokens.weight", "embed_tokens.weight"):
-            groups.setdefault(EMBED_FILE, {})["embed_tokens.weight"] = get
+            groups.setdefault(EMBED_FILE, {})["embed_tokens.weight"] = tensor
         elif key in ("model.norm.weight", "norm.weight"):
-            groups.setdefault(FINAL_FILE, {})["norm.weight"] = get
+            groups.setdefault(FINAL_FILE, {})["norm.weight"] = tensor
         elif key == "lm_head.weight":
             if not tied:
-                groups.setdefault(FINAL_FILE, {})["lm_head.weight"] = get
+                groups.setdefault(FINAL_FILE, {})["lm_head.weight"] = tensor
         else:
             raise ImportFailed(f"{source} has a tensor swarm does not know where to put: {key!r}")
     missing = [p for p in (EMBED_FILE, FINAL_FILE, *map(layer_file, range(num_layers))) if p not in groups]
@@ -357,21 +407,36 @@ def _group_by_file(
     return groups
 
 
-def _write_weights(work: Path, groups: dict[str, dict[str, Callable[[], Any]]], num_layers: int,
-                   report: Progress) -> str:
-    """Write every weight file, one at a time; the dtype the weights are stored in."""
+def _write_weights(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, dtype: str,
+                   report: Progress) -> None:
+    """Write every weight file, one at a time: only one file's tensors are in memory at once. Progress goes per
+    tensor ("write layers", the fraction of all tensors, and which file and tensor)."""
+    import torch
     from safetensors.torch import save_file
 
     (work / WEIGHTS_DIR).mkdir()
-    dtype = None
+    torch_dtype = getattr(torch, dtype)
     order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
-    for done, rel in enumerate(order):
-        tensors_out = {k: get().contiguous() for k, get in groups[rel].items()}
-        if dtype is None:
-            dtype = str(next(iter(tensors_out.values())).dtype).removeprefix("torch.")
+    total = sum(len(groups[rel]) for rel in order)
+    done = 0
+    for rel in order:
+        what = _file_label(rel, num_layers)
+        tensors_out = {}
+        for key, tensor in groups[rel].items():
+            report("write layers", done / total, f"{what}: {key}")
+            tensors_out[key] = tensor.read(torch_dtype).contiguous()
+            done += 1
         save_file(tensors_out, str(work / rel), metadata={"format": "pt"})
-        report("write layers", (done + 1) / len(order))
-    return dtype or "float32"
+        del tensors_out
+        report("write layers", done / total, f"{what} written")
+
+
+def _file_label(rel: str, num_layers: int) -> str:
+    if rel == EMBED_FILE:
+        return "embedding"
+    if rel == FINAL_FILE:
+        return "final norm and head"
+    return f"layer {int(rel.rsplit('_', 1)[1].split('.')[0]) + 1} of {num_layers}"
 
 
 def _entry(work: Path, rel: str, kind: str, layer: int | None = None) -> FileEntry:

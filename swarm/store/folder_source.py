@@ -1,0 +1,119 @@
+"""Reading a transformers folder (safetensors, one file or sharded with its index) for import, one tensor at a time.
+
+Tensors are read through safetensors' ``safe_open`` only when the importer asks for them, so a folder of any size is
+converted holding one stage file's tensors at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import ImportFailed
+from swarm.model_format import CONFIG_FILE
+
+INDEX_FILE = "model.safetensors.index.json"  # transformers' name for a sharded checkpoint's key -> file map
+
+# safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+@dataclass(frozen=True)
+class FolderTensor:
+    hf_name: str
+    shape: tuple[int, ...]
+    read: Callable[[Any], Any]  # dtype -> the torch tensor in that dtype
+
+
+class FolderSource:
+    """A transformers folder opened for import: config.json's contents and where each tensor lies."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        config_path = self.folder / CONFIG_FILE
+        if not config_path.is_file():
+            raise ImportFailed(
+                f"{self.folder} has no {CONFIG_FILE}; give a folder saved by transformers' save_pretrained"
+            )
+        try:
+            self.raw_config = json.loads(config_path.read_text())
+        except ValueError as exc:
+            raise ImportFailed(f"{config_path} is not valid JSON ({exc}); fix or re-download the model") from exc
+        self.architecture = self.raw_config.get("model_type")
+
+    def weight_files(self) -> list[Path]:
+        """The safetensors files holding the weights: those the index names when the checkpoint is sharded (a
+        folder may also carry other copies, e.g. Mistral's consolidated.safetensors), else every one there is."""
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ImportFailed(f"{index} is damaged ({exc}); re-download the model") from exc
+            files = [self.folder / name for name in sorted(set(weight_map.values()))]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ImportFailed(
+                    f"{self.folder} is missing {len(missing)} of the {len(files)} weight files its index lists "
+                    f"({', '.join(missing[:3])}); download the whole model"
+                )
+            return files
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ImportFailed(
+                f"{self.folder} has no *.safetensors weights; swarm imports safetensors folders or GGUF files "
+                "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+            )
+        return files
+
+    def tensors(self) -> list[FolderTensor]:
+        from safetensors import safe_open
+
+        out: list[FolderTensor] = []
+        seen: dict[str, Path] = {}
+        for path in self.weight_files():
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in handle.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                        if key in seen:
+                            raise ImportFailed(f"{self.folder}: tensor {key!r} is in both {seen[key].name} and "
+                                               f"{path.name}; remove the stray copy")
+                        seen[key] = path
+                        shape = tuple(handle.get_slice(key).get_shape())
+                        out.append(FolderTensor(key, shape, lambda dtype, p=path, k=key: _read(p, k, dtype)))
+            except ImportFailed:
+                raise
+            except Exception as exc:
+                raise ImportFailed(f"cannot read the weights in {path} ({exc}); the file may be damaged") from exc
+        return out
+
+    def stored_dtype(self) -> str:
+        """The dtype to store in: the 16-bit dtype config.json names, else the one most of the weights are in."""
+        named = self.raw_config.get("dtype") or self.raw_config.get("torch_dtype")
+        if named in ("bfloat16", "float16"):
+            return named
+        from safetensors import safe_open
+
+        counts: dict[str, int] = {}
+        for path in self.weight_files():
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                    piece = handle.get_slice(key)
+                    kind = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    if kind is not None:
+                        n = 1
+                        for d in piece.get_shape():
+                            n *= int(d)
+                        counts[kind] = counts.get(kind, 0) + n
+        return max(counts, key=counts.get) if counts else "float32"
+
+
+def _read(path: Path, key: str, dtype: Any) -> Any:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        tensor = handle.get_tensor(key)
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

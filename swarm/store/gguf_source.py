@@ -1,0 +1,184 @@
+"""Reading a GGUF file for import one tensor at a time, in bounded memory.
+
+transformers can load a GGUF file, but only whole: every tensor dequantized to float and held at once (a 14B model in
+Q4 -- 8 GB on disk -- takes ~56 GB of RAM that way). Here the file's header is parsed once with the ``gguf``
+package's reader, and each tensor is read from the file with plain reads (not through the reader's memory map, whose
+touched pages would count against the importing process), dequantized a slice of rows at a time straight into the
+dtype it will be stored in, and handed over; the caller writes it and lets it go.
+
+The names and the fix-ups are transformers' own, reused rather than copied: the GGUF-to-transformers name map comes
+from ``get_gguf_hf_weights_map`` over a model built on the meta device from the GGUF's config, and the per-family
+tensor processors (Llama's q/k row permutation, Gemma's norm offset) from ``TENSOR_PROCESSORS``. So a tensor
+imported here equals the one ``from_pretrained(gguf_file=...)`` produces (tests/test_model_import.py compares them on
+the built-in model).
+
+gguf, torch and transformers are imported inside the functions that need them (the leader reads manifests without
+them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import ImportFailed
+
+log = logging.getLogger(__name__)
+
+# Elements dequantized per slice of rows: bounds the float32 intermediates of one tensor (gguf's numpy dequantizers
+# make a few arrays of the slice's size) to tens of MB, whatever the tensor's size.
+DEQUANT_SLICE_ELEMENTS = 4 << 20
+
+# The plain float types a GGUF may store as they are.
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def supported_quant_types() -> list[str]:
+    """Names of the GGUF tensor types this import can read: plain floats and every type gguf-py dequantizes."""
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", {})
+    return sorted({"F32", "F16", *(q.name for q in traits)})
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its transformers name and how to read it."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    read: Callable[[Any], Any]  # dtype -> the dequantized, processed torch tensor in that dtype
+
+
+class GGUFSource:
+    """A GGUF file opened for import: its architecture, config, tensor types, and the tensors in transformers'
+    names. Nothing is dequantized until a tensor's ``read`` is called."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except Exception as exc:
+            raise ImportFailed(f"cannot read the GGUF file {self.path} ({exc}); the file may be incomplete") from exc
+        self.architecture = _field(self.reader, "general.architecture") or "unknown"
+
+    # --- checks made before anything is written ---------------------------------------------------------------------
+
+    def unsupported_types(self) -> dict[str, list[str]]:
+        """Tensor type -> tensors of that type this import cannot dequantize (empty when every one is readable)."""
+        supported = set(supported_quant_types())
+        out: dict[str, list[str]] = {}
+        for tensor in self.reader.tensors:
+            if tensor.tensor_type.name not in supported:
+                out.setdefault(tensor.tensor_type.name, []).append(tensor.name)
+        return out
+
+    def stored_dtype(self) -> str:
+        """The 16-bit dtype to store the weights in: the file's own float type where its matrices are plain floats;
+        bfloat16 where they are quantized (bf16 has float32's range, so a model trained in bf16 -- Gemma 3 --
+        cannot overflow where a GPU computes in the stored dtype; its rounding, 2^-9 relative, is far below a 4-8 bit
+        quantization step); float32 only for a file whose matrices are all float32."""
+        kinds = {t.tensor_type.name for t in self.reader.tensors if len(t.shape) >= 2}
+        if kinds - set(_FLOAT_TYPES):
+            return "bfloat16"
+        if "BF16" in kinds:
+            return "bfloat16"
+        if "F16" in kinds:
+            return "float16"
+        return "float32"
+
+    def config(self) -> Any:
+        """The transformers config transformers builds from the file's metadata."""
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        except Exception as exc:
+            raise ImportFailed(f"transformers cannot read the GGUF file {self.path}: {exc}") from exc
+
+    # --- tensors -----------------------------------------------------------------------------------------------------
+
+    def tensors(self, config: Any) -> list[GGUFTensor]:
+        """Every tensor transformers' model of this config takes, in the file's order, named as transformers names
+        them (tensors it has no place for, e.g. llama.cpp's precomputed rope factors, are left out, as
+        from_pretrained leaves them out)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        names = get_gguf_hf_weights_map(skeleton, processor)
+        del skeleton
+        out = []
+        for tensor in self.reader.tensors:
+            hf_name = names.get(tensor.name)
+            if hf_name is None:
+                log.info("%s: no place for GGUF tensor %s in a %s model; skipped", self.path.name, tensor.name,
+                         config.model_type)
+                continue
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            out.append(GGUFTensor(hf_name, shape,
+                                  lambda dtype, t=tensor, s=shape: self._read(t, s, dtype, processor)))
+        return out
+
+    def _read(self, tensor: Any, shape: tuple[int, ...], dtype: Any, processor: Any) -> Any:
+        """Dequantize one tensor slice by slice into ``dtype``, then apply the family's fix-up.
+
+        One-dimensional tensors (norms, biases: small) are fixed up in float32 before rounding, as transformers does
+        (Gemma's ``norm - 1`` must not be rounded twice); larger ones are rounded first and then permuted, which
+        commutes with rounding -- so the result equals transformers' float32 result rounded to ``dtype``.
+        """
+        import numpy as np
+        import torch
+        from gguf import dequantize
+
+        work_dtype = torch.float32 if len(shape) < 2 else dtype
+        out = torch.empty(shape, dtype=work_dtype)
+        flat = out.view(-1, shape[-1]) if len(shape) >= 2 else out.view(1, -1)
+        raw_rows = tensor.data.shape[0] if tensor.data.ndim >= 2 else 1
+        raw_shape = tuple(tensor.data.shape) if tensor.data.ndim >= 2 else (1, *tensor.data.shape)
+        if tensor.data.ndim > 2:  # 3-D (stacked experts): rows are the product of the leading axes
+            raw_rows = int(np.prod(tensor.data.shape[:-1]))
+            raw_shape = (raw_rows, tensor.data.shape[-1])
+        row_bytes = tensor.n_bytes // raw_rows
+        step = max(1, DEQUANT_SLICE_ELEMENTS // max(1, shape[-1]))
+        with open(self.path, "rb", buffering=0) as f:
+            for start in range(0, raw_rows, step):
+                rows = min(step, raw_rows - start)
+                raw = np.empty((rows, raw_shape[1]), dtype=tensor.data.dtype)
+                view = memoryview(raw).cast("B")
+                got = os.preadv(f.fileno(), [view], tensor.data_offset + start * row_bytes)
+                if got != rows * row_bytes:
+                    raise ImportFailed(f"{self.path} ends inside tensor {tensor.name}; the file is incomplete")
+                values = dequantize(raw, tensor.tensor_type)
+                flat[start : start + rows] = torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1)
+        result = processor.process(weights=out, name=tensor.name).weights
+        return result.to(dtype).contiguous()
+
+    def generation_config(self, config: Any) -> Any:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_model_config(config)
+
+
+def _field(reader: Any, key: str) -> str | None:
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    try:
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception:
+        return None
+
