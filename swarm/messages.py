@@ -29,10 +29,16 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; else the sampled token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (the model's own)
 
     @property
     def penalised(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_context(self) -> bool:
+        """Whether the last stage needs the prompt's ids (RequestStart.context)."""
+        return self.penalised or self.prompt_logprobs is not None
 
 
 @record
@@ -122,6 +128,7 @@ class TokenBatch:
     done: bool = False
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token when asked for
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # prompt tokens 1, 2, ... in order
 
 
 @message("tokens")

@@ -186,3 +186,17 @@ def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(c
     assert event["error"]["code"] == "context_length_exceeded" and "4312 tokens" in event["error"]["message"]
     over = client.post("/v1/chat/completions", json={**body, "max_tokens": 5000}, headers=_auth(token))
     assert "at most 4096 tokens" in _error(over, 400, "invalid_max_tokens")
+
+
+def test_completions_route_answers_in_the_openai_shape(client, leader):
+    token = leader.first_start.admin_token
+    _error(client.post("/v1/completions", json={"model": "qwen3", "prompt": "hi"}), 401)
+    message = _error(client.post("/v1/completions", headers=_auth(token),
+                                 json={"model": "qwen3", "prompt": "hi", "suffix": "end"}), 400, "unsupported_parameter")
+    assert "'suffix'" in message
+    _error(client.post("/v1/completions", headers=_auth(token), json={"model": "qwen3", "prompt": "hi"}), 503,
+           "model_not_loaded")
+    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+                                 json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}],
+                                       "response_format": {"type": "json_object"}}), 400, "unsupported_parameter")
+    assert "'response_format'" in message

@@ -197,8 +197,11 @@ async def test_the_built_in_model_sampled_choices_and_filtered_logprobs(tmp_path
             assert plain.choices[0].model_extra["token_ids"] == plain.choices[1].model_extra["token_ids"]
             penalised = await call(client.chat.completions.create, **greedy, frequency_penalty=2.0)
             assert penalised.choices[0].model_extra["token_ids"] != plain.choices[0].model_extra["token_ids"]
+            completions = await legacy_completions(client, name)
+            await idle(swarm, name)
 
     model = load_reference_model(smollm_model_dir)
+    check_legacy_completions(completions, model, smollm_model_dir)
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
     for choice in first.choices:
         ids = choice.model_extra["prompt_token_ids"]
@@ -211,3 +214,67 @@ async def test_the_built_in_model_sampled_choices_and_filtered_logprobs(tmp_path
             assert [e.logprob for e in entry.top_logprobs] == pytest.approx(torch.topk(want, 2).values.tolist(),
                                                                             abs=1e-4)
             ids = ids + [token]
+
+
+PROMPT = "The capital of France is"
+
+
+async def legacy_completions(client, name) -> dict:
+    """/v1/completions as evaluation harnesses and older tools call it; what came back, to check offline."""
+    got = {}
+    # a prompt's log-likelihood, as lm-evaluation-harness asks for it: echo, logprobs, nothing generated
+    got["echo"] = await call(client.completions.create, model=name, prompt=PROMPT, echo=True, logprobs=1,
+                             max_tokens=0, temperature=0)
+    got["greedy"] = await call(client.completions.create, model=name, prompt=PROMPT, max_tokens=8, temperature=0,
+                               logprobs=2, extra_body={"return_token_ids": True})
+    ids = got["greedy"].choices[0].model_extra["prompt_token_ids"]
+    # the same prompt as token ids, with echo: the prompt's text, then the same reply
+    got["ids"] = await call(client.completions.create, model=name, prompt=ids, max_tokens=8, temperature=0,
+                            echo=True, n=2)
+    # a stop string inside the greedy reply, streamed, two choices
+    text = got["greedy"].choices[0].text
+    stop = text.strip()[2:5]
+    chunks = await trio.to_thread.run_sync(lambda: list(client.completions.create(
+        model=name, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop], n=2, stream=True, logprobs=0)))
+    got["stream"] = (stop, chunks)
+    return got
+
+
+def check_legacy_completions(got: dict, model, model_dir) -> None:
+    import torch
+
+    from swarm.leader.chat_format import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    ids = got["greedy"].choices[0].model_extra["prompt_token_ids"]
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    echo = got["echo"].choices[0]
+    assert echo.text == PROMPT and echo.finish_reason == "length"
+    assert got["echo"].usage.completion_tokens == 0 and got["echo"].usage.prompt_tokens == len(ids)
+    lp = echo.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([float(want[k - 1, ids[k]]) for k in range(1, len(ids))], abs=1e-4)
+    assert lp.top_logprobs[0] is None and all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    greedy = got["greedy"].choices[0]
+    reply = greedy.model_extra["token_ids"]
+    assert len(greedy.logprobs.tokens) == len(reply) == 8 and greedy.finish_reason == "length"
+    assert greedy.logprobs.token_logprobs[0] == pytest.approx(float(want[-1, reply[0]]), abs=1e-4)
+    assert greedy.text == tokenizer.decode(reply)
+
+    same = got["ids"]
+    assert [c.text for c in same.choices] == [PROMPT + greedy.text] * 2
+    assert same.usage.prompt_tokens == len(ids) and same.usage.completion_tokens == 16
+
+    stop, chunks = got["stream"]
+    texts, ends = {0: "", 1: ""}, []
+    for chunk in chunks:
+        for item in chunk.choices:
+            texts[item.index] += item.text
+            if item.finish_reason:
+                ends.append((item.index, item.finish_reason))
+    cut = greedy.text[: greedy.text.index(stop)]
+    assert texts == {0: cut, 1: cut} and sorted(ends) == [(0, "stop"), (1, "stop")]
+    assert chunks[-1].usage is not None

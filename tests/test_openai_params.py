@@ -101,3 +101,25 @@ def test_choices_get_seeds_of_their_own():
     sampling = to_sampling({"temperature": 0.5, "presence_penalty": 1.0}, logprobs=2)
     assert sampling.seed is not None and sampling.penalised and sampling.logprobs == 2
     assert not to_sampling({}).penalised and to_sampling({}).seed is None
+
+
+def test_completion_prompts_and_their_limits():
+    from swarm.leader.openai_params import parse_completion_body
+
+    def parse_completion(**fields):
+        return parse_completion_body({"model": "m", **fields}, 4096)
+
+    assert parse_completion(prompt="hi").prompts == ["hi"]
+    assert parse_completion(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
+    assert parse_completion(prompt=["a", [4, 5]]).prompts == ["a", [4, 5]]
+    params = parse_completion(prompt="x", echo=True, logprobs=1, max_tokens=0, best_of=1, suffix="")
+    assert (params.echo, params.logprobs, params.max_tokens) == (True, 1, 0)
+    assert parse_completion(prompt="x").max_tokens == 16  # OpenAI's default for this route
+    for bad in ({"prompt": ""}, {"prompt": []}, {"prompt": [1, "a"]}, {"prompt": "x", "logprobs": 21},
+                {"prompt": "x", "echo": "yes"}, {"prompt": ["x"] * 33}):
+        with pytest.raises(BadRequest):
+            parse_completion(**bad)
+    with pytest.raises(BadRequest, match="'suffix'"):
+        parse_completion(prompt="x", suffix="def f():")
+    with pytest.raises(BadRequest, match="'best_of'"):
+        parse_completion(prompt="x", best_of=3)

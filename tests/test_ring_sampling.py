@@ -123,3 +123,23 @@ def test_a_resent_request_keeps_counting_the_reply_it_had(llama):
     ring.inboxes[0].append(messages.Generate(ring.model, "again", PROMPT + want[:5], STEPS - 5, [], sampling, drawn=5))
     ring.run()
     assert want[:5] + reply.tokens == want
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_prompt_logprobs_are_the_models_over_every_chunk(llama, stages):
+    """Every prompt token after the first gets the model's log-probability of it (chunks of 4: the rows of every
+    chunk count), with its alternatives; the reply itself is unchanged."""
+    model_dir, model = llama
+    ring = ring_of(model_dir, stages)
+    reply = ring.submit("a", PROMPT, 3, messages.Sampling(prompt_logprobs=2, logprobs=0))
+    plain = ring.submit("b", PROMPT, 3)
+    ring.run()
+    assert reply.tokens == plain.tokens and len(reply.logprobs) == 3
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    assert len(reply.prompt_logprobs) == len(PROMPT) - 1
+    for position, got in enumerate(reply.prompt_logprobs, start=1):
+        assert got.logprob == pytest.approx(float(want[position - 1, PROMPT[position]]), abs=1e-4)
+        values, ids = torch.topk(want[position - 1], 2)
+        assert got.top_ids == ids.tolist() and got.top_logprobs == pytest.approx(values.tolist(), abs=1e-4)
+    assert ring.holding() == [[] for _ in range(stages)]

@@ -21,7 +21,7 @@ import trio
 from swarm import messages, wire
 from swarm.errors import ProtocolError, SwarmError
 from swarm.mesh.hop import OutgoingHop
-from swarm.stage.protocol import Release, Report, Send, StageProtocol, Stream
+from swarm.stage.protocol import PromptLogprobs, Release, Report, Send, StageProtocol, Stream
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,9 @@ class StageDriver:
                     await self._perform_in_generation(protocol, protocol.send_failed(action.message, str(exc)))
             elif isinstance(action, Stream):
                 self._queue_token(action)
+            elif isinstance(action, PromptLogprobs):
+                self._batch(action.rid).prompt_logprobs.extend(action.entries)
+                self._stream_ready.set()
             elif isinstance(action, Release):
                 self.stage_model.drop(action.rid)
             elif isinstance(action, Report):
@@ -166,16 +169,20 @@ class StageDriver:
 
     # --- streaming to the leader ------------------------------------------------------------------------------------
 
-    def _queue_token(self, action: Stream) -> None:
-        batch = self._streamed.get(action.rid)
+    def _batch(self, rid: str) -> messages.TokenBatch:
+        batch = self._streamed.get(rid)
         if batch is None:
-            batch = self._streamed[action.rid] = messages.TokenBatch(action.rid, [])
+            batch = self._streamed[rid] = messages.TokenBatch(rid, [])
+        return batch
+
+    def _queue_token(self, action: Stream) -> None:
+        batch = self._batch(action.rid)
         batch.tokens.append(action.token)
         if action.logprob is not None:
             batch.logprobs.append(action.logprob)
         if action.finish_reason is not None:
             self._streamed[action.rid] = messages.TokenBatch(action.rid, batch.tokens, True, action.finish_reason,
-                                                             batch.logprobs)
+                                                             batch.logprobs, batch.prompt_logprobs)
         self._stream_ready.set()
 
     async def _post_tokens(self) -> None:

@@ -23,6 +23,7 @@ from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
+from swarm.leader.completions import CompletionRoutes
 from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
@@ -114,6 +115,7 @@ class Leader:
             Route("/auth/link", api.login_link),
             Route("/v1/models", oai.models),
             Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
+            Route("/v1/completions", CompletionRoutes(oai).completions, methods=["POST"]),
             Route("/api/v1/auth/login", api.login, methods=["POST"]),
             Route("/api/v1/auth/logout", api.logout, methods=["POST"]),
             Route("/api/v1/me", api.me),

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -106,13 +107,7 @@ class OpenAIRoutes:
     async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> bool:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
         cancel them if a later one is refused), and whether the prompt opened a thinking block."""
-        leader = self.leader
-        manifest = await leader.serving.manifest(params.model)
-        if leader.serving.status(params.model) == "not_loaded" and params.model not in leader.serving.reload_on_request:
-            raise ModelNotLoaded(
-                f"model {params.model} is not loaded. Load it first (swarm model-load {params.model}, or Load on "
-                "the chat page), then send the request again.")
-        model_dir = leader.models_root / params.model
+        manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
         try:
             prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
@@ -124,25 +119,40 @@ class OpenAIRoutes:
                 raise BadRequest(f"the messages cannot be put through the model's chat template: {exc}",
                                  "invalid_messages") from None
             raise
-        max_tokens = params.max_tokens
-        if max_tokens is None:  # as long a reply as the pool leaves room for
-            max_tokens = max(1, min(leader.settings.max_tokens_limit,
-                                    leader.serving.pool_tokens(params.model) - len(prompt)))
-        serving = leader.serving.models.get(params.model)
-        own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
-        sampling = sampling_defaults(architecture, params.thinking is not False, params.model, own_top_k)
-        sampling.update(params.sampling)
-        eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
         inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
-        first = to_sampling(sampling, params.logprobs)
+        await self.send(params.model, prompt, params.max_tokens, params.sampling, params, owner, out,
+                        thinking=params.thinking is not False)
+        return inside
+
+    async def model(self, name: str) -> tuple[dict, Path]:
+        """The manifest and folder of a model that is served (or comes back for a request)."""
+        leader = self.leader
+        manifest = await leader.serving.manifest(name)
+        if leader.serving.status(name) == "not_loaded" and name not in leader.serving.reload_on_request:
+            raise ModelNotLoaded(
+                f"model {name} is not loaded. Load it first (swarm model-load {name}, or Load on "
+                "the chat page), then send the request again.")
+        return manifest, leader.models_root / name
+
+    async def send(self, name: str, prompt: list[int], max_tokens: int | None, asked: dict, params, owner: int,
+                   out: list[Request], thinking: bool = True, prompt_logprobs: int | None = None) -> None:
+        """``params.n`` requests for ``prompt`` on their way to the ring, appended to ``out``: the sampling asked for
+        over the model's defaults, choice i seeded from the request's seed (choice 0 is the reply n=1 gets)."""
+        leader = self.leader
+        manifest, model_dir = await self.model(name)
+        if max_tokens is None:  # as long a reply as the pool leaves room for
+            max_tokens = max(1, min(leader.settings.max_tokens_limit, leader.serving.pool_tokens(name) - len(prompt)))
+        serving = leader.serving.models.get(name)
+        own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
+        sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
+        sampling.update(asked)
+        eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
+        first = to_sampling(sampling, params.logprobs, prompt_logprobs)
         for i in range(params.n):
-            # Choice i draws from its own seed, derived from the request's: a seeded request gives the same n replies
-            # every time, and choice 0 is the reply the same request with n=1 gets.
             seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
-            request = Request(model=params.model, prompt=prompt, max_tokens=max_tokens,
+            request = Request(model=name, prompt=prompt, max_tokens=max_tokens,
                               sampling=dataclasses.replace(first, seed=seed), eos=eos, owner=owner)
             out.append(await leader.serving.submit(request))
-        return inside
 
     def _reader(self, ring_request: Request) -> Reader:
         settings = self.leader.settings
@@ -195,7 +205,7 @@ class OpenAIRoutes:
             for choice in choices:
                 yield chunk(choice, {"role": "assistant", "content": ""})
             while any(c.finish is None for c in choices):
-                choice, kind, value = await _next_event([c for c in choices if c.finish is None])
+                choice, kind, value = await next_event([c for c in choices if c.finish is None])
                 text = choice.text
                 if kind == "tokens":
                     for token in value:  # one token per chunk, however the fellows batched them
@@ -242,7 +252,17 @@ class Choice:
         return logprob_entries(tokenizer, self.request.tokens[start:end], self.request.logprobs[start:end])
 
 
-async def _next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
+class _AllContent:
+    """No thinking split (the legacy completions route): all text is content."""
+
+    def push(self, text: str) -> tuple[str, str]:
+        return "", text
+
+    def flush(self) -> tuple[str, str]:
+        return "", ""
+
+
+async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
     """The next thing that happens to any of ``choices``: (choice, kind, value) as Reader.next gives it."""
     for choice in choices:
         if choice.pending:
@@ -267,10 +287,10 @@ class ReplyText:
     """Token ids in, (reasoning, content) text deltas out: incremental detokenising, stop strings, then the thinking
     split. ``used`` counts the tokens whose text made the reply: all of them, unless a stop string cut it short."""
 
-    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = ()):
+    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = (), reasoning: bool = True):
         self.text = TextStream(tokenizer)
         self.stop = StopFinder(list(stops))
-        self.split = ReasoningSplitter(inside)
+        self.split = ReasoningSplitter(inside) if reasoning else _AllContent()
         self.used = 0
 
     @property

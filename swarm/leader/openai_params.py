@@ -180,7 +180,7 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
                       n, parse_logprobs(body))
 
 
-def to_sampling(values: dict, logprobs: int | None = None) -> messages.Sampling:
+def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int | None = None) -> messages.Sampling:
     temperature = float(values.get("temperature", 0.0))
     seed = int(values["seed"]) if values.get("seed") is not None else None
     if seed is None and temperature > 0:
@@ -196,6 +196,7 @@ def to_sampling(values: dict, logprobs: int | None = None) -> messages.Sampling:
         frequency_penalty=float(values.get("frequency_penalty", 0.0)),
         repetition_penalty=float(values.get("repetition_penalty", 1.0)),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -206,3 +207,64 @@ _GOLDEN = 0x9E3779B97F4A7C15
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice ``index`` (1 and up) of a request seeded with ``seed``."""
     return (seed + index * _GOLDEN) % (1 << 63)
+
+
+# --- the legacy completions route ----------------------------------------------------------------------------------
+
+COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "stream", "max_tokens", "echo", "logprobs", "stop", "n", "return_token_ids", "ignore_eos",
+    *SAMPLING_KEYS, *PENALTY_KEYS,
+})
+MAX_PROMPTS = 32  # prompts in one request (evaluation harnesses batch theirs)
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's default for this route
+
+
+@dataclasses.dataclass
+class CompletionParams:
+    """A validated legacy completion request."""
+
+    model: str
+    prompts: list  # each a text or a list of token ids
+    stream: bool
+    max_tokens: int  # 0: nothing generated (with echo and logprobs: the prompt's log-likelihood)
+    echo: bool
+    sampling: dict
+    stop: list[str]
+    n: int
+    logprobs: int | None
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def parse_completion_body(body: dict, max_tokens_limit: int) -> CompletionParams:
+    body = check_fields(body, COMPLETION_FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required: one of the ids from GET /v1/models.", "missing_model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise BadRequest("'prompt' must be a text, a list of token ids, or a list of either.", "invalid_prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"'prompt' holds {len(prompts)} prompts; send at most {MAX_PROMPTS} at once.",
+                         "invalid_prompt")
+    if any(p == "" for p in prompts):
+        raise BadRequest("'prompt' may not be empty.", "invalid_prompt")
+    max_tokens = _integer(body, "max_tokens", 0, max_tokens_limit)
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be true or false.", "invalid_echo")
+    return CompletionParams(model, prompts, body.get("stream") is True,
+                            DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens, echo,
+                            parse_sampling(body), parse_stop(body.get("stop")), n,
+                            _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS), bool(body.get("return_token_ids")),
+                            body.get("ignore_eos") is True)

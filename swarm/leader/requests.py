@@ -60,6 +60,7 @@ class Request:
     owner: int | None = None  # the user who sent it
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)  # prompt tokens 1, 2...
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     error: str | None = None
     attempts: int = 0
@@ -255,6 +256,8 @@ class RequestBook:
                 request.first_token_at = _now()
             request.tokens.extend(batch.tokens)
             request.logprobs.extend(batch.logprobs)
+            if batch.prompt_logprobs:  # an attempt sent again repeats them: the first whole set counts
+                request.prompt_logprobs = (request.prompt_logprobs + batch.prompt_logprobs)[: len(request.prompt) - 1]
             if batch.done:
                 self._end(request, finish=batch.finish_reason or "stop")
                 ended = True
@@ -310,6 +313,8 @@ class RequestBook:
             return []
         if request.attempts:
             request.rid = new_rid()
+            if len(request.prompt_logprobs) < len(request.prompt) - 1:
+                request.prompt_logprobs = []  # cut off before all came: the new attempt sends them from the start
         else:
             request.started_at = _now()
         request.attempts += 1

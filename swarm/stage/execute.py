@@ -10,13 +10,22 @@ import torch
 from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_batch
-from swarm.stage.sampling import SamplingParams, penalise, sample, sample_with_logprobs, token_generator
+from swarm.stage.sampling import (
+    IMPOSSIBLE,
+    SamplingParams,
+    penalise,
+    sample,
+    sample_with_logprobs,
+    token_generator,
+)
 from swarm.stage.slice import StageModel
 
 
 def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) -> Output:
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # in this worker thread: OpenMP keeps the count per calling thread
+    if stage.spec.is_last and any(_wants_prompt_logprobs(work) for work in batch):
+        return _with_prompt_logprobs(stage, batch)
     if len(batch) > 1:
         return _run_together(stage, batch)
     hidden_out: list[torch.Tensor] = []
@@ -66,6 +75,61 @@ def _sample(work: Work, logits: torch.Tensor) -> tuple[int, messages.TokenLogpro
         return sample(logits, params, generator), None
     token, logprob, top_ids, top_logprobs = sample_with_logprobs(logits, params, generator, sampling.logprobs)
     return token, messages.TokenLogprob(logprob, top_ids, top_logprobs)
+
+
+def _wants_prompt_logprobs(work: Work) -> bool:
+    return work.prefill and work.request.sampling.prompt_logprobs is not None
+
+
+def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
+    """A last stage's batch where some prompt chunks want their prompt's logprobs: those are computed alone, with
+    the logits of every row; the rest of the batch as usual."""
+    rest = [work for work in batch if not _wants_prompt_logprobs(work)]
+    done = run_batch(stage, rest) if rest else Output(tokens=[])
+    results = dict(zip(map(id, rest), zip(done.tokens, done.logprobs or [None] * len(rest))))
+    tokens, logprobs, prompt_logprobs = [], [], []
+    for work in batch:
+        if id(work) in results:
+            token, logprob = results[id(work)]
+            entries = None
+        else:
+            if work.start:
+                stage.new_request(work.rid)
+            if work.ids is not None:
+                logits = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
+                                       all_logits=True)
+            else:
+                rows = work.rows
+                logits = stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n],
+                                       all_logits=True)
+            logits = logits.cpu()
+            entries = prompt_entries(work, logits)
+            token, logprob = _sample(work, logits[-1]) if work.last else (None, None)
+        tokens.append(token)
+        logprobs.append(logprob)
+        prompt_logprobs.append(entries)
+    return Output(tokens=tokens, logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+                  prompt_logprobs=prompt_logprobs)
+
+
+def prompt_entries(work: Work, logits: torch.Tensor) -> list[messages.TokenLogprob]:
+    """The logprobs of the prompt tokens that the rows of ``work`` predict (row r: the token at pos + r + 1), in the
+    model's own distribution (no temperature, no filters), with the request's number of alternatives."""
+    request = work.request
+    context, top = request.start.context, request.sampling.prompt_logprobs
+    n = max(0, min(work.n, request.start.prompt_len - 1 - work.pos))
+    if n == 0 or context is None:
+        return []
+    lp = torch.log_softmax(logits[:n].float(), dim=-1)
+    targets = torch.tensor(context[work.pos + 1 : work.pos + 1 + n], dtype=torch.long)
+    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+    if top > 0:
+        values, ids = torch.topk(lp, top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    else:
+        values, ids = [[]] * n, [[]] * n
+    return [messages.TokenLogprob(max(c, IMPOSSIBLE), i, [max(v, IMPOSSIBLE) for v in vs])
+            for c, i, vs in zip(chosen, ids, values)]
 
 
 def _sampled(results: list) -> Output:

@@ -14,13 +14,14 @@ from typing import Any
 
 from swarm import messages
 from swarm.errors import ModelError
-from swarm.stage.protocol import Output, Release, Report, Send, StageProtocol, Stream, Work
+from swarm.stage.protocol import Output, PromptLogprobs, Release, Report, Send, StageProtocol, Stream, Work
 
 
 @dataclasses.dataclass
 class LocalReply:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -107,6 +108,10 @@ class LocalRing:
                     if action.logprob is not None:
                         reply.logprobs.append(action.logprob)
                     reply.finish_reason = action.finish_reason
+            elif isinstance(action, PromptLogprobs):
+                reply = self.replies.get(action.rid)
+                if reply is not None:
+                    reply.prompt_logprobs.extend(action.entries)
             elif isinstance(action, Report):
                 reply = self.replies.get(action.message.rid)
                 if reply is not None and not reply.ended:

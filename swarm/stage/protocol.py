@@ -63,11 +63,19 @@ class Stream:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """The last stage's logprobs of prompt tokens, for the leader (a request that asked for them), in order."""
+
+    rid: str
+    entries: list
+
+
+@dataclasses.dataclass(frozen=True)
 class Release:
     rid: str
 
 
-Action = Send | Report | Stream | Release
+Action = Send | Report | Stream | Release | PromptLogprobs
 
 
 # --- state -----------------------------------------------------------------------------------------------------------
@@ -143,6 +151,7 @@ class Output:
     hidden: dict | None = None
     tokens: list[int | None] | None = None
     logprobs: list[messages.TokenLogprob | None] | None = None  # with tokens, for requests that asked for them
+    prompt_logprobs: list[list[messages.TokenLogprob] | None] | None = None  # prompt tokens' (prompt chunks)
 
 
 # --- the protocol ----------------------------------------------------------------------------------------------------
@@ -186,7 +195,7 @@ class StageProtocol:
             return self._fail_new(message.rid, "the prompt is empty")
         if message.rid in self.requests:
             return self._fail_new(message.rid, f"request {message.rid} is already on stage 0")
-        context = list(message.prompt) if message.sampling.penalised else None  # the penalties count these
+        context = list(message.prompt) if message.sampling.needs_context else None  # penalties, prompt logprobs
         start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling,
                                       message.drawn, context)
         request = StageRequest(message.rid, list(message.prompt), start)
@@ -278,6 +287,9 @@ class StageProtocol:
             return actions
         sampled = []
         logprobs = output.logprobs or [None] * len(batch)
+        for work, entries in zip(batch, output.prompt_logprobs or []):
+            if entries:
+                actions.append(PromptLogprobs(work.rid, entries))
         for work, token, logprob in zip(batch, output.tokens or [None] * len(batch), logprobs):
             if self.is_first and not work.last:
                 self._queue_next_chunk(work.request)  # one stage: the next prompt chunk

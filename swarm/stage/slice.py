@@ -257,12 +257,14 @@ class StageModel:
         input_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         want_logits: bool = True,
+        all_logits: bool = False,
     ) -> torch.Tensor | None:
         """Run one chunk of a request through this stage's layers, starting at token ``position``.
 
         First stage: ``input_ids`` (1, n). Other stages: ``hidden`` (1, n, hidden_size) from the stage before.
         Returns hidden states (1, n, hidden_size), or on the last stage the float32 logits (vocab,) of the chunk's
-        last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last).
+        last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last); with
+        ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs).
         """
         cache = self._cache(rid)
         cached = cache.get_seq_length()
@@ -300,6 +302,8 @@ class StageModel:
                 return states
             if not want_logits:
                 return None
+            if all_logits:
+                return self.lm_head(self.norm(states))[0].float()
             # The norm is per position, so normalising the last one alone equals the library's full-sequence norm.
             last = self.norm(states[:, -1:, :])
             return self.lm_head(last)[0, -1].float()
