@@ -24,6 +24,20 @@ log = logging.getLogger(__name__)
 ALIVE_S = 1.0
 SILENT_S = 4.0
 
+# Before it is enrolled a connection is a stranger's: it must finish the Noise handshake and say hello within
+# HELLO_S (a fellow across two home NATs does both in well under a second) and its hello may be HELLO_MAX_BYTES
+# (a real one -- name, hardware of a few GPUs, the stages it holds -- is about 1 KiB).
+HELLO_S = 10.0
+HELLO_MAX_BYTES = 64 * 1024
+# Once enrolled, the control link carries only small messages: heartbeats, tokens, load progress (hidden states
+# travel on ring hops, never here). The largest is a batch of tokens with 20 top logprobs each, ~400 bytes a token:
+# 4 MiB is ten thousand of those. The tunnel's own 256 MiB ceiling is for ring hops.
+CONTROL_MAX_BYTES = 4 * 1024 * 1024
+# Messages larger than this are decoded in a worker thread so a big one never stalls the event loop; at most
+# DECODE_THREADS at once, so fellows cannot take every worker thread from the database and the password hasher.
+DECODE_OFF_LOOP_BYTES = 64 * 1024
+DECODE_THREADS = 2
+
 
 @dataclasses.dataclass(eq=False)
 class FellowConn:
@@ -84,25 +98,38 @@ class FellowHub:
         self.private = leader_private
         self.serving = serving
         self.online: dict[int, FellowConn] = {}
+        self._decode_limiter = trio.CapacityLimiter(DECODE_THREADS)
 
     async def handle(self, ws: WebSocket) -> None:
         await ws.accept()
         transport = ServerWebSocketFrameTransport(ws)
         try:
-            # Any key may open the handshake: a new fellow enrols with a join token inside the encrypted session.
-            channel = await NoiseChannel.accept(transport, self.private, lambda key: True)
-            hello = wire.decode(await channel.receive())
+            with trio.fail_after(HELLO_S):
+                # Any key may open the handshake: a new fellow enrols with a join token inside the encrypted session.
+                channel = await NoiseChannel.accept(transport, self.private, lambda key: True, timeout=HELLO_S)
+                channel.max_message_size = HELLO_MAX_BYTES
+                hello = wire.decode(await channel.receive())
             if hello.get("t") != "hello":
                 raise AuthError("the first message on a fellow link must be hello")
+        except trio.TooSlowError:
+            log.info("refused a fellow link: no hello within %.0f s", HELLO_S)
+            await close_quietly(transport)
+            return
         except SwarmError as exc:
             log.info("refused a fellow link: %s", exc)
-            await transport.aclose()
+            await close_quietly(transport)
             return
+        channel.max_message_size = CONTROL_MAX_BYTES
         try:
             conn = await self._admit(channel, hello)
-        except AuthError as exc:
-            await channel.send(wire.encode({"t": "refused", "message": str(exc)}))
-            await transport.aclose()
+        except SwarmError as exc:  # AuthError, or a malformed hello (ProtocolError)
+            log.info("refused a fellow: %s", exc)
+            with trio.move_on_after(CLEANUP_S):
+                try:
+                    await channel.send(wire.encode({"t": "refused", "message": str(exc)}))
+                except SwarmError:
+                    pass
+            await close_quietly(transport)
             return
         previous = self.online.get(conn.id)
         if previous is not None:
@@ -131,13 +158,16 @@ class FellowHub:
             while True:
                 data = await conn.channel.receive()
                 try:
-                    message = wire.unpack(data)
+                    if len(data) > DECODE_OFF_LOOP_BYTES:
+                        message = await trio.to_thread.run_sync(wire.unpack, data, limiter=self._decode_limiter)
+                    else:
+                        message = wire.unpack(data)
                 except ProtocolError as exc:  # the link itself is fine: skip what we cannot read
                     log.warning("fellow %s sent a message the leader cannot read: %s", conn.name, exc)
                     continue
                 conn.last_seen = trio.current_time()
                 if isinstance(message, dict) and message["t"] == "heartbeat":
-                    conn.hardware = Hardware.from_wire(message["hardware"])
+                    conn.hardware = Hardware.from_wire(message.get("hardware"))
                     conn.held = message.get("held") or {}
                     conn.last_heartbeat = trio.current_time()
                     await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
@@ -165,10 +195,11 @@ class FellowHub:
     async def _admit(self, channel: NoiseChannel, hello: dict) -> FellowConn:
         key = channel.remote_static
         name = str(hello.get("name") or "fellow")[:64]
+        hardware = Hardware.from_wire(hello.get("hardware"))  # a malformed hello is refused before it costs a use
         known = await trio.to_thread.run_sync(self.store.fellow_by_key, key)
         if known is None:
             secret = hello.get("join_token")
-            if not secret:
+            if not secret or not isinstance(secret, str):
                 raise AuthError(
                     f"this leader does not know the fellow key {fingerprint(key)}; join with a join token: "
                     "swarm join URL --token <join token>."
@@ -179,12 +210,16 @@ class FellowHub:
             name = known.name
         fellow, credential = await trio.to_thread.run_sync(self.store.enrol_fellow, name, key, pool_id,
                                                            hello.get("standby") is True)
-        serve = hello.get("serve") or {}
+        serve = hello.get("serve")
+        serve = serve if isinstance(serve, dict) else {}
+        host, port = serve.get("host"), serve.get("port")
         now = trio.current_time()
         conn = FellowConn(
             id=fellow.id, name=fellow.name, public_key=key, pool_id=pool_id,
-            hardware=Hardware.from_wire(hello["hardware"]),
-            serve_host=serve.get("host"), serve_port=serve.get("port"), version=str(hello.get("version", "?")),
+            hardware=hardware,
+            serve_host=host if isinstance(host, str) else None,
+            serve_port=port if isinstance(port, int) and not isinstance(port, bool) else None,
+            version=str(hello.get("version", "?"))[:64],
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
         )
         conn.credential = credential

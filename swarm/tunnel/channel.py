@@ -187,6 +187,15 @@ class NoiseChannel:
         """What the initiator sent with its first handshake message (b"" on the initiator's side)."""
         return self.session.handshake_payload
 
+    @property
+    def max_message_size(self) -> int:
+        """The largest message :meth:`receive` accepts; a longer one breaks the link (ProtocolError)."""
+        return self.session.max_message_size
+
+    @max_message_size.setter
+    def max_message_size(self, size: int) -> None:
+        self.session.max_message_size = size
+
     async def send(self, message: bytes) -> None:
         async with self._send_lock:
             if self._send_broken:

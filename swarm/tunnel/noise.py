@@ -44,7 +44,8 @@ MAX_FRAME = MAX_NOISE_MESSAGE
 
 # A peer that never sends a "last" frame could make us buffer without end. 256 MiB is far above the largest message
 # swarm sends (a prefill chunk of hidden states: 512 tokens x 8192 hidden x 4 bytes = 16 MiB) and small enough to
-# survive on a fellow with little RAM.
+# survive on a fellow with little RAM. It is the ceiling for ring hops; a session that carries only small messages
+# (the leader's control links, a stranger before enrolment) sets a far lower ``max_message_size`` of its own.
 MAX_MESSAGE_SIZE = 256 * 1024 * 1024
 
 _FLAG_LAST = 0x00
@@ -75,6 +76,8 @@ class NoiseSession:
         self._handshake_payload = b""
         self._parts: list[memoryview] = []  # chunks of the message being received
         self._parts_size = 0
+        # The largest message this end accepts; a longer one kills the session before more of it is buffered.
+        self.max_message_size = MAX_MESSAGE_SIZE
 
     # --- construction ------------------------------------------------------------------------------------------
 
@@ -229,9 +232,12 @@ class NoiseSession:
             raise ProtocolError("a frame carries no valid flag byte; the peer does not speak swarm/1 framing")
 
         body = memoryview(plain)[1:]
-        if self._parts_size + len(body) > MAX_MESSAGE_SIZE:
+        if self._parts_size + len(body) > self.max_message_size:
             self._state = _State.DEAD
-            raise ProtocolError(f"the peer sent a message larger than {MAX_MESSAGE_SIZE} bytes")
+            self._parts.clear()
+            self._parts_size = 0
+            raise ProtocolError(f"the peer sent a message larger than the {self.max_message_size} bytes this link "
+                                "accepts")
         if plain[0] == _FLAG_MORE:
             self._parts.append(body)
             self._parts_size += len(body)
