@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 
 
-def build(folder: Path, scripts: dict[str, list[str]]) -> Path:
+def build(folder: Path, scripts: dict[str, list[str]], chat_template: str = CHAT_TEMPLATE) -> Path:
     """A transformers folder (weights, tokenizer, chat template) whose reply after ``prompt_end`` is the pieces of
     ``scripts[prompt_end]`` then <|im_end|>. ``prompt_end`` is the text the prompt ends with ("assistant\\n" after
     the generation prompt, "\\n\\n" after an empty thinking block)."""
@@ -35,7 +35,7 @@ def build(folder: Path, scripts: dict[str, list[str]]) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|im_end|>")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
     tokenizer.add_tokens(sorted(set(["<think>", "</think>", "assistant\n", "\n\n", *pieces]), key=len, reverse=True))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     vocab = len(tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -69,6 +69,6 @@ def build(folder: Path, scripts: dict[str, list[str]]) -> Path:
     tokenizer.save_pretrained(folder)
     config_path = folder / "tokenizer_config.json"
     data = json.loads(config_path.read_text())
-    data["chat_template"] = CHAT_TEMPLATE
+    data["chat_template"] = chat_template
     config_path.write_text(json.dumps(data))
     return folder

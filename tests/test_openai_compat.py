@@ -278,3 +278,94 @@ def check_legacy_completions(got: dict, model, model_dir) -> None:
     cut = greedy.text[: greedy.text.index(stop)]
     assert texts == {0: cut, 1: cut} and sorted(ends) == [(0, "stop"), (1, "stop")]
     assert chunks[-1].usage is not None
+
+
+# A Qwen3-style template that takes tools, renders an assistant's tool calls and the tool's results.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% elif message.tool_calls %}<|im_start|>assistant\n{{ message.content }}{% for call in message.tool_calls %}"
+    "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    # the first turn calls the tool; after its result (and thinking off, so the prompt ends otherwise) it answers
+    build(root / "src", {"assistant\n": ["<tool_call>\n", CALL, "\n</tool_call>"],
+                         "\n\n": ["It is sunny in Paris."]}, TOOLS_TEMPLATE)
+    import_model(str(root / "src"), root / "models", "qwen3-tools")
+    return root / "models" / "qwen3-tools"
+
+
+async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
+    import json
+
+    from swarm.leader.chat_format import load_tokenizer
+
+    name = tool_model_dir.name
+    tokenizer = load_tokenizer(str(tool_model_dir))
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    with trio.fail_after(180):
+        async with running_swarm(tmp_path, [tool_model_dir, scripted_dir], fellows=2) as swarm:
+            await swarm.load(name, 2)
+            client = client_of(swarm)
+            reply = await call(client.chat.completions.create, model=name, messages=ask, tools=[WEATHER],
+                               temperature=0, max_tokens=10, extra_body={"return_token_ids": True})
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (tool_call,) = choice.message.tool_calls
+            assert tool_call.function.name == "get_weather"
+            assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+            prompt = tokenizer.decode(choice.model_extra["prompt_token_ids"])
+            assert "<tools>" in prompt and '"name": "get_weather"' in prompt  # the tools reached the template
+
+            # streamed: no text, one tool-call delta, finish_reason tool_calls
+            chunks = await trio.to_thread.run_sync(lambda: list(client.chat.completions.create(
+                model=name, messages=ask, tools=[WEATHER], temperature=0, max_tokens=10, stream=True)))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(d.content or "" for d in deltas) == ""
+            calls = [t for d in deltas for t in d.tool_calls or []]
+            assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+                (0, "get_weather", {"city": "Paris"})]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+            # the call and its result go back into the template; the model answers
+            history = ask + [choice.message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny, 24 C"}]
+            answer = await call(client.chat.completions.create, model=name, messages=history, tools=[WEATHER],
+                                temperature=0, max_tokens=10,
+                                extra_body={"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}})
+            assert answer.choices[0].message.content == "It is sunny in Paris."
+            assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+            prompt = tokenizer.decode(answer.choices[0].model_extra["prompt_token_ids"])
+            assert f"<tool_call>\n{CALL}\n</tool_call>" in prompt
+            assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+
+            # tool_choice none: no tools reach the template, and what the model writes is text
+            plain = await call(client.chat.completions.create, model=name, messages=ask, tools=[WEATHER],
+                               tool_choice="none", temperature=0, max_tokens=10,
+                               extra_body={"return_token_ids": True})
+            assert "<tools>" not in tokenizer.decode(plain.choices[0].model_extra["prompt_token_ids"])
+            assert plain.choices[0].message.content == f"<tool_call>\n{CALL}\n</tool_call>"
+            assert plain.choices[0].finish_reason == "stop"
+            # forcing a call is refused by name
+            with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                await call(client.chat.completions.create, model=name, messages=ask, tools=[WEATHER],
+                           tool_choice="required")
+            # a model whose template takes no tools says so instead of ignoring them
+            await swarm.load(scripted_dir.name, 1)
+            with pytest.raises(openai.BadRequestError, match="does not take tools"):
+                await call(client.chat.completions.create, model=scripted_dir.name, messages=ask, tools=[WEATHER])

@@ -18,7 +18,7 @@ def parse(**fields):
 @pytest.mark.parametrize("field, value", [
     ("logit_bias", {"50256": -100}),
     ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("functions", [{"name": "f"}]),
     ("reasoning_effort", "low"),
     ("audio", {"voice": "alloy"}),
     ("best_of", 3),
@@ -123,3 +123,15 @@ def test_completion_prompts_and_their_limits():
         parse_completion(prompt="x", suffix="def f():")
     with pytest.raises(BadRequest, match="'best_of'"):
         parse_completion(prompt="x", best_of=3)
+
+
+def test_tools_and_tool_choice():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert parse(tools=[tool]).tools == [tool]
+    assert parse(tools=[tool], tool_choice="auto").tools == [tool]
+    assert parse(tools=[tool], tool_choice="none").tools is None
+    assert parse(tools=[], tool_choice="none").tools is None
+    for bad in ({"tools": [{"type": "function"}]}, {"tools": "f"}, {"tool_choice": "required"},
+                {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}):
+        with pytest.raises(BadRequest):
+            parse(**bad)

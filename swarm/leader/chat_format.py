@@ -80,12 +80,34 @@ def _text(content) -> str:
     return str(content)
 
 
+def _message(m: dict) -> dict:
+    """A message as chat templates take it: text content; an assistant's tool calls with their arguments as objects
+    (templates write them with ``tojson``, as vLLM gives them); a tool result's call id and name."""
+    out = {"role": m["role"], "content": _text(m.get("content"))}
+    calls = m.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        out["tool_calls"] = []
+        for call in calls:
+            function = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # the template gets the text as it is
+            out["tool_calls"].append({**call, "function": function})
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
+
+
 def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | None,
-                architecture: str = "") -> list[int]:
-    """The prompt's token ids through the model's chat template. Thinking off reaches the template as its
-    ``enable_thinking`` switch and, for Qwen3, as Qwen's ``/no_think`` soft switch on the last user message too."""
+                architecture: str = "", tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids through the model's chat template (with ``tools``, when given, as the template's
+    ``tools``). Thinking off reaches the template as its ``enable_thinking`` switch and, for Qwen3, as Qwen's
+    ``/no_think`` soft switch on the last user message too."""
     tokenizer = load_tokenizer(str(model_dir))
-    clean = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
+    clean = [_message(m) for m in messages]
     if enable_thinking is False and architecture == "qwen3":
         last_user = max((i for i, m in enumerate(clean) if m["role"] == "user"), default=None)
         if last_user is not None and not clean[last_user]["content"].rstrip().endswith("/no_think"):
@@ -93,6 +115,14 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
     kwargs = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if tools:
+        if "tools" not in (tokenizer.chat_template or ""):
+            from swarm.errors import BadRequest
+
+            raise BadRequest(f"model {Path(model_dir).name}'s chat template does not take tools, so the model would "
+                             "not see them. Leave 'tools' out, or describe the tools in the system message.",
+                             "unsupported_parameter")
+        kwargs["tools"] = tools
     if tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, **kwargs)
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding

@@ -30,6 +30,7 @@ from swarm.leader.openai_params import ChatParams, choice_seed, parse_chat_body,
 from swarm.leader.reasoning import ReasoningSplitter
 from swarm.leader.requests import Reader, Request
 from swarm.leader.stops import StopFinder
+from swarm.leader.tool_calls import ToolCallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class OpenAIRoutes:
             body = await json_body(request)
             stream = body.get("stream") is True
             params = parse_chat_body(body, self.leader.settings.max_tokens_limit)
-            inside = await self._submit(params, user.id, ring_requests)
+            inside, tool_family = await self._submit(params, user.id, ring_requests)
             for ring_request in ring_requests:
                 await self.leader.serving.wait_started(ring_request, request.receive)  # 503 if it waits too long
         except Exception as exc:
@@ -67,6 +68,9 @@ class OpenAIRoutes:
         tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
         choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self._reader(r), params.logprobs)
                    for i, r in enumerate(ring_requests)]
+        if params.tools:
+            for choice in choices:
+                choice.tools = ToolCallSplitter(tool_family)
         first = ring_requests[0]
         created = int(time.time())
         if params.stream:
@@ -91,6 +95,9 @@ class OpenAIRoutes:
             message = {"role": "assistant", "content": choice.content}
             if choice.reasoning:
                 message["reasoning_content"] = choice.reasoning
+            if choice.calls:
+                message["content"] = choice.content or None
+                message["tool_calls"] = choice.calls
             item = {"index": choice.index, "message": message, "finish_reason": choice.finish}
             if choice.top is not None:
                 item["logprobs"] = {"content": choice.logprobs(tokenizer, choice.text.used), "refusal": None}
@@ -104,14 +111,15 @@ class OpenAIRoutes:
             "swarm": {"timing": _timing(first)},
         }, headers={"x-swarm-request-id": first.id})
 
-    async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> bool:
+    async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> tuple[bool, str]:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
-        cancel them if a later one is refused), and whether the prompt opened a thinking block."""
+        cancel them if a later one is refused); whether the prompt opened a thinking block, and the format of the
+        model's tool calls."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
         try:
             prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
-                                                   architecture)
+                                                   architecture, params.tools)
         except Exception as exc:
             from jinja2 import TemplateError
 
@@ -122,7 +130,7 @@ class OpenAIRoutes:
         inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
         await self.send(params.model, prompt, params.max_tokens, params.sampling, params, owner, out,
                         thinking=params.thinking is not False)
-        return inside
+        return inside, "llama" if architecture == "llama" else "hermes"
 
     async def model(self, name: str) -> tuple[dict, Path]:
         """The manifest and folder of a model that is served (or comes back for a request)."""
@@ -166,13 +174,13 @@ class OpenAIRoutes:
                 raise SwarmError(value)
             r, c = choice.text.push(value) if kind == "tokens" else choice.text.flush()
             choice.reasoning += r
-            choice.content += c
+            choice.content += choice.content_delta(c)
             if choice.text.stopped:
                 self.leader.serving.cancel(choice.request)  # the ring stops now and frees the request's caches
-                choice.finish = "stop"
-                return
-            if kind != "tokens":
-                choice.finish = "stop" if value == "cancelled" else value
+            if choice.text.stopped or kind != "tokens":
+                choice.content += choice.end_content()
+                finish = "stop" if choice.text.stopped or value == "cancelled" else value
+                choice.finish = choice.finish_reason(finish)
                 return
 
     async def _stream(self, choices: list[Choice], created: int):
@@ -192,14 +200,20 @@ class OpenAIRoutes:
         def deltas(choice: Choice, reasoning: str, content: str):
             if reasoning:
                 yield chunk(choice, {"reasoning_content": reasoning})
+            content = choice.content_delta(content)
             if content:
                 yield chunk(choice, {"content": content})
 
         def finished(choice: Choice, finish: str):
-            choice.finish = finish
+            content = choice.end_content()
+            if content:
+                yield chunk(choice, {"content": content})
+            if choice.calls:
+                yield chunk(choice, {"tool_calls": [{"index": i, **call} for i, call in enumerate(choice.calls)]})
+            choice.finish = choice.finish_reason(finish)
             last = all(c.finish is not None for c in choices)  # usage comes with the last choice's end
             extra = {"usage": _usage(choices), "swarm": {"timing": _timing(first)}} if last else None
-            return chunk(choice, {}, finish=finish, extra=extra)
+            yield chunk(choice, {}, finish=choice.finish, extra=extra)
 
         try:
             for choice in choices:
@@ -215,7 +229,8 @@ class OpenAIRoutes:
                             break
                     if text.stopped:
                         self.leader.serving.cancel(choice.request)  # the ring stops now and frees the caches
-                        yield finished(choice, "stop")
+                        for line in finished(choice, "stop"):
+                            yield line
                 elif kind == "error":
                     payload = {"error": {"message": value, "type": "server_error", "code": "ring_failed"}}
                     yield f"data: {json.dumps(payload)}\n\n"
@@ -223,7 +238,8 @@ class OpenAIRoutes:
                 else:
                     for line in deltas(choice, *text.flush()):
                         yield line
-                    yield finished(choice, "stop" if value == "cancelled" else value)
+                    for line in finished(choice, "stop" if value == "cancelled" else value):
+                        yield line
             yield "data: [DONE]\n\n"
         finally:
             # The client went away or the stream ended: make sure the fellows stop (hypercorn may never tell us of a
@@ -246,6 +262,22 @@ class Choice:
         self.finish: str | None = None
         self.sent = 0  # tokens whose logprobs went out in a stream
         self.pending: list[tuple] = []  # what its reader gave while another choice's event was being taken
+        self.tools: ToolCallSplitter | None = None  # the request gave tools: the reply's calls are parsed
+        self.calls: list[dict] = []
+
+    def content_delta(self, content: str) -> str:
+        """What of a content delta goes out now (a tool call is held until the reply ends)."""
+        return self.tools.push(content) if self.tools is not None and content else content
+
+    def end_content(self) -> str:
+        """The end of the reply: the content held back, with the tool calls parsed out of it."""
+        if self.tools is None:
+            return ""
+        content, self.calls = self.tools.finish()
+        return content
+
+    def finish_reason(self, finish: str) -> str:
+        return "tool_calls" if self.calls and finish == "stop" else finish
 
     def logprobs(self, tokenizer, end: int, start: int = 0) -> list[dict]:
         """OpenAI's logprobs content for tokens [start, end) of the reply."""

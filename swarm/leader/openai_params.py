@@ -11,6 +11,7 @@ OpenAI's API.
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 
 from swarm import messages
@@ -26,16 +27,14 @@ MAX_CHOICES = 8  # n: each choice is a request of its own on the ring
 IGNORED = frozenset({
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
     "prompt_cache_options", "stream_options",  # usage comes in the last chunk of every stream anyway
-    "parallel_tool_calls",  # only means something with tools, which are refused
+    "parallel_tool_calls",  # the reply's calls are all returned, one or several
 })
 
 # Fields we do not implement, accepted only at the value that means "off".
 _OFF_VALUES = {
     "logit_bias": ({},),
     "response_format": ({"type": "text"},),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
     "best_of": (1,),
@@ -44,14 +43,14 @@ _OFF_VALUES = {
 
 CHAT_FIELDS = frozenset({
     "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
-    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", *SAMPLING_KEYS, *PENALTY_KEYS,
+    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", *SAMPLING_KEYS, *PENALTY_KEYS,
 })
 
 # What to tell a client that asks for something we do not do, where there is more to say than "not supported".
 _ADVICE = {
     "reasoning_effort": "Turn thinking on or off with \"chat_template_kwargs\": {\"enable_thinking\": false}.",
     "response_format": "Only {\"type\": \"text\"} is supported; ask for JSON in the prompt instead.",
-    "tools": "Tool calls are not supported yet; describe the tools in the system message instead.",
+    "functions": "Send them as \"tools\" (the current form of the same thing).",
 }
 
 
@@ -87,6 +86,7 @@ class ChatParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     n: int = 1
     logprobs: int | None = None  # None: off; else how many alternatives each token comes with (0 to 20)
+    tools: list[dict] | None = None  # function tools for the chat template (None: none, or tool_choice "none")
 
 
 def _number(body: dict, key: str, low: float, high: float) -> float | None:
@@ -177,7 +177,31 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     return ChatParams(model, chat, bool(body.get("stream")), requested, thinking, parse_sampling(body),
                       bool(body.get("return_token_ids")), body.get("ignore_eos") is True, parse_stop(body.get("stop")),
-                      n, parse_logprobs(body))
+                      n, parse_logprobs(body), parse_tools(body))
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """``tools`` (function tools) as the chat template takes them, unless ``tool_choice`` is "none". The model
+    decides whether to call one ("auto"); forcing a call ("required", or a named function) is not supported."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto")
+    if tools is None or tools == []:
+        if choice not in ("auto", "none"):
+            raise BadRequest("'tool_choice' names a tool, but the request has no 'tools'.", "invalid_tool_choice")
+        return None
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools
+    ):
+        raise BadRequest("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", "
+                         "\"description\", \"parameters\"}} objects.", "invalid_tools")
+    if choice == "none":
+        return None
+    if choice != "auto":
+        raise BadRequest(f"'tool_choice' {json.dumps(choice)} is not supported by this server: the model decides "
+                         "whether to call a tool (\"auto\"), or is given none (\"none\"). Leave it out, or say in the "
+                         "prompt which tool to call.", "unsupported_parameter")
+    return [{"type": "function", "function": t["function"]} for t in tools]
 
 
 def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int | None = None) -> messages.Sampling:
