@@ -1,0 +1,123 @@
+"""The leader holds under load: a burst of 64 chats the moment the model is ready, then two minutes of mixed traffic
+from 64 clients (whole replies and streams, prompts of 10 to 2,000 tokens, clients that cancel mid-reply, go away
+without a word or read slowly). Real processes: a `swarm leader` that has imported nothing before the burst, and two
+`swarm join` fellows serving the built-in model over two stages.
+
+Nothing is lost (every request answered or refused in words), nothing fails, every greedy reply is generate's (the
+near-tie rule of tests/exactness.py), and afterwards no stage holds a request or a KV cache. bench/soak.py runs the
+same traffic for longer and prints the figures."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from fleet import FellowProcess, LeaderProcess, free_port, logs
+from harness import install_model, wait_for, wait_until
+from traffic import Traffic, build_prompts, rss_mb
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 48
+LENGTHS = [10, 40, 120, 300, 700, 1200, 2000]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_model_dir):
+    return build_prompts(smollm_model_dir, LENGTHS, MAX_TOKENS, eos=[2])
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, smollm_model_dir):
+    """A leader and two fellows, the model not loaded yet."""
+    tmp = tmp_path_factory.mktemp("holding")
+    name = install_model(tmp / "leader", smollm_model_dir)
+    leader = LeaderProcess(tmp / "leader", free_port()).start()
+    fellows = []
+    try:
+        token = wait_for(lambda: leader.printed("Admin API token:"), 60, message=leader.log)
+        join = leader.join_token(uses=2)
+        fellows = [FellowProcess(leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}").start() for i in range(2)]
+        http = httpx.Client(base_url=leader.url, headers={"authorization": f"Bearer {token}"}, timeout=120)
+        wait_for(lambda: len([f for f in http.get("/api/v1/fellows").json()["fellows"] if f["state"] == "online"])
+                 == 2, 120, message=lambda: logs(fellows))
+        yield {"leader": leader, "fellows": fellows, "http": http, "token": token, "name": name}
+    finally:
+        for f in fellows:
+            f.stop()
+        leader.stop()
+
+
+@pytest.fixture
+def fleet_logs(fleet, process_logs):
+    process_logs(lambda: {"leader": fleet["leader"].log_path, **{f.name: f.log_path for f in fleet["fellows"]}})
+    return fleet
+
+
+def pids(fleet) -> dict[str, int]:
+    return {"leader": fleet["leader"].proc.pid, **{f.name: f.proc.pid for f in fleet["fellows"]}}
+
+
+async def nothing_held(fleet) -> None:
+    """Every stage reports (in its heartbeat) that it holds no request and no KV cache."""
+    def held():
+        fellows = fleet["http"].get("/api/v1/fellows").json()["fellows"]
+        return [f["held"] for f in fellows if f["state"] == "online"]
+
+    await wait_until(lambda: all(h.get(fleet["name"]) == {"requests": 0, "caches": 0} for h in held()), 30,
+                     message=lambda: f"the stages still hold {held()}")
+
+
+def check(tally: dict) -> None:
+    assert tally["lost"] == 0, tally
+    assert tally["failed"] == [], tally
+    assert tally["differs"] == [], tally["differs"]
+
+
+async def test_a_burst_of_64_chats_the_moment_the_model_is_ready(fleet_logs, prompts, smollm_model_dir,
+                                                                  session_summary):
+    fleet = fleet_logs
+    http, name = fleet["http"], fleet["name"]
+    from swarm.leader.chat_format import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm_model_dir))
+    assert http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2}).status_code == 202
+    await wait_until(lambda: http.get(f"/api/v1/models/{name}").json()["status"] == "ready", 180,
+                     interval=0.01, message=lambda: logs(fleet["fellows"]))
+    traffic = Traffic(fleet["leader"].url, fleet["token"], name, prompts, tokenizer, max_tokens=MAX_TOKENS,
+                      kinds={"whole": 0.5, "stream": 0.5}, deadline_s=900)
+    await traffic.run(64, requests=64)
+    tally = traffic.tally()
+    check(tally)
+    assert tally["by_status"] == {"done": 64}, tally
+    await nothing_held(fleet)
+    fleet["warm_rss"] = rss_mb(pids(fleet))
+    session_summary("a burst of 64 chats (tests/test_holding.py)",
+                    f"{tally['exact']}; ttft {tally['ttft_s']}; latency {tally['latency_s']}; "
+                    f"RSS after {fleet['warm_rss']} MB")
+
+
+async def test_two_minutes_of_mixed_traffic_lose_nothing_and_leave_nothing_behind(fleet_logs, prompts,
+                                                                                  smollm_model_dir, session_summary):
+    fleet = fleet_logs
+    http, name = fleet["http"], fleet["name"]
+    from swarm.leader.chat_format import load_tokenizer
+
+    if http.get(f"/api/v1/models/{name}").json()["status"] != "ready":
+        assert http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2}).status_code == 202
+        await wait_until(lambda: http.get(f"/api/v1/models/{name}").json()["status"] == "ready", 180)
+    tokenizer = load_tokenizer(str(smollm_model_dir))
+    before = fleet.get("warm_rss") or rss_mb(pids(fleet))
+    traffic = Traffic(fleet["leader"].url, fleet["token"], name, prompts, tokenizer, max_tokens=MAX_TOKENS,
+                      seed=2, deadline_s=900)
+    await traffic.run(64, duration_s=120)
+    tally = traffic.tally()
+    check(tally)
+    kinds = {o.kind for o in traffic.outcomes}
+    assert kinds == {"whole", "stream", "cancel", "vanish", "slow"}, kinds
+    assert tally["by_status"].get("done", 0) >= 30, tally
+    await nothing_held(fleet)
+    after = rss_mb(pids(fleet))
+    session_summary("two minutes of mixed traffic (tests/test_holding.py)",
+                    f"{tally['requests']} requests {tally['by_status']}; {tally['exact']}; {tally['tokens']} tokens; "
+                    f"ttft {tally['ttft_s']}; latency {tally['latency_s']}; RSS MB {before} -> {after}")
