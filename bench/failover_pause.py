@@ -34,7 +34,7 @@ async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> f
     name = model_dir.name
     env = {"SWARM_SERVE_HOT_COVER": "1"} if hot_cover else {}
     async with running_swarm(work, [model_dir], fellows=0, leader_env=env) as swarm:
-        join = swarm.leader.first_start.join_token
+        join = swarm.join_token(uses=3)
         fellows = [FellowProcess(swarm.url, join, work / f"fellow-{i}", f"fellow-{i}", standby=i == 2).start()
                    for i in range(3)]
         try:

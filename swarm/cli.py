@@ -19,6 +19,20 @@ from swarm.errors import SwarmError
 FELLOW_THREAD_ENV = {"GOMP_SPINCOUNT": "20000"}
 
 
+def _duration(text: str) -> float:
+    """Seconds from "3600", "90s", "30m", "24h" or "7d"."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    scale = units.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if scale else text) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 3600, 30m, 24h or 7d") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("a duration must be positive")
+    return value
+
+
 def _leader_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leader", help="the leader's URL (or SWARM_LEADER)")
     p.add_argument("--token", help="an API token (or SWARM_TOKEN)")
@@ -74,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
                                              "tunnel through their NATs (off by default)")
     ad.add_argument("state", nargs="?", choices=["on", "off"], help="omit to show the current state")
     _leader_options(ad)
+    aj = asub.add_parser("join-token", help="mint a join token (by default it lets one fellow join, within 24 h)")
+    aj.add_argument("--uses", type=int, default=1, help="how many fellows may join with it (default 1)")
+    aj.add_argument("--ttl", type=_duration, default=24 * 3600.0,
+                    help="how long it is valid: 3600, 30m, 24h or 7d (default 24h)")
+    _leader_options(aj)
+    al = asub.add_parser("join-tokens", help="list the join tokens (their prefixes, expiry and uses left)")
+    _leader_options(al)
+    ar = asub.add_parser("revoke-join-token", help="revoke a join token: nobody joins with it any more")
+    ar.add_argument("token_id", type=int, help="its id, from `swarm admin join-tokens`")
+    _leader_options(ar)
+    af = asub.add_parser("fellows", help="list the enrolled fellows")
+    _leader_options(af)
+    ax = asub.add_parser("remove-fellow", help="remove a fellow: its link ends, its key and credential are refused")
+    ax.add_argument("fellow", help="its id or name, from `swarm admin fellows`")
+    _leader_options(ax)
 
     p = sub.add_parser("demo", help="a leader and fellows on this machine with the built-in model")
     p.add_argument("--port", type=int, default=8000)
@@ -147,17 +176,57 @@ def _dispatch(args) -> int | None:
         from swarm.client import LeaderClient
 
         client = LeaderClient.from_options(args.leader, args.token, settings)
-        if args.state is None:
-            enabled = client.get("/api/v1/settings/direct-links")["enabled"]
-        else:
-            enabled = client.put("/api/v1/settings/direct-links", {"enabled": args.state == "on"})["enabled"]
-        print(f"Direct links: {'on' if enabled else 'off'}")
+        _admin(client, args)
     elif args.command == "demo":
         from swarm.demo import run_demo
 
         return run_demo(args.port, args.stages, not args.no_browser,
                         args.data_dir or settings.data_dir or default_data_dir("demo"))
     return None
+
+
+def _admin(client, args) -> None:
+    import time
+
+    command = args.admin_command
+    if command == "direct-links":
+        if args.state is None:
+            enabled = client.get("/api/v1/settings/direct-links")["enabled"]
+        else:
+            enabled = client.put("/api/v1/settings/direct-links", {"enabled": args.state == "on"})["enabled"]
+        print(f"Direct links: {'on' if enabled else 'off'}")
+    elif command == "join-token":
+        made = client.post("/api/v1/join-tokens", {"uses": args.uses, "ttl_s": args.ttl})
+        hours = made["ttl_s"] / 3600
+        print(made["token"])
+        print(f"(lets {made['uses']} fellow{'s' if made['uses'] != 1 else ''} join within {hours:g} h: "
+              "swarm join URL --token <it>)", file=sys.stderr)
+    elif command == "join-tokens":
+        now = time.time()
+        for t in client.get("/api/v1/join-tokens")["join_tokens"]:
+            if t["revoked"]:
+                state = "revoked"
+            elif t["expires_at"] is not None and t["expires_at"] <= now:
+                state = "expired"
+            elif t.get("uses_left") == 0:
+                state = "used up"
+            else:
+                left = "" if t.get("uses_left") is None else f", {t['uses_left']} of {t['uses']} uses left"
+                state = f"valid {max(0.0, (t['expires_at'] or now) - now) / 3600:.1f} h more{left}"
+            print(f"{t['id']:5} {t['prefix']}…  {state}")
+    elif command == "revoke-join-token":
+        client.delete(f"/api/v1/join-tokens/{args.token_id}")
+        print(f"Revoked join token {args.token_id}")
+    elif command == "fellows":
+        for f in client.get("/api/v1/fellows")["fellows"]:
+            print(f"{f['id']:5} {f['name']:24} {f['state']:8} {', '.join(f.get('stages') or []) or '-'}")
+    elif command == "remove-fellow":
+        fellows = client.get("/api/v1/fellows")["fellows"]
+        match = [f for f in fellows if str(f["id"]) == args.fellow or f["name"] == args.fellow]
+        if not match:
+            raise SwarmError(f"the leader has no fellow {args.fellow!r}; `swarm admin fellows` lists them.")
+        client.delete(f"/api/v1/fellows/{match[0]['id']}")
+        print(f"Removed fellow {match[0]['name']} ({match[0]['id']}); its key is refused from now on")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ class LeaderClient:
     def put(self, path: str, body: dict) -> dict:
         return self._call("PUT", path, body)
 
+    def delete(self, path: str) -> dict:
+        return self._call("DELETE", path)
+
     def wait_ready(self, model: str, timeout: float = 1800.0, show_progress: bool = False) -> dict:
         deadline = time.monotonic() + timeout
         last = None

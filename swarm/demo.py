@@ -95,7 +95,7 @@ def run_demo(port: int, stages: int, open_browser: bool, data_dir: Path) -> int:
     try:
         procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(leader_dir)])
         _wait_http(url, procs)
-        token, join_token, login = _credentials(leader_dir)
+        token, join_token, login = _credentials(leader_dir, fellows=stages)
         for i in range(stages):
             procs.start(f"fellow-{i}", ["join", url, "--token", join_token, "--name", f"fellow-{i}",
                                         "--data-dir", str(data_dir / f"fellow-{i}")],
@@ -126,17 +126,28 @@ def run_demo(port: int, stages: int, open_browser: bool, data_dir: Path) -> int:
         procs.stop()
 
 
-def _credentials(leader_dir: Path) -> tuple[str, str, str]:
-    """A fresh API token, join token and sign-in link for this run, made by the demo in the leader's store."""
+def _credentials(leader_dir: Path, fellows: int = 2) -> tuple[str, str, str]:
+    """A fresh API token, join token (for ``fellows`` fellows, within the hour) and sign-in link for this run, made
+    by the demo in the leader's store."""
+    store = Store(leader_dir / "leader.db")
+    try:
+        admin = next(u for u in store.list_users() if u.is_admin)
+        token, _ = store.create_api_token(admin.id, "demo")
+        login = store.create_login_link(admin.id, ttl_s=24 * 3600)
+    finally:
+        store.close()
+    return token, mint_join_token(leader_dir, uses=fellows, ttl_s=3600), login
+
+
+def mint_join_token(leader_dir: Path, uses: int = 1, ttl_s: float = 3600) -> str:
+    """A join token for ``uses`` fellows, written straight into a (running or stopped) leader's store -- as the
+    demo and the tests do; an admin uses `swarm admin join-token` or the admin page."""
     store = Store(leader_dir / "leader.db")
     try:
         admin = next(u for u in store.list_users() if u.is_admin)
         pool = store.ensure_default_pool(admin.id)
-        token, _ = store.create_api_token(admin.id, "demo")
         _, public = load_or_create_identity(leader_dir / "leader.key")
-        join = make_join_token(public, store.create_join_token(pool.id, ttl_s=3600))
-        login = store.create_login_link(admin.id, ttl_s=24 * 3600)
-        return token, join, login
+        return make_join_token(public, store.create_join_token(pool.id, ttl_s=ttl_s, uses=uses))
     finally:
         store.close()
 

@@ -82,6 +82,12 @@ class LeaderProcess:
                  "--data-dir", str(self.data_dir)], stdout=out, stderr=log, env=self.env, start_new_session=True)
         return self
 
+    def join_token(self, uses: int = 1) -> str:
+        """A join token for ``uses`` fellows (the one it printed admits one)."""
+        from swarm.demo import mint_join_token
+
+        return mint_join_token(self.data_dir, uses=uses)
+
     def printed(self, prefix: str) -> str | None:
         for line in self.out_path.read_text().splitlines() if self.out_path.exists() else []:
             if line.startswith(prefix):

@@ -19,6 +19,7 @@ from swarm.fellow import Fellow
 from swarm.leader.app import Leader
 from swarm.model_import import register
 from swarm.store.manifest import load_manifest
+from swarm.tunnel.join_token import make_join_token
 
 
 def _timed_out(condition: Callable, timeout: float, message: str | Callable[[], str]) -> AssertionError:
@@ -70,6 +71,11 @@ class Swarm:
     fellows: list[Fellow]
     http: httpx.AsyncClient
 
+    def join_token(self, uses: int = 1) -> str:
+        """A fresh join token that admits ``uses`` more fellows."""
+        pool = self.leader.store.list_pools()[0]
+        return make_join_token(self.leader.public, self.leader.store.create_join_token(pool.id, uses=uses))
+
     async def load(self, model: str, num_stages: int, timeout: float = 120) -> dict:
         response = await self.http.post(f"/api/v1/models/{model}/load", json={"num_stages": num_stages})
         assert response.status_code == 202, response.text
@@ -113,9 +119,11 @@ async def running_swarm(tmp: Path, model_dirs: list[Path], fellows: int = 2, lea
                                                                      task_status=task_status))
         url = urls[0]
         members = []
+        pool = leader.store.list_pools()[0]
+        join = make_join_token(leader.public, leader.store.create_join_token(pool.id, uses=max(fellows, 1)))
         for i in range(fellows):
             fellow = Fellow(leader_url=url, data_dir=tmp / f"fellow-{i}", settings=fellow_settings,
-                            name=f"fellow-{i}", join_token=first.join_token)
+                            name=f"fellow-{i}", join_token=join)
             await nursery.start(fellow.run)
             await fellow.connected.wait()  # one at a time: fellow-i enrols as the i-th fellow, so stage i is on it
             members.append(fellow)

@@ -33,7 +33,7 @@ def expected(smollm_model_dir):
 
 
 def fellows_for(swarm, tmp_path, count: int, standby: set[int] = frozenset(), env: dict | None = None):
-    join = swarm.leader.first_start.join_token
+    join = swarm.join_token(uses=count)
     return [FellowProcess(swarm.url, join, tmp_path / f"fellow-{i}", f"fellow-{i}", standby=i in standby,
                           env=env).start() for i in range(count)]
 

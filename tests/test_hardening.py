@@ -8,7 +8,7 @@ import threading
 import trio
 import trio_websocket
 
-from harness import running_swarm
+from harness import running_swarm, wait_until
 from swarm import wire
 from swarm.errors import LinkClosed, SwarmError
 from swarm.fellow import hardware
@@ -117,4 +117,115 @@ async def test_big_control_messages_are_decoded_off_the_event_loop(tmp_path, mon
             while not threads:
                 await trio.sleep(0.01)
         assert threads == [False], "a big control message was decoded on the event loop"
+        nursery.cancel_scope.cancel()
+
+
+# --- High 3: join tokens that expire and are used up, removing a fellow, what an enrolled fellow may do ----------------
+
+
+async def test_the_printed_join_token_admits_one_fellow(tmp_path):
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        join = swarm.leader.first_start.join_token
+        _, first = await _enrol(nursery, swarm, join, "pc-1")
+        assert first["t"] == "welcome", first
+        _, second = await _enrol(nursery, swarm, join, "pc-2")  # a leaked copy, another key
+        assert second["t"] == "refused" and "used already" in second["message"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_minted_join_tokens_count_uses_and_can_be_revoked(tmp_path):
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        for bad in ({"uses": 0}, {"uses": "2"}, {"uses": True}, {"ttl_s": -5}, {"ttl_s": 1e12}):
+            response = await swarm.http.post("/api/v1/join-tokens", json=bad)
+            assert response.status_code == 400, (bad, response.text)
+        response = await swarm.http.post("/api/v1/join-tokens", json={"uses": 2, "ttl_s": 600})
+        assert response.status_code == 201, response.text
+        two = response.json()["token"]
+        replies = [(await _enrol(nursery, swarm, two, f"pc-{i}"))[1]["t"] for i in range(3)]
+        assert replies == ["welcome", "welcome", "refused"]
+
+        spare = (await swarm.http.post("/api/v1/join-tokens", json={})).json()["token"]
+        listed = (await swarm.http.get("/api/v1/join-tokens")).json()["join_tokens"]
+        spare_id = max(t["id"] for t in listed)  # the newest
+        assert (await swarm.http.delete(f"/api/v1/join-tokens/{spare_id}")).status_code == 200
+        _, reply = await _enrol(nursery, swarm, spare, "pc-late")
+        assert reply["t"] == "refused" and "revoked" in reply["message"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_removed_fellow_is_cut_off_and_refused_at_once(tmp_path):
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        key = generate_private_key()
+        channel, welcome = await _enrol(nursery, swarm, swarm.leader.first_start.join_token, "stolen-pc", key)
+        assert welcome["t"] == "welcome"
+        fellow_id, credential = welcome["fellow_id"], welcome["credential"]
+        # a user who is not an admin cannot remove it
+        eve = swarm.leader.store.create_user("eve", "correct horse battery")
+        eve_token, _ = swarm.leader.store.create_api_token(eve.id, "eve")
+        response = await swarm.http.delete(f"/api/v1/fellows/{fellow_id}",
+                                           headers={"authorization": f"Bearer {eve_token}"})
+        assert response.status_code in (401, 403) and fellow_id in swarm.leader.hub.online
+
+        response = await swarm.http.delete(f"/api/v1/fellows/{fellow_id}")
+        assert response.status_code == 200, response.text
+        assert await _closed_by_leader(channel, 3), "the removed fellow's link stayed open"
+        await wait_until(lambda: fellow_id not in swarm.leader.hub.online, 3)
+        # its key is refused, even with a fresh join token
+        fresh = (await swarm.http.post("/api/v1/join-tokens", json={})).json()["token"]
+        _, reply = await _enrol(nursery, swarm, fresh, "stolen-pc", key)
+        assert reply["t"] == "refused" and "removed" in reply["message"]
+        # and so is its node credential
+        response = await swarm.http.get("/api/v1/models/any/files/config.json",
+                                        headers={"authorization": f"Bearer {credential}"})
+        assert response.status_code == 401
+        fellows = (await swarm.http.get("/api/v1/fellows")).json()["fellows"]
+        assert fellow_id not in [f["id"] for f in fellows]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_fellow_downloads_only_the_files_of_stages_placed_on_it(tmp_path):
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        _, welcome = await _enrol(nursery, swarm, swarm.leader.first_start.join_token)
+        folder = swarm.leader.models_root / "secret-model"
+        folder.mkdir(parents=True)
+        (folder / "layer-000.safetensors").write_bytes(b"weights")
+        pool = swarm.leader.store.list_pools()[0]
+        swarm.leader.store.upsert_model("secret-model", pool.id, {"files": [
+            {"path": "layer-000.safetensors", "sha256": "0" * 64, "size": 7, "kind": "layer", "layer": 0}]})
+        response = await swarm.http.get("/api/v1/models/secret-model/files/layer-000.safetensors",
+                                        headers={"authorization": f"Bearer {welcome['credential']}"})
+        assert response.status_code == 403, response.status_code
+        assert b"weights" not in response.content
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_fellow_cannot_speak_for_a_model_it_does_not_serve(tmp_path, monkeypatch):
+    """A freshly enrolled fellow's forged hop_lost used to end the admin's reply in flight."""
+    from swarm import messages
+    from swarm.leader.models import ModelServing, StageState
+    from swarm.leader.placement import StagePlan
+
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        serving = swarm.leader.serving
+        serving.models["m"] = ModelServing("m", "load-1", [StageState(StagePlan(0, 999, "honest", 0, 1, 0, 0))],
+                                           status="ready", hop_ids=["hop-1"])
+        touched = []
+        monkeypatch.setattr(serving.book, "on_path_lost", lambda *a: touched.append(("path_lost", a)) or [])
+        monkeypatch.setattr(serving.book, "on_tokens", lambda *a: touched.append(("tokens", a)) or [])
+        monkeypatch.setattr(serving.book, "on_failed", lambda *a: touched.append(("failed", a)) or [])
+        channel, welcome = await _enrol(nursery, swarm, swarm.leader.first_start.join_token)
+        await channel.send(wire.encode(messages.HopLost("m", "hop-1", "relay")))
+        await channel.send(wire.encode(messages.Failed("m", "r-1", "forged", not_loaded=True)))
+        await channel.send(wire.encode({"t": "heartbeat", "hardware": hardware.probe().to_wire(),
+                                        "hops": [{"hop_id": "hop-1", "transport": "forged"}]}))
+        await channel.send(wire.encode({"t": "loaded", "model": "m", "load_id": "load-1"}))
+        await channel.send(wire.encode({"t": "load_progress", "model": "m", "load_id": "load-1",
+                                        "phase": ["x"], "fraction": "lots"}))
+        await channel.send(wire.encode({"t": "alive"}))
+        await trio.sleep(0.5)
+        assert welcome["fellow_id"] in swarm.leader.hub.online  # malformed messages cost nothing but themselves
+        assert touched == []
+        assert "hop-1" not in serving.hop_stats
+        assert not serving.models["m"].stages[0].ready
+        del serving.models["m"]
         nursery.cancel_scope.cancel()

@@ -160,7 +160,7 @@ class Ring:
         wait_for(healthy, 120, interval=0.2, message=lambda: self.tail("leader"))
         from swarm.demo import _credentials
 
-        self.token, self.join_token, _ = _credentials(self.leader_dir)
+        self.token, self.join_token, _ = _credentials(self.leader_dir, fellows=16)  # every case's fellows
 
     def api(self, method: str, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, object]:
         return self.proxy.call(method, path, body, self.token, timeout)

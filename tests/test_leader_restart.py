@@ -20,7 +20,7 @@ def test_a_killed_leader_comes_back_serving_what_it_served(tmp_path, smollm_mode
     fellows = []
     try:
         token = wait_for(lambda: leader.printed("Admin API token:"), 60, message=leader.log)
-        join = leader.printed("Join token:")
+        join = leader.join_token(uses=2)
         fellows = [FellowProcess(leader.url, join, tmp_path / f"fellow-{i}", f"fellow-{i}").start() for i in range(2)]
         http = httpx.Client(base_url=leader.url, headers={"authorization": f"Bearer {token}"}, timeout=120)
         wait_for(lambda: len([f for f in http.get("/api/v1/fellows").json()["fellows"] if f["state"] == "online"]) == 2,

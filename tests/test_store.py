@@ -10,7 +10,7 @@ import argon2
 import pytest
 import trio
 
-from swarm.errors import AuthError, StoreError
+from swarm.errors import AuthError, BadRequest, StoreError
 from swarm.store.chats import DEFAULT_TITLE, TITLE_CHARS, default_title
 from swarm.store.db import MIGRATIONS, ChatLimitReached, ChatTooLarge, Store
 
@@ -176,13 +176,44 @@ def test_join_tokens(store: Store) -> None:
     with pytest.raises(AuthError, match="does not know"):
         store.check_join_token("swj_unknown")
     (listed,) = store.list_join_tokens()
-    assert listed.prefix == token[:8] and not listed.revoked and listed.expires_at is None
+    assert listed.prefix == token[:8] and not listed.revoked
+    assert listed.expires_at == pytest.approx(time.time() + 24 * 3600, abs=60)  # a day by default
+    assert (listed.uses, listed.uses_left) == (1, 1)  # and one fellow
     assert store.revoke_join_token(listed.id)
     with pytest.raises(AuthError, match="revoked"):
         store.check_join_token(token)
-    expired = store.create_join_token(pool.id, ttl_s=-1)
+
+
+def test_join_tokens_expire_and_are_used_up(store: Store, monkeypatch) -> None:
+    """A leaked join token is worth little: by default one fellow joins with it, within 24 h."""
+    admin = store.create_user("root", "pw", is_admin=True)
+    pool = store.ensure_default_pool(admin.id)
+    once, twice = store.create_join_token(pool.id), store.create_join_token(pool.id, uses=2, ttl_s=60)
+    assert store.redeem_join_token(once) == pool.id
+    with pytest.raises(AuthError, match="used already"):
+        store.redeem_join_token(once)
+    store.redeem_join_token(twice)
+    store.redeem_join_token(twice)
+    with pytest.raises(AuthError, match="used already"):
+        store.redeem_join_token(twice)
+    later = store.create_join_token(pool.id)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 24 * 3600 + 1)
     with pytest.raises(AuthError, match="expired"):
-        store.check_join_token(expired)
+        store.redeem_join_token(later)
+    for bad in ({"uses": 0}, {"uses": True}, {"uses": 10**6}, {"ttl_s": -1}, {"ttl_s": float("nan")},
+                {"ttl_s": 10 * 365 * 86400}):
+        with pytest.raises(BadRequest):
+            store.create_join_token(pool.id, **bad)
+
+
+def test_a_removed_fellow_is_forgotten_and_its_key_refused(store: Store) -> None:
+    pool = store.ensure_default_pool(store.create_user("root", "pw", is_admin=True).id)
+    fellow, credential = store.enrol_fellow("gpu-1", b"k" * 32, pool.id)
+    assert store.remove_fellow(fellow.id).name == "gpu-1"
+    assert store.fellow_by_credential(credential) is None and store.fellow_by_key(b"k" * 32) is None
+    assert store.fellow_key_removed(b"k" * 32) and not store.fellow_key_removed(b"j" * 32)
+    assert store.remove_fellow(fellow.id) is None
 
 
 def test_fellow_enrol_and_re_enrol(store: Store) -> None:

@@ -13,6 +13,7 @@ from swarm.errors import AuthError, BadRequest, ModelNotFound, PlacementError
 from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
+from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class ApiRoutes:
 
     async def model_file(self, request: Request):
         try:
-            await current_fellow(request, self.store)
+            fellow = await current_fellow(request, self.store)
         except AuthError as exc:
             return problem(401, str(exc), "unauthorized")
         name, path = request.path_params["model_id"], request.path_params["path"]
@@ -195,6 +196,11 @@ class ApiRoutes:
         entry = next((f for f in (row.manifest["files"] if row else []) if f["path"] == path), None)
         if entry is None:  # only files the manifest names: no path tricks
             return problem(404, f"model {name} has no file {path}", "not_found")
+        serving = self.leader.serving.models.get(name)
+        if serving is None or path not in serving.files_for(fellow.id):
+            # A fellow gets the files of the stages placed on it, nothing else: a fellow that is compromised or
+            # merely enrolled cannot walk off with a model it does not serve.
+            return problem(403, f"fellow {fellow.name} serves no stage of {name} that needs {path}", "forbidden")
         return file_response(self.leader.models_root / name / path, request, sha256=entry["sha256"])
 
     @handles_errors
@@ -259,6 +265,31 @@ class ApiRoutes:
     async def join_tokens(self, request: Request):
         await self._admin(request)
         if request.method == "POST":
-            return JSONResponse({"token": await self.leader.new_join_token()}, status_code=201)
+            body = await self._json(request) if await request.body() else {}
+            ttl_s, uses = body.get("ttl_s", JOIN_TOKEN_TTL_S), body.get("uses", JOIN_TOKEN_USES)
+            check_join_token_limits(ttl_s, uses)
+            token = await self.leader.new_join_token(ttl_s, uses)
+            return JSONResponse({"token": token, "uses": uses, "ttl_s": ttl_s}, status_code=201)
         tokens = await trio.to_thread.run_sync(self.store.list_join_tokens)
         return JSONResponse({"join_tokens": [as_dict(t) for t in tokens]})
+
+    @handles_errors
+    async def join_token_revoke(self, request: Request):
+        await self._admin(request)
+        token_id = int(request.path_params["token_id"])
+        if not await trio.to_thread.run_sync(self.store.revoke_join_token, token_id):
+            return problem(404, f"there is no join token {token_id}", "not_found")
+        return JSONResponse({"revoked": True})
+
+    @handles_errors
+    async def fellow_remove(self, request: Request):
+        """Forget a fellow: its key and node credential are refused from now on, its link ends, its stages fail
+        over."""
+        await self._admin(request)
+        fellow_id = int(request.path_params["fellow_id"])
+        removed = await trio.to_thread.run_sync(self.store.remove_fellow, fellow_id)
+        if removed is None:
+            return problem(404, f"there is no fellow {fellow_id}", "not_found")
+        await self.leader.hub.disconnect(fellow_id)
+        log.info("removed fellow %s (%s)", removed.name, fellow_id)
+        return JSONResponse({"removed": True, "fellow": as_dict(removed)})

@@ -30,6 +30,7 @@ from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
 from swarm.store.db import Store
+from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
 
@@ -63,9 +64,9 @@ class Leader:
         self.first_start = initialize(self.store, self.public)
         self.app = self._build_app()
 
-    async def new_join_token(self) -> str:
+    async def new_join_token(self, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES) -> str:
         pools = await trio.to_thread.run_sync(self.store.list_pools)
-        secret = await trio.to_thread.run_sync(self.store.create_join_token, pools[0].id)
+        secret = await trio.to_thread.run_sync(self.store.create_join_token, pools[0].id, ttl_s, uses)
         return make_join_token(self.public, secret)
 
     async def home_path(self) -> str:
@@ -132,6 +133,8 @@ class Leader:
             Route("/api/v1/chats/{chat_id}", api.chat, methods=["GET", "PATCH", "DELETE"]),
             Route("/api/v1/fellows", api.fellows),
             Route("/api/v1/join-tokens", api.join_tokens, methods=["GET", "POST"]),
+            Route("/api/v1/join-tokens/{token_id:int}", api.join_token_revoke, methods=["DELETE"]),
+            Route("/api/v1/fellows/{fellow_id:int}", api.fellow_remove, methods=["DELETE"]),
             *admin_routes(self, WEB_DIR),
             WebSocketRoute("/fellow/link", fellow_link),
             WebSocketRoute("/relay/{hop_id}", relay),

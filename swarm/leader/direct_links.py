@@ -30,7 +30,8 @@ class DirectLinkCoordinator:
         self.serving = serving
         self.rendezvous_port: int | None = None
         self.tokens: dict[bytes, int] = {}  # rendezvous "who" token -> fellow id
-        self._waiting: dict[tuple[str, str, str], trio.MemorySendChannel] = {}
+        # (hop, role, reply) -> (the fellow asked, where its answer goes)
+        self._waiting: dict[tuple[str, str, str], tuple[int, trio.MemorySendChannel]] = {}
         self._active: set[str] = set()  # hops with a coordination loop running
 
     def allow(self, who: bytes) -> bool:
@@ -57,8 +58,13 @@ class DirectLinkCoordinator:
 
     def on_message(self, conn, message: dict) -> None:
         key = (message.get("hop_id"), message.get("role"), message["t"])
-        channel = self._waiting.get(key)
-        if channel is not None:
+        if not all(isinstance(part, str) for part in key):
+            return
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            return
+        fellow_id, channel = waiting
+        if conn.id == fellow_id:  # only the fellow asked answers: another cannot steer this hop's punch
             try:
                 channel.send_nowait(message)
             except (trio.WouldBlock, trio.BrokenResourceError):
@@ -101,7 +107,7 @@ class DirectLinkCoordinator:
             raise SwarmError("a fellow of the hop is offline")
         key = (message["hop_id"], role, reply)
         send, receive = trio.open_memory_channel(1)
-        self._waiting[key] = send
+        self._waiting[key] = (fellow_id, send)
         try:
             conn.post(message)
             with trio.fail_after(timeout):

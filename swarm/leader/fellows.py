@@ -153,6 +153,14 @@ class FellowHub:
                     await self.serving.on_fellow_lost(conn)
             await close_quietly(channel)
 
+    async def disconnect(self, fellow_id: int) -> bool:
+        """End a fellow's control link now (it was removed): its stages fail over as if it had dropped out."""
+        conn = self.online.get(fellow_id)
+        if conn is None:
+            return False
+        await close_quietly(conn.channel)
+        return True
+
     async def _read(self, conn: FellowConn) -> None:
         try:
             while True:
@@ -171,7 +179,13 @@ class FellowHub:
                     conn.held = message.get("held") or {}
                     conn.last_heartbeat = trio.current_time()
                     await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
-                await self.serving.on_fellow_message(conn, message)
+                try:
+                    await self.serving.on_fellow_message(conn, message)
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    # A field of the wrong type in an untyped message: the handlers read what they need and
+                    # trust the rest to be well formed; one bad message is skipped, not worth the fellow's link.
+                    log.warning("fellow %s sent a malformed %r message (%s: %s)", conn.name,
+                                getattr(message, "TYPE", None) or message.get("t"), type(exc).__name__, exc)
         except SwarmError as exc:
             log.info("fellow %s disconnected: %s", conn.name, exc)
 
@@ -196,6 +210,11 @@ class FellowHub:
         key = channel.remote_static
         name = str(hello.get("name") or "fellow")[:64]
         hardware = Hardware.from_wire(hello.get("hardware"))  # a malformed hello is refused before it costs a use
+        if await trio.to_thread.run_sync(self.store.fellow_key_removed, key):
+            raise AuthError(
+                f"the leader's admin removed the fellow with key {fingerprint(key)}; to join again, delete this "
+                "fellow's key file and join with a new join token."
+            )
         known = await trio.to_thread.run_sync(self.store.fellow_by_key, key)
         if known is None:
             secret = hello.get("join_token")
@@ -204,7 +223,7 @@ class FellowHub:
                     f"this leader does not know the fellow key {fingerprint(key)}; join with a join token: "
                     "swarm join URL --token <join token>."
                 )
-            pool_id = await trio.to_thread.run_sync(self.store.check_join_token, secret)
+            pool_id = await trio.to_thread.run_sync(self.store.redeem_join_token, secret)
         else:
             pool_id = known.pool_id
             name = known.name

@@ -33,6 +33,8 @@ def run_leader(host: str, port: int, data_dir: Path, settings: Settings) -> None
                     print(f"Admin password: {first.admin_password}", flush=True)
                     print(f"Admin API token: {first.admin_token}", flush=True)
                     print(f"Join token: {first.join_token}", flush=True)
+                    print("(it lets one fellow join, within 24 h; for more: swarm admin join-token --uses N)",
+                          flush=True)
                 await stop.wait()
                 nursery.cancel_scope.cancel()
 

@@ -57,6 +57,11 @@ class ModelServing:
     def fellow_ids(self) -> set[int]:
         return {s.plan.fellow_id for s in self.stages}
 
+    def files_for(self, fellow_id: int) -> set[str]:
+        """The model files ``fellow_id`` may download: those of the stages (and hot covers) placed on it."""
+        return {f["path"] for i, s in enumerate(self.stages) if fellow_id in (s.plan.fellow_id, s.cover)
+                for f in load_message(self, i)["files"]}
+
     def notify(self) -> None:
         self.changed.set()
         self.changed = trio.Event()

@@ -23,7 +23,7 @@ import secrets
 import trio
 
 from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
-from swarm.leader.models import ModelServing, StageState, link_message, load_message, model_size
+from swarm.leader.models import LOAD_PHASES, ModelServing, StageState, link_message, load_message, model_size
 from swarm.leader.placement import StagePlan
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,10 @@ class Recovery:
         if slot is None:
             return
         if kind == "load_progress":
-            slot.phase, slot.fraction = message["phase"], float(message["fraction"])
+            phase, fraction = message.get("phase"), message.get("fraction")
+            if phase not in LOAD_PHASES or isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+                return  # malformed: a fellow's bug or a forgery, not worth its link
+            slot.phase, slot.fraction = phase, min(1.0, max(0.0, float(fraction)))
         elif kind == "loaded":
             slot.phase, slot.fraction, slot.ready, slot.error = "ready", 1.0, True, None
             self._link_when_loaded(model)

@@ -278,8 +278,12 @@ class Serving:
         elif not isinstance(message, dict):
             log.debug("ignoring a %s from %s", type(message).__name__, conn.name)
         elif message["t"] == "heartbeat":
-            for hop in message.get("hops") or []:
-                if isinstance(hop, dict) and isinstance(hop.get("hop_id"), str):
+            # A fellow reports the hops it sends on (hop i leaves stage i), and only those.
+            own = {m.hop_ids[s.plan.index] for m in self.models.values() for s in m.stages
+                   if s.plan.fellow_id == conn.id and s.plan.index < len(m.hop_ids)}
+            hops = message.get("hops")
+            for hop in hops if isinstance(hops, list) else []:
+                if isinstance(hop, dict) and hop.get("hop_id") in own:
                     self.hop_stats[hop["hop_id"]] = hop
         elif message["t"] in ("load_progress", "loaded", "load_failed", "linked", "link_failed"):
             self.recovery.on_stage_event(conn, message)

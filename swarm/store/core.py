@@ -115,6 +115,18 @@ MIGRATIONS: list[str] = [
         updated_at REAL NOT NULL
     );
     """,
+    # Join tokens expire and are used up (issue 10): uses_left NULL is a token from before, good until it expires --
+    # which old never-expiring tokens now do, 24 h after this upgrade. A removed fellow's key stays refused.
+    """
+    ALTER TABLE join_tokens ADD COLUMN uses INTEGER;
+    ALTER TABLE join_tokens ADD COLUMN uses_left INTEGER;
+    UPDATE join_tokens SET expires_at = CAST(strftime('%s', 'now') AS REAL) + 86400 WHERE expires_at IS NULL;
+    CREATE TABLE removed_fellow_keys (
+        public_key BLOB PRIMARY KEY,
+        name TEXT NOT NULL,
+        removed_at REAL NOT NULL
+    );
+    """,
 ]
 
 

@@ -8,10 +8,18 @@ import sqlite3
 import time
 from typing import Any
 
-from swarm.errors import AuthError
+from swarm.errors import AuthError, BadRequest
 from swarm.store.core import StoreCore, new_secret, sha256_hex
 
 DEFAULT_POOL = "default"
+
+# A join token lets one fellow in, within a day, unless its admin asks for more (`swarm admin join-token --uses N
+# --ttl T`): a token that leaks from a chat log or a screenshot is worth little. Upper bounds keep a typo from
+# minting a token that is as good as permanent.
+JOIN_TOKEN_TTL_S = 24 * 3600.0
+JOIN_TOKEN_MAX_TTL_S = 365 * 24 * 3600.0
+JOIN_TOKEN_USES = 1
+JOIN_TOKEN_MAX_USES = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,8 @@ class JoinToken:
     created_at: float
     expires_at: float | None
     revoked: bool
+    uses: int | None = None  # how many fellows it admits in all (None: a token from before use counts)
+    uses_left: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +63,16 @@ class Model:
     @property
     def manifest(self) -> Any:
         return json.loads(self.manifest_json)
+
+
+def check_join_token_limits(ttl_s: float, uses: int) -> None:
+    """BadRequest unless a join token of ``uses`` uses that lives ``ttl_s`` seconds is one we mint."""
+    if isinstance(uses, bool) or not isinstance(uses, int) or not 1 <= uses <= JOIN_TOKEN_MAX_USES:
+        raise BadRequest(f"a join token admits 1 to {JOIN_TOKEN_MAX_USES} fellows; got {uses!r}.", "invalid_uses")
+    if (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s == ttl_s
+            or not 0 < ttl_s <= JOIN_TOKEN_MAX_TTL_S):
+        raise BadRequest(f"a join token lives between 1 second and {JOIN_TOKEN_MAX_TTL_S / 86400:.0f} days; "
+                         f"got {ttl_s!r} seconds.", "invalid_ttl")
 
 
 class FleetMixin(StoreCore):
@@ -81,27 +101,47 @@ class FleetMixin(StoreCore):
     def list_pools(self) -> list[Pool]:
         return [self._pool(r) for r in self._all("SELECT * FROM pools ORDER BY id")]
 
-    def create_join_token(self, pool_id: int, ttl_s: float | None = None) -> str:
-        """A token that lets a fellow join ``pool_id``; never expires unless ``ttl_s`` is given."""
+    def create_join_token(self, pool_id: int, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES) -> str:
+        """A token that lets ``uses`` fellows join ``pool_id`` within ``ttl_s`` seconds (default: one, in 24 h)."""
+        check_join_token_limits(ttl_s, uses)
         plaintext = new_secret("swj_")
         now = self._now()
         with self._tx() as db:
             db.execute(
-                "INSERT INTO join_tokens (token_hash, prefix, pool_id, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
-                (sha256_hex(plaintext), plaintext[:8], pool_id, now, None if ttl_s is None else now + ttl_s),
+                "INSERT INTO join_tokens (token_hash, prefix, pool_id, created_at, expires_at, uses, uses_left) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (sha256_hex(plaintext), plaintext[:8], pool_id, now, now + ttl_s, uses, uses),
             )
         return plaintext
 
-    def check_join_token(self, plaintext: str) -> int:
-        """The pool a join token admits to; AuthError when it is unknown, revoked or expired."""
-        row = self._one("SELECT * FROM join_tokens WHERE token_hash = ?", (sha256_hex(plaintext),))
+    @staticmethod
+    def _usable_join_token(row: sqlite3.Row | None) -> int:
         if row is None:
             raise AuthError("the leader does not know this join token; ask its admin for a current one.")
         if row["revoked"]:
             raise AuthError("this join token was revoked; ask the leader's admin for a new one.")
         if row["expires_at"] is not None and row["expires_at"] <= time.time():
-            raise AuthError("this join token has expired; ask the leader's admin for a new one.")
+            raise AuthError("this join token has expired; ask the leader's admin for a new one "
+                            "(swarm admin join-token, or Admin > Join tokens).")
+        if row["uses_left"] is not None and row["uses_left"] <= 0:
+            raise AuthError("this join token was used already; ask the leader's admin for a new one "
+                            "(swarm admin join-token --uses N lets N fellows join with one token).")
         return int(row["pool_id"])
+
+    def check_join_token(self, plaintext: str) -> int:
+        """The pool a join token admits to; AuthError when it is unknown, revoked, expired or used up."""
+        return self._usable_join_token(
+            self._one("SELECT * FROM join_tokens WHERE token_hash = ?", (sha256_hex(plaintext),)))
+
+    def redeem_join_token(self, plaintext: str) -> int:
+        """Like :meth:`check_join_token`, and takes one use of the token (atomically: two fellows racing for the
+        last use get one welcome and one refusal)."""
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM join_tokens WHERE token_hash = ?", (sha256_hex(plaintext),)).fetchone()
+            pool_id = self._usable_join_token(row)
+            if row["uses_left"] is not None:
+                db.execute("UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?", (row["id"],))
+        return pool_id
 
     def list_join_tokens(self) -> list[JoinToken]:
         return [
@@ -112,6 +152,8 @@ class FleetMixin(StoreCore):
                 created_at=r["created_at"],
                 expires_at=r["expires_at"],
                 revoked=bool(r["revoked"]),
+                uses=r["uses"],
+                uses_left=r["uses_left"],
             )
             for r in self._all("SELECT * FROM join_tokens ORDER BY id")
         ]
@@ -188,6 +230,21 @@ class FleetMixin(StoreCore):
     def delete_fellow(self, fellow_id: int) -> bool:
         with self._tx() as db:
             return db.execute("DELETE FROM fellows WHERE id = ?", (fellow_id,)).rowcount > 0
+
+    def remove_fellow(self, fellow_id: int) -> Fellow | None:
+        """Forget a fellow and refuse its key from now on (its node credential goes with it); None if unknown.
+        The machine can join again only with a new key (delete its key file) and a new join token."""
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM fellows WHERE id = ?", (fellow_id,)).fetchone()
+            if row is None:
+                return None
+            db.execute("INSERT OR REPLACE INTO removed_fellow_keys (public_key, name, removed_at) VALUES (?, ?, ?)",
+                       (bytes(row["public_key"]), row["name"], self._now()))
+            db.execute("DELETE FROM fellows WHERE id = ?", (fellow_id,))
+        return self._fellow(row)
+
+    def fellow_key_removed(self, public_key: bytes) -> bool:
+        return self._one("SELECT 1 FROM removed_fellow_keys WHERE public_key = ?", (bytes(public_key),)) is not None
 
     # --- models ------------------------------------------------------------------------------------------------------
 

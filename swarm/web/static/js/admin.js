@@ -50,14 +50,32 @@ async function loadFellows() {
       }),
       h("span", {}, f.standby ? "Standby" : "—"),
     ]),
+    h("button", {
+      class: "btn small danger", type: "button", "aria-label": `Remove fellow ${f.name}`,
+      onclick: async () => {
+        if (!await confirmAction(`Remove ${f.name}?`, "Its link ends now and its key is refused from then on; its stages move to other fellows. To join again it needs a new key and a new join token.")) return;
+        try { await del(`/api/v1/fellows/${f.id}`); } catch (err) { showError(err.message); }
+        loadFellows();
+      },
+    }, "Remove"),
   ], "No fellow has joined yet: create a join token and run swarm join on a PC.");
 }
 
 async function loadJoinTokens() {
   const { join_tokens: tokens } = await get("/api/v1/join-tokens");
+  const now = Date.now() / 1000;
+  const state = (t) => t.revoked ? "revoked" : (t.expires_at && t.expires_at <= now) ? "expired"
+    : t.uses_left === 0 ? "used" : t.uses_left == null ? "active" : `active, ${t.uses_left} of ${t.uses} left`;
   rows("join-table", tokens, (t) => [
     h("span", { class: "mono" }, `${t.prefix}…`), formatWhen(t.created_at),
-    t.expires_at ? formatWhen(t.expires_at) : "never", t.revoked ? "revoked" : "active",
+    t.expires_at ? formatWhen(t.expires_at) : "never", state(t),
+    state(t).startsWith("active") ? h("button", {
+      class: "btn small danger", type: "button", "aria-label": `Revoke join token ${t.prefix}`,
+      onclick: async () => {
+        try { await del(`/api/v1/join-tokens/${t.id}`); } catch (err) { showError(err.message); }
+        loadJoinTokens();
+      },
+    }, "Revoke") : "",
   ], "No join tokens.");
 }
 
@@ -92,8 +110,9 @@ async function main() {
   });
   $("new-join-token").addEventListener("click", async () => {
     try {
-      const { token } = await post("/api/v1/join-tokens", {});
-      await showOnce("New join token", "Run swarm join with it on the PC that should join. It is shown only now.", token);
+      const uses = Number($("join-uses").value) || 1;
+      const { token } = await post("/api/v1/join-tokens", { uses, ttl_s: Number($("join-ttl").value) });
+      await showOnce("New join token", `Run swarm join with it on ${uses === 1 ? "the PC" : `up to ${uses} PCs`} that should join. It is shown only now.`, token);
       loadJoinTokens();
     } catch (err) { showError(err.message); }
   });
