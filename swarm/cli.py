@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar = asub.add_parser("revoke-join-token", help="revoke a join token: nobody joins with it any more")
     ar.add_argument("token_id", type=int, help="its id, from `swarm admin join-tokens`")
     _leader_options(ar)
+    ap = asub.add_parser("password", help="set a user's password (asked twice; read from stdin when piped)")
+    ap.add_argument("--user", help="whose (default: the owner of the API token)")
+    _leader_options(ap)
     af = asub.add_parser("fellows", help="list the enrolled fellows")
     _leader_options(af)
     ax = asub.add_parser("remove-fellow", help="remove a fellow: its link ends, its key and credential are refused")
@@ -217,6 +220,22 @@ def _admin(client, args) -> None:
     elif command == "revoke-join-token":
         client.delete(f"/api/v1/join-tokens/{args.token_id}")
         print(f"Revoked join token {args.token_id}")
+    elif command == "password":
+        users = client.get("/api/v1/users")["users"]
+        name = args.user or client.get("/api/v1/me")["user"]["name"]
+        user = next((u for u in users if u["name"].casefold() == name.casefold()), None)
+        if user is None:
+            raise SwarmError(f"the leader has no user {name!r}.")
+        if sys.stdin.isatty():
+            import getpass
+
+            password = getpass.getpass(f"New password for {user['name']}: ")
+            if getpass.getpass("Again: ") != password:
+                raise SwarmError("the two passwords differ; nothing was changed.")
+        else:
+            password = sys.stdin.readline().rstrip("\n")
+        client.put(f"/api/v1/users/{user['id']}/password", {"password": password})
+        print(f"Changed the password of {user['name']}; their browsers are signed out")
     elif command == "fellows":
         for f in client.get("/api/v1/fellows")["fellows"]:
             print(f"{f['id']:5} {f['name']:24} {f['state']:8} {', '.join(f.get('stages') or []) or '-'}")

@@ -85,6 +85,18 @@ class AuthError(SwarmError):
     """A password, session, API token, join token or node credential was missing or wrong."""
 
 
+class Forbidden(AuthError):
+    """Signed in, but this account may not do that (it needs an admin, or it is someone else's)."""
+
+
+class TooManyAttempts(SwarmError):
+    """Sign-in attempts come too fast; the message says how long to wait (``retry_after`` seconds)."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class StoreError(SwarmError):
     """The leader's database or model files could not be read or written."""
 

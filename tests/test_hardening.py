@@ -229,3 +229,145 @@ async def test_a_fellow_cannot_speak_for_a_model_it_does_not_serve(tmp_path, mon
         assert not serving.models["m"].stages[0].ready
         del serving.models["m"]
         nursery.cancel_scope.cancel()
+
+
+# --- Medium 4: sign-in --------------------------------------------------------------------------------------------------
+
+
+def _leader_client(tmp_path):
+    from starlette.testclient import TestClient
+
+    from swarm.config import Settings
+    from swarm.leader.app import Leader
+
+    leader = Leader(tmp_path / "leader", Settings.from_env({}))
+    return leader, TestClient(leader.app, backend="trio")
+
+
+def test_password_guessing_is_throttled_per_account(tmp_path):
+    leader, client = _leader_client(tmp_path)
+    password = leader.first_start.admin_password
+    with client:
+        for _ in range(5):
+            assert client.post("/api/v1/auth/login", json={"name": "admin", "password": "guess"}).status_code == 401
+        refused = client.post("/api/v1/auth/login", json={"name": "ADMIN", "password": password})
+        assert refused.status_code == 429, refused.text  # even the right password waits out the backoff
+        assert int(refused.headers["retry-after"]) >= 1
+        for bad in ({"name": "admin", "password": 5}, {"name": ["admin"], "password": "x"}):
+            assert client.post("/api/v1/auth/login", json=bad).status_code == 400
+
+
+def test_sign_in_backoff_doubles_and_clears(monkeypatch):
+    from swarm.errors import TooManyAttempts
+    from swarm.leader.signin import FREE_FAILURES_PER_ADDRESS, SignInThrottle
+
+    now = [1000.0]
+    throttle = SignInThrottle(clock=lambda: now[0])
+    waits = []
+    for _ in range(8):
+        try:
+            throttle.check("alice", "10.0.0.1")
+        except TooManyAttempts as exc:
+            waits.append(exc.retry_after)
+            now[0] += exc.retry_after
+            throttle.check("alice", "10.0.0.1")
+        throttle.failed("alice", "10.0.0.1")
+    assert waits == [1, 2, 4]  # free failures first, then a doubling wait
+    throttle.check("bob", "10.0.0.2")  # other accounts and addresses are not held up
+    throttle.succeeded("alice")
+    now[0] += 10
+    throttle.check("alice", "10.0.0.1")  # the right password cleared the account's count
+    for i in range(FREE_FAILURES_PER_ADDRESS):  # many accounts from one address: the address waits
+        throttle.failed(f"user{i}", "10.9.9.9")
+    try:
+        throttle.check("someone-else", "10.9.9.9")
+        raise AssertionError("an address spraying passwords over many accounts was not slowed")
+    except TooManyAttempts:
+        pass
+
+
+def test_new_users_need_a_real_password_and_a_boolean_admin_flag(tmp_path):
+    leader, client = _leader_client(tmp_path)
+    auth = {"authorization": f"Bearer {leader.first_start.admin_token}"}
+    with client:
+        for body, code in (({"name": "bob", "password": "b"}, "password_too_short"),
+                           ({"name": "bob", "password": 12345678}, "invalid_password"),
+                           ({"name": "bob", "password": "long enough", "is_admin": "false"}, "invalid_is_admin"),
+                           ({"name": 7, "password": "long enough"}, "invalid_name")):
+            response = client.post("/api/v1/users", json=body, headers=auth)
+            assert response.status_code == 400 and response.json()["error"]["code"] == code, (body, response.text)
+        assert not [u for u in leader.store.list_users() if u.name == "bob"]
+        made = client.post("/api/v1/users", json={"name": "bob", "password": "long enough", "is_admin": False},
+                           headers=auth)
+        assert made.status_code == 201 and made.json()["user"]["is_admin"] is False
+        # a signed-in user who is not an admin gets 403, not 401
+        bob_token, _ = leader.store.create_api_token(made.json()["user"]["id"], "t")
+        response = client.get("/api/v1/users", headers={"authorization": f"Bearer {bob_token}"})
+        assert response.status_code == 403, response.text
+
+
+def test_a_user_changes_their_password_and_an_admin_can_set_one(tmp_path):
+    leader, client = _leader_client(tmp_path)
+    admin_auth = {"authorization": f"Bearer {leader.first_start.admin_token}"}
+    with client:
+        bob = client.post("/api/v1/users", json={"name": "bob", "password": "first password"}, headers=admin_auth)
+        bob_id = bob.json()["user"]["id"]
+        assert client.post("/api/v1/auth/login", json={"name": "bob", "password": "first password"}).status_code == 200
+        csrf = client.get("/api/v1/me").json()["csrf"]
+        change = {"current_password": "first password", "new_password": "second password"}
+        wrong = client.post("/api/v1/me/password", json={**change, "current_password": "nope"},
+                            headers={"x-csrf-token": csrf})
+        assert wrong.status_code == 401
+        short = client.post("/api/v1/me/password", json={**change, "new_password": "b"},
+                            headers={"x-csrf-token": csrf})
+        assert short.status_code == 400
+        done = client.post("/api/v1/me/password", json=change, headers={"x-csrf-token": csrf})
+        assert done.status_code == 200 and done.json()["csrf"], done.text
+        assert client.get("/api/v1/me").status_code == 200  # this browser stays signed in
+        assert client.post("/api/v1/auth/login", json={"name": "bob", "password": "first password"}).status_code == 401
+        assert client.put(f"/api/v1/users/{bob_id}/password", json={"password": "third password"},
+                          headers=admin_auth).status_code == 200
+        assert leader.store.verify_password("bob", "third password").id == bob_id
+
+
+async def test_sign_ins_hash_in_a_bounded_pool_of_their_own(tmp_path, monkeypatch):
+    """60 parallel login loops used to take every worker thread: a signed-in request took 3-6 s."""
+    import time as _time
+
+    async with running_swarm(tmp_path, [], fellows=0) as swarm:
+        store = swarm.leader.store
+        admin = store.get_user_by_name("admin")
+        running, peak = [0], [0]
+        lock = threading.Lock()
+
+        def slow_verify(name, password):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            _time.sleep(0.3)  # argon2's cost, exaggerated
+            with lock:
+                running[0] -= 1
+            return admin
+
+        monkeypatch.setattr(store, "verify_password", slow_verify)
+        statuses, slowest = [], [0.0]
+
+        async def login(i):
+            response = await swarm.http.post("/api/v1/auth/login", json={"name": f"u{i}", "password": "x" * 10},
+                                             headers={"authorization": ""})
+            statuses.append(response.status_code)
+
+        async def signed_in():
+            for _ in range(5):
+                start = trio.current_time()
+                assert (await swarm.http.get("/api/v1/me")).status_code == 200
+                slowest[0] = max(slowest[0], trio.current_time() - start)
+                await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(login, i)
+            nursery.start_soon(signed_in)
+        assert peak[0] <= 2, f"{peak[0]} password checks ran at once"
+        assert statuses.count(429) > 0 and statuses.count(200) > 0, statuses
+        assert slowest[0] < 1.5, f"a signed-in request took {slowest[0]:.1f} s during a sign-in flood"

@@ -7,12 +7,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 from starlette.routing import Route
 
-from swarm.errors import AuthError, BadRequest
+from swarm.errors import AuthError, BadRequest, Forbidden
 from swarm.leader.api import as_dict, handles_errors
 from swarm.leader.http_errors import json_body, problem
 from swarm.leader.auth import current_user
 from swarm.leader.direct_links import DIRECT_LINKS
 from swarm.leader.recovery import HOT_COVER
+from swarm.leader.signin import check_password_rule
 
 
 class AdminRoutes:
@@ -24,7 +25,7 @@ class AdminRoutes:
     async def _admin(self, request: Request):
         user = await current_user(request, self.store)
         if not user.is_admin:
-            raise AuthError("this needs an admin account.")
+            raise Forbidden("this needs an admin account.")
         return user
 
     async def page(self, request: Request):
@@ -39,12 +40,27 @@ class AdminRoutes:
         await self._admin(request)
         if request.method == "POST":
             body = await json_body(request)
-            user = await trio.to_thread.run_sync(
-                self.store.create_user, str(body.get("name", "")), str(body.get("password", "")),
-                bool(body.get("is_admin", False)))
+            name, is_admin = body.get("name"), body.get("is_admin", False)
+            if not isinstance(name, str) or not name.strip() or len(name) > 64:
+                raise BadRequest("a user needs a name: a string of 1 to 64 characters.", "invalid_name")
+            if not isinstance(is_admin, bool):  # "false" is a string, and a truthy one
+                raise BadRequest('is_admin must be true or false (JSON booleans).', "invalid_is_admin")
+            password = check_password_rule(body.get("password"))
+            user = await self.leader.hashing.run(self.store.create_user, name, password, is_admin)
             return JSONResponse({"user": as_dict(user)}, status_code=201)
         users = await trio.to_thread.run_sync(self.store.list_users)
         return JSONResponse({"users": [as_dict(u) for u in users]})
+
+    @handles_errors
+    async def user_password(self, request: Request):
+        """An admin sets a user's password (`swarm admin password`); that user's browsers are signed out."""
+        await self._admin(request)
+        user_id = int(request.path_params["user_id"])
+        password = check_password_rule((await json_body(request)).get("password"))
+        if await trio.to_thread.run_sync(self.store.get_user, user_id) is None:
+            return problem(404, f"there is no user {user_id}", "not_found")
+        await self.leader.hashing.run(self.store.set_password, user_id, password)
+        return JSONResponse({"changed": True})
 
     @handles_errors
     async def user_delete(self, request: Request):
@@ -115,6 +131,7 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/admin", admin.page),
         Route("/api/v1/users", admin.users, methods=["GET", "POST"]),
         Route("/api/v1/users/{user_id:int}", admin.user_delete, methods=["DELETE"]),
+        Route("/api/v1/users/{user_id:int}/password", admin.user_password, methods=["PUT"]),
         Route("/api/v1/pools", admin.pools),
         Route("/api/v1/settings/direct-links", admin.direct_links, methods=["GET", "PUT"]),
         Route("/api/v1/settings/hot-cover", admin.hot_cover, methods=["GET", "PUT"]),

@@ -9,10 +9,11 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from swarm.errors import AuthError, BadRequest, ModelNotFound, PlacementError
+from swarm.errors import AuthError, BadRequest, Forbidden, ModelNotFound, PlacementError
 from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
+from swarm.leader.signin import MAX_PASSWORD_CHARS, check_password_rule
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class ApiRoutes:
     async def _admin(self, request: Request):
         user = await current_user(request, self.store)
         if not user.is_admin:
-            raise AuthError("this needs an admin account.")
+            raise Forbidden("this needs an admin account.")
         return user
 
     async def _json(self, request: Request) -> dict:
@@ -56,15 +57,54 @@ class ApiRoutes:
     @handles_errors
     async def login(self, request: Request):
         body = await self._json(request)
-        user = await trio.to_thread.run_sync(self.store.verify_password, str(body.get("name", "")),
-                                             str(body.get("password", "")))
+        name, password = body.get("name"), body.get("password")
+        if not isinstance(name, str) or not isinstance(password, str):
+            raise BadRequest('send {"name": "...", "password": "..."} (both strings).', "invalid_credentials")
+        user = await self.check_password(request, name, password)
         return await self._signed_in(request, user, JSONResponse({"user": as_dict(user)}))
 
+    async def check_password(self, request: Request, name: str, password: str):
+        """The user, if ``password`` is theirs -- throttled per account and address, hashed in its own pool."""
+        address = request.client.host if request.client else "unknown"
+        self.leader.signin.check(name, address)
+        try:
+            if len(password) > MAX_PASSWORD_CHARS:
+                raise AuthError("wrong user name or password; check both and try again.")
+            user = await self.leader.hashing.run(self.store.verify_password, name, password)
+        except AuthError:
+            self.leader.signin.failed(name, address)
+            raise
+        self.leader.signin.succeeded(name)
+        return user
+
+    @handles_errors
+    async def password(self, request: Request):
+        """Change one's own password: the current one, then the new one; other browsers are signed out."""
+        user = await current_user(request, self.store)
+        body = await self._json(request)
+        current = body.get("current_password")
+        if not isinstance(current, str):
+            raise BadRequest("send current_password and new_password.", "invalid_password")
+        new = check_password_rule(body.get("new_password"))
+        await self.check_password(request, user.name, current)
+        await self.leader.hashing.run(self.store.set_password, user.id, new)
+        if request.cookies.get(SESSION_COOKIE) and not request.headers.get("authorization"):
+            # Every session ended with the old password; this browser gets a new one (and the page its CSRF token).
+            session, csrf = await trio.to_thread.run_sync(self.store.create_session, user.id)
+            response = JSONResponse({"changed": True, "csrf": csrf})
+            self._set_session_cookie(request, response, session)
+            return response
+        return JSONResponse({"changed": True})
+
     async def _signed_in(self, request: Request, user, response: Response) -> Response:
-        session, csrf = await trio.to_thread.run_sync(self.store.create_session, user.id)
+        session, _ = await trio.to_thread.run_sync(self.store.create_session, user.id)
+        self._set_session_cookie(request, response, session)
+        return response
+
+    @staticmethod
+    def _set_session_cookie(request: Request, response: Response, session: str) -> None:
         response.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="lax", max_age=30 * 86400,
                             secure=request.url.scheme == "https")
-        return response
 
     async def login_link(self, request: Request):
         token = request.query_params.get("token", "")

@@ -29,6 +29,7 @@ from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
+from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.store.db import Store
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
@@ -61,6 +62,8 @@ class Leader:
         self.serving.hub = self.hub
         self.direct_links = DirectLinkCoordinator(self.store, self.serving)
         self.serving.direct_links = self.direct_links
+        self.signin = SignInThrottle()
+        self.hashing = HashPool()
         self.first_start = initialize(self.store, self.public)
         self.app = self._build_app()
 
@@ -120,6 +123,7 @@ class Leader:
             Route("/api/v1/auth/login", api.login, methods=["POST"]),
             Route("/api/v1/auth/logout", api.logout, methods=["POST"]),
             Route("/api/v1/me", api.me),
+            Route("/api/v1/me/password", api.password, methods=["POST"]),
             Route("/api/v1/tokens", api.tokens, methods=["GET", "POST"]),
             Route("/api/v1/tokens/{token_id:int}", api.token_delete, methods=["DELETE"]),
             Route("/api/v1/models", api.models),

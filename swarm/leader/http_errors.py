@@ -14,6 +14,8 @@ from starlette.responses import JSONResponse
 from swarm.errors import (
     AuthError,
     BadRequest,
+    Forbidden,
+    TooManyAttempts,
     ContextTooLong,
     ModelNotFound,
     ModelNotLoaded,
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 
 # exception class -> (HTTP status, code, OpenAI error type); the first class that matches wins.
 _TABLE: list[tuple[type, int, str, str]] = [
+    (Forbidden, 403, "forbidden", "permission_error"),
     (AuthError, 401, "unauthorized", "authentication_error"),
+    (TooManyAttempts, 429, "too_many_attempts", "rate_limit_error"),
     (ModelNotFound, 404, "not_found", "invalid_request_error"),
     (ContextTooLong, 413, "context_length_exceeded", "invalid_request_error"),
     (ChatTooLarge, 413, "chat_too_large", "invalid_request_error"),
@@ -70,7 +74,7 @@ def openai_error(exc: BaseException) -> JSONResponse:
 
 def _headers(exc: BaseException) -> dict | None:
     """Retry-After for a refusal that passes (a full queue): clients such as openai's wait that long and retry."""
-    if isinstance(exc, PoolBusy):
+    if isinstance(exc, (PoolBusy, TooManyAttempts)):
         return {"retry-after": str(exc.retry_after)}
     return None
 

@@ -96,6 +96,15 @@ async function main() {
   me = await get("/api/v1/me");
   setCsrf(me.csrf);
   $("back-link").href = me.home;
+  $("password-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    try {
+      const { csrf } = await post("/api/v1/me/password", { current_password: $("current-password").value, new_password: $("new-password").value });
+      e.target.reset();
+      $("password-state").textContent = "Password changed. Your other browsers are signed out.";
+      if (csrf) setCsrf(csrf);
+    } catch (err) { showError(`The password was not changed: ${err.message}`); }
+  });
   if (!me.user.is_admin) {
     $("admin-main").replaceChildren(h("p", { class: "notice warn" }, "This page is for admins. Ask an admin of this leader to make you one."));
     return;
