@@ -97,6 +97,10 @@ class TooManyAttempts(SwarmError):
         self.retry_after = retry_after
 
 
+class BodyTooLarge(SwarmError):
+    """A request body is larger than its route accepts."""
+
+
 class StoreError(SwarmError):
     """The leader's database or model files could not be read or written."""
 

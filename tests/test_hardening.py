@@ -371,3 +371,46 @@ async def test_sign_ins_hash_in_a_bounded_pool_of_their_own(tmp_path, monkeypatc
         assert peak[0] <= 2, f"{peak[0]} password checks ran at once"
         assert statuses.count(429) > 0 and statuses.count(200) > 0, statuses
         assert slowest[0] < 1.5, f"a signed-in request took {slowest[0]:.1f} s during a sign-in flood"
+
+
+# --- Medium 5: request sizes ---------------------------------------------------------------------------------------------
+
+
+def test_bodies_over_their_route_limit_are_refused_unread(tmp_path):
+    leader, client = _leader_client(tmp_path)
+    auth = {"authorization": f"Bearer {leader.first_start.admin_token}"}
+    with client:
+        big_login = {"name": "admin", "password": "x" * (200 * 1024)}  # a 150 MB one cost 710 MB
+        response = client.post("/api/v1/auth/login", json=big_login)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(64):
+                yield b"x" * 65536
+
+        response = client.post("/api/v1/tokens", content=chunks(), headers=auth)
+        assert response.status_code == 413, response.text
+        response = client.post("/v1/chat/completions", content=b"{" + b" " * (40 << 20) + b"}", headers=auth)
+        assert response.status_code == 413
+        # what fits still works
+        assert client.post("/api/v1/tokens", json={"name": "fine"}, headers=auth).status_code == 201
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, tiny_model_dirs, monkeypatch):
+    from harness import install_model
+    from swarm.leader import openai_api
+    from swarm.leader.limits import FALLBACK_TOKEN_BYTES
+
+    leader, client = _leader_client(tmp_path)
+    name = install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])
+    leader.serving.reload_on_request.add(name)  # it would load for this request
+    tokenised = []
+    monkeypatch.setattr(openai_api, "encode_chat", lambda *a, **k: tokenised.append(1) or [1, 2, 3])
+    text = "word " * (leader.settings.serve_context_tokens * FALLBACK_TOKEN_BYTES // 5 + 1)
+    with client:
+        response = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {leader.first_start.admin_token}"},
+                               json={"model": name, "messages": [{"role": "user", "content": text}]})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length" in response.json()["error"]["message"]
+    assert tokenised == [], "the prompt was tokenised before it was refused"

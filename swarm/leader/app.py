@@ -29,6 +29,7 @@ from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
+from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.store.db import Store
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
@@ -65,7 +66,19 @@ class Leader:
         self.signin = SignInThrottle()
         self.hashing = HashPool()
         self.first_start = initialize(self.store, self.public)
-        self.app = self._build_app()
+        self.app = BodyLimit(self._build_app(), self.body_limit)
+
+    def body_limit(self, path: str) -> int:
+        """The largest request body ``path`` accepts (swarm.leader.limits)."""
+        if path == "/api/v1/auth/login":
+            return SIGN_IN_BODY
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            longest = max([self.settings.serve_context_tokens,
+                           *(self.serving.pool_tokens(name) for name in list(self.serving.models))])
+            return chat_body_limit(longest)
+        if path.startswith("/api/v1/chats"):
+            return 2 * self.store.max_chat_bytes + CHAT_BODY_MARGIN  # a whole chat, every character escaped
+        return DEFAULT_BODY
 
     async def new_join_token(self, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES) -> str:
         pools = await trio.to_thread.run_sync(self.store.list_pools)

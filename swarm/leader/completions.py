@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from swarm.errors import ContextTooLong, SwarmError, first_leaf
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
+from swarm.leader.limits import check_prompt_bytes
 from swarm.leader.http_errors import json_body, openai_error, openai_problem
 from swarm.leader.logprobs import token_text
 from swarm.leader.openai_api import Choice, ReplyText, _error_events, _timing, next_event
@@ -52,8 +53,10 @@ class CompletionRoutes:
             _, model_dir = await self.routes.model(params.model)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(model_dir))
             prompts = []
+            pool_tokens = self.leader.serving.pool_tokens(params.model)
             for prompt in params.prompts:
                 if isinstance(prompt, str):
+                    check_prompt_bytes(prompt, model_dir, pool_tokens)  # by its byte count, before tokenising
                     ids = await trio.to_thread.run_sync(lambda p=prompt: list(tokenizer(p)["input_ids"]))
                     prompts.append((prompt, ids))
                 else:

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 from swarm.errors import (
     AuthError,
     BadRequest,
+    BodyTooLarge,
     Forbidden,
     TooManyAttempts,
     ContextTooLong,
@@ -36,6 +37,7 @@ _TABLE: list[tuple[type, int, str, str]] = [
     (TooManyAttempts, 429, "too_many_attempts", "rate_limit_error"),
     (ModelNotFound, 404, "not_found", "invalid_request_error"),
     (ContextTooLong, 413, "context_length_exceeded", "invalid_request_error"),
+    (BodyTooLarge, 413, "body_too_large", "invalid_request_error"),
     (ChatTooLarge, 413, "chat_too_large", "invalid_request_error"),
     (ChatLimitReached, 409, "chat_limit_reached", "invalid_request_error"),
     (PlacementError, 409, "placement_refused", "invalid_request_error"),

@@ -25,6 +25,7 @@ from swarm.leader.chat_format import (
     sampling_defaults,
 )
 from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
+from swarm.leader.limits import check_prompt_bytes
 from swarm.leader.logprobs import logprob_entries
 from swarm.leader.openai_params import ChatParams, choice_seed, parse_chat_body, to_sampling
 from swarm.leader.reasoning import ReasoningSplitter
@@ -117,6 +118,8 @@ class OpenAIRoutes:
         model's tool calls."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
+        # Refused by its byte count before the tokenizer sees it (swarm.leader.limits): a 24 MB prompt took 11 s.
+        check_prompt_bytes(params.messages, model_dir, self.leader.serving.pool_tokens(params.model))
         try:
             prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
                                                    architecture, params.tools)

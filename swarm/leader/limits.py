@@ -1,0 +1,134 @@
+"""How much a client may send (issue 10, finding 5): request bodies per route, and prompts before they are tokenised.
+
+A 150 MB login body used to cost the leader 710 MB, and a 24 MB prompt was tokenised whole (11 s, 3 GB) before the
+context check refused it. Now each route has a body limit, refused from Content-Length before a byte is read (or as
+soon as a chunked body passes it), and a prompt whose text alone could not fit in the pool is refused by its byte
+count, before the tokenizer sees it.
+
+A token stands for at most as many bytes of text as the longest entry of the tokenizer's vocabulary (for byte-level
+BPE each character of an entry is one byte; SentencePiece's "▁" is 3 bytes for 1, an overestimate, which is the safe
+side). So a text of B bytes is at least B / longest tokens, and a text over ``pool tokens x longest`` bytes cannot
+fit: refusing it is never wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from swarm.errors import BodyTooLarge, ContextTooLong
+
+KIB, MIB = 1024, 1024 * 1024
+
+# When a model's tokenizer cannot be read, assume tokens this long: longer than any entry of the vocabularies swarm
+# serves (the longest are runs of spaces or dashes in code-heavy vocabularies, well under 256 bytes).
+FALLBACK_TOKEN_BYTES = 256
+
+SIGN_IN_BODY = 16 * KIB  # a name and a password (passwords are capped at 1024 characters)
+DEFAULT_BODY = 1 * MIB  # every other /api/v1 and page route: settings, tokens, users, loads
+CHAT_BODY_MARGIN = 1 * MIB  # tools, sampling fields, JSON escapes beyond the text itself
+
+
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string inside ``value`` (a message list, a prompt, a content part list)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return sum(text_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_bytes(v) for v in value)
+    return 0
+
+
+@functools.lru_cache(maxsize=32)
+def longest_token_bytes(model_dir: str) -> int:
+    """Bytes of the longest vocabulary entry of the model's tokenizer (see the module's note)."""
+    try:
+        from swarm.leader.chat_format import load_tokenizer
+
+        vocab = load_tokenizer(model_dir).get_vocab()
+        return max((len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=FALLBACK_TOKEN_BYTES)
+    except Exception:  # no tokenizer files (a tiny test model) or an unreadable one: the safe upper bound
+        return FALLBACK_TOKEN_BYTES
+
+
+def check_prompt_bytes(text: Any, model_dir: Path | str, pool_tokens: int) -> None:
+    """ContextTooLong when ``text`` cannot fit in ``pool_tokens`` tokens by its byte count alone."""
+    size = text_bytes(text)
+    limit = pool_tokens * longest_token_bytes(str(model_dir))
+    if size > limit:
+        raise ContextTooLong(
+            f"the prompt has {size} bytes of text, more than the {pool_tokens} tokens the pool serving this model "
+            f"holds could carry (at most {limit} bytes). This model's maximum context length on this pool is "
+            f"{pool_tokens} tokens. Start a new conversation or send a shorter prompt."
+        )
+
+
+def chat_body_limit(context_tokens: int) -> int:
+    """The largest /v1 body worth reading: a prompt as long as the largest context, plus room for the rest."""
+    return context_tokens * FALLBACK_TOKEN_BYTES + CHAT_BODY_MARGIN
+
+
+class BodyLimit:
+    """ASGI middleware: refuse an HTTP request body over its route's limit with 413, without reading the rest.
+
+    ``limit_for(path) -> bytes`` picks the limit. A Content-Length over it is refused at once; a chunked body is
+    counted as it arrives and raises BodyTooLarge (mapped to 413) in whoever reads it.
+    """
+
+    def __init__(self, app: ASGIApp, limit_for):
+        self.app = app
+        self.limit_for = limit_for
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit_for(scope["path"])
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            declared = int(length) if length is not None else None
+        except ValueError:
+            declared = None
+        if declared is not None and declared > limit:
+            await _too_large(send, limit)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(f"the request body is larger than the {limit} bytes this route accepts.")
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:
+            if not started:
+                await _too_large(send, limit)
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = json.dumps({"error": {"message": f"the request body is larger than the {limit} bytes this route "
+                                            "accepts.", "type": "body_too_large", "code": "body_too_large"}}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["BodyLimit", "check_prompt_bytes", "chat_body_limit", "longest_token_bytes", "text_bytes"]
