@@ -414,3 +414,32 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert "maximum context length" in response.json()["error"]["message"]
     assert tokenised == [], "the prompt was tokenised before it was refused"
+
+
+# --- Medium 6: who may cancel and unload --------------------------------------------------------------------------------
+
+
+def test_users_cancel_only_their_own_requests_and_unload_only_what_nobody_else_uses(tmp_path, tiny_model_dirs):
+    from harness import install_model
+    from swarm import messages
+    from swarm.leader.requests import Request
+
+    leader, client = _leader_client(tmp_path)
+    name = install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])
+    admin = leader.store.get_user_by_name("admin")
+    bob = leader.store.create_user("bob", "bob's password")
+    bob_auth = {"authorization": f"Bearer {leader.store.create_api_token(bob.id, 't')[0]}"}
+    admin_auth = {"authorization": f"Bearer {leader.first_start.admin_token}"}
+    reply = Request(model=name, prompt=[1, 2], max_tokens=8, sampling=messages.Sampling(), eos=[], id="r-admin",
+                    owner=admin.id)
+    leader.serving.book.waiting.setdefault(name, []).append(reply)  # the admin's reply, waiting for the ring
+    with client:
+        response = client.post("/api/v1/requests/r-admin/cancel", headers=bob_auth)
+        assert response.status_code == 200 and response.json() == {"cancelled": False}
+        assert not reply.ended, "bob cancelled the admin's request"
+        response = client.post(f"/api/v1/models/{name}/unload", headers=bob_auth)
+        assert response.status_code == 403 and "other users" in response.json()["error"]["message"]
+        assert not reply.ended, "bob unloaded the model under the admin's reply"
+        response = client.post("/api/v1/requests/r-admin/cancel", headers=admin_auth)
+        assert response.json() == {"cancelled": True} and reply.ended
+        assert client.post(f"/api/v1/models/{name}/unload", headers=bob_auth).status_code == 200  # nobody else's now

@@ -220,9 +220,18 @@ class ApiRoutes:
 
     @handles_errors
     async def model_unload(self, request: Request):
-        await current_user(request, self.store)
+        user = await current_user(request, self.store)
         name = request.path_params["model_id"]
         await self._model_row(name)
+        # The rule (README, "Who may do what"): anyone signed in may load a model and unload one nobody else is
+        # using; unloading a model in the middle of another user's reply needs an admin.
+        if not user.is_admin:
+            book = self.leader.serving.book
+            others = [r for r in [*book.of_model(name), *book.waiting.get(name, [])]
+                      if not r.ended and r.owner != user.id]
+            if others:
+                raise Forbidden(f"{name} is answering {len(others)} request{'s' if len(others) != 1 else ''} of "
+                                "other users; try again when they finish, or ask an admin to unload it now.")
         await self.leader.serving.unload(name)
         return JSONResponse({"id": name, "status": "not_loaded"})
 
@@ -245,9 +254,10 @@ class ApiRoutes:
 
     @handles_errors
     async def request_cancel(self, request: Request):
-        await current_user(request, self.store)
+        user = await current_user(request, self.store)
         ring_request = self.leader.serving.find(request.path_params["rid"])
-        if ring_request is None:
+        if ring_request is None or ring_request.owner != user.id:
+            # Only one's own requests; someone else's looks like one that has ended, so ids reveal nothing.
             return JSONResponse({"cancelled": False})
         self.leader.serving.cancel(ring_request)
         return JSONResponse({"cancelled": True})
