@@ -30,6 +30,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; else the sampled token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the model's own)
+    grammar: str | None = None  # an llguidance grammar the reply must follow (response_format); None: free text
 
     @property
     def penalised(self) -> bool:
@@ -38,7 +39,7 @@ class Sampling:
     @property
     def needs_context(self) -> bool:
         """Whether the last stage needs the prompt's ids (RequestStart.context)."""
-        return self.penalised or self.prompt_logprobs is not None
+        return self.penalised or self.prompt_logprobs is not None or self.grammar is not None
 
 
 @record

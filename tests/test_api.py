@@ -198,5 +198,7 @@ def test_completions_route_answers_in_the_openai_shape(client, leader):
            "model_not_loaded")
     message = _error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}],
-                                       "response_format": {"type": "json_object"}}), 400, "unsupported_parameter")
-    assert "'response_format'" in message
+                                       "response_format": {"type": "json_schema",
+                                                           "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
+                     400, "invalid_response_format")
+    assert "'response_format'" in message and "nope" in message

@@ -7,6 +7,7 @@ that spans tokens has an exact expected reply."""
 from __future__ import annotations
 
 import functools
+import json
 
 import openai
 import pytest
@@ -198,6 +199,15 @@ async def test_the_built_in_model_sampled_choices_and_filtered_logprobs(tmp_path
             penalised = await call(client.chat.completions.create, **greedy, frequency_penalty=2.0)
             assert penalised.choices[0].model_extra["token_ids"] != plain.choices[0].model_extra["token_ids"]
             completions = await legacy_completions(client, name)
+            # structured output through the fellows' own loading (the last stage gets the tokenizer's files)
+            from test_structured import SCHEMA, check
+
+            person = await call(client.chat.completions.create, model=name, temperature=0, max_tokens=80,
+                                messages=[{"role": "user", "content": "Tell me about a person."}],
+                                response_format={"type": "json_schema",
+                                                 "json_schema": {"name": "person", "schema": SCHEMA}})
+            check(json.loads(person.choices[0].message.content))
+            assert person.choices[0].finish_reason == "stop"
             await idle(swarm, name)
 
     model = load_reference_model(smollm_model_dir)
@@ -311,7 +321,6 @@ def tool_model_dir(tmp_path_factory):
 
 
 async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
-    import json
 
     from swarm.leader.chat_format import load_tokenizer
 

@@ -17,7 +17,7 @@ def parse(**fields):
 
 @pytest.mark.parametrize("field, value", [
     ("logit_bias", {"50256": -100}),
-    ("response_format", {"type": "json_object"}),
+    ("prediction", {"type": "content", "content": "x"}),
     ("functions", [{"name": "f"}]),
     ("reasoning_effort", "low"),
     ("audio", {"voice": "alloy"}),
@@ -135,3 +135,15 @@ def test_tools_and_tool_choice():
                 {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}):
         with pytest.raises(BadRequest):
             parse(**bad)
+
+
+def test_response_format_becomes_a_grammar():
+    assert parse(response_format={"type": "text"}).grammar is None
+    assert '"type":"object"' in parse(response_format={"type": "json_object"}).grammar.replace(" ", "")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar = parse(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}).grammar
+    assert '"required":["n"]' in grammar.replace(" ", "")
+    for bad in ({"type": "json_schema"}, {"type": "yaml"}, "json",
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}):
+        with pytest.raises(BadRequest):
+            parse(response_format=bad)

@@ -122,6 +122,7 @@ class StageLoader:
             lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
                                     layer_devices=layer_devices)
         )
+        stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
         await trio.to_thread.run_sync(stage_model.warm_up)
         await progress.report("load", 1.0)
         return stage_model
@@ -180,3 +181,23 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
     except ImportError:
         pass
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "config.json")
+
+
+def _tokenizer_dir(local: dict[str, Path], cache_dir: Path, message: dict) -> Path | None:
+    """A folder with the tokenizer's files under their own names (links into the content-addressed cache), for the
+    last stage's constrained sampling; None when the leader sent no tokenizer (a leader from before)."""
+    if not message["stage"]["is_last"] or "tokenizer.json" not in local and "tokenizer_config.json" not in local:
+        return None
+    folder = Path(cache_dir) / "tokenizers" / f"{message['model']}-{message['load_id']}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if name in local:
+            link = folder / name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(Path(local[name]).resolve())
+    return folder

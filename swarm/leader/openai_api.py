@@ -158,7 +158,7 @@ class OpenAIRoutes:
         sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
         sampling.update(asked)
         eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
-        first = to_sampling(sampling, params.logprobs, prompt_logprobs)
+        first = to_sampling(sampling, params.logprobs, prompt_logprobs, getattr(params, "grammar", None))
         for i in range(params.n):
             seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
             request = Request(model=name, prompt=prompt, max_tokens=max_tokens,

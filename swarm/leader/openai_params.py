@@ -33,7 +33,6 @@ IGNORED = frozenset({
 # Fields we do not implement, accepted only at the value that means "off".
 _OFF_VALUES = {
     "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
@@ -43,13 +42,13 @@ _OFF_VALUES = {
 
 CHAT_FIELDS = frozenset({
     "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
-    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", *SAMPLING_KEYS, *PENALTY_KEYS,
+    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", *SAMPLING_KEYS,
+    *PENALTY_KEYS,
 })
 
 # What to tell a client that asks for something we do not do, where there is more to say than "not supported".
 _ADVICE = {
     "reasoning_effort": "Turn thinking on or off with \"chat_template_kwargs\": {\"enable_thinking\": false}.",
-    "response_format": "Only {\"type\": \"text\"} is supported; ask for JSON in the prompt instead.",
     "functions": "Send them as \"tools\" (the current form of the same thing).",
 }
 
@@ -87,6 +86,7 @@ class ChatParams:
     n: int = 1
     logprobs: int | None = None  # None: off; else how many alternatives each token comes with (0 to 20)
     tools: list[dict] | None = None  # function tools for the chat template (None: none, or tool_choice "none")
+    grammar: str | None = None  # response_format as an llguidance grammar; None: free text
 
 
 def _number(body: dict, key: str, low: float, high: float) -> float | None:
@@ -177,7 +177,35 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     return ChatParams(model, chat, bool(body.get("stream")), requested, thinking, parse_sampling(body),
                       bool(body.get("return_token_ids")), body.get("ignore_eos") is True, parse_stop(body.get("stop")),
-                      n, parse_logprobs(body), parse_tools(body))
+                      n, parse_logprobs(body), parse_tools(body), parse_response_format(body.get("response_format")))
+
+
+def parse_response_format(value) -> str | None:
+    """``response_format`` as the grammar the last stage constrains the reply with: {"type": "text"} (none),
+    {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema": {"schema": {...}}}. The JSON
+    is written compactly (no free whitespace: a small model could otherwise pad it with blank lines forever)."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("'response_format' of type json_schema needs {\"json_schema\": {\"name\": ..., "
+                             "\"schema\": {...}}}.", "invalid_response_format")
+    else:
+        raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         "{\"type\": \"json_schema\", \"json_schema\": {...}}.", "invalid_response_format")
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise BadRequest(f"'response_format' has a JSON schema this server cannot follow: {error}",
+                         "invalid_response_format")
+    return grammar
 
 
 def parse_tools(body: dict) -> list[dict] | None:
@@ -204,7 +232,8 @@ def parse_tools(body: dict) -> list[dict] | None:
     return [{"type": "function", "function": t["function"]} for t in tools]
 
 
-def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int | None = None) -> messages.Sampling:
+def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                grammar: str | None = None) -> messages.Sampling:
     temperature = float(values.get("temperature", 0.0))
     seed = int(values["seed"]) if values.get("seed") is not None else None
     if seed is None and temperature > 0:
@@ -221,6 +250,7 @@ def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int 
         repetition_penalty=float(values.get("repetition_penalty", 1.0)),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
+from swarm.stage.grammar import constraint
 from swarm.stage.ragged import forward_batch
 from swarm.stage.sampling import (
     IMPOSSIBLE,
@@ -41,7 +42,7 @@ def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) 
             hidden = rows.source.tensor()[:, rows.row : rows.row + rows.n]
             out = stage.forward(work.rid, work.pos, hidden=hidden, want_logits=work.last)
         if stage.spec.is_last:
-            tokens.append(_sample(work, out) if work.last else None)
+            tokens.append(_sample(stage, work, out) if work.last else None)
         else:
             hidden_out.append(out)
     if stage.spec.is_last:
@@ -55,7 +56,7 @@ def sampling_params(sampling: messages.Sampling) -> SamplingParams:
                           min_p=sampling.min_p, seed=sampling.seed)
 
 
-def _sample(work: Work, logits: torch.Tensor) -> tuple[int, messages.TokenLogprob | None]:
+def _sample(stage: StageModel, work: Work, logits: torch.Tensor) -> tuple[int, messages.TokenLogprob | None]:
     """The request's next token (and its logprobs, when it asked for them), from the logits of its last row."""
     request = work.request
     sampling = request.sampling
@@ -65,16 +66,23 @@ def _sample(work: Work, logits: torch.Tensor) -> tuple[int, messages.TokenLogpro
         generator = token_generator(params.seed, request.start.drawn + request.generated)
     logits = logits.cpu()
     context = request.start.context
-    if context is not None:
+    if context is not None and sampling.penalised:
         # the reply so far: the tokens a resent request had before this attempt (the prompt ends with them), then
         # this attempt's
         reply = context[len(context) - request.start.drawn :] + request.reply
         logits = penalise(logits, presence=sampling.presence_penalty, frequency=sampling.frequency_penalty,
                           repetition=sampling.repetition_penalty, context=context + request.reply, reply=reply)
+    grammar = constraint(stage, request)
+    if grammar is not None:
+        logits = grammar.apply(logits)  # only the tokens that can continue the grammar
     if sampling.logprobs is None:
-        return sample(logits, params, generator), None
-    token, logprob, top_ids, top_logprobs = sample_with_logprobs(logits, params, generator, sampling.logprobs)
-    return token, messages.TokenLogprob(logprob, top_ids, top_logprobs)
+        token, entry = sample(logits, params, generator), None
+    else:
+        token, logprob, top_ids, top_logprobs = sample_with_logprobs(logits, params, generator, sampling.logprobs)
+        token, entry = token, messages.TokenLogprob(logprob, top_ids, top_logprobs)
+    if grammar is not None:
+        grammar.consume(token)
+    return token, entry
 
 
 def _wants_prompt_logprobs(work: Work) -> bool:
@@ -104,7 +112,7 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
                                        all_logits=True)
             logits = logits.cpu()
             entries = prompt_entries(work, logits)
-            token, logprob = _sample(work, logits[-1]) if work.last else (None, None)
+            token, logprob = _sample(stage, work, logits[-1]) if work.last else (None, None)
         tokens.append(token)
         logprobs.append(logprob)
         prompt_logprobs.append(entries)
@@ -153,4 +161,4 @@ def _run_together(stage: StageModel, batch: list[Work]) -> Output:
     out = forward_batch(stage, items)
     if not stage.spec.is_last:
         return Output(hidden=wire.tensor_to_wire(out))
-    return _sampled([_sample(work, logits) if work.last else None for work, logits in zip(batch, out)])
+    return _sampled([_sample(stage, work, logits) if work.last else None for work, logits in zip(batch, out)])

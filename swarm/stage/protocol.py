@@ -90,6 +90,7 @@ class StageRequest:
     start: messages.RequestStart
     generated: int = 0  # last stage: tokens sampled so far
     reply: list[int] = dataclasses.field(default_factory=list)  # last stage, with penalties: the tokens sampled
+    constraint: Any = None  # last stage, with a grammar: its state (swarm.stage.grammar), made on the first draw
     next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
 

@@ -81,7 +81,8 @@ def load_manifest(model_dir: Path) -> Manifest:
 def stage_files(manifest: Manifest, first_layer: int, end_layer: int, is_first: bool, is_last: bool) -> list[FileEntry]:
     """The files a stage holding layers [first_layer, end_layer) needs: config, its weights, nothing else.
 
-    The last stage needs the embedding too when embeddings are tied: its head *is* the embedding matrix.
+    The last stage needs the embedding too when embeddings are tied: its head *is* the embedding matrix; and the
+    tokenizer's files, which constrained sampling (the API's response_format) reads to know each token's text.
     """
     if not 0 <= first_layer < end_layer <= manifest.num_layers:
         raise ModelError(
@@ -89,7 +90,8 @@ def stage_files(manifest: Manifest, first_layer: int, end_layer: int, is_first: 
             f"which has layers 0..{manifest.num_layers - 1}"
         )
     paths = stage_file_paths(first_layer, end_layer, is_first, is_last, manifest.tie_word_embeddings)
-    return [manifest.file(p) for p in paths]
+    tokenizer = [f for f in manifest.files if f.kind == "tokenizer"] if is_last else []
+    return [manifest.file(p) for p in paths] + tokenizer
 
 
 def kv_bytes_per_token(config: Mapping[str, Any], dtype: str = "float32") -> int:

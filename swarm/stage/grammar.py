@@ -1,0 +1,89 @@
+"""Constrained sampling on the last stage (the API's ``response_format``): the reply must follow a grammar -- a JSON
+schema, or any JSON object -- so before each draw the tokens that cannot continue it are masked out.
+
+The grammar engine is llguidance (Microsoft's; the one vLLM and llama.cpp use): the leader turns the request's
+schema into an llguidance grammar and checks it; the last stage builds a matcher from it per request, asks it for
+the allowed tokens before each draw (a bitmask over the vocabulary) and feeds it the token drawn. Once the grammar
+is complete only the end-of-turn token is allowed, so the reply ends there. The stage needs the model's tokenizer to
+know each token's bytes: the leader sends its files with the last stage's (a folder of them is ``tokenizer_dir``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from swarm.errors import ModelError
+
+_lock = threading.Lock()
+
+
+def _tokenizer(stage, eos: list[int]):
+    """The llguidance tokenizer of ``stage``'s model (built once per stage: ~1-2 s)."""
+    cached = getattr(stage, "_ll_tokenizer", None)
+    if cached is not None:
+        return cached
+    with _lock:
+        cached = getattr(stage, "_ll_tokenizer", None)
+        if cached is None:
+            folder = getattr(stage, "tokenizer_dir", None)
+            if folder is None:
+                raise ModelError("this request asks for structured output (response_format), but the last stage has "
+                                 "no tokenizer: its fellow loaded the model from a leader of an earlier version. "
+                                 "Load the model again.")
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(folder))
+            vocab = int(stage.config.vocab_size)
+            ends = sorted({int(e) for e in eos} | ({hf.eos_token_id} if hf.eos_token_id is not None else set()))
+            cached = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=ends or None)
+            stage._ll_tokenizer = cached
+    return cached
+
+
+class Constraint:
+    """One request's grammar state on the last stage."""
+
+    def __init__(self, stage, grammar: str, eos: list[int], reply: list[int]):
+        import llguidance
+        import llguidance.torch
+
+        self.matcher = llguidance.LLMatcher(_tokenizer(stage, eos), grammar)
+        self._check()
+        for token in reply:  # a request sent again after a failover: the reply so far already follows the grammar
+            self.matcher.consume_token(token)
+        self.mask = llguidance.torch.allocate_token_bitmask(1, int(stage.config.vocab_size))
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise ModelError(f"structured output failed: {self.matcher.get_error()}")
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (vocab,) with the tokens that cannot continue the grammar at -inf."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        self._check()
+        out = logits.float().clone().reshape(1, -1)
+        llguidance.torch.apply_token_bitmask_inplace(out, self.mask)
+        return out.reshape(-1)
+
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(token)
+        self._check()
+
+
+def constraint(stage, request: Any) -> Constraint | None:
+    """The grammar state of ``request`` (a StageRequest), made on its first draw; None when it has no grammar."""
+    grammar = request.sampling.grammar
+    if grammar is None:
+        return None
+    if request.constraint is None:
+        context = request.start.context or []
+        drawn = request.start.drawn
+        reply = context[len(context) - drawn :] if drawn else []
+        request.constraint = Constraint(stage, grammar, request.start.eos, reply)
+    return request.constraint
