@@ -60,22 +60,37 @@ def decode(data: bytes) -> dict[str, Any]:
         raise ProtocolError(f"a wire message is a CBOR map, received a {type(msg).__name__}")
     t = msg.get("t")
     if not isinstance(t, str) or not t:
-        raise ProtocolError(f"a wire message needs a type in key 't' (a non-empty string), got {t!r}")
+        raise ProtocolError(f"a wire message needs a type in key 't' (a non-empty string), got {_show(t)}")
+    if len(t) > 64:
+        raise ProtocolError(f"a wire message type has at most 64 characters, got {len(t)}")
     v = msg.get("v")
     if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError(f"wire message {t!r} has no protocol version (key 'v'), got {v!r}")
+        raise ProtocolError(f"wire message {t!r} has no protocol version (key 'v'), got {_show(v)}")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"the peer speaks swarm protocol version {v}, this program speaks version {PROTOCOL_VERSION}; "
+            f"the peer speaks swarm protocol version {_show(v)}, this program speaks version {PROTOCOL_VERSION}; "
             "install the same swarm version on the leader and every fellow"
         )
     return msg
+
+
+def _show(value: Any) -> str:
+    """A short, safe description of a received value for an error message: repr() of a CBOR bignum of 5000 digits
+    raises ValueError (Python's int-to-string limit), and a megabyte string does not belong in a log line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # a value whose repr fails: say what it is
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def unpack(data: bytes) -> Any:
     """A received message: its typed form when its type is registered (see :func:`message`), else the plain map."""
     msg = decode(data)
     return parse(msg) if msg["t"] in _MESSAGES else msg
+
 
 
 def tensor_to_wire(t: "torch.Tensor") -> dict[str, Any]:
@@ -99,13 +114,13 @@ def tensor_from_wire(d: Mapping[str, Any]) -> "torch.Tensor":
         raise ProtocolError(f"a tensor on the wire is a map, received a {type(d).__name__}")
     name, shape, data = d.get("dtype"), d.get("shape"), d.get("data")
     if name not in _DTYPE_SIZES:
-        raise ProtocolError(f"tensor dtype {name!r} is not accepted; allowed: {', '.join(_DTYPE_SIZES)}")
+        raise ProtocolError(f"tensor dtype {_show(name)} is not accepted; allowed: {', '.join(_DTYPE_SIZES)}")
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_DIMS
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 40 for n in shape)
     ):
-        raise ProtocolError(f"tensor shape {shape!r} is not a list of at most {_MAX_DIMS} non-negative integers")
+        raise ProtocolError(f"tensor shape {_show(shape)} is not a list of at most {_MAX_DIMS} non-negative integers")
     if not isinstance(data, (bytes, bytearray)):
         raise ProtocolError(f"tensor data must be a byte string, received a {type(data).__name__}")
     expected = math.prod(shape) * _DTYPE_SIZES[name]
@@ -160,9 +175,10 @@ def decode_message(data: bytes) -> Any:
 
 def parse(raw: Mapping[str, Any]) -> Any:
     """A decoded map as its typed message (see :func:`decode`); ProtocolError when its fields do not fit."""
-    cls = _MESSAGES.get(raw.get("t"))
+    t = raw.get("t")
+    cls = _MESSAGES.get(t) if isinstance(t, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown wire message type {raw.get('t')!r}")
+        raise ProtocolError(f"unknown wire message type {_show(t)}")
     return _from_map(cls, raw, raw["t"])
 
 

@@ -98,3 +98,22 @@ def test_tensor_of_other_dtype_cannot_travel():
 def test_bad_tensors_are_refused(bad, words):
     with pytest.raises(ProtocolError, match=words):
         wire.tensor_from_wire(bad)
+
+
+def test_huge_integers_anywhere_are_a_protocol_error_not_a_value_error():
+    """A CBOR bignum of 5000 digits in the type or version field used to escape as ValueError (Python refuses to
+    print such an int) instead of the ProtocolError every reader handles."""
+    import cbor2
+
+    from swarm.errors import ProtocolError
+
+    huge = 10**5000
+    for message in ({"t": huge, "v": 1}, {"t": "x", "v": huge}, {"t": "x" * 10_000, "v": 1}):
+        with pytest.raises(ProtocolError):
+            wire.decode(cbor2.dumps(message))
+    with pytest.raises(ProtocolError):
+        wire.parse({"t": huge})
+    with pytest.raises(ProtocolError):
+        wire.tensor_from_wire({"dtype": "float32", "shape": [huge], "data": b""})
+    with pytest.raises(ProtocolError):
+        wire.tensor_from_wire({"dtype": huge, "shape": [1], "data": b""})
