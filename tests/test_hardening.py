@@ -443,3 +443,18 @@ def test_users_cancel_only_their_own_requests_and_unload_only_what_nobody_else_u
         response = client.post("/api/v1/requests/r-admin/cancel", headers=admin_auth)
         assert response.json() == {"cancelled": True} and reply.ended
         assert client.post(f"/api/v1/models/{name}/unload", headers=bob_auth).status_code == 200  # nobody else's now
+
+
+# --- Low --------------------------------------------------------------------------------------------------------------
+
+
+def test_chat_fields_of_the_wrong_type_are_a_400_not_a_500(tmp_path):
+    leader, client = _leader_client(tmp_path)
+    auth = {"authorization": f"Bearer {leader.first_start.admin_token}"}
+    with client:
+        for body in ({"title": 5}, {"title": ["x"]}, {"model": {}}, {"messages": "hi"}):
+            response = client.post("/api/v1/chats", json=body, headers=auth)
+            assert response.status_code == 400, (body, response.text)
+        chat_id = client.post("/api/v1/chats", json={"title": "ok"}, headers=auth).json()["id"]
+        response = client.patch(f"/api/v1/chats/{chat_id}", json={"title": 12}, headers=auth)
+        assert response.status_code == 400, response.text

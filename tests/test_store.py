@@ -362,3 +362,21 @@ async def test_store_from_worker_threads(store: Store) -> None:
                 nursery.start_soon(trio.to_thread.run_sync, store.create_chat, bob.id, f"chat {i}", "m", [])
                 nursery.start_soon(trio.to_thread.run_sync, store.list_chats, bob.id)
     assert len(store.list_chats(bob.id)) == 20
+
+
+def test_the_database_file_is_private_and_errors_do_not_name_it(tmp_path) -> None:
+    import stat
+
+    path = tmp_path / "data" / "leader.db"
+    store = Store(path)
+    store.create_user("root", "pw", is_admin=True)  # writes: the WAL exists now
+    for file in (path, path.with_name("leader.db-wal")):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    with pytest.raises(StoreError) as caught:
+        with store._tx() as db:
+            db.execute("INSERT INTO no_such_table VALUES (1)")
+    assert str(tmp_path) not in str(caught.value) and "leader.db" not in str(caught.value)
+    store.close()
+    path.chmod(0o644)  # a database from before: made private when opened
+    Store(path).close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600

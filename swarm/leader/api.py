@@ -38,6 +38,14 @@ def handles_errors(fn):
     return wrapper
 
 
+def _chat_fields(body: dict) -> dict:
+    """A chat's fields, each of its type (a number as a title used to be a 500); BadRequest naming the wrong one."""
+    for key, kind, what in (("title", str, "a string"), ("model", str, "a string"), ("messages", list, "a list")):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise BadRequest(f"a chat's {key} must be {what}.", f"invalid_{key}")
+    return body
+
+
 class ApiRoutes:
     def __init__(self, leader):
         self.leader = leader
@@ -268,7 +276,7 @@ class ApiRoutes:
     async def chats(self, request: Request):
         user = await current_user(request, self.store)
         if request.method == "POST":
-            body = await self._json(request)
+            body = _chat_fields(await self._json(request))
             chat = await trio.to_thread.run_sync(
                 lambda: self.store.create_chat(user.id, body.get("title"), body.get("model"),
                                                body.get("messages") or []))
@@ -287,7 +295,7 @@ class ApiRoutes:
                 return problem(404, "no such chat", "not_found")
             return JSONResponse({"deleted": True})
         if request.method == "PATCH":
-            body = await self._json(request)
+            body = _chat_fields(await self._json(request))
             chat = await trio.to_thread.run_sync(
                 lambda: self.store.update_chat(user.id, chat_id, title=body.get("title"),
                                                messages=body.get("messages"), model=body.get("model")))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import os
 import secrets
 import sqlite3
 import threading
@@ -22,6 +24,8 @@ from typing import Any
 import argon2
 
 from swarm.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 # The seed (Saved chats): "A user can keep up to 1000 chats of up to 2 MB each".
 MAX_CHATS_PER_USER = 1000
@@ -130,6 +134,18 @@ MIGRATIONS: list[str] = [
 ]
 
 
+def _private_file(path: Path) -> None:
+    """Create the database file readable by its owner only (0600), or make an existing one so: it holds password
+    hashes, token hashes and every user's chats. SQLite gives its -wal and -shm files the database file's mode."""
+    if path.exists():
+        os.chmod(path, 0o600)
+    else:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    for extra in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if extra.exists():
+            os.chmod(extra, 0o600)
+
+
 def sha256_hex(text: str) -> str:
     """How every secret is kept: its sha256, so a copy of the database file signs nobody in."""
     return hashlib.sha256(text.encode()).hexdigest()
@@ -160,6 +176,7 @@ class StoreCore:
         self._last_now = 0.0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _private_file(self.path)
             self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
             self._conn.row_factory = sqlite3.Row
             self._conn.create_function("swarm_fold", 1, lambda s: (s or "").casefold(), deterministic=True)
@@ -186,15 +203,21 @@ class StoreCore:
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction; rolled back when the block raises."""
         with self._lock:
+            # These messages can reach an HTTP client: they name no path (the log does), so a user of the API
+            # learns nothing about the leader's disk.
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
-                raise StoreError(f"the leader's database {self.path} is not writable: {exc}") from exc
+                log.error("the database %s is not writable: %s", self.path, exc)
+                raise StoreError("the leader's database is not writable; its admin should check the leader's "
+                                 "log and disk.") from exc
             try:
                 yield self._conn
             except sqlite3.Error as exc:
                 self._conn.execute("ROLLBACK")
-                raise StoreError(f"the leader's database {self.path} refused a change: {exc}") from exc
+                log.error("the database %s refused a change: %s", self.path, exc)
+                raise StoreError("the leader's database refused this change; its admin can find why in the "
+                                 "leader's log.") from exc
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
