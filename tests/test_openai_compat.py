@@ -378,3 +378,38 @@ async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
             await swarm.load(scripted_dir.name, 1)
             with pytest.raises(openai.BadRequestError, match="does not take tools"):
                 await call(client.chat.completions.create, model=scripted_dir.name, messages=ask, tools=[WEATHER])
+
+
+async def test_langchain_drives_the_api(tmp_path, tool_model_dir, scripted_dir):
+    """LangChain's ChatOpenAI (what LangChain-style agents use) against the leader: a plain reply, a stop string, a
+    stream, and a tool call that comes back as LangChain's own tool_calls."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    with trio.fail_after(180):
+        async with running_swarm(tmp_path, [scripted_dir, tool_model_dir], fellows=2) as swarm:
+            await swarm.load(scripted_dir.name, 2)
+
+            def chat(name, **kwargs):
+                return ChatOpenAI(base_url=swarm.url + "/v1", api_key=swarm.token, model=name, temperature=0,
+                                  max_tokens=20, max_retries=0, timeout=60, **kwargs)
+
+            counter = chat(scripted_dir.name)
+            reply = await trio.to_thread.run_sync(counter.invoke, "Count")
+            assert reply.content == "".join(SCRIPT)
+            assert reply.response_metadata["finish_reason"] == "stop"
+            stopped = await trio.to_thread.run_sync(lambda: chat(scripted_dir.name, stop=["hree f"]).invoke("Count"))
+            assert stopped.content == "One two t"
+            pieces = await trio.to_thread.run_sync(lambda: [c.content for c in counter.stream("Count")])
+            assert "".join(pieces) == "".join(SCRIPT) and len(pieces) > 3
+
+            await swarm.load(tool_model_dir.name, 2)
+            weather = chat(tool_model_dir.name).bind_tools([WEATHER])
+            ask = [HumanMessage("Weather in Paris?")]
+            called = await trio.to_thread.run_sync(weather.invoke, ask)
+            assert [(c["name"], c["args"]) for c in called.tool_calls] == [("get_weather", {"city": "Paris"})]
+            history = ask + [called, ToolMessage("sunny, 24 C", tool_call_id=called.tool_calls[0]["id"])]
+            answer = await trio.to_thread.run_sync(lambda: chat(
+                tool_model_dir.name, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            ).bind_tools([WEATHER]).invoke(history))
+            assert answer.content == "It is sunny in Paris." and not answer.tool_calls
