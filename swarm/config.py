@@ -31,7 +31,7 @@ class Settings:
 
     # --- serving (fellow side) ---
     serve_port: int = 5559  # SWARM_SERVE_PORT: where a stage listens for its previous stage (0 = any free port)
-    serve_host: str = "0.0.0.0"  # SWARM_SERVE_HOST
+    serve_host: str = "0.0.0.0"  # SWARM_SERVE_HOST: the address that port listens on (127.0.0.1: this machine only)
     serve_prefill_chunk: int = 256  # SWARM_SERVE_PREFILL_CHUNK: prompt tokens per pass through the ring
     model_idle_unload_s: float = 900.0  # SWARM_MODEL_IDLE_UNLOAD_S (0 keeps a model loaded)
     heartbeat_s: float = 5.0  # SWARM_HEARTBEAT_S: fellow -> leader hardware report period

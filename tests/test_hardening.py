@@ -458,3 +458,13 @@ def test_chat_fields_of_the_wrong_type_are_a_400_not_a_500(tmp_path):
         chat_id = client.post("/api/v1/chats", json={"title": "ok"}, headers=auth).json()["id"]
         response = client.patch(f"/api/v1/chats/{chat_id}", json={"title": 12}, headers=auth)
         assert response.status_code == 400, response.text
+
+
+async def test_swarm_serve_host_sets_the_address_a_fellow_listens_on(tmp_path):
+    import psutil
+
+    async with running_swarm(tmp_path, [], fellows=1, fellow_env={"SWARM_SERVE_HOST": "127.0.0.1"}) as swarm:
+        port = swarm.fellows[0].serve_port
+        listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening == ["127.0.0.1"], listening

@@ -6,6 +6,7 @@ hop's order (swarm.mesh.sequencing), so a hop may change path between two messag
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import trio
@@ -31,12 +32,13 @@ class IncomingLinks:
         self._resequencers: dict[str, sequencing.Resequencer] = {}
 
     async def start_listener(self, nursery: trio.Nursery) -> None:
-        port = self.fellow.settings.serve_port
+        port, host = self.fellow.settings.serve_port, self.fellow.settings.serve_host or None
+        serve = functools.partial(trio.serve_tcp, self._on_direct_connection, host=host)
         try:
-            listeners = await nursery.start(trio.serve_tcp, self._on_direct_connection, port)
+            listeners = await nursery.start(serve, port)
         except OSError as exc:
             log.warning("SWARM_SERVE_PORT %s is taken (%s); listening on a free port instead", port, exc)
-            listeners = await nursery.start(trio.serve_tcp, self._on_direct_connection, 0)
+            listeners = await nursery.start(serve, 0)
         self.serve_port = listeners[0].socket.getsockname()[1]
 
     def forget_hop(self, hop_id: str) -> None:
