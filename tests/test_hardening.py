@@ -3,6 +3,7 @@ fellows, and fellows that speak for models they do not serve. Each test attacks 
 
 from __future__ import annotations
 
+import json
 import threading
 
 import trio
@@ -468,3 +469,23 @@ async def test_swarm_serve_host_sets_the_address_a_fellow_listens_on(tmp_path):
         listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
         assert listening == ["127.0.0.1"], listening
+
+
+def test_login_refuses_cross_site_forms_and_pages_send_security_headers(tmp_path):
+    leader, client = _leader_client(tmp_path)
+    credentials = json.dumps({"name": "admin", "password": leader.first_start.admin_password})
+    with client:
+        # what a form on another site can send without a preflight
+        response = client.post("/api/v1/auth/login", content=credentials, headers={"content-type": "text/plain"})
+        assert response.status_code == 400 and "swarm_session" not in response.cookies
+        response = client.post("/api/v1/auth/login", content=credentials,
+                               headers={"content-type": "application/json", "origin": "https://evil.example"})
+        assert response.status_code == 403 and "swarm_session" not in response.cookies
+        response = client.post("/api/v1/auth/login", content=credentials,
+                               headers={"content-type": "application/json", "origin": "http://testserver"})
+        assert response.status_code == 200
+        for path in ("/login", "/admin", "/healthz"):
+            headers = client.get(path, follow_redirects=False).headers
+            assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+            assert "script-src 'self'" in headers["content-security-policy"]
+            assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"

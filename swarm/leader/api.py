@@ -64,6 +64,15 @@ class ApiRoutes:
 
     @handles_errors
     async def login(self, request: Request):
+        # Login CSRF: another site's form can POST text/plain here with no preflight and sign the browser into the
+        # attacker's account. JSON only (a cross-site JSON POST needs a CORS preflight, which the leader never
+        # grants), and a browser's Origin, when it sends one, must be this leader.
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise BadRequest("sign in with a JSON body (Content-Type: application/json).", "json_required")
+        origin = request.headers.get("origin")
+        # (the host only: behind a TLS-terminating proxy the page is https and the leader sees http)
+        if origin is not None and origin.rstrip("/").split("://")[-1] != request.headers.get("host", ""):
+            raise Forbidden("sign-in from another site's page is refused; open the leader's own sign-in page.")
         body = await self._json(request)
         name, password = body.get("name"), body.get("password")
         if not isinstance(name, str) or not isinstance(password, str):

@@ -29,6 +29,7 @@ from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
+from swarm.leader.headers import SecurityHeaders
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.store.db import Store
@@ -66,7 +67,7 @@ class Leader:
         self.signin = SignInThrottle()
         self.hashing = HashPool()
         self.first_start = initialize(self.store, self.public)
-        self.app = BodyLimit(self._build_app(), self.body_limit)
+        self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit))
 
     def body_limit(self, path: str) -> int:
         """The largest request body ``path`` accepts (swarm.leader.limits)."""
