@@ -37,6 +37,8 @@ CONTROL_MAX_BYTES = 4 * 1024 * 1024
 # DECODE_THREADS at once, so fellows cannot take every worker thread from the database and the password hasher.
 DECODE_OFF_LOOP_BYTES = 64 * 1024
 DECODE_THREADS = 2
+MALFORMED_LOG_EVERY = 1000
+TOUCH_EVERY_S = 10.0  # the database's "last seen" of a fellow: a heartbeat a second need not write it each time
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +58,8 @@ class FellowConn:
     held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
     last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
+    malformed: int = 0  # messages skipped as malformed
+    touched_at: float = -math.inf  # when its last_seen_at was last written to the database
     # Messages to the fellow wait here for the connection's writer task, so whoever posts one -- the loop reading
     # another fellow's link, a client's request -- never waits on this fellow's network.
     outbox: trio.MemorySendChannel = dataclasses.field(init=False, repr=False)
@@ -171,23 +175,34 @@ class FellowHub:
                     else:
                         message = wire.unpack(data)
                 except ProtocolError as exc:  # the link itself is fine: skip what we cannot read
-                    log.warning("fellow %s sent a message the leader cannot read: %s", conn.name, exc)
+                    self._malformed(conn, f"a message the leader cannot read: {exc}")
                     continue
                 conn.last_seen = trio.current_time()
-                if isinstance(message, dict) and message["t"] == "heartbeat":
-                    conn.hardware = Hardware.from_wire(message.get("hardware"))
-                    conn.held = message.get("held") or {}
-                    conn.last_heartbeat = trio.current_time()
-                    await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
                 try:
+                    if isinstance(message, dict) and message["t"] == "heartbeat":
+                        conn.hardware = Hardware.from_wire(message.get("hardware"))
+                        held = message.get("held")
+                        conn.held = held if isinstance(held, dict) else {}
+                        conn.last_heartbeat = trio.current_time()
+                        if conn.last_heartbeat - conn.touched_at >= TOUCH_EVERY_S:  # not a write per message
+                            conn.touched_at = conn.last_heartbeat
+                            await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
                     await self.serving.on_fellow_message(conn, message)
-                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as exc:
                     # A field of the wrong type in an untyped message: the handlers read what they need and
                     # trust the rest to be well formed; one bad message is skipped, not worth the fellow's link.
-                    log.warning("fellow %s sent a malformed %r message (%s: %s)", conn.name,
-                                getattr(message, "TYPE", None) or message.get("t"), type(exc).__name__, exc)
+                    kind = getattr(message, "TYPE", None) or message.get("t")
+                    self._malformed(conn, f"a malformed {kind!r} message ({type(exc).__name__}: {exc})")
         except SwarmError as exc:
             log.info("fellow %s disconnected: %s", conn.name, exc)
+
+    @staticmethod
+    def _malformed(conn: FellowConn, what: str) -> None:
+        """Log a message skipped as malformed: the first few, then one in MALFORMED_LOG_EVERY, so a fellow cannot
+        flood the leader's log."""
+        conn.malformed += 1
+        if conn.malformed <= 5 or conn.malformed % MALFORMED_LOG_EVERY == 0:
+            log.warning("fellow %s sent %s (%d malformed so far)", conn.name, what[:300], conn.malformed)
 
     async def _watch(self, conn: FellowConn, scope: trio.CancelScope) -> None:
         """Say alive; drop a fellow that stopped saying anything."""

@@ -98,6 +98,8 @@ async def json_body(request) -> dict:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:  # '{"a":' x 3000: Python's parser recurses per level (a 500 before the fuzz test)
+        raise BadRequest("the request body nests JSON too deeply.", "invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object.", "invalid_json")
     return body
