@@ -356,7 +356,8 @@ async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
                              {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny, 24 C"}]
             answer = await call(client.chat.completions.create, model=name, messages=history, tools=[WEATHER],
                                 temperature=0, max_tokens=10,
-                                extra_body={"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}})
+                                extra_body={"return_token_ids": True,
+                                            "chat_template_kwargs": {"enable_thinking": False}})
             assert answer.choices[0].message.content == "It is sunny in Paris."
             assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
             prompt = tokenizer.decode(answer.choices[0].model_extra["prompt_token_ids"])
@@ -370,10 +371,15 @@ async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
             assert "<tools>" not in tokenizer.decode(plain.choices[0].model_extra["prompt_token_ids"])
             assert plain.choices[0].message.content == f"<tool_call>\n{CALL}\n</tool_call>"
             assert plain.choices[0].finish_reason == "stop"
-            # forcing a call is refused by name
+            # a forced call (a grammar on the last stage) is the same call here
+            forced = await call(client.chat.completions.create, model=name, messages=ask, tools=[WEATHER],
+                                temperature=0, max_tokens=10,
+                                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            assert forced.choices[0].finish_reason == "tool_calls"
+            assert json.loads(forced.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
             with pytest.raises(openai.BadRequestError, match="tool_choice"):
                 await call(client.chat.completions.create, model=name, messages=ask, tools=[WEATHER],
-                           tool_choice="required")
+                           tool_choice={"type": "function", "function": {"name": "get_time"}})
             # a model whose template takes no tools says so instead of ignoring them
             await swarm.load(scripted_dir.name, 1)
             with pytest.raises(openai.BadRequestError, match="does not take tools"):

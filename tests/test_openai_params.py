@@ -131,10 +131,48 @@ def test_tools_and_tool_choice():
     assert parse(tools=[tool], tool_choice="auto").tools == [tool]
     assert parse(tools=[tool], tool_choice="none").tools is None
     assert parse(tools=[], tool_choice="none").tools is None
+    assert parse(tools=[tool]).forced_tool is None
+    assert parse(tools=[tool], tool_choice="required").forced_tool == "*"
+    assert parse(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}).forced_tool == "f"
     for bad in ({"tools": [{"type": "function"}]}, {"tools": "f"}, {"tool_choice": "required"},
-                {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}):
+                {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                {"tools": [tool], "tool_choice": "always"},
+                {"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}}):
         with pytest.raises(BadRequest):
             parse(**bad)
+
+
+def test_a_forced_call_is_a_grammar_of_the_familys_format():
+    import llguidance
+    import llguidance.hf
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from swarm.leader.tool_calls import forced_grammar
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["hello world " * 10], vocab_size=260, min_frequency=2, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    bytes_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    now = {"type": "function", "function": {"name": "now"}}
+
+    def follows(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(bytes_tokenizer, grammar)
+        ok = all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+        return ok and matcher.is_accepting()
+
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert follows(forced_grammar([weather, now], "hermes"), f"<tool_call>\n{call}\n</tool_call>")
+    assert follows(forced_grammar([weather, now], "hermes"),
+                   '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert not follows(forced_grammar([weather, now], "hermes", "now"), f"<tool_call>\n{call}\n</tool_call>")
+    assert not follows(forced_grammar([weather, now], "hermes"), "It is sunny")
+    assert not follows(forced_grammar([weather], "hermes"),  # the schema's required city is missing
+                       '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+    assert follows(forced_grammar([weather], "llama"), '{"name": "get_weather", "parameters": {"city": "Paris"}}')
 
 
 def test_response_format_becomes_a_grammar():

@@ -56,8 +56,8 @@ def test_a_schema_the_built_in_model_must_follow(smollm_model_dir, session_summa
                               eos)
         ring.run()
         check(json.loads(tokenizer.decode(sampled.tokens, skip_special_tokens=True)))
-    objects = ring.submit("object", prompt, 80, messages.Sampling(grammar=parse_response_format({"type": "json_object"})),
-                          eos)
+    any_object = messages.Sampling(grammar=parse_response_format({"type": "json_object"}))
+    objects = ring.submit("object", prompt, 80, any_object, eos)
     ring.run()
     assert isinstance(json.loads(tokenizer.decode(objects.tokens, skip_special_tokens=True)), dict)
     assert ring.holding() == [[], []]

@@ -31,7 +31,7 @@ from swarm.leader.openai_params import ChatParams, choice_seed, parse_chat_body,
 from swarm.leader.reasoning import ReasoningSplitter
 from swarm.leader.requests import Reader, Request
 from swarm.leader.stops import StopFinder
-from swarm.leader.tool_calls import ToolCallSplitter
+from swarm.leader.tool_calls import ToolCallSplitter, forced_grammar
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,13 @@ class OpenAIRoutes:
                                  "invalid_messages") from None
             raise
         inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
+        family = "llama" if architecture == "llama" else "hermes"
+        if params.forced_tool is not None and params.tools:  # tool_choice forces a call: a grammar makes the reply one
+            params.grammar = forced_grammar(params.tools, family, None if params.forced_tool == "*" else
+                                            params.forced_tool)
         await self.send(params.model, prompt, params.max_tokens, params.sampling, params, owner, out,
                         thinking=params.thinking is not False)
-        return inside, "llama" if architecture == "llama" else "hermes"
+        return inside, family
 
     async def model(self, name: str) -> tuple[dict, Path]:
         """The manifest and folder of a model that is served (or comes back for a request)."""

@@ -87,6 +87,7 @@ class ChatParams:
     logprobs: int | None = None  # None: off; else how many alternatives each token comes with (0 to 20)
     tools: list[dict] | None = None  # function tools for the chat template (None: none, or tool_choice "none")
     grammar: str | None = None  # response_format as an llguidance grammar; None: free text
+    forced_tool: str | None = None  # tool_choice: "*" (required: some tool) or a tool's name; None: the model decides
 
 
 def _number(body: dict, key: str, low: float, high: float) -> float | None:
@@ -177,7 +178,8 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     return ChatParams(model, chat, bool(body.get("stream")), requested, thinking, parse_sampling(body),
                       bool(body.get("return_token_ids")), body.get("ignore_eos") is True, parse_stop(body.get("stop")),
-                      n, parse_logprobs(body), parse_tools(body), parse_response_format(body.get("response_format")))
+                      n, parse_logprobs(body), parse_tools(body), parse_response_format(body.get("response_format")),
+                      forced_tool(body))
 
 
 def parse_response_format(value) -> str | None:
@@ -225,11 +227,31 @@ def parse_tools(body: dict) -> list[dict] | None:
                          "\"description\", \"parameters\"}} objects.", "invalid_tools")
     if choice == "none":
         return None
-    if choice != "auto":
-        raise BadRequest(f"'tool_choice' {json.dumps(choice)} is not supported by this server: the model decides "
-                         "whether to call a tool (\"auto\"), or is given none (\"none\"). Leave it out, or say in the "
-                         "prompt which tool to call.", "unsupported_parameter")
+    forced_tool(body)  # checked here, used once the model's tool-call format is known
     return [{"type": "function", "function": t["function"]} for t in tools]
+
+
+def forced_tool(body: dict) -> str | None:
+    """``tool_choice`` that forces a call: "*" for "required" (one of the tools), or the name of the one to call;
+    None when the model decides ("auto") or is given no tools ("none"). The call is forced with a grammar, so it
+    cannot be combined with response_format."""
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", "none") or not body.get("tools"):
+        return None
+    names = [t["function"]["name"] for t in body["tools"]]
+    if choice == "required":
+        forced = "*"
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and choice["function"].get("name") in names):
+        forced = choice["function"]["name"]
+    else:
+        raise BadRequest(f"'tool_choice' must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}} naming one of the tools ({', '.join(names)}); got "
+                         f"{json.dumps(choice)}.", "invalid_tool_choice")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise BadRequest("'tool_choice' that forces a call cannot be combined with 'response_format': the reply is "
+                         "the call.", "invalid_tool_choice")
+    return forced
 
 
 def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int | None = None,

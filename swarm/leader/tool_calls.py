@@ -135,3 +135,26 @@ def _partial(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def forced_grammar(tools: list[dict], family: str, name: str | None = None) -> str:
+    """The llguidance grammar of a reply that is one call of ``name`` (or of any of ``tools``: tool_choice
+    "required"), in the family's format, with arguments that follow the tool's parameters schema. The JSON's
+    whitespace is free (llguidance's default): with fixed separators llguidance 1.9's masks inside a lark grammar
+    leave out tokens that span several JSON pieces, which the model may well prefer."""
+    from llguidance import grammar_from
+
+    key = "parameters" if family == "llama" else "arguments"
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        options.append({"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
+                        "required": ["name", key], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    call = "%json " + json.dumps(schema)
+    if family == "llama":
+        return grammar_from("lark", f"start: call\ncall: {call}\n")
+    return grammar_from("lark", f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: {call}\n')
