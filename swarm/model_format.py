@@ -18,8 +18,9 @@ Layout of one imported model::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from swarm.errors import ModelError, PlacementError
+from swarm.errors import ModelError, PlacementError, UnsupportedArchitecture
 
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
@@ -30,7 +31,8 @@ FINAL_FILE = f"{WEIGHTS_DIR}/final.safetensors"
 
 # The transformers model types whose decoder stack the stage code can slice (swarm.stage.architectures maps each to
 # its building blocks).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# The DeepSeek-R1 distills are qwen2 and llama models; Gemma 3's text model is gemma3_text.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 
 # Bytes of one element, by the dtype names torch prints without the "torch." prefix.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -82,3 +84,14 @@ def dtype_bytes(name: str) -> int:
         return DTYPE_BYTES[name.removeprefix("torch.")]
     except KeyError:
         raise ModelError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def check_sliceable(config: Any) -> None:
+    """Refuse a config (a transformers config object) whose model the stages would compute differently from
+    transformers: attention-score soft-capping needs eager attention, and stages attend through SDPA. None of the
+    supported checkpoints sets it (Gemma 2 does). Checked at import, before anything is written, and at load."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedArchitecture(
+            f"this {config.model_type} model soft-caps attention scores (attn_logit_softcapping="
+            f"{config.attn_logit_softcapping}), which swarm's stages do not compute; pick a model without it"
+        )

@@ -41,6 +41,21 @@ TINY_MODELS = {
     "qwen3": ("Qwen3Config", dict(num_hidden_layers=5, head_dim=16, tie_word_embeddings=False)),
     # Llama with tied embeddings, like the built-in SmolLM2.
     "llama": ("LlamaConfig", dict(num_hidden_layers=4, tie_word_embeddings=True)),
+    # Mistral: one sliding window on every layer.
+    "mistral": ("MistralConfig", dict(num_hidden_layers=4, head_dim=16, sliding_window=16, tie_word_embeddings=False)),
+    # Phi-3: fused qkv_proj and gate_up_proj, a window on every layer.
+    "phi3": ("Phi3Config", dict(num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False)),
+    # Gemma 3: scaled embedding, (1 + w) norms, q/k norms, local layers (window 8, their own rotary base) around a
+    # global one; logit soft-capping (Gemma 2's 30.0; Gemma 3 checkpoints leave it off) to test the head. Untied: a
+    # random tied one repeats the last token (its x8 embedding scale dominates), which would prove nothing.
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                       final_logit_softcapping=30.0, tie_word_embeddings=False)),
+    # DeepSeek-R1 distills: a Qwen2 body (1.5B/7B/14B/32B) and a Llama 3 body with its rope scaling (8B/70B), both
+    # stored in bfloat16 as published -- the ring and its reference then compute from the same 16-bit values.
+    "r1-qwen": ("Qwen2Config", dict(num_hidden_layers=4, tie_word_embeddings=False), "bfloat16"),
+    "r1-llama": ("LlamaConfig", dict(num_hidden_layers=4, tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)), "bfloat16"),
 }
 
 
@@ -50,10 +65,11 @@ def build_tiny_source(folder: Path, kind: str, dtype=None, **save_kwargs) -> Pat
     import torch
     import transformers
 
-    class_name, kwargs = TINY_MODELS[kind]
+    class_name, kwargs, *stored = TINY_MODELS[kind]
     config = getattr(transformers, class_name)(**_TINY_COMMON, **kwargs)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    dtype = dtype or (getattr(torch, stored[0]) if stored else None)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder, **save_kwargs)

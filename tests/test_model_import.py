@@ -324,3 +324,17 @@ def test_budget_counts_what_a_stage_holds_not_what_the_file_holds(tmp_path):
     assert abs(cpu16.layer_bytes[0] - cpu32.layer_bytes[0]) < 1000  # the file headers differ, not the weights
     assert abs(gpu16.layer_bytes[0] * 2 - cpu32.layer_bytes[0]) < 1000
     assert cpu16.kv_bytes_per_token_per_layer == cpu32.kv_bytes_per_token_per_layer == 2 * gpu16.kv_bytes_per_token_per_layer
+
+
+def test_refuses_attention_soft_capping_before_writing(tmp_path):
+    """Stages attend through SDPA, which has no attention-score soft-capping: such a model would answer otherwise
+    than transformers, so it is refused rather than imported."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=320,
+                                           attn_logit_softcapping=50.0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    with pytest.raises(UnsupportedArchitecture, match="soft-caps attention scores"):
+        import_model(str(tmp_path / "src"), tmp_path / "models")
+    assert not (tmp_path / "models").exists()

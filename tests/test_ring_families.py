@@ -1,13 +1,16 @@
-"""Qwen2, Qwen3 and Llama slicing over the real ring: tiny random-weight models built from their transformers
-configs, imported, loaded over 2 and 3 fellows, and matched token for token against generate."""
+"""Every supported family over the real ring: tiny random-weight models built from their transformers configs
+(Qwen2, Qwen3, Llama, Mistral, Phi-3, Gemma 3, and the DeepSeek-R1 distills' Qwen2 and Llama bodies stored in
+bfloat16), imported, loaded over 2 and 3 fellows, and matched token for token against generate with the same stored
+weights computed in the same precision (float32 on CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import trio
-
+from conftest import TINY_MODELS
 from harness import running_swarm
+
 from swarm import messages
 from swarm.leader.requests import Reader, Request
 from swarm.stage.reference import load_reference_model
@@ -40,7 +43,7 @@ async def _ring_tokens(swarm, model, prompt):
 
 @pytest.mark.parametrize("stages", [2, 3])
 async def test_tiny_families_over_the_ring_match_generate(tmp_path, tiny_model_dirs, stages):
-    dirs = [tiny_model_dirs[k] for k in ("qwen2", "qwen3", "llama")]
+    dirs = [tiny_model_dirs[k] for k in TINY_MODELS]
     expected = {d.name: [_reference(d, p) for p in PROMPTS] for d in dirs}
     with trio.fail_after(240):
         async with running_swarm(tmp_path, dirs, fellows=stages,

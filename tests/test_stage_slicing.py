@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_MODELS
 from safetensors.torch import load_file
 
 from swarm import model_format
@@ -22,6 +23,9 @@ PROMPTS = [
     [1, 300, 200, 100, 50, 25, 12, 6, 3, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88],
 ]
 NEW_TOKENS = 20
+# Every family's tiny model (conftest.TINY_MODELS): Qwen2, Qwen3, Llama, Mistral, Phi-3, Gemma 3 and the DeepSeek-R1
+# distills' Qwen2 and Llama bodies (stored in bfloat16).
+FAMILIES = list(TINY_MODELS)
 PREFILL_CHUNK = 5  # smaller than every prompt, so prefill always takes several chunks
 
 
@@ -50,7 +54,7 @@ def references(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_greedy_chain_matches_generate(tiny_model_dirs, references, kind, stages):
     model_dir = tiny_model_dirs[kind]
     manifest = load_manifest(model_dir)
@@ -64,7 +68,7 @@ def test_greedy_chain_matches_generate(tiny_model_dirs, references, kind, stages
         assert stage.requests() == []  # every request's cache was dropped
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_requests_in_the_ring_at_once_each_match_generate(tiny_model_dirs, references, kind):
     """Several requests interleaved through the same stages: each keeps its own caches and gets its own reply."""
     model_dir = tiny_model_dirs[kind]
@@ -77,7 +81,7 @@ def test_requests_in_the_ring_at_once_each_match_generate(tiny_model_dirs, refer
 
 
 @pytest.mark.parametrize("chunk", [3, 7])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_chunked_prefill_logits_match_full_forward(tiny_model_dirs, kind, chunk):
     """Logits at the end of every prefill chunk equal the library's one-pass forward: masks, positions, windows."""
     model_dir = tiny_model_dirs[kind]

@@ -1,21 +1,36 @@
 """The decoder families the stage code can slice, and where their building blocks live in transformers.
 
 Each supported family is a stack of identical decoder layers between an embedding and a final norm + head, with a
-rotary embedding shared by all layers -- the shape that splits into contiguous stages.
+rotary embedding shared by all layers -- the shape that splits into contiguous stages. Where a family departs from
+the Llama shape, its Blocks say how:
+
+- Gemma 3 (``gemma3_text``) scales its embedding by sqrt(hidden) (its own embedding class), keeps one rotary
+  embedding per layer type (local layers use another base than global ones: ``rotary_per_layer_type``), and may
+  soft-cap its logits (``final_logit_softcapping``, applied by the last stage as Gemma3ForCausalLM applies it).
+- Phi-3 and Mistral use one attention kind for every layer, sliding when the config has a window.
+- The DeepSeek-R1 distills are Qwen2 and Llama models (model_type qwen2 / llama): nothing of their own.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import UnsupportedArchitecture
-from swarm.model_format import SUPPORTED_ARCHITECTURES
+from swarm.model_format import SUPPORTED_ARCHITECTURES, check_sliceable  # noqa: F401 - re-exported for slice
 
-# model_type -> class-name prefix in transformers.models.<model_type>.modeling_<model_type>, for every family in
+# model_type -> (transformers.models.<module>, class-name prefix, config class name), for every family in
 # swarm.model_format.SUPPORTED_ARCHITECTURES (a test checks none is missing).
-_PREFIXES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_FAMILIES = {
+    "llama": ("llama", "Llama", "LlamaConfig"),
+    "mistral": ("mistral", "Mistral", "MistralConfig"),
+    "qwen2": ("qwen2", "Qwen2", "Qwen2Config"),
+    "qwen3": ("qwen3", "Qwen3", "Qwen3Config"),
+    "phi3": ("phi3", "Phi3", "Phi3Config"),
+    "gemma3_text": ("gemma3", "Gemma3", "Gemma3TextConfig"),
+}
 
 
 @dataclass(frozen=True)
@@ -24,21 +39,35 @@ class Blocks:
     decoder_layer: type
     norm: type
     rotary_embedding: type
+    embedding: Any = None  # a class taking (config) -> nn.Embedding; None: a plain nn.Embedding
+
+    @property
+    def rotary_per_layer_type(self) -> bool:
+        """Whether the rotary embedding computes per layer type (``forward(x, position_ids, layer_type)``)."""
+        return "layer_type" in inspect.signature(self.rotary_embedding.forward).parameters
 
 
 def blocks_for(model_type: str) -> Blocks:
-    prefix = _PREFIXES.get(model_type)
-    if prefix is None:
+    family = _FAMILIES.get(model_type)
+    if family is None:
         raise UnsupportedArchitecture(
             f"a {model_type} model cannot be split into stages; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    configuration = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+    module, prefix, config_name = family
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    configuration = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+    embedding = None
+    scaled = getattr(modeling, f"{prefix}TextScaledWordEmbedding", None)
+    if scaled is not None:
+        def embedding(config, scaled=scaled):
+            return scaled(config.vocab_size, config.hidden_size, config.pad_token_id,
+                          embed_scale=config.hidden_size**0.5)
     return Blocks(
-        config_class=getattr(configuration, f"{prefix}Config"),
+        config_class=getattr(configuration, config_name),
         decoder_layer=getattr(modeling, f"{prefix}DecoderLayer"),
         norm=getattr(modeling, f"{prefix}RMSNorm"),
         rotary_embedding=getattr(modeling, f"{prefix}RotaryEmbedding"),
+        embedding=embedding,
     )
 
 
@@ -46,3 +75,4 @@ def config_from_dict(config: dict[str, Any]) -> Any:
     """A transformers config object from the contents of config.json."""
     blocks = blocks_for(config.get("model_type", "unknown"))
     return blocks.config_class.from_dict(dict(config))
+

@@ -102,24 +102,25 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
             states = torch.cat([x.to(device=device, dtype=stage.dtype) for _, _, x, _ in items], dim=1)
         position_ids = torch.cat([torch.arange(p, p + n, device=device) for (_, p, _, _), n in zip(items, sizes)])
         position_ids = position_ids.unsqueeze(0)
-        position_embeddings = stage.rotary(states, position_ids)
+        position_embeddings = stage.position_embeddings(states, position_ids)  # by layer type
         cache = RaggedCache(caches, sizes)
         before = stage.config._attn_implementation
         stage.config._attn_implementation = ATTENTION
-        copies = {position_embeddings[0].device: position_embeddings}
+        copies = {states.device: position_embeddings}
         try:
-            for layer, layer_device in zip(stage.layers, stage.layer_devices):
+            for layer, kind, layer_device in zip(stage.layers, stage._mask_types, stage.layer_devices):
                 states = states.to(layer_device)  # a no-op unless the layers spread over several cards
-                pe = copies.setdefault(layer_device, tuple(t.to(layer_device) for t in position_embeddings))
+                pe = copies.setdefault(layer_device, {k: tuple(t.to(layer_device) for t in v)
+                                                      for k, v in position_embeddings.items()})
                 states = layer(states, attention_mask=None, position_ids=position_ids, cache=cache, use_cache=True,
-                               position_embeddings=pe)
+                               position_embeddings=pe[kind])
         finally:
             stage.config._attn_implementation = before
         if not stage.spec.is_last:
             return states
         ends = torch.tensor(sizes, device=states.device).cumsum(0) - 1
         wanted = [i for i, (_, _, _, want) in enumerate(items) if want]
-        logits = stage.lm_head(stage.norm(states[:, ends[wanted], :]))[0].float() if wanted else None
+        logits = stage.logits(states[:, ends[wanted], :])[0].float() if wanted else None
         out: list[torch.Tensor | None] = [None] * len(items)
         for row, i in enumerate(wanted):
             out[i] = logits[row]

