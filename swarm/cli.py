@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--data-dir", type=Path)
+    p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM); join tokens then pin it")
+    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
 
     p = sub.add_parser("join", help="run a fellow that joins a leader")
     p.add_argument("url", help="the leader's URL, e.g. http://leader:8000")
@@ -137,7 +139,8 @@ def _dispatch(args) -> int | None:
     if args.command == "leader":
         from swarm.leader.main import run_leader
 
-        run_leader(args.host, args.port, args.data_dir or settings.data_dir or default_data_dir("leader"), settings)
+        run_leader(args.host, args.port, args.data_dir or settings.data_dir or default_data_dir("leader"), settings,
+                   args.tls_cert, args.tls_key)
     elif args.command == "join":
         # Before torch loads (OpenMP reads it once); a user's own setting wins.
         for name, value in FELLOW_THREAD_ENV.items():

@@ -74,7 +74,8 @@ class Swarm:
     def join_token(self, uses: int = 1) -> str:
         """A fresh join token that admits ``uses`` more fellows."""
         pool = self.leader.store.list_pools()[0]
-        return make_join_token(self.leader.public, self.leader.store.create_join_token(pool.id, uses=uses))
+        return make_join_token(self.leader.public, self.leader.store.create_join_token(pool.id, uses=uses),
+                               self.leader.cert_pin)
 
     async def load(self, model: str, num_stages: int, timeout: float = 120) -> dict:
         response = await self.http.post(f"/api/v1/models/{model}/load", json={"num_stages": num_stages})
@@ -106,10 +107,12 @@ def install_model(leader_dir: Path, model_dir: Path) -> str:
 
 @contextlib.asynccontextmanager
 async def running_swarm(tmp: Path, model_dirs: list[Path], fellows: int = 2, leader_env: dict | None = None,
-                        fellow_env: dict | None = None):
+                        fellow_env: dict | None = None, leader_tls: tuple[Path, Path] | None = None):
+    """``leader_tls`` (certificate, key): the leader serves HTTPS, and the join tokens pin its certificate."""
     leader_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", **(leader_env or {})})
     fellow_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", **(fellow_env or {})})
-    leader = Leader(tmp / "leader", leader_settings)
+    leader = Leader(tmp / "leader", leader_settings, tls_cert=leader_tls[0] if leader_tls else None,
+                    tls_key=leader_tls[1] if leader_tls else None)
     for model_dir in model_dirs:
         install_model(tmp / "leader", model_dir)
     first = leader.first_start
@@ -120,15 +123,22 @@ async def running_swarm(tmp: Path, model_dirs: list[Path], fellows: int = 2, lea
         url = urls[0]
         members = []
         pool = leader.store.list_pools()[0]
-        join = make_join_token(leader.public, leader.store.create_join_token(pool.id, uses=max(fellows, 1)))
+        join = make_join_token(leader.public, leader.store.create_join_token(pool.id, uses=max(fellows, 1)),
+                               leader.cert_pin)
         for i in range(fellows):
             fellow = Fellow(leader_url=url, data_dir=tmp / f"fellow-{i}", settings=fellow_settings,
                             name=f"fellow-{i}", join_token=join)
             await nursery.start(fellow.run)
             await fellow.connected.wait()  # one at a time: fellow-i enrols as the i-th fellow, so stage i is on it
             members.append(fellow)
+        verify = True
+        if leader_tls:
+            import ssl
+
+            verify = ssl.create_default_context(cafile=str(leader_tls[0]))
+            verify.check_hostname = False
         async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {first.admin_token}"},
-                                     timeout=60) as http:
+                                     timeout=60, verify=verify) as http:
             try:
                 yield Swarm(leader, url, first.admin_token, members, http)
             finally:

@@ -489,3 +489,64 @@ def test_login_refuses_cross_site_forms_and_pages_send_security_headers(tmp_path
             assert "frame-ancestors 'none'" in headers["content-security-policy"], path
             assert "script-src 'self'" in headers["content-security-policy"]
             assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+
+
+# --- Medium 7: no fellow credential in clear -----------------------------------------------------------------------------
+
+
+def self_signed(folder, name: str = "leader"):
+    """A self-signed certificate and key (PEM files), as an admin makes one with openssl."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+async def test_fellows_reach_an_https_leader_by_its_pinned_certificate_only(tmp_path, tiny_model_dirs):
+    """Over plain HTTP a fellow's node credential crossed the network as a Bearer header (downloads, relay). With
+    `swarm leader --tls-cert --tls-key` the join token pins the certificate: fellows download, relay and hold
+    their control link over TLS with that certificate, and refuse any other (someone in the way)."""
+    from swarm.config import Settings
+    from swarm.errors import AuthError
+    from swarm.fellow import Fellow
+    from swarm.tunnel.join_token import join_token_cert_pin, make_join_token
+    from swarm.tunnel.tls import cert_pin_of_file
+
+    tls = self_signed(tmp_path / "tls")
+    async with running_swarm(tmp_path, [tiny_model_dirs["llama"]], fellows=2, leader_tls=tls,
+                             leader_env={"SWARM_PIPELINE_TRANSPORT": "relay"}) as swarm:
+        assert swarm.url.startswith("https://")
+        assert join_token_cert_pin(swarm.leader.first_start.join_token) == cert_pin_of_file(tls[0])
+        view = await swarm.load("llama", 2)  # files over HTTPS, the ring's hop over the relay on wss
+        assert view["status"] == "ready"
+        signed_in = await swarm.http.post("/api/v1/auth/login", headers={"authorization": ""}, json={
+            "name": "admin", "password": swarm.leader.first_start.admin_password})
+        assert "secure" in signed_in.headers["set-cookie"].lower()  # the session cookie travels over HTTPS only
+        assert "strict-transport-security" in signed_in.headers
+        # Someone in the way shows another certificate: the fellow does not talk to it.
+        other = self_signed(tmp_path / "mitm", "mitm")
+        token = make_join_token(swarm.leader.public, "swj_whatever", cert_pin_of_file(other[0]))
+        fooled = Fellow(leader_url=swarm.url, data_dir=tmp_path / "fooled", settings=Settings.from_env({}),
+                        name="fooled", join_token=token)
+        try:
+            await fooled.pin_leader_certificate()
+            raise AssertionError("a fellow accepted a certificate other than the pinned one")
+        except AuthError as exc:
+            assert "certificate other than the one its join token names" in str(exc)

@@ -14,10 +14,12 @@ import trio_websocket
 from swarm import __version__, messages, wire
 from swarm.errors import AuthError, LinkClosed
 from swarm.fellow import hardware
+from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
 from swarm.tunnel.channel import NoiseChannel
 from swarm.tunnel.keys import fingerprint
+from swarm.tunnel.tls import context_for
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,13 @@ class ControlLink:
     async def session(self) -> None:
         """One connection to the leader, from the handshake until it drops."""
         fellow = self.fellow
+        await fellow.pin_leader_certificate()
         async with trio.open_nursery() as nursery:
             try:
                 with trio.fail_after(CONNECT_TIMEOUT_S):
                     ws = await trio_websocket.connect_websocket_url(
-                        nursery, ws_url(fellow.leader_url, "/fellow/link"), max_message_size=1 << 20
+                        nursery, ws_url(fellow.leader_url, "/fellow/link"), max_message_size=1 << 20,
+                        ssl_context=context_for(fellow.leader_url),
                     )
             except (OSError, trio_websocket.HandshakeError) as exc:
                 raise LinkClosed(f"cannot reach the leader: {exc}") from None
@@ -110,9 +114,12 @@ class ControlLink:
 
     async def _heartbeat(self) -> None:
         fellow = self.fellow
+        trimmer = IdleTrimmer()
         while True:
             await trio.sleep(fellow.settings.heartbeat_s)
             hw = await trio.to_thread.run_sync(hardware.probe)
+            if trimmer.due(any(s.driver.busy for s in fellow.stages.values())):
+                await trio.to_thread.run_sync(release_free_memory)  # the last burst's high-water mark goes back
             hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
             await self.send({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(fellow.stages),
                              "hops": hops, "held": {name: s.held() for name, s in fellow.stages.items()}})

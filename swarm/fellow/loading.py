@@ -16,6 +16,7 @@ import trio
 from swarm.errors import SwarmError, first_leaf
 from swarm.fellow.downloads import fetch_with_retries
 from swarm.fellow.stages import LoadedStage
+from swarm.tunnel.tls import context_for
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class StageLoader:
         total = sum(f["size"] for f in files) or 1
         done_before = 0
         local: dict[str, Path] = {}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0)) as client, trio.open_nursery() as pump:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0),
+                                     verify=context_for(fellow.leader_url) or True) as client, \
+                trio.open_nursery() as pump:
             pump.start_soon(progress.pump)
             for f in files:
                 url = f"{fellow.leader_url}/api/v1/models/{message['model']}/files/{f['path']}"

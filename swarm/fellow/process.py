@@ -29,7 +29,8 @@ from swarm.fellow.direct_links import DirectLinkAgent
 from swarm.fellow.hardware import MachineShare
 from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
-from swarm.tunnel.join_token import parse_join_token
+from swarm.tunnel.join_token import join_token_cert_pin, parse_join_token
+from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,16 @@ class Fellow:
         if join_token:
             leader_key, self.join_secret = parse_join_token(join_token)
             state["leader_key"] = encode_key(leader_key)
+            pin = join_token_cert_pin(join_token)
+            state.pop("leader_cert_pin", None)
+            if pin is not None:
+                state["leader_cert_pin"] = encode_pin(pin)
         if "leader_key" not in state:
             raise AuthError("this fellow has not joined a leader yet: run `swarm join URL --token <join token>`.")
         self.leader_public = decode_key(state["leader_key"])
+        # The leader's TLS certificate, pinned by the join token (swarm.tunnel.tls); None: plain HTTP or a public CA
+        self.leader_cert_pin = decode_pin(state["leader_cert_pin"]) if state.get("leader_cert_pin") else None
+        self._tls_ready = False
         state["leader_url"] = self.leader_url
         self.name = name or state.get("name") or socket.gethostname()
         state["name"] = self.name
@@ -85,6 +93,15 @@ class Fellow:
         if self.settings.threads:
             return self.settings.threads
         return (os.cpu_count() or 1) if requests <= 1 else self.machine.busy_threads()
+
+    async def pin_leader_certificate(self) -> None:
+        """Check the leader's certificate against the pin once, then trust only it for every connection to the
+        leader from this process (control link, downloads, relay)."""
+        if self._tls_ready or self.leader_cert_pin is None or not self.leader_url.startswith("https://"):
+            return
+        context = await trio.to_thread.run_sync(pinned_context, self.leader_url, self.leader_cert_pin)
+        register(self.leader_url, context)
+        self._tls_ready = True
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.machine.register()

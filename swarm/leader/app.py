@@ -18,7 +18,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from swarm.config import Settings
-from swarm.errors import AuthError
+from swarm.errors import AuthError, ConfigError
 from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
@@ -36,6 +36,7 @@ from swarm.store.db import Store
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
+from swarm.tunnel.tls import cert_pin_of_file
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,18 @@ class FirstStart:
 
 
 class Leader:
-    def __init__(self, data_dir: Path, settings: Settings):
+    def __init__(self, data_dir: Path, settings: Settings, *, tls_cert: Path | None = None,
+                 tls_key: Path | None = None):
         self.data_dir = data_dir
         self.settings = settings
+        if (tls_cert is None) != (tls_key is None):
+            raise ConfigError("HTTPS needs both --tls-cert and --tls-key.")
+        self.tls = (Path(tls_cert), Path(tls_key)) if tls_cert is not None else None
+        try:
+            # Join tokens pin this certificate: fellows trust it alone (swarm.tunnel.tls).
+            self.cert_pin = cert_pin_of_file(self.tls[0]) if self.tls else None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the TLS certificate {tls_cert}: {exc}") from None
         data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(data_dir / "leader.db")
         self.private, self.public = load_or_create_identity(data_dir / "leader.key")
@@ -66,7 +76,7 @@ class Leader:
         self.serving.direct_links = self.direct_links
         self.signin = SignInThrottle()
         self.hashing = HashPool()
-        self.first_start = initialize(self.store, self.public)
+        self.first_start = initialize(self.store, self.public, self.cert_pin)
         self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit))
 
     def body_limit(self, path: str) -> int:
@@ -84,7 +94,7 @@ class Leader:
     async def new_join_token(self, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES) -> str:
         pools = await trio.to_thread.run_sync(self.store.list_pools)
         secret = await trio.to_thread.run_sync(self.store.create_join_token, pools[0].id, ttl_s, uses)
-        return make_join_token(self.public, secret)
+        return make_join_token(self.public, secret, self.cert_pin)
 
     async def home_path(self) -> str:
         pools = await trio.to_thread.run_sync(self.store.list_pools)
@@ -167,6 +177,8 @@ class Leader:
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
         config.websocket_max_message_size = 1 << 20
+        if self.tls is not None:
+            config.certfile, config.keyfile = str(self.tls[0]), str(self.tls[1])
         config.keep_alive_timeout = 75
         async with trio.open_nursery() as nursery:
             self.serving.nursery = nursery
@@ -187,7 +199,7 @@ class Leader:
             task_status.started(urls)
 
 
-def initialize(store: Store, leader_public: bytes) -> FirstStart | None:
+def initialize(store: Store, leader_public: bytes, cert_pin: bytes | None = None) -> FirstStart | None:
     """On the first start: the admin account, its API token, the default pool and a join token. Else None."""
     if store.list_users():
         return None
@@ -195,5 +207,5 @@ def initialize(store: Store, leader_public: bytes) -> FirstStart | None:
     admin = store.create_user("admin", password, is_admin=True)
     pool = store.ensure_default_pool(admin.id)
     token, _ = store.create_api_token(admin.id, "admin")
-    join = make_join_token(leader_public, store.create_join_token(pool.id))
+    join = make_join_token(leader_public, store.create_join_token(pool.id), cert_pin)
     return FirstStart("admin", password, token, join)

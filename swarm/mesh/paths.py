@@ -16,6 +16,7 @@ import trio_websocket
 from swarm.errors import LinkClosed, TunnelError
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
 from swarm.tunnel.channel import HANDSHAKE_TIMEOUT, NoiseChannel, StreamFrameTransport
+from swarm.tunnel.tls import context_for
 
 # A hop that cannot open within this time falls back to the relay. On a LAN a TCP connect plus the Noise handshake
 # takes about a millisecond; seconds mean a filtered port, whose SYNs are dropped rather than refused.
@@ -45,6 +46,7 @@ async def open_relay(
 ) -> WebSocketFrameTransport:
     """Join one end of a relay channel on the leader; the leader pairs the dialer with the listener."""
     url = ws_url(leader_url, f"/relay/{hop_id}?role={role}")
+    ssl_context = ssl_context or context_for(leader_url)  # the leader's pinned certificate (swarm.tunnel.tls)
     try:
         ws = await trio_websocket.connect_websocket_url(
             nursery,
