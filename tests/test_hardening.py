@@ -550,3 +550,33 @@ async def test_fellows_reach_an_https_leader_by_its_pinned_certificate_only(tmp_
             raise AssertionError("a fellow accepted a certificate other than the pinned one")
         except AuthError as exc:
             assert "certificate other than the one its join token names" in str(exc)
+
+
+async def test_a_relay_slot_cannot_be_taken_over_by_a_second_listener(tmp_path):
+    """A new relay listener used to replace the one waiting: whoever held a copy of the node credential could take
+    over a stage's incoming hop."""
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        join = (await swarm.http.post("/api/v1/join-tokens", json={"uses": 2})).json()["token"]
+        _, dialer = await _enrol(nursery, swarm, join, "stage-0")
+        _, listener = await _enrol(nursery, swarm, join, "stage-1")
+        swarm.leader.relay.open_channel("hop-x", dialer["fellow_id"], listener["fellow_id"])
+
+        async def relay_end(role, credential):
+            return await trio_websocket.connect_websocket_url(
+                nursery, ws_url(swarm.url, f"/relay/hop-x?role={role}"),
+                extra_headers=[(b"authorization", f"Bearer {credential}".encode())])
+
+        honest = await relay_end("listen", listener["credential"])
+        await trio.sleep(0.2)
+        thief = await relay_end("listen", listener["credential"])  # a copy of the credential
+        with trio.fail_after(5):
+            try:
+                await thief.get_message()
+                raise AssertionError("the second listener was served")
+            except trio_websocket.ConnectionClosed as exc:
+                assert exc.reason.code == 4409
+        dial = await relay_end("dial", dialer["credential"])
+        await dial.send_message(b"hello, stage 1")
+        with trio.fail_after(5):
+            assert await honest.get_message() == b"hello, stage 1"  # the honest listener still holds the slot
+        nursery.cancel_scope.cancel()

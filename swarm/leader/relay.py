@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 # How long the dialer end waits for the listener end to arrive (the listener joins right after its stage loads).
 PAIR_TIMEOUT_S = 15.0
+# A second end for a slot waits this long for the first to leave (a fellow reconnecting closes its old socket
+# within milliseconds) before it is refused.
+SLOT_GRACE_S = 2.0
 
 
 @dataclasses.dataclass
@@ -27,6 +30,9 @@ class _Waiting:
     paired: trio.Event
     peer: WebSocket | None = None
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    gone: bool = False  # its websocket closed while it waited
+    left: trio.Event = dataclasses.field(default_factory=trio.Event)  # it no longer holds the slot
+    early: list[bytes] = dataclasses.field(default_factory=list)  # what it sent as it was being paired
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +74,30 @@ class RelayHub:
             return
         me = _Waiting(ws, trio.Event())
         previous = self._waiting.get((hop_id, role))
-        if previous is not None:
-            await _close(previous.ws)  # a stale end (its fellow reconnected): the new one replaces it
+        if previous is not None and not previous.gone:
+            # An end that is going away (its fellow reconnected) gets a moment to leave.
+            with trio.move_on_after(SLOT_GRACE_S):
+                await previous.left.wait()
+        previous = self._waiting.get((hop_id, role))
+        if previous is not None and not previous.gone:
+            # The slot is taken by a live end: a second one (whoever holds a copy of the credential) cannot take
+            # it over. A stale end is noticed as its socket closes (the watch below) and frees the slot.
+            log.warning("refused a second %s end for relay hop %s: the slot is in use", role, hop_id)
+            await _close(ws, 4409)
+            return
         self._waiting[(hop_id, role)] = me
         try:
             timeout = PAIR_TIMEOUT_S if role == "dial" else float("inf")
-            with trio.move_on_after(timeout):
-                await me.paired.wait()
+            async with trio.open_nursery() as watching:
+                watching.start_soon(self._watch_waiting, me, watching.cancel_scope)
+                with trio.move_on_after(timeout):
+                    await me.paired.wait()
+                watching.cancel_scope.cancel()
             if me.peer is None:
-                await _close(ws, 1013)  # try again later: no listener yet
+                await _close(ws, 1013)  # try again later: no listener yet (or this end went away)
                 return
+            for data in me.early:
+                await me.peer.send_bytes(data)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump_then_cancel, ws, me.peer, nursery.cancel_scope)
                 await me.done.wait()
@@ -85,6 +105,21 @@ class RelayHub:
         finally:
             if self._waiting.get((hop_id, role)) is me:
                 del self._waiting[(hop_id, role)]
+            me.left.set()
+
+    @staticmethod
+    async def _watch_waiting(me: _Waiting, scope: trio.CancelScope) -> None:
+        """Notice a waiting end's socket closing, so its slot frees at once. A waiting end sends nothing before it
+        is paired; a frame that arrives as it is being paired is kept for the peer."""
+        try:
+            message = await me.ws.receive()
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            message = {"type": "websocket.disconnect"}
+        if message["type"] == "websocket.disconnect":
+            me.gone = True
+            scope.cancel()
+        elif message.get("bytes") is not None:
+            me.early.append(message["bytes"])
 
     async def _pump_then_cancel(self, source: WebSocket, sink: WebSocket, scope: trio.CancelScope) -> None:
         await self._pump(source, sink)
