@@ -580,3 +580,25 @@ async def test_a_relay_slot_cannot_be_taken_over_by_a_second_listener(tmp_path):
         with trio.fail_after(5):
             assert await honest.get_message() == b"hello, stage 1"  # the honest listener still holds the slot
         nursery.cancel_scope.cancel()
+
+
+def test_out_of_range_sampling_values_and_loose_booleans_are_a_400_at_the_edge():
+    """top_p 1.5, top_p NaN, min_p 2, a 2^80 seed and "stream": "false" used to reach the fellows (or stream)."""
+    import math
+
+    import pytest as _pytest
+
+    from swarm.errors import BadRequest
+    from swarm.leader.openai_params import parse_chat_body, parse_completion_body
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for bad in ({"top_p": 1.5}, {"top_p": math.nan}, {"top_p": -0.1}, {"min_p": 2}, {"min_p": math.nan},
+                {"seed": 2**80}, {"top_k": -5}, {"top_k": 2.5}, {"max_tokens": True}, {"temperature": math.nan},
+                {"stream": "false"}, {"return_token_ids": 1}, {"ignore_eos": "yes"}):
+        with _pytest.raises(BadRequest):
+            parse_chat_body({**base, **bad}, 4096)
+        if "stream" in bad:
+            with _pytest.raises(BadRequest):
+                parse_completion_body({"model": "m", "prompt": "hi", **bad}, 4096)
+    good = parse_chat_body({**base, "top_p": 0.9, "min_p": 0.05, "top_k": 20, "seed": -1, "stream": False}, 4096)
+    assert good.stream is False

@@ -110,6 +110,25 @@ def _integer(body: dict, key: str, low: int, high: int) -> int | None:
     return value
 
 
+def _flag(body: dict, key: str) -> bool:
+    """A true/false field: "false" is a string, and a truthy one, so anything but a JSON boolean is a 400."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be true or false.", f"invalid_{key}")
+    return value is True
+
+
+def _sampling_ranges(sampling: dict) -> None:
+    """Out-of-range values never reach a fellow (issue 10): NaN fails every comparison, so it is refused too."""
+    for key in ("top_p", "min_p"):
+        if key in sampling and not 0 <= sampling[key] <= 1:
+            raise BadRequest(f"'{key}' is {sampling[key]}; it must be between 0 and 1.", f"invalid_{key}")
+    if "top_k" in sampling and (not isinstance(sampling["top_k"], int) or not 0 <= sampling["top_k"] < 1 << 31):
+        raise BadRequest("'top_k' must be a whole number, 0 (off) or more.", "invalid_top_k")
+    if "seed" in sampling and (not isinstance(sampling["seed"], int) or not -(1 << 63) <= sampling["seed"] < 1 << 63):
+        raise BadRequest("'seed' must be a whole number that fits in 64 bits.", "invalid_seed")
+
+
 def parse_stop(value) -> list[str]:
     """``stop``: a string or a list of up to four non-empty strings."""
     if value is None:
@@ -142,6 +161,7 @@ def parse_sampling(body: dict) -> dict:
             sampling[key] = value
     if not 0 <= sampling.get("temperature", 0) <= 2:
         raise BadRequest("'temperature' must be between 0 and 2.", "invalid_temperature")
+    _sampling_ranges(sampling)
     for key in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
         value = _number(body, key, -2.0, 2.0)
         if value:
@@ -176,8 +196,8 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    return ChatParams(model, chat, bool(body.get("stream")), requested, thinking, parse_sampling(body),
-                      bool(body.get("return_token_ids")), body.get("ignore_eos") is True, parse_stop(body.get("stop")),
+    return ChatParams(model, chat, _flag(body, "stream"), requested, thinking, parse_sampling(body),
+                      _flag(body, "return_token_ids"), _flag(body, "ignore_eos"), parse_stop(body.get("stop")),
                       n, parse_logprobs(body), parse_tools(body), parse_response_format(body.get("response_format")),
                       forced_tool(body))
 
@@ -339,8 +359,8 @@ def parse_completion_body(body: dict, max_tokens_limit: int) -> CompletionParams
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise BadRequest("'echo' must be true or false.", "invalid_echo")
-    return CompletionParams(model, prompts, body.get("stream") is True,
+    return CompletionParams(model, prompts, _flag(body, "stream"),
                             DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens, echo,
                             parse_sampling(body), parse_stop(body.get("stop")), n,
-                            _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS), bool(body.get("return_token_ids")),
-                            body.get("ignore_eos") is True)
+                            _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS), _flag(body, "return_token_ids"),
+                            _flag(body, "ignore_eos"))
