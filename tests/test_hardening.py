@@ -602,3 +602,46 @@ def test_out_of_range_sampling_values_and_loose_booleans_are_a_400_at_the_edge()
                 parse_completion_body({"model": "m", "prompt": "hi", **bad}, 4096)
     good = parse_chat_body({**base, "top_p": 0.9, "min_p": 0.05, "top_k": 20, "seed": -1, "stream": False}, 4096)
     assert good.stream is False
+
+
+async def test_a_replayed_handshake_on_the_serving_port_does_not_hold_a_session(tmp_path):
+    """Someone who recorded the previous stage's first handshake message can replay it to the serving port: the
+    handshake completes (Noise IK's first message carries no freshness), but a session that then carries nothing is
+    closed after the hop's silence limit instead of being held forever."""
+    import types
+
+    from swarm.config import Settings
+    from swarm.fellow.links import IncomingLinks
+    from swarm.mesh.hop import SILENT_S
+    from swarm.tunnel.channel import StreamFrameTransport
+    from swarm.tunnel.keys import public_key
+
+    me, previous_stage = generate_private_key(), generate_private_key()
+    stage = types.SimpleNamespace(hop_in={"hop_id": "hop-1", "peer_key": public_key(previous_stage)},
+                                  ring_id="ring-1", model="m", driver=None)
+    fellow = types.SimpleNamespace(private=me, stages={"m": stage},
+                                   settings=Settings.from_env({"SWARM_SERVE_PORT": "0",
+                                                               "SWARM_SERVE_HOST": "127.0.0.1"}))
+    links = IncomingLinks(fellow)
+    recorded = _first_handshake_message(previous_stage, public_key(me), b"hop-1")
+    async with trio.open_nursery() as nursery:
+        await links.start_listener(nursery)
+        stream = await trio.open_tcp_stream("127.0.0.1", links.serve_port)
+        transport = StreamFrameTransport(stream)
+        await transport.send_frame(recorded)  # the replay
+        await transport.receive_frame()  # the fellow answered: the session is open on its side
+        start = trio.current_time()
+        with trio.fail_after(SILENT_S + 3):
+            try:
+                while True:
+                    await transport.receive_frame()
+            except (LinkClosed, SwarmError):
+                pass
+        assert trio.current_time() - start < SILENT_S + 3
+        nursery.cancel_scope.cancel()
+
+
+def _first_handshake_message(private: bytes, responder_public: bytes, payload: bytes) -> bytes:
+    from swarm.tunnel.noise import NoiseSession
+
+    return NoiseSession.initiator(private, responder_public).start(payload)
