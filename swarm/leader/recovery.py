@@ -351,7 +351,8 @@ class Recovery:
                 log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
                 await trio.to_thread.run_sync(serving.store.delete_serving, name)
                 continue
-            cpu = not any(c.hardware.gpus for c in serving.hub.online.values())
+            online = list(serving.hub.online.values())
+            cpu = not online or not all(c.hardware.gpus for c in online)  # as load() budgets (serving.py)
             model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
                                  recovering_since=trio.current_time(), size=model_size(manifest, cpu=cpu))
             serving.models[name] = model

@@ -81,7 +81,9 @@ class Serving:
         fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
         if num_stages is None:
             num_stages = max(1, min(len(fellows), manifest["num_layers"]))
-        size = model_size(manifest, cpu=not any(f.hardware.gpus for f in fellows))
+        # A CPU fellow holds 16-bit weights widened to float32: a pool with one budgets every stage so (its GPU
+        # fellows then keep room to spare, never too little).
+        size = model_size(manifest, cpu=not fellows or not all(f.hardware.gpus for f in fellows))
         capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
         plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
