@@ -20,8 +20,9 @@ def _q8_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def write_llama_gguf(path: Path, *, hidden: int, intermediate: int, layers: int, vocab: int, heads: int = 8,
-                     kv_heads: int = 4, tied: bool = False, seed: int = 0) -> int:
-    """Write a random Llama GGUF to ``path``; returns the number of weight values (for its dequantized size)."""
+                     kv_heads: int = 4, tied: bool = False, seed: int = 0, matrices: str = "Q8_0") -> int:
+    """Write a random Llama GGUF to ``path`` with its matrices in ``matrices`` (Q8_0, F16 or F32); returns the
+    number of weight values (for its dequantized size)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
@@ -35,13 +36,17 @@ def write_llama_gguf(path: Path, *, hidden: int, intermediate: int, layers: int,
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    writer.add_file_type(7)  # MOSTLY_Q8_0
+    writer.add_file_type({"Q8_0": 7, "F16": 1, "F32": 0}[matrices])
 
     values = 0
 
     def matrix(name: str, rows: int, cols: int) -> None:
         nonlocal values
-        writer.add_tensor(name, _q8_0(rows, cols, rng), raw_dtype=GGMLQuantizationType.Q8_0)
+        if matrices == "Q8_0":
+            writer.add_tensor(name, _q8_0(rows, cols, rng), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            dtype = np.float16 if matrices == "F16" else np.float32
+            writer.add_tensor(name, (0.02 * rng.standard_normal((rows, cols))).astype(dtype))
         values += rows * cols
 
     def vector(name: str, n: int) -> None:

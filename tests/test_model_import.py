@@ -338,3 +338,20 @@ def test_refuses_attention_soft_capping_before_writing(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="soft-caps attention scores"):
         import_model(str(tmp_path / "src"), tmp_path / "models")
     assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize(("matrices", "stored"), [("Q8_0", "bfloat16"), ("F16", "float16"), ("F32", "float32")])
+def test_gguf_stored_dtype_follows_the_file_and_values_follow_transformers(tmp_path, matrices, stored):
+    """A quantized GGUF is stored in bfloat16, an F16 one in float16 (exactly), an F32 one in float32; every tensor
+    is transformers' whole-file float32 load (Llama's q/k rows permuted back) rounded to that dtype."""
+    from gguf_files import write_llama_gguf
+    from transformers import AutoModelForCausalLM
+
+    gguf = tmp_path / "m.gguf"
+    write_llama_gguf(gguf, hidden=128, intermediate=256, layers=2, vocab=320, heads=4, kv_heads=2, matrices=matrices)
+    manifest = import_model(str(gguf), tmp_path / "models", "m")
+    assert manifest.dtype == stored
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).state_dict()
+    layer = load_file(tmp_path / "models/m/weights/layer_001.safetensors")
+    for key, value in layer.items():
+        assert torch.equal(value, whole[f"model.layers.1.{key}"].to(getattr(torch, stored))), key
