@@ -31,6 +31,7 @@ class Sampling:
     logprobs: int | None = None  # None: none; else the sampled token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the model's own)
     grammar: str | None = None  # an llguidance grammar the reply must follow (response_format); None: free text
+    think: list[int] | None = None  # a reasoning model's [<think>, </think>] ids: the grammar starts after thinking
 
     @property
     def penalised(self) -> bool:

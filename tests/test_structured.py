@@ -76,3 +76,39 @@ def test_a_schema_the_built_in_model_must_follow(smollm_model_dir, session_summa
     per_token = (time.perf_counter() - started) / (len(greedy.tokens) - 1)
     session_summary("structured output", f"{len(greedy.tokens)} tokens in {took:.2f} s over two stages; the "
                                          f"grammar's mask and step {per_token * 1000:.2f} ms a token")
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(tmp_path_factory):
+    from scripted import build
+    from swarm.store.importer import import_model
+
+    root = tmp_path_factory.mktemp("thinking")
+    build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
+                         "\n\n": ["Just 4."]})
+    import_model(str(root / "src"), root / "models", "qwen3-thinks")
+    return root / "models" / "qwen3-thinks"
+
+
+async def test_a_reasoning_model_thinks_first_then_follows_the_schema(tmp_path, thinking_dir):
+    """Qwen3-style: the grammar applies after the thinking block, so the thinking stays free and the answer is the
+    JSON; with thinking off the JSON starts at once."""
+    import trio
+
+    from harness import running_swarm
+
+    schema = {"type": "object", "properties": {"answer": {"enum": [4]}}, "required": ["answer"],
+              "additionalProperties": False}
+    body = {"model": thinking_dir.name, "messages": [{"role": "user", "content": "What is 2+2?"}], "temperature": 0,
+            "max_tokens": 30, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    with trio.fail_after(120):
+        async with running_swarm(tmp_path, [thinking_dir], fellows=2) as swarm:
+            await swarm.load(thinking_dir.name, 2)
+            data = (await swarm.http.post("/v1/chat/completions", json=body)).json()
+            message = data["choices"][0]["message"]
+            assert message["reasoning_content"] == "Two and two make four."
+            assert json.loads(message["content"]) == {"answer": 4} and data["choices"][0]["finish_reason"] == "stop"
+            off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+            data = (await swarm.http.post("/v1/chat/completions", json=off)).json()
+            assert json.loads(data["choices"][0]["message"]["content"]) == {"answer": 4}
+            assert "reasoning_content" not in data["choices"][0]["message"]

@@ -51,6 +51,14 @@ def prompt_opens_thinking(model_dir: Path, prompt: list[int]) -> bool:
     return tail.rstrip().endswith("<think>")
 
 
+def think_tokens(model_dir: Path) -> list[int] | None:
+    """The ids of <think> and </think> when the model's tokenizer has each as one token (a reasoning model)."""
+    tokenizer = load_tokenizer(str(model_dir))
+    vocab = tokenizer.get_vocab()
+    ids = [vocab.get("<think>"), vocab.get("</think>")]
+    return ids if all(isinstance(i, int) for i in ids) else None
+
+
 _tokenizers: dict[str, object] = {}
 # One lock for loading: transformers' lazy imports are not safe to race from several worker threads (a burst of
 # first requests once broke every caller but the first with "cannot import name 'AutoTokenizer'").

@@ -23,6 +23,7 @@ from swarm.leader.chat_format import (
     load_tokenizer,
     prompt_opens_thinking,
     sampling_defaults,
+    think_tokens,
 )
 from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
 from swarm.leader.limits import check_prompt_bytes
@@ -162,7 +163,9 @@ class OpenAIRoutes:
         sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
         sampling.update(asked)
         eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
-        first = to_sampling(sampling, params.logprobs, prompt_logprobs, getattr(params, "grammar", None))
+        grammar = getattr(params, "grammar", None)
+        think = await trio.to_thread.run_sync(think_tokens, model_dir) if grammar and thinking else None
+        first = to_sampling(sampling, params.logprobs, prompt_logprobs, grammar, think)
         for i in range(params.n):
             seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
             request = Request(model=name, prompt=prompt, max_tokens=max_tokens,

@@ -275,7 +275,7 @@ def forced_tool(body: dict) -> str | None:
 
 
 def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                grammar: str | None = None) -> messages.Sampling:
+                grammar: str | None = None, think: list[int] | None = None) -> messages.Sampling:
     temperature = float(values.get("temperature", 0.0))
     seed = int(values["seed"]) if values.get("seed") is not None else None
     if seed is None and temperature > 0:
@@ -293,6 +293,7 @@ def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int 
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        think=think if grammar is not None else None,
     )
 
 

@@ -6,6 +6,10 @@ schema into an llguidance grammar and checks it; the last stage builds a matcher
 the allowed tokens before each draw (a bitmask over the vocabulary) and feeds it the token drawn. Once the grammar
 is complete only the end-of-turn token is allowed, so the reply ends there. The stage needs the model's tokenizer to
 know each token's bytes: the leader sends its files with the last stage's (a folder of them is ``tokenizer_dir``).
+
+A reasoning model (Qwen3) thinks first: with ``think`` (the ids of <think> and </think>) the reply may open a
+thinking block as its first token -- or the prompt opened one already -- and the grammar applies from its end on,
+as vLLM does with a reasoning parser; a reply that does not think follows the grammar from its first token.
 """
 
 from __future__ import annotations
@@ -47,14 +51,22 @@ def _tokenizer(stage, eos: list[int]):
 class Constraint:
     """One request's grammar state on the last stage."""
 
-    def __init__(self, stage, grammar: str, eos: list[int], reply: list[int]):
+    def __init__(self, stage, grammar: str, eos: list[int], reply: list[int], think: list[int] | None = None,
+                 prompt: list[int] = ()):
         import llguidance
         import llguidance.torch
 
         self.matcher = llguidance.LLMatcher(_tokenizer(stage, eos), grammar)
         self._check()
+        self.think = think
+        self.state = "grammar"
+        if think is not None:
+            opened, closed = think
+            last_open = max((i for i, t in enumerate(prompt) if t == opened), default=-1)
+            last_close = max((i for i, t in enumerate(prompt) if t == closed), default=-1)
+            self.state = "thinking" if last_open > last_close else "first"
         for token in reply:  # a request sent again after a failover: the reply so far already follows the grammar
-            self.matcher.consume_token(token)
+            self.consume(token)
         self.mask = llguidance.torch.allocate_token_bitmask(1, int(stage.config.vocab_size))
 
     def _check(self) -> None:
@@ -62,16 +74,31 @@ class Constraint:
             raise ModelError(f"structured output failed: {self.matcher.get_error()}")
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (vocab,) with the tokens that cannot continue the grammar at -inf."""
+        """``logits`` (vocab,) with the tokens that cannot continue the grammar at -inf (none while thinking; the
+        first token may also open a thinking block)."""
         import llguidance.torch
 
+        if self.state == "thinking":
+            return logits
         llguidance.torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
         self._check()
         out = logits.float().clone().reshape(1, -1)
         llguidance.torch.apply_token_bitmask_inplace(out, self.mask)
-        return out.reshape(-1)
+        out = out.reshape(-1)
+        if self.state == "first":
+            out[self.think[0]] = logits[self.think[0]]
+        return out
 
     def consume(self, token: int) -> None:
+        if self.state == "first":
+            self.state = "grammar"
+            if token == self.think[0]:
+                self.state = "thinking"
+                return
+        if self.state == "thinking":
+            if token == self.think[1]:
+                self.state = "grammar"
+            return
         self.matcher.consume_token(token)
         self._check()
 
@@ -85,5 +112,6 @@ def constraint(stage, request: Any) -> Constraint | None:
         context = request.start.context or []
         drawn = request.start.drawn
         reply = context[len(context) - drawn :] if drawn else []
-        request.constraint = Constraint(stage, grammar, request.start.eos, reply)
+        prompt = context[: len(context) - drawn]
+        request.constraint = Constraint(stage, grammar, request.start.eos, reply, request.sampling.think, prompt)
     return request.constraint
