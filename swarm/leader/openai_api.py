@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: GET /v1/models and POST /v1/chat/completions (streaming and not)."""
+"""The OpenAI-compatible API: GET /v1/models and POST /v1/chat/completions (streaming and not); the parameters
+are checked in swarm.leader.openai_params, /v1/completions lives in swarm.leader.completions."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from swarm.leader.stops import StopFinder
 from swarm.leader.tool_calls import ToolCallSplitter, forced_grammar
 
 log = logging.getLogger(__name__)
+
 
 class OpenAIRoutes:
     def __init__(self, leader):
