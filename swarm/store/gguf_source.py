@@ -60,11 +60,9 @@ class GGUFSource:
     names. Nothing is dequantized until a tensor's ``read`` is called."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(str(self.path))
+            self.reader = _lean_reader_class()(str(self.path))
         except Exception as exc:
             raise ImportFailed(f"cannot read the GGUF file {self.path} ({exc}); the file may be incomplete") from exc
         self.architecture = _field(self.reader, "general.architecture") or "unknown"
@@ -202,6 +200,36 @@ class GGUFSource:
         from transformers import GenerationConfig
 
         return GenerationConfig.from_model_config(config)
+
+
+def _lean_reader_class() -> type:
+    """gguf's GGUFReader, made to keep its header views as plain numpy arrays rather than memmap subclasses.
+
+    The reader holds one view per part of every metadata value -- two per vocabulary entry -- and a memmap view
+    carries its own attributes: measured here on Gemma 3's 262k-token vocabulary, 720 MB for the parsed header, 350
+    MB with plain views (the mapping itself is the same). Where gguf's private ``_get`` is not the one this was
+    written against, the reader is used as it is.
+    """
+    import inspect
+
+    import numpy as np
+    from gguf import GGUFReader
+
+    get = getattr(GGUFReader, "_get", None)
+    if get is None or list(inspect.signature(get).parameters) != ["self", "offset", "dtype", "count", "override_order"]:
+        return GGUFReader
+
+    class LeanReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain_data")
+            if plain is None:
+                plain = self._plain_data = self.data.view(np.ndarray)
+            count = int(count)
+            itemsize = int(np.empty([], dtype=dtype).itemsize)
+            arr = plain[offset : offset + itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return LeanReader
 
 
 def _field(reader: Any, key: str) -> str | None:
