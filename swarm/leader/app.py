@@ -36,6 +36,7 @@ from swarm.store.db import Store
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
+from swarm.tunnel.noise import MAX_FRAME
 from swarm.tunnel.tls import cert_pin_of_file
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ class Leader:
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
-        config.websocket_max_message_size = 1 << 20
+        # Both websocket routes (fellow link, relay) carry one Noise frame per message: at most 64 KiB.
+        config.websocket_max_message_size = 2 * MAX_FRAME
         if self.tls is not None:
             config.certfile, config.keyfile = str(self.tls[0]), str(self.tls[1])
         config.keep_alive_timeout = 75
