@@ -109,3 +109,42 @@ def test_cli_commands_that_need_a_leader_say_how_to_name_one():
     assert "SWARM_LEADER" in result.stderr and "Traceback" not in result.stderr
     result = _swarm("model-load", "x", "--leader", f"http://127.0.0.1:{_free_port()}", "--token", "t")
     assert result.returncode == 1 and "cannot reach the leader" in result.stderr
+
+
+def test_admin_cli_mints_lists_and_revokes_join_tokens_and_sets_a_password(tmp_path, process_logs):
+    port = _free_port()
+    out = tmp_path / "leader.out"
+    process_logs("leader (stdout)", out)
+    process_logs("leader (stderr)", f"{out}.log")
+    proc = _start_leader(tmp_path / "leader", port, out)
+    try:
+        lines = _lines(proc, out, 4)
+        token = lines[2].split(": ", 1)[1]
+        wait_for(lambda: _answers(port), 30, message="the leader does not answer /healthz")
+        env = {"SWARM_LEADER": f"http://127.0.0.1:{port}", "SWARM_TOKEN": token}
+        minted = _swarm("admin", "join-token", "--uses", "3", "--ttl", "2h", env=env)
+        assert minted.returncode == 0, minted.stderr
+        assert minted.stdout.startswith("swj1.") and "lets 3 fellows join within 2 h" in minted.stderr
+        listed = _swarm("admin", "join-tokens", env=env)
+        assert listed.returncode == 0 and "3 of 3 uses left" in listed.stdout, listed.stdout
+        newest = max(int(line.split()[0]) for line in listed.stdout.splitlines())
+        revoked = _swarm("admin", "revoke-join-token", str(newest), env=env)
+        assert revoked.returncode == 0 and "revoked" in _swarm("admin", "join-tokens", env=env).stdout
+        bad = _swarm("admin", "join-token", "--ttl", "soon", env=env)
+        assert bad.returncode != 0 and "not a duration" in bad.stderr
+        import os
+
+        changed = subprocess.run([sys.executable, "-m", "swarm", "admin", "password", "--user", "admin"],
+                                 input="a new password\n", capture_output=True, text=True, timeout=120,
+                                 env={**os.environ, **env})
+        assert changed.returncode == 0, changed.stderr
+        login = httpx.post(f"http://127.0.0.1:{port}/api/v1/auth/login",
+                           json={"name": "admin", "password": "a new password"}, timeout=30)
+        assert login.status_code == 200
+        short = subprocess.run([sys.executable, "-m", "swarm", "admin", "password"], input="b\n",
+                               capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+        assert short.returncode == 1 and "at least 8 characters" in short.stderr
+        assert "Traceback" not in short.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
