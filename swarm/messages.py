@@ -32,6 +32,8 @@ class Sampling:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the model's own)
     grammar: str | None = None  # an llguidance grammar the reply must follow (response_format); None: free text
     think: list[int] | None = None  # a reasoning model's [<think>, </think>] ids: the grammar starts after thinking
+    bias_ids: list[int] = dataclasses.field(default_factory=list)  # logit_bias: added to these tokens' logits
+    bias_values: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def penalised(self) -> bool:

@@ -83,8 +83,10 @@ async def test_stop_strings_across_tokens_and_chunks_and_refused_parameters(tmp_
 
             # what we do not implement is a 400 that names it, never ignored
             with pytest.raises(openai.BadRequestError) as info:
-                await call(client.chat.completions.create, **base, logit_bias={"5": 10})
-            assert "'logit_bias'" in str(info.value)
+                await call(client.chat.completions.create, **base, audio={"voice": "alloy", "format": "wav"})
+            assert "'audio'" in str(info.value)
+            with pytest.raises(openai.BadRequestError, match="logit_bias"):  # a token the model does not have
+                await call(client.chat.completions.create, **base, logit_bias={"999999": 1})
             # what clients send anyway is fine, and max_completion_tokens is max_tokens
             reply = await call(client.chat.completions.create, model=name, messages=ASK, temperature=0,
                                max_completion_tokens=2, user="someone", metadata={"run": "1"}, store=False,
@@ -166,10 +168,11 @@ async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
 
             swarm.leader.serving.submit = spy
             reply = await call(client.chat.completions.create, **base, presence_penalty=0.5, frequency_penalty=0.25,
-                               extra_body={"repetition_penalty": 1.3})
+                               logit_bias={"3": -5}, extra_body={"repetition_penalty": 1.3})
             assert reply.choices[0].message.content == "".join(SCRIPT)  # a script that never repeats a token
     (sampling,) = seen
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, 0.25, 1.3)
+    assert (sampling.bias_ids, sampling.bias_values) == ([3], [-5.0])
 
 
 async def test_the_built_in_model_sampled_choices_and_filtered_logprobs(tmp_path, smollm_model_dir):

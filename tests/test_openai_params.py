@@ -16,7 +16,7 @@ def parse(**fields):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"50256": -100}),
+    ("web_search_options", {}),
     ("prediction", {"type": "content", "content": "x"}),
     ("functions", [{"name": "f"}]),
     ("reasoning_effort", "low"),
@@ -185,3 +185,15 @@ def test_response_format_becomes_a_grammar():
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}):
         with pytest.raises(BadRequest):
             parse(response_format=bad)
+
+
+def test_logit_bias():
+    assert parse(logit_bias={"15": -100, "7": 2.5}).sampling["logit_bias"] == {15: -100.0, 7: 2.5}
+    assert "logit_bias" not in parse(logit_bias={}).sampling
+    for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": True}, [1]):
+        with pytest.raises(BadRequest):
+            parse(logit_bias=bad)
+    from swarm.leader.openai_params import to_sampling
+
+    sampling = to_sampling({"logit_bias": {15: -100.0}})
+    assert (sampling.bias_ids, sampling.bias_values) == ([15], [-100.0])

@@ -143,3 +143,20 @@ def test_prompt_logprobs_are_the_models_over_every_chunk(llama, stages):
         values, ids = torch.topk(want[position - 1], 2)
         assert got.top_ids == ids.tolist() and got.top_logprobs == pytest.approx(values.tolist(), abs=1e-4)
     assert ring.holding() == [[] for _ in range(stages)]
+
+
+def test_logit_bias_is_added_before_everything_else(llama):
+    model_dir, model = llama
+    ring = ring_of(model_dir)
+    plain = ring.submit("plain", PROMPT, 4)
+    ring.run()
+    first = plain.tokens[0]
+    banned = ring.submit("banned", PROMPT, 4, messages.Sampling(bias_ids=[first], bias_values=[-100.0], logprobs=0))
+    forced = ring.submit("forced", PROMPT, 4, messages.Sampling(bias_ids=[7], bias_values=[100.0]))
+    ring.run()
+    logits = last_logits(model, PROMPT)
+    logits[first] -= 100
+    assert banned.tokens[0] == int(logits.argmax()) != first
+    assert banned.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits, -1)[banned.tokens[0]]),
+                                                       abs=1e-4)
+    assert forced.tokens == [7, 7, 7, 7]

@@ -164,6 +164,11 @@ class OpenAIRoutes:
         own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
         sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
         sampling.update(asked)
+        vocab = int(manifest.get("vocab_size") or 0)
+        outside = [t for t in sampling.get("logit_bias", {}) if vocab and t >= vocab]
+        if outside:
+            raise BadRequest(f"'logit_bias' names token {outside[0]}, but model {name} has tokens 0 to {vocab - 1}.",
+                             "invalid_logit_bias")
         eos = [] if params.ignore_eos else await trio.to_thread.run_sync(eos_ids, model_dir, manifest)
         grammar = getattr(params, "grammar", None)
         think = await trio.to_thread.run_sync(think_tokens, model_dir) if grammar and thinking else None

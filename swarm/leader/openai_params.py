@@ -32,7 +32,6 @@ IGNORED = frozenset({
 
 # Fields we do not implement, accepted only at the value that means "off".
 _OFF_VALUES = {
-    "logit_bias": ({},),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
@@ -42,8 +41,8 @@ _OFF_VALUES = {
 
 CHAT_FIELDS = frozenset({
     "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
-    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", *SAMPLING_KEYS,
-    *PENALTY_KEYS,
+    "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "logit_bias",
+    *SAMPLING_KEYS, *PENALTY_KEYS,
 })
 
 # What to tell a client that asks for something we do not do, where there is more to say than "not supported".
@@ -169,7 +168,31 @@ def parse_sampling(body: dict) -> dict:
     value = _number(body, "repetition_penalty", 0.01, 10.0)  # transformers' and vLLM's: > 0, 1 is off
     if value is not None and value != 1.0:
         sampling["repetition_penalty"] = value
+    bias = body.get("logit_bias")
+    if bias:
+        sampling["logit_bias"] = parse_logit_bias(bias)
     return sampling
+
+
+MAX_BIASED = 300  # OpenAI's limit on logit_bias entries
+
+
+def parse_logit_bias(value) -> dict[int, float]:
+    """``logit_bias``: token ids (as JSON keys) to a number from -100 to 100, added to their logits."""
+    if not isinstance(value, dict) or len(value) > MAX_BIASED:
+        raise BadRequest(f"'logit_bias' must map up to {MAX_BIASED} token ids to numbers from -100 to 100.",
+                         "invalid_logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise BadRequest(f"'logit_bias' maps token ids to numbers from -100 to 100; {key!r}: {bias!r} is not "
+                             "one.", "invalid_logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def parse_max_tokens(body: dict, max_tokens_limit: int) -> int | None:
@@ -294,6 +317,8 @@ def to_sampling(values: dict, logprobs: int | None = None, prompt_logprobs: int 
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
         think=think if grammar is not None else None,
+        bias_ids=list(values.get("logit_bias", {})),
+        bias_values=list(values.get("logit_bias", {}).values()),
     )
 
 
@@ -310,7 +335,7 @@ def choice_seed(seed: int, index: int) -> int:
 
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "stream", "max_tokens", "echo", "logprobs", "stop", "n", "return_token_ids", "ignore_eos",
-    *SAMPLING_KEYS, *PENALTY_KEYS,
+    "logit_bias", *SAMPLING_KEYS, *PENALTY_KEYS,
 })
 MAX_PROMPTS = 32  # prompts in one request (evaluation harnesses batch theirs)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's default for this route

@@ -65,6 +65,9 @@ def _sample(stage: StageModel, work: Work, logits: torch.Tensor) -> tuple[int, m
     if not params.greedy:  # on the CPU: the logits are moved there to sample
         generator = token_generator(params.seed, request.start.drawn + request.generated)
     logits = logits.cpu()
+    if sampling.bias_ids:  # logit_bias, before everything else (OpenAI's order)
+        logits = logits.float().clone()
+        logits[torch.tensor(sampling.bias_ids, dtype=torch.long)] += torch.tensor(sampling.bias_values)
     context = request.start.context
     if context is not None and sampling.penalised:
         # the reply so far: the tokens a resent request had before this attempt (the prompt ends with them), then
