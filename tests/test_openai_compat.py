@@ -250,6 +250,8 @@ async def legacy_completions(client, name) -> dict:
     chunks = await trio.to_thread.run_sync(lambda: list(client.completions.create(
         model=name, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop], n=2, stream=True, logprobs=0)))
     got["stream"] = (stop, chunks)
+    with pytest.raises(openai.BadRequestError, match="'prompt' holds token 1000000"):
+        await call(client.completions.create, model=name, prompt=[1, 10**6], max_tokens=1)
     return got
 
 

@@ -15,7 +15,7 @@ import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from swarm.errors import ContextTooLong, SwarmError, first_leaf
+from swarm.errors import BadRequest, ContextTooLong, SwarmError, first_leaf
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
 from swarm.leader.limits import check_prompt_bytes
@@ -50,7 +50,8 @@ class CompletionRoutes:
             body = await json_body(request)
             stream = body.get("stream") is True
             params = parse_completion_body(body, self.leader.settings.max_tokens_limit)
-            _, model_dir = await self.routes.model(params.model)
+            manifest, model_dir = await self.routes.model(params.model)
+            vocab = int(manifest.get("vocab_size") or 0)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(model_dir))
             prompts = []
             pool_tokens = self.leader.serving.pool_tokens(params.model)
@@ -60,6 +61,9 @@ class CompletionRoutes:
                     ids = await trio.to_thread.run_sync(lambda p=prompt: list(tokenizer(p)["input_ids"]))
                     prompts.append((prompt, ids))
                 else:
+                    if vocab and max(prompt) >= vocab:
+                        raise BadRequest(f"'prompt' holds token {max(prompt)}, but model {params.model} has tokens 0 "
+                                         f"to {vocab - 1}.", "invalid_prompt")
                     prompts.append((tokenizer.decode(prompt), list(prompt)))
             # the prompt's own logprobs only when they are returned: echo with logprobs
             prompt_logprobs = params.logprobs if params.echo else None
