@@ -26,6 +26,8 @@ class FolderTensor:
     hf_name: str
     shape: tuple[int, ...]
     read: Callable[[Any], Any]  # dtype -> the torch tensor in that dtype
+    write: Callable[[Any, Any], None] | None = None  # (dtype, binary file) -> its bytes, a slice of rows at a time
+    floating: bool = True
 
 
 class FolderSource:
@@ -82,8 +84,12 @@ class FolderSource:
                             raise ImportFailed(f"{self.folder}: tensor {key!r} is in both {seen[key].name} and "
                                                f"{path.name}; remove the stray copy")
                         seen[key] = path
-                        shape = tuple(handle.get_slice(key).get_shape())
-                        out.append(FolderTensor(key, shape, lambda dtype, p=path, k=key: _read(p, k, dtype)))
+                        piece = handle.get_slice(key)
+                        shape = tuple(piece.get_shape())
+                        floating = piece.get_dtype() in _SAFETENSORS_DTYPES
+                        write = (lambda dtype, f, p=path, k=key: _write(p, k, dtype, f)) if floating else None
+                        out.append(FolderTensor(key, shape, lambda dtype, p=path, k=key: _read(p, k, dtype), write,
+                                                floating))
             except ImportFailed:
                 raise
             except Exception as exc:
@@ -109,6 +115,29 @@ class FolderSource:
                             n *= int(d)
                         counts[kind] = counts.get(kind, 0) + n
         return max(counts, key=counts.get) if counts else "float32"
+
+
+# Values converted per slice when a tensor is written slice by slice: bounds the copy of a large embedding.
+WRITE_SLICE_ELEMENTS = 4 << 20
+
+
+def _write(path: Path, key: str, dtype: Any, out: Any) -> None:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        piece = handle.get_slice(key)
+        shape = piece.get_shape()
+        if len(shape) < 2:
+            chunks = [handle.get_tensor(key)]
+        else:
+            row = 1
+            for d in shape[1:]:
+                row *= int(d)
+            step = max(1, WRITE_SLICE_ELEMENTS // max(1, row))
+            chunks = (piece[start : start + step] for start in range(0, int(shape[0]), step))
+        for chunk in chunks:
+            out.write(memoryview(chunk.to(dtype).contiguous().view(-1).view(torch.uint8).numpy()))
 
 
 def _read(path: Path, key: str, dtype: Any) -> Any:

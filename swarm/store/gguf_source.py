@@ -3,8 +3,9 @@
 transformers can load a GGUF file, but only whole: every tensor dequantized to float and held at once (a 14B model in
 Q4 -- 8 GB on disk -- takes ~56 GB of RAM that way). Here the file's header is parsed once with the ``gguf``
 package's reader, and each tensor is read from the file with plain reads (not through the reader's memory map, whose
-touched pages would count against the importing process), dequantized a slice of rows at a time straight into the
-dtype it will be stored in, and handed over; the caller writes it and lets it go.
+touched pages would count against the importing process) and dequantized a slice of rows at a time into the dtype
+it will be stored in: written out slice by slice where the family's fix-up leaves the tensor as it is (the
+embedding and head, the largest, included), else assembled whole and handed over, one tensor at a time.
 
 The names and the fix-ups are transformers' own, reused rather than copied: the GGUF-to-transformers name map comes
 from ``get_gguf_hf_weights_map`` over a model built on the meta device from the GGUF's config, and the per-family
@@ -53,6 +54,10 @@ class GGUFTensor:
     hf_name: str
     shape: tuple[int, ...]
     read: Callable[[Any], Any]  # dtype -> the dequantized, processed torch tensor in that dtype
+    # (dtype, binary file) -> writes the tensor's bytes in that dtype slice by slice, never holding it whole; None
+    # where the family's fix-up needs the whole tensor (Llama's q/k permutation, norms)
+    write: Callable[[Any, Any], None] | None = None
+    floating: bool = True
 
 
 class GGUFSource:
@@ -158,8 +163,11 @@ class GGUFSource:
                          config.model_type)
                 continue
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            write = None
+            if _left_as_is(processor, tensor.name, shape):
+                write = lambda dtype, f, t=tensor, s=shape: self._write(t, s, dtype, f)
             out.append(GGUFTensor(hf_name, shape,
-                                  lambda dtype, t=tensor, s=shape: self._read(t, s, dtype, processor)))
+                                  lambda dtype, t=tensor, s=shape: self._read(t, s, dtype, processor), write))
         return out
 
     def _read(self, tensor: Any, shape: tuple[int, ...], dtype: Any, processor: Any) -> Any:
@@ -169,37 +177,67 @@ class GGUFSource:
         (Gemma's ``norm - 1`` must not be rounded twice); larger ones are rounded first and then permuted, which
         commutes with rounding -- so the result equals transformers' float32 result rounded to ``dtype``.
         """
-        import numpy as np
         import torch
-        from gguf import dequantize
 
         work_dtype = torch.float32 if len(shape) < 2 else dtype
         out = torch.empty(shape, dtype=work_dtype)
         flat = out.view(-1, shape[-1]) if len(shape) >= 2 else out.view(1, -1)
+        for start, values in self._slices(tensor):
+            flat[start : start + values.shape[0]] = values
+        result = processor.process(weights=out, name=tensor.name).weights
+        return result.to(dtype).contiguous()
+
+    def _write(self, tensor: Any, shape: tuple[int, ...], dtype: Any, out: Any) -> None:
+        """Write the tensor's bytes in ``dtype`` to ``out`` slice by slice (for tensors the fix-up leaves as is)."""
+        import torch
+
+        for _, values in self._slices(tensor):
+            out.write(memoryview(values.to(dtype).contiguous().view(-1).view(torch.uint8).numpy()))
+
+    def _slices(self, tensor: Any):
+        """(first row, float32 rows) of the tensor, dequantized a slice of rows at a time."""
+        import numpy as np
+        import torch
+        from gguf import dequantize
+
         raw_rows = tensor.data.shape[0] if tensor.data.ndim >= 2 else 1
         raw_shape = tuple(tensor.data.shape) if tensor.data.ndim >= 2 else (1, *tensor.data.shape)
         if tensor.data.ndim > 2:  # 3-D (stacked experts): rows are the product of the leading axes
             raw_rows = int(np.prod(tensor.data.shape[:-1]))
             raw_shape = (raw_rows, tensor.data.shape[-1])
         row_bytes = tensor.n_bytes // raw_rows
-        step = max(1, DEQUANT_SLICE_ELEMENTS // max(1, shape[-1]))
+        row_values = int(tensor.n_elements) // raw_rows
+        step = max(1, DEQUANT_SLICE_ELEMENTS // max(1, row_values))
         with open(self.path, "rb", buffering=0) as f:
             for start in range(0, raw_rows, step):
                 rows = min(step, raw_rows - start)
                 raw = np.empty((rows, raw_shape[1]), dtype=tensor.data.dtype)
-                view = memoryview(raw).cast("B")
-                got = os.preadv(f.fileno(), [view], tensor.data_offset + start * row_bytes)
+                got = os.preadv(f.fileno(), [memoryview(raw).cast("B")], tensor.data_offset + start * row_bytes)
                 if got != rows * row_bytes:
                     raise ImportFailed(f"{self.path} ends inside tensor {tensor.name}; the file is incomplete")
                 values = dequantize(raw, tensor.tensor_type)
-                flat[start : start + rows] = torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1)
-        result = processor.process(weights=out, name=tensor.name).weights
-        return result.to(dtype).contiguous()
+                yield start, torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1)
 
     def generation_config(self, config: Any) -> Any:
         from transformers import GenerationConfig
 
         return GenerationConfig.from_model_config(config)
+
+
+def _left_as_is(processor: Any, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the family's fix-up leaves this (two-dimensional or larger) tensor as it is -- then it can be written
+    slice by slice. Asked of the processor itself with a probe of the tensor's row count (its fix-ups act on rows:
+    Llama's q/k permutation), so no family's rules are repeated here."""
+    import torch
+
+    if len(shape) < 2:
+        return False
+    probe = torch.arange(shape[0], dtype=torch.float32).reshape(shape[0], 1)
+    try:
+        result = processor.process(weights=probe, name=name).weights
+    except Exception:  # a fix-up that needs the real shape: write the tensor whole
+        return False
+    return isinstance(result, torch.Tensor) and result.shape == probe.shape and torch.equal(result, probe)
 
 
 def _lean_reader_class() -> type:
