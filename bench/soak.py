@@ -42,6 +42,13 @@ def held(client: LeaderClient) -> list:
     return [f.get("held") for f in client.get("/api/v1/fellows")["fellows"] if f["state"] == "online"]
 
 
+async def watch_memory(pids: dict[str, int], t0: float, every_s: float = 60.0) -> None:
+    """The processes' resident memory once a minute while traffic runs: a leak shows as a steady climb."""
+    while True:
+        await trio.sleep(every_s)
+        print(f"  {time.perf_counter() - t0:5.0f} s  RSS (MB): {rss_mb(pids)}", flush=True)
+
+
 def report(title: str, traffic: Traffic, seconds: float) -> None:
     t = traffic.tally()
     print(f"\n{title}: {t['requests']} requests in {seconds:.0f} s")
@@ -105,7 +112,14 @@ def main() -> None:
 
         soak = Traffic(url, token, BUILTIN, prompts, tokenizer, max_tokens=args.tokens, seed=2, deadline_s=1800)
         t0 = time.perf_counter()
-        trio.run(lambda: soak.run(args.clients, duration_s=args.minutes * 60))
+
+        async def soak_and_watch():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_memory, pids, t0)
+                await soak.run(args.clients, duration_s=args.minutes * 60)
+                nursery.cancel_scope.cancel()
+
+        trio.run(soak_and_watch)
         report(f"{args.clients} clients for {args.minutes:g} min", soak, time.perf_counter() - t0)
         time.sleep(3)  # a heartbeat or two: what the stages hold once traffic ends
         end = rss_mb(pids)
