@@ -250,6 +250,9 @@ async def legacy_completions(client, name) -> dict:
     chunks = await trio.to_thread.run_sync(lambda: list(client.completions.create(
         model=name, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop], n=2, stream=True, logprobs=0)))
     got["stream"] = (stop, chunks)
+    # several prompts in one request (harnesses batch theirs), each with its choices, in order
+    got["batch"] = await call(client.completions.create, model=name, prompt=[PROMPT, "Paris is"], max_tokens=2,
+                              temperature=0, echo=True, n=2)
     with pytest.raises(openai.BadRequestError, match="'prompt' holds token 1000000"):
         await call(client.completions.create, model=name, prompt=[1, 10**6], max_tokens=1)
     return got
@@ -282,6 +285,13 @@ def check_legacy_completions(got: dict, model, model_dir) -> None:
     same = got["ids"]
     assert [c.text for c in same.choices] == [PROMPT + greedy.text] * 2
     assert same.usage.prompt_tokens == len(ids) and same.usage.completion_tokens == 16
+
+    batch = got["batch"]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text.startswith(p) for c, p in zip(batch.choices, [PROMPT, PROMPT, "Paris is", "Paris is"])] == [True] * 4
+    assert batch.choices[0].text == batch.choices[1].text == PROMPT + tokenizer.decode(reply[:2])
+    paris = len(tokenizer("Paris is")["input_ids"])
+    assert batch.usage.prompt_tokens == len(ids) + paris and batch.usage.completion_tokens == 8
 
     stop, chunks = got["stream"]
     texts, ends = {0: "", 1: ""}, []
