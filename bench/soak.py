@@ -91,7 +91,7 @@ def main() -> None:
         leader = procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
                                         str(data / "leader")])
         _wait_http(url, procs)
-        token, join, _ = _credentials(data / "leader")
+        token, join, _ = _credentials(data / "leader", args.stages)
         fellows = {f"fellow-{i}": procs.start(f"fellow-{i}", [
             "join", url, "--token", join, "--name", f"fellow-{i}", "--data-dir", str(data / f"fellow-{i}")],
             env={"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1"}) for i in range(args.stages)}

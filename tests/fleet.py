@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
+from harness import install_model, wait_for
+
 
 class FellowProcess:
     def __init__(self, url: str, join_token: str, data_dir: Path, name: str, *, standby: bool = False,
@@ -120,3 +124,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Pool:
+    """A `swarm leader` process with ``count`` `swarm join` fellows online, serving nothing yet; ``model_dir`` is in
+    its catalogue as ``name``. ``http`` is a client signed in with the admin API token. ``stop()`` ends them all."""
+
+    def __init__(self, tmp: Path, model_dir: Path, count: int = 2):
+        self.name = install_model(tmp / "leader", model_dir)
+        self.leader = LeaderProcess(tmp / "leader", free_port()).start()
+        self.fellows: list[FellowProcess] = []
+        self.http = None
+        try:
+            self._start(tmp, count)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, tmp: Path, count: int) -> None:
+        self.token = wait_for(lambda: self.leader.printed("Admin API token:"), 60, message=self.leader.log)
+        join = self.leader.join_token(uses=count)
+        self.fellows = [FellowProcess(self.leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}").start()
+                        for i in range(count)]
+        self.http = httpx.Client(base_url=self.leader.url, headers={"authorization": f"Bearer {self.token}"},
+                                 timeout=120)
+        wait_for(lambda: len(self.online()) == count, 120, message=lambda: logs(self.fellows))
+
+    def online(self) -> list[dict]:
+        return [f for f in self.http.get("/api/v1/fellows").json()["fellows"] if f["state"] == "online"]
+
+    def load(self, num_stages: int = 2, timeout: float = 180) -> None:
+        assert self.http.post(f"/api/v1/models/{self.name}/load", json={"num_stages": num_stages}).status_code == 202
+        wait_for(lambda: self.status() == "ready", timeout, interval=0.01, message=lambda: logs(self.fellows))
+
+    def status(self) -> str | None:
+        try:
+            return self.http.get(f"/api/v1/models/{self.name}", timeout=5).json()["status"]
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def logs(self) -> dict[str, Path]:
+        return {"leader": self.leader.log_path, **{f.name: f.log_path for f in self.fellows}}
+
+    def pids(self) -> dict[str, int]:
+        return {"leader": self.leader.proc.pid, **{f.name: f.proc.pid for f in self.fellows}}
+
+    def stop(self) -> None:
+        for f in self.fellows:
+            f.stop()
+        self.leader.stop()

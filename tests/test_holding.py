@@ -9,12 +9,11 @@ same traffic for longer and prints the figures."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import trio
 
-from fleet import FellowProcess, LeaderProcess, free_port, logs
-from harness import install_model, wait_for, wait_until
+from fleet import Pool
+from harness import wait_until
 from traffic import Traffic, build_prompts, rss_mb
 
 pytestmark = pytest.mark.e2e
@@ -29,43 +28,25 @@ def prompts(smollm_model_dir):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, smollm_model_dir):
+def pool(tmp_path_factory, smollm_model_dir):
     """A leader and two fellows, the model not loaded yet."""
-    tmp = tmp_path_factory.mktemp("holding")
-    name = install_model(tmp / "leader", smollm_model_dir)
-    leader = LeaderProcess(tmp / "leader", free_port()).start()
-    fellows = []
-    try:
-        token = wait_for(lambda: leader.printed("Admin API token:"), 60, message=leader.log)
-        join = leader.join_token(uses=2)
-        fellows = [FellowProcess(leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}").start() for i in range(2)]
-        http = httpx.Client(base_url=leader.url, headers={"authorization": f"Bearer {token}"}, timeout=120)
-        wait_for(lambda: len([f for f in http.get("/api/v1/fellows").json()["fellows"] if f["state"] == "online"])
-                 == 2, 120, message=lambda: logs(fellows))
-        yield {"leader": leader, "fellows": fellows, "http": http, "token": token, "name": name}
-    finally:
-        for f in fellows:
-            f.stop()
-        leader.stop()
+    pool = Pool(tmp_path_factory.mktemp("holding"), smollm_model_dir)
+    yield pool
+    pool.stop()
 
 
 @pytest.fixture
-def fleet_logs(fleet, process_logs):
-    process_logs(lambda: {"leader": fleet["leader"].log_path, **{f.name: f.log_path for f in fleet["fellows"]}})
-    return fleet
+def fleet(pool, process_logs):
+    process_logs(pool.logs)
+    return pool
 
 
-def pids(fleet) -> dict[str, int]:
-    return {"leader": fleet["leader"].proc.pid, **{f.name: f.proc.pid for f in fleet["fellows"]}}
-
-
-async def nothing_held(fleet) -> None:
+async def nothing_held(pool: Pool) -> None:
     """Every stage reports (in its heartbeat) that it holds no request and no KV cache."""
     def held():
-        fellows = fleet["http"].get("/api/v1/fellows").json()["fellows"]
-        return [f["held"] for f in fellows if f["state"] == "online"]
+        return [f["held"] for f in pool.online()]
 
-    await wait_until(lambda: all(h.get(fleet["name"]) == {"requests": 0, "caches": 0} for h in held()), 30,
+    await wait_until(lambda: all(h.get(pool.name) == {"requests": 0, "caches": 0} for h in held()), 30,
                      message=lambda: f"the stages still hold {held()}")
     await trio.sleep(2.5)  # a heartbeat or two more: an idle fellow has given its freed memory back by then
 
@@ -80,41 +61,35 @@ def check(tally: dict) -> None:
     assert tally["differs"] == [], tally["differs"]
 
 
-async def test_a_burst_of_64_chats_the_moment_the_model_is_ready(fleet_logs, prompts, smollm_model_dir,
-                                                                  session_summary):
-    fleet = fleet_logs
-    http, name = fleet["http"], fleet["name"]
+WARM_RSS: dict = {}  # each process's size once the burst has warmed every path
+
+
+async def test_a_burst_of_64_chats_the_moment_the_model_is_ready(fleet, prompts, smollm_model_dir, session_summary):
     from swarm.leader.chat_format import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm_model_dir))
-    assert http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2}).status_code == 202
-    await wait_until(lambda: http.get(f"/api/v1/models/{name}").json()["status"] == "ready", 180,
-                     interval=0.01, message=lambda: logs(fleet["fellows"]))
-    traffic = Traffic(fleet["leader"].url, fleet["token"], name, prompts, tokenizer, max_tokens=MAX_TOKENS,
+    fleet.load(2)
+    traffic = Traffic(fleet.leader.url, fleet.token, fleet.name, prompts, tokenizer, max_tokens=MAX_TOKENS,
                       kinds={"whole": 0.5, "stream": 0.5}, deadline_s=900)
     await traffic.run(64, requests=64)
     tally = traffic.tally()
     check(tally)
     assert tally["by_status"] == {"done": 64}, tally
     await nothing_held(fleet)
-    fleet["warm_rss"] = rss_mb(pids(fleet))
+    WARM_RSS.update(rss_mb(fleet.pids()))
     session_summary("a burst of 64 chats (tests/test_holding.py)",
-                    f"{tally['exact']}; ttft {tally['ttft_s']}; latency {tally['latency_s']}; "
-                    f"RSS after {fleet['warm_rss']} MB")
+                    f"{tally['exact']}; ttft {tally['ttft_s']}; latency {tally['latency_s']}; RSS after {WARM_RSS} MB")
 
 
-async def test_two_minutes_of_mixed_traffic_lose_nothing_and_leave_nothing_behind(fleet_logs, prompts,
-                                                                                  smollm_model_dir, session_summary):
-    fleet = fleet_logs
-    http, name = fleet["http"], fleet["name"]
+async def test_two_minutes_of_mixed_traffic_lose_nothing_and_leave_nothing_behind(fleet, prompts, smollm_model_dir,
+                                                                                  session_summary):
     from swarm.leader.chat_format import load_tokenizer
 
-    if http.get(f"/api/v1/models/{name}").json()["status"] != "ready":
-        assert http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2}).status_code == 202
-        await wait_until(lambda: http.get(f"/api/v1/models/{name}").json()["status"] == "ready", 180)
+    if fleet.status() != "ready":
+        fleet.load(2)
     tokenizer = load_tokenizer(str(smollm_model_dir))
-    before = fleet.get("warm_rss") or rss_mb(pids(fleet))
-    traffic = Traffic(fleet["leader"].url, fleet["token"], name, prompts, tokenizer, max_tokens=MAX_TOKENS,
+    before = dict(WARM_RSS) or rss_mb(fleet.pids())
+    traffic = Traffic(fleet.leader.url, fleet.token, fleet.name, prompts, tokenizer, max_tokens=MAX_TOKENS,
                       seed=2, deadline_s=900)
     await traffic.run(64, duration_s=120)
     tally = traffic.tally()
@@ -123,7 +98,7 @@ async def test_two_minutes_of_mixed_traffic_lose_nothing_and_leave_nothing_behin
     assert kinds == {"whole", "stream", "cancel", "vanish", "slow"}, kinds
     assert tally["by_status"].get("done", 0) >= 30, tally
     await nothing_held(fleet)
-    after = rss_mb(pids(fleet))
+    after = rss_mb(fleet.pids())
     # no leak from cancelled or abandoned requests: idle again, each process is about its size after warm-up
     assert all(g < 0.10 for g in grew(before, after).values()), (before, after)
     session_summary("two minutes of mixed traffic (tests/test_holding.py)",

@@ -6,28 +6,20 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from fleet import FellowProcess, LeaderProcess, free_port, logs
-from harness import install_model, wait_for
+from fleet import Pool, logs
+from harness import wait_for
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 
-def test_a_killed_leader_comes_back_serving_what_it_served(tmp_path, smollm_model_dir):
-    name = install_model(tmp_path / "leader", smollm_model_dir)
-    leader = LeaderProcess(tmp_path / "leader", free_port()).start()
-    fellows = []
+def test_a_killed_leader_comes_back_serving_what_it_served(tmp_path, smollm_model_dir, process_logs):
+    pool = Pool(tmp_path, smollm_model_dir)
+    process_logs(pool.logs)
+    leader, fellows, http, name = pool.leader, pool.fellows, pool.http, pool.name
     try:
-        token = wait_for(lambda: leader.printed("Admin API token:"), 60, message=leader.log)
-        join = leader.join_token(uses=2)
-        fellows = [FellowProcess(leader.url, join, tmp_path / f"fellow-{i}", f"fellow-{i}").start() for i in range(2)]
-        http = httpx.Client(base_url=leader.url, headers={"authorization": f"Bearer {token}"}, timeout=120)
-        wait_for(lambda: len([f for f in http.get("/api/v1/fellows").json()["fellows"] if f["state"] == "online"]) == 2,
-                 120, message=lambda: logs(fellows))
-        assert http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2}).status_code == 202
-        wait_for(lambda: http.get(f"/api/v1/models/{name}").json()["status"] == "ready", 120,
-                 message=lambda: logs(fellows))
+        pool.load(2)
         body = {"model": name, "messages": PROMPT, "temperature": 0, "max_tokens": 24, "return_token_ids": True}
         before = http.post("/v1/chat/completions", json=body).json()["choices"][0]["token_ids"]
         chat = http.post("/api/v1/chats", json={"title": "colours", "model": name,
@@ -42,7 +34,7 @@ def test_a_killed_leader_comes_back_serving_what_it_served(tmp_path, smollm_mode
                     if n == 5:
                         leader.kill()
         leader.start()
-        status = wait_for(lambda: _status(http, name) == "ready" and "ready", 90,
+        status = wait_for(lambda: pool.status() == "ready" and "ready", 90,
                           message=lambda: f"{leader.log()}\n{logs(fellows)}")
         assert status == "ready"
         view = http.get(f"/api/v1/models/{name}").json()
@@ -51,17 +43,5 @@ def test_a_killed_leader_comes_back_serving_what_it_served(tmp_path, smollm_mode
         after = http.post("/v1/chat/completions", json=body).json()["choices"][0]["token_ids"]
         assert after == before
         assert http.get(f"/api/v1/chats/{chat['id']}").json()["title"] == "colours"
-    except BaseException:
-        print(leader.log(), logs(fellows), sep="\n")
-        raise
     finally:
-        for f in fellows:
-            f.stop()
-        leader.stop()
-
-
-def _status(http: httpx.Client, name: str) -> str | None:
-    try:
-        return http.get(f"/api/v1/models/{name}", timeout=5).json()["status"]
-    except (httpx.HTTPError, ValueError):
-        return None
+        pool.stop()
