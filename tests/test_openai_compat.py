@@ -132,8 +132,18 @@ async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
             assert [e.token for e in streamed] == [e.token for e in content[:5]]  # up to the stop string's token
             assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content[:5]])
 
-            # n: greedy choices are the same reply; usage counts them all
+            # n: greedy choices are the same reply, run once on the ring; usage counts them all
+            submitted = []
+            submit = swarm.leader.serving.submit
+
+            async def count(request):
+                submitted.append(request)
+                return await submit(request)
+
+            swarm.leader.serving.submit = count
             reply = await call(client.chat.completions.create, **base, n=3)
+            swarm.leader.serving.submit = submit
+            assert len(submitted) == 1
             assert [c.index for c in reply.choices] == [0, 1, 2]
             assert {c.message.content for c in reply.choices} == {"".join(SCRIPT)}
             assert reply.usage.completion_tokens == 3 * (len(SCRIPT) + 1)  # the script and the end of turn, thrice

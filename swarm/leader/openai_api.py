@@ -173,6 +173,11 @@ class OpenAIRoutes:
         grammar = getattr(params, "grammar", None)
         think = await trio.to_thread.run_sync(think_tokens, model_dir) if grammar and thinking else None
         first = to_sampling(sampling, params.logprobs, prompt_logprobs, grammar, think)
+        if first.temperature <= 0:
+            # Greedy choices are one reply: it runs once on the ring and every choice reads it.
+            request = Request(model=name, prompt=prompt, max_tokens=max_tokens, sampling=first, eos=eos, owner=owner)
+            out.extend([await leader.serving.submit(request)] * params.n)
+            return
         for i in range(params.n):
             seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
             request = Request(model=name, prompt=prompt, max_tokens=max_tokens,
