@@ -355,3 +355,56 @@ def test_gguf_stored_dtype_follows_the_file_and_values_follow_transformers(tmp_p
     layer = load_file(tmp_path / "models/m/weights/layer_001.safetensors")
     for key, value in layer.items():
         assert torch.equal(value, whole[f"model.layers.1.{key}"].to(getattr(torch, stored))), key
+
+
+def test_sharded_folder_import_holds_a_slice_at_a_time(tmp_path):
+    """A generated ~540 MB bfloat16 Llama folder in two shards imports with the importing process's peak RSS less than
+    a quarter of the folder's size above what it held before (tensors are read with plain reads, a slice at a time,
+    not through safetensors' memory map)."""
+    import subprocess
+    import sys
+
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                                      tie_word_embeddings=False, dtype="bfloat16")
+    source = tmp_path / "src"
+    source.mkdir()
+    config.save_pretrained(source)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    weight_map, shard, total = {}, {}, 0
+    for i, (key, shape) in enumerate(shapes.items()):
+        shard[key] = (0.02 * torch.randn(shape, generator=generator)).to(torch.bfloat16)
+        name = f"model-0000{1 + (i >= len(shapes) // 2)}-of-00002.safetensors"
+        weight_map[key] = name
+        total += shard[key].numel() * 2
+        if i == len(shapes) // 2 - 1 or i == len(shapes) - 1:
+            save_file(shard, str(source / name), metadata={"format": "pt"})
+            shard = {}
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert total > 500e6
+    child = (
+        "import json, sys, torch, transformers, safetensors\n"
+        "from transformers import AutoModelForCausalLM, LlamaForCausalLM\n"
+        "from swarm.store.importer import import_model\n"
+        "def status(key):\n"
+        "    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key))\n"
+        "before = status('VmRSS')\n"
+        "m = import_model(sys.argv[1], sys.argv[2], 'big')\n"
+        "print(json.dumps({'raise': status('VmHWM') - before, 'dtype': m.dtype}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child, str(source), str(tmp_path / "models")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"peak RSS raised by {figures['raise'] / 1e6:.0f} MB importing a {total / 1e6:.0f} MB folder")
+    assert figures["raise"] < total / 4, figures
+    assert figures["dtype"] == "bfloat16"
+    layer = load_file(tmp_path / "models/big/weights/layer_011.safetensors")
+    with safe_open(source / weight_map["model.layers.11.mlp.up_proj.weight"], framework="pt") as f:
+        assert torch.equal(layer["mlp.up_proj.weight"], f.get_tensor("model.layers.11.mlp.up_proj.weight"))

@@ -7,6 +7,8 @@ converted holding one stage file's tensors at a time.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,22 +124,49 @@ WRITE_SLICE_ELEMENTS = 4 << 20
 
 
 def _write(path: Path, key: str, dtype: Any, out: Any) -> None:
-    import torch
-    from safetensors import safe_open
+    """Write one floating tensor of a safetensors file to ``out`` in ``dtype``, a slice of rows at a time.
 
-    with safe_open(str(path), framework="pt") as handle:
-        piece = handle.get_slice(key)
-        shape = piece.get_shape()
-        if len(shape) < 2:
-            chunks = [handle.get_tensor(key)]
-        else:
-            row = 1
-            for d in shape[1:]:
-                row *= int(d)
-            step = max(1, WRITE_SLICE_ELEMENTS // max(1, row))
-            chunks = (piece[start : start + step] for start in range(0, int(shape[0]), step))
-        for chunk in chunks:
-            out.write(memoryview(chunk.to(dtype).contiguous().view(-1).view(torch.uint8).numpy()))
+    The bytes are read with plain reads at the offsets the file's header gives, not through safetensors' memory map:
+    pages touched through a map count against the importing process until it is closed (a whole embedding's worth).
+    """
+    import torch
+
+    with open(path, "rb", buffering=0) as f:
+        head = _header(f, path)
+        entry = head[key]
+        source = getattr(torch, _SAFETENSORS_DTYPES[entry["dtype"]])
+        shape = [int(d) for d in entry["shape"]]
+        begin, end = (int(x) for x in entry["data_offsets"])
+        base = 8 + head["__length__"] + begin
+        item = torch.empty((), dtype=source).element_size()
+        row = item
+        for d in shape[1:]:
+            row *= d
+        rows = shape[0] if shape else 1
+        if row * rows != end - begin:
+            raise ImportFailed(f"{path}: tensor {key!r} has {end - begin} bytes for shape {shape}; the file is damaged")
+        step = max(1, WRITE_SLICE_ELEMENTS * item // max(1, row))
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            buf = bytearray(count * row)
+            if os.preadv(f.fileno(), [buf], base + start * row) != len(buf):
+                raise ImportFailed(f"{path} ends inside tensor {key!r}; the file is incomplete")
+            chunk = torch.frombuffer(buf, dtype=source) if buf else torch.empty(0, dtype=source)
+            out.write(memoryview(chunk.to(dtype).contiguous().view(torch.uint8).numpy()))
+
+
+def _header(f: Any, path: Path) -> dict:
+    """A safetensors file's header (its JSON), with ``__length__``: the JSON's length in bytes."""
+    raw = os.pread(f.fileno(), 8, 0)
+    if len(raw) != 8:
+        raise ImportFailed(f"{path} is not a safetensors file (too short)")
+    length = struct.unpack("<Q", raw)[0]
+    try:
+        head = json.loads(os.pread(f.fileno(), length, 8))
+    except ValueError as exc:
+        raise ImportFailed(f"{path} has a damaged safetensors header ({exc})") from exc
+    head["__length__"] = length
+    return head
 
 
 def _read(path: Path, key: str, dtype: Any) -> Any:
