@@ -31,6 +31,7 @@ from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
 from swarm.leader.headers import SecurityHeaders
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
+from swarm.leader.mcp_tools import McpEndpoint
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.store.db import Store
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
@@ -78,6 +79,7 @@ class Leader:
         self.signin = SignInThrottle()
         self.hashing = HashPool()
         self.first_start = initialize(self.store, self.public, self.cert_pin)
+        self.mcp = McpEndpoint(self)  # its tools call self.app in-process, once it exists
         self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit))
 
     def body_limit(self, path: str) -> int:
@@ -142,6 +144,7 @@ class Leader:
             Route("/login", login_page),
             Route("/pools/{owner}/{pool}/inference", page),
             Route("/auth/link", api.login_link),
+            Route("/mcp", self.mcp, methods=["GET", "POST", "DELETE"]),
             Route("/v1/models", oai.models),
             Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
             Route("/v1/completions", CompletionRoutes(oai).completions, methods=["POST"]),
@@ -182,7 +185,7 @@ class Leader:
         if self.tls is not None:
             config.certfile, config.keyfile = str(self.tls[0]), str(self.tls[1])
         config.keep_alive_timeout = 75
-        async with trio.open_nursery() as nursery:
+        async with self.mcp.run(), trio.open_nursery() as nursery:
             self.serving.nursery = nursery
             await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
 

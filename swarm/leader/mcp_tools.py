@@ -1,0 +1,150 @@
+"""The leader's MCP tools (toolset ``serving``), for agents: list, load and unload models, see how one performs, chat,
+and read, rename and delete saved chats.
+
+Streamable HTTP at ``/mcp`` (the official ``mcp`` SDK, stateless, JSON responses), authenticated with an API token as
+a Bearer header. Each tool is a call to the leader's own REST or OpenAI route made in-process with the caller's
+token, so a tool reaches the same models and chats under the same rules as the API (chats private to the token's
+user, the same validation and the same error words); a refusal comes back as a tool error, never a crash.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import httpx
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from starlette.responses import JSONResponse
+
+from swarm.errors import AuthError
+from swarm.leader.auth import current_user
+
+# the caller's bearer token, for the in-process calls a tool makes
+_token: contextvars.ContextVar[str] = contextvars.ContextVar("mcp_token")
+
+INSTRUCTIONS = (
+    "swarm serves large language models split over several PCs. models_list shows the catalogue and what is loaded; "
+    "models_load puts a model on the pool's fellows (it answers once the load has started; poll models_list for "
+    "ready); chat sends messages to a loaded model and returns its reply; chats_* reach your saved chats."
+)
+
+
+class McpEndpoint:
+    """The ASGI app behind ``/mcp``: checks the API token, then hands the request to the SDK's transport."""
+
+    def __init__(self, leader):
+        self.leader = leader
+        self.server = build_server(leader)
+        self.transport = self.server.streamable_http_app(streamable_http_path="/mcp", stateless_http=True,
+                                                         json_response=True)
+
+    def run(self):
+        """The SDK's session manager: entered for as long as the leader serves."""
+        return self.server.session_manager.run()
+
+    async def __call__(self, scope, receive, send) -> None:
+        from starlette.requests import Request
+
+        request = Request(scope, receive)
+        try:
+            await current_user(request, self.leader.store)
+        except AuthError as exc:
+            response = JSONResponse({"error": {"message": f"{exc} The MCP tools take an API token as a Bearer "
+                                                          "header (Settings -> API tokens, or swarm admin token).",
+                                               "type": "unauthorized", "code": "unauthorized"}}, status_code=401,
+                                    headers={"www-authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        token = _token.set(request.headers.get("authorization", "").removeprefix("Bearer ").strip())
+        try:
+            await self.transport(scope, receive, send)
+        finally:
+            _token.reset(token)
+
+
+def build_server(leader) -> MCPServer:
+    server = MCPServer("swarm", instructions=INSTRUCTIONS)
+
+    async def call(method: str, path: str, body: dict | None = None, params: dict | None = None) -> Any:
+        """The leader's own route, in-process, as the caller; its refusal as a tool error in its own words."""
+        transport = httpx.ASGITransport(app=leader.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://leader",
+                                     headers={"authorization": f"Bearer {_token.get()}"}, timeout=None) as http:
+            response = await http.request(method, path, json=body, params=params)
+        try:
+            data = response.json()
+        except ValueError:
+            data = {"error": {"message": response.text}}
+        if response.status_code >= 400:
+            error = data.get("error") if isinstance(data, dict) else None
+            message = error.get("message") if isinstance(error, dict) else response.text
+            raise ToolError(f"{message} (HTTP {response.status_code})")
+        return data
+
+    @server.tool(description="The models in the catalogue, each with its status (not_loaded, loading, ready, "
+                             "recovering, failed) and where its stages run.")
+    async def models_list() -> list[dict]:
+        return (await call("GET", "/api/v1/models"))["models"]
+
+    @server.tool(description="Load a model on the pool. num_stages splits it over that many fellows (1: one PC, "
+                             "with fellow_id to choose which); by default the leader places it. Returns at once; "
+                             "the model is ready when models_list says so.")
+    async def models_load(model: str, num_stages: int | None = None, fellow_id: int | None = None) -> dict:
+        body = {k: v for k, v in (("num_stages", num_stages), ("fellow_id", fellow_id)) if v is not None}
+        return await call("POST", f"/api/v1/models/{model}/load", body)
+
+    @server.tool(description="Unload a model from every fellow serving it.")
+    async def models_unload(model: str) -> dict:
+        return await call("POST", f"/api/v1/models/{model}/unload")
+
+    @server.tool(description="How a loaded model performs: its stages, the fellows and hardware under them, and "
+                             "each hop between stages (transport, round trip, bytes per token).")
+    async def models_performance(model: str, range: str = "15m") -> dict:  # noqa: A002 (the API's name)
+        return await call("GET", f"/api/v1/models/{model}/performance", params={"range": range})
+
+    @server.tool(description="Send a chat to a loaded model and return its reply. Give messages (a list of "
+                             "{role, content}) or a prompt (one user message). temperature 0 is greedy; unset "
+                             "sampling is the model's own. reasoning false asks a reasoning model not to think first.")
+    async def chat(model: str, messages: list[dict] | None = None, prompt: str | None = None,
+                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                   min_p: float | None = None, max_tokens: int | None = None,
+                   reasoning: bool | None = None) -> dict:
+        if (messages is None) == (prompt is None):
+            raise ToolError("give either messages (a list of {role, content}) or a prompt, not both and not neither.")
+        body: dict = {"model": model, "messages": messages if messages is not None else
+                      [{"role": "user", "content": prompt}]}
+        for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                           ("max_tokens", max_tokens)):
+            if value is not None:
+                body[key] = value
+        if reasoning is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": reasoning}
+        data = await call("POST", "/v1/chat/completions", body)
+        choice = data["choices"][0]
+        reply = {"content": choice["message"].get("content") or "", "finish_reason": choice["finish_reason"],
+                 "usage": data["usage"]}
+        if choice["message"].get("reasoning_content"):
+            reply["reasoning"] = choice["message"]["reasoning_content"]
+        return reply
+
+    @server.tool(description="Your saved chats, newest first: id, title, model and when each was last changed.")
+    async def chats_list() -> list[dict]:
+        return (await call("GET", "/api/v1/chats"))["chats"]
+
+    @server.tool(description="One of your saved chats, with its messages.")
+    async def chats_get(chat_id: str) -> dict:
+        return await call("GET", f"/api/v1/chats/{chat_id}")
+
+    @server.tool(description="Give one of your saved chats a new title.")
+    async def chats_rename(chat_id: str, title: str) -> dict:
+        return await call("PATCH", f"/api/v1/chats/{chat_id}", {"title": title})
+
+    @server.tool(description="Delete one of your saved chats for good.")
+    async def chats_delete(chat_id: str) -> dict:
+        await call("DELETE", f"/api/v1/chats/{chat_id}")
+        return {"deleted": chat_id}
+
+    return server
+
+
