@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from fleet import FellowProcess  # noqa: E402
 from harness import running_swarm, wait_until  # noqa: E402
 
-PROMPT = [{"role": "user", "content": "Count from 1 to 100, one number per line."}]
+PROMPT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
 
 
 async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> float:
