@@ -115,6 +115,25 @@ async def test_download_then_cache_hit(tmp_path: Path) -> None:
             assert len(server.requests) == 1  # served from the cache: no request
 
 
+async def test_two_loads_wanting_the_same_file_download_it_once(tmp_path: Path) -> None:
+    """A stage loaded again while its first load still downloads: one download, both get the verified file."""
+    cache = tmp_path / "cache"
+    data = _data(2 * 1024 * 1024 + 5)
+    got: list[Path] = []
+    with trio.fail_after(TIMEOUT_S):
+        async with running(tmp_path) as (server, client):
+            sha = server.add("embed.safetensors", data)
+
+            async def load() -> None:
+                got.append(await fetch_file(client, "/files/embed.safetensors", cache, sha, len(data), AUTH))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(load)
+            assert got == [cached_path(cache, sha)] * 3 and got[0].read_bytes() == data
+            assert len(server.requests) == 1
+
+
 async def test_interrupted_download_resumes_with_range(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     data = _data(2 * 1024 * 1024 + 5)

@@ -47,6 +47,12 @@ def _hash_file(path: Path) -> hashlib._Hash:
     return digest
 
 
+# one download of a file at a time in this process: a second load wanting the same file (a stage loaded again
+# while its first load still downloads, two models sharing a file) waits for the first and then finds it cached,
+# instead of writing the same part file at the same time
+_downloading: dict[str, trio.Lock] = {}
+
+
 async def fetch_file(
     client: httpx.AsyncClient,
     url: str,
@@ -62,6 +68,17 @@ async def fetch_file(
     DownloadError (connection lost: the part is kept for the next call).
     """
     sha256 = sha256.lower()
+    key = str(cached_path(dest_cache, sha256))
+    lock = _downloading.setdefault(key, trio.Lock())
+    try:
+        async with lock:
+            return await _fetch(client, url, dest_cache, sha256, size, headers, progress)
+    finally:
+        if not lock.locked() and lock.statistics().tasks_waiting == 0:
+            _downloading.pop(key, None)
+
+
+async def _fetch(client, url, dest_cache, sha256, size, headers, progress) -> Path:
     final = cached_path(dest_cache, sha256)
     name = url.rsplit("/", 1)[-1] or url
     if final.is_file():
