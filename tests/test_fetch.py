@@ -274,3 +274,28 @@ async def test_complete_part_and_empty_file_need_no_request(tmp_path: Path) -> N
             assert (await fetch_file(client, "/files/x.bin", cache, sha, len(data), AUTH)).read_bytes() == data
             assert (await fetch_file(client, "/files/e.bin", cache, empty_sha, 0, AUTH)).read_bytes() == b""
             assert server.requests == []
+
+
+async def test_a_newer_load_of_a_model_supersedes_one_in_flight_and_an_unload_stops_it() -> None:
+    from swarm.fellow.loading import StageLoader
+
+    loader = StageLoader(fellow=None)
+    finished: list[str] = []
+
+    async def slow_load(message: dict) -> None:
+        await trio.sleep(message["takes"])
+        finished.append(message["load_id"])
+
+    loader._load = slow_load
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(loader.load, {"model": "m", "load_id": "first", "takes": 10})
+            await trio.sleep(0.05)
+            nursery.start_soon(loader.load, {"model": "m", "load_id": "second", "takes": 0.1})
+            nursery.start_soon(loader.load, {"model": "other", "load_id": "third", "takes": 0.2})
+        assert finished == ["second", "third"]  # the first was cut short; another model's load was not touched
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(loader.load, {"model": "m", "load_id": "fourth", "takes": 10})
+            await trio.sleep(0.05)
+            loader.cancel("m")
+        assert finished == ["second", "third"] and loader._loading == {}

@@ -165,6 +165,7 @@ class ControlLink:
             if stage is not None:
                 stage.unlink()
         elif kind == "unload":
+            fellow.loader.cancel(message["model"])  # a load still in flight stops too
             fellow.unload(message["model"])
             await self.send({"t": "unloaded", "model": message["model"]})
         elif kind == "punch_ping":

@@ -49,8 +49,32 @@ class LoadProgress:
 class StageLoader:
     def __init__(self, fellow):
         self.fellow = fellow
+        self._loading: dict[str, trio.CancelScope] = {}  # model -> its load in flight
 
     async def load(self, message: dict) -> None:
+        """Load the stage ``message`` places here. A newer load of the same model (the leader placed it again, a
+        failover) supersedes one still in flight: the older stops where it is, without a word to the leader."""
+        model = message["model"]
+        earlier = self._loading.get(model)
+        if earlier is not None:
+            earlier.cancel()
+        with trio.CancelScope() as scope:
+            self._loading[model] = scope
+            try:
+                await self._load(message)
+            finally:
+                if self._loading.get(model) is scope:
+                    del self._loading[model]
+        if scope.cancelled_caught:
+            log.info("a newer load of %s replaced load %s before it finished", model, message["load_id"])
+
+    def cancel(self, model: str) -> None:
+        """Stop a load of ``model`` still in flight (the leader unloaded the model)."""
+        scope = self._loading.get(model)
+        if scope is not None:
+            scope.cancel()
+
+    async def _load(self, message: dict) -> None:
         fellow = self.fellow
         model, load_id = message["model"], message["load_id"]
         fellow.unload(model)
