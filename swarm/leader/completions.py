@@ -15,13 +15,13 @@ import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from swarm.errors import BadRequest, ContextTooLong, SwarmError, first_leaf
+from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
 from swarm.leader.limits import check_prompt_bytes
-from swarm.leader.http_errors import json_body, openai_error, openai_problem
+from swarm.leader.http_errors import json_body, openai_error
 from swarm.leader.logprobs import token_text
-from swarm.leader.openai_api import Choice, ReplyText, _error_events, _timing, next_event
+from swarm.leader.openai_api import Choice, ReplyText, _error_events, _timing, next_event, read_choices
 from swarm.leader.openai_params import CompletionParams, parse_completion_body
 from swarm.leader.requests import Request
 
@@ -89,18 +89,9 @@ class CompletionRoutes:
             return StreamingResponse(self._stream(choices, params, tokenizer, created),
                                      media_type="text/event-stream",
                                      headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"})
-        try:
-            async with trio.open_nursery() as nursery:
-                for choice in choices:
-                    nursery.start_soon(self._collect, choice)
-        except BaseException as exc:
-            failure = first_leaf(exc)
-            if isinstance(failure, SwarmError):
-                return openai_problem(502, str(failure), "server_error", "ring_failed")
-            raise
-        finally:
-            for choice in choices:
-                self.leader.serving.cancel(choice.request)
+        failed = await read_choices(self.leader.serving, choices, self._collect)
+        if failed is not None:
+            return failed
         out = []
         for choice in choices:
             item = {"index": choice.index, "text": (choice.prompt_text if params.echo else "") + choice.content,

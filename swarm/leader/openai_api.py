@@ -82,18 +82,9 @@ class OpenAIRoutes:
                 self._stream(choices, created), media_type="text/event-stream",
                 headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"},
             )
-        try:
-            async with trio.open_nursery() as nursery:  # every choice read at once: a stop string cancels it at once
-                for choice in choices:
-                    nursery.start_soon(self._collect, choice)
-        except BaseException as exc:
-            failure = first_leaf(exc)
-            if isinstance(failure, SwarmError):
-                return openai_problem(502, str(failure), "server_error", "ring_failed")
-            raise
-        finally:
-            for choice in choices:
-                self.leader.serving.cancel(choice.request)
+        failed = await read_choices(self.leader.serving, choices, self._collect)
+        if failed is not None:
+            return failed
         out = []
         for choice in choices:
             message = {"role": "assistant", "content": choice.content}
@@ -335,6 +326,24 @@ async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
     for extra in done[1:]:
         extra[0].pending.append(extra[1:])
     return done[0]
+
+
+async def read_choices(serving, choices: list, collect) -> JSONResponse | None:
+    """``collect`` every choice at once (a stop string cancels its request at once); a 502 if the ring failed one.
+    Afterwards the choices' ring requests are cancelled, whatever happened, so no stage keeps working on them."""
+    try:
+        async with trio.open_nursery() as nursery:
+            for choice in choices:
+                nursery.start_soon(collect, choice)
+    except BaseException as exc:
+        failure = first_leaf(exc)
+        if isinstance(failure, SwarmError):
+            return openai_problem(502, str(failure), "server_error", "ring_failed")
+        raise
+    finally:
+        for choice in choices:
+            serving.cancel(choice.request)
+    return None
 
 
 class ReplyText:
