@@ -131,8 +131,8 @@ def test_stop_ends_generation_on_the_fellows(bg, browser, model):
     page.locator("#composer-input").press("Enter")
     reply = page.locator(".msg.assistant").last
     expect(page.locator("#stop-button")).to_be_visible()
-    page.wait_for_function("document.querySelector('.msg.assistant:last-child .answer').innerText.length > 40",
-                           timeout=60_000)
+    # (a locator wait: the page's CSP forbids the eval a string predicate of wait_for_function needs)
+    expect(reply.locator(".answer")).to_have_text(re.compile(r"[\s\S]{41}"), timeout=60_000)  # > 40 characters
     assert bg.swarm.leader.serving.requests, "the reply should still be generating"
     page.click("#stop-button")
     expect(page.locator("#send-button")).to_be_visible()
