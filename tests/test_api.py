@@ -30,7 +30,7 @@ def _auth(token):
     return {"authorization": f"Bearer {token}"}
 
 
-def _error(response, status, code=None):
+def check_error(response, status, code=None):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
@@ -40,19 +40,19 @@ def _error(response, status, code=None):
 
 
 def test_openai_routes_refuse_without_a_valid_token(client):
-    _error(client.get("/v1/models"), 401, "invalid_api_key")
-    _error(client.post("/v1/chat/completions", json={}, headers=_auth("swt_nope")), 401)
+    check_error(client.get("/v1/models"), 401, "invalid_api_key")
+    check_error(client.post("/v1/chat/completions", json={}, headers=_auth("swt_nope")), 401)
 
 
 def test_chat_completions_errors_are_openai_shaped(client, leader):
     token = leader.first_start.admin_token
-    _error(client.post("/v1/chat/completions", content=b"{not json", headers=_auth(token)), 400, "invalid_json")
-    _error(client.post("/v1/chat/completions", json={"messages": []}, headers=_auth(token)), 400, "missing_model")
-    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+    check_error(client.post("/v1/chat/completions", content=b"{not json", headers=_auth(token)), 400, "invalid_json")
+    check_error(client.post("/v1/chat/completions", json={"messages": []}, headers=_auth(token)), 400, "missing_model")
+    message = check_error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
                      404, "model_not_found")
     assert "nope" in message
-    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+    message = check_error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
                      503, "model_not_loaded")
     assert "swarm model-load qwen3" in message
@@ -62,7 +62,7 @@ def test_chat_completions_errors_are_openai_shaped(client, leader):
 
 def test_loading_without_fellows_says_what_is_needed(client, leader):
     token = leader.first_start.admin_token
-    message = _error(client.post("/api/v1/models/qwen3/load", json={"num_stages": 2}, headers=_auth(token)), 409)
+    message = check_error(client.post("/api/v1/models/qwen3/load", json={"num_stages": 2}, headers=_auth(token)), 409)
     assert "needs 2 fellows online" in message and "swarm join" in message
 
 
@@ -77,12 +77,12 @@ def test_chats_are_private_and_limited(client, leader, tmp_path):
     chat_id = created.json()["id"]
     assert created.json()["title"] == "Plan my week"
     # Nobody else reads it, admins included.
-    _error(client.get(f"/api/v1/chats/{chat_id}", headers=_auth(admin_token)), 404)
-    _error(client.delete(f"/api/v1/chats/{chat_id}", headers=_auth(admin_token)), 404)
+    check_error(client.get(f"/api/v1/chats/{chat_id}", headers=_auth(admin_token)), 404)
+    check_error(client.delete(f"/api/v1/chats/{chat_id}", headers=_auth(admin_token)), 404)
     assert client.get("/api/v1/chats", headers=_auth(admin_token)).json() == {"chats": []}
     # A chat over 2 MB is refused with the limit named, and the stored one is unchanged.
     big = [{"role": "user", "content": "x" * 2_100_000}]
-    message = _error(client.patch(f"/api/v1/chats/{chat_id}", headers=_auth(alice_token), json={"messages": big}),
+    message = check_error(client.patch(f"/api/v1/chats/{chat_id}", headers=_auth(alice_token), json={"messages": big}),
                      413)
     assert "2.0 MB" in message and "not saved" in message
     assert client.get(f"/api/v1/chats/{chat_id}", headers=_auth(alice_token)).json()["messages"][0]["content"] == \
@@ -94,14 +94,14 @@ def test_browser_sessions_need_the_csrf_token(client, leader):
     assert response.status_code == 200
     me = client.get("/api/v1/me").json()
     assert me["user"]["name"] == "admin" and me["csrf"]
-    _error(client.post("/api/v1/chats", json={"messages": []}), 401)
+    check_error(client.post("/api/v1/chats", json={"messages": []}), 401)
     ok = client.post("/api/v1/chats", json={"messages": []}, headers={"x-csrf-token": me["csrf"]})
     assert ok.status_code == 201
-    _error(client.post("/api/v1/auth/login", json={"name": "admin", "password": "wrong"}), 401)
+    check_error(client.post("/api/v1/auth/login", json={"name": "admin", "password": "wrong"}), 401)
 
 
 def test_model_files_need_a_node_credential(client, leader):
-    _error(client.get("/api/v1/models/qwen3/files/config.json", headers=_auth(leader.first_start.admin_token)), 401)
+    check_error(client.get("/api/v1/models/qwen3/files/config.json", headers=_auth(leader.first_start.admin_token)), 401)
 
 
 def test_our_own_bugs_are_500s_that_say_so_never_400s(client, leader, monkeypatch, caplog):
@@ -115,7 +115,7 @@ def test_our_own_bugs_are_500s_that_say_so_never_400s(client, leader, monkeypatc
     monkeypatch.setattr("swarm.leader.openai_api.encode_chat", broken)
     response = client.post("/v1/chat/completions", headers=_auth(token),
                            json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]})
-    message = _error(response, 500, "internal_error")
+    message = check_error(response, 500, "internal_error")
     assert "bug in swarm" in message and "KeyError" in message
     assert response.json()["error"]["type"] == "server_error"
     assert any("unexpected error" in r.message for r in caplog.records)
@@ -136,7 +136,7 @@ def test_a_template_that_refuses_the_messages_is_the_clients_400(client, leader,
 
     monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
     monkeypatch.setattr("swarm.leader.openai_api.encode_chat", refuse)
-    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+    message = check_error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
                      400, "invalid_messages")
     assert "alternate" in message
@@ -151,8 +151,8 @@ def test_admins_mark_fellows_standby_and_see_it(client, leader):
     response = client.put(f"/api/v1/fellows/{fellow.id}", json={"standby": True}, headers=_auth(token))
     assert response.status_code == 200 and response.json()["fellow"]["standby"] is True
     assert client.get("/api/v1/fellows", headers=_auth(token)).json()["fellows"][0]["standby"] is True
-    _error(client.put(f"/api/v1/fellows/{fellow.id}", json={"standby": "yes"}, headers=_auth(token)), 400)
-    _error(client.put("/api/v1/fellows/999", json={"standby": True}, headers=_auth(token)), 404)
+    check_error(client.put(f"/api/v1/fellows/{fellow.id}", json={"standby": "yes"}, headers=_auth(token)), 400)
+    check_error(client.put("/api/v1/fellows/999", json={"standby": True}, headers=_auth(token)), 404)
     # a fellow that joins with --standby is one; joining again without it keeps what the admin set
     again, _ = leader.store.enrol_fellow("gpu-box", b"k" * 32, pool.id, standby=False)
     assert again.standby is True
@@ -175,7 +175,7 @@ def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(c
     monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
     monkeypatch.setattr(leader.serving, "submit", refuse)
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 512}
-    message = _error(client.post("/v1/chat/completions", json=body, headers=_auth(token)), 413,
+    message = check_error(client.post("/v1/chat/completions", json=body, headers=_auth(token)), 413,
                      "context_length_exceeded")
     assert message.startswith("this conversation needs 4312 tokens (3800 in the prompt and up to 512 in the reply); "
                               "the pool serving this model holds 4096.")
@@ -185,18 +185,18 @@ def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(c
     event = json.loads(streamed.text.split("\n")[0].removeprefix("data: "))
     assert event["error"]["code"] == "context_length_exceeded" and "4312 tokens" in event["error"]["message"]
     over = client.post("/v1/chat/completions", json={**body, "max_tokens": 5000}, headers=_auth(token))
-    assert "at most 4096 tokens" in _error(over, 400, "invalid_max_tokens")
+    assert "at most 4096 tokens" in check_error(over, 400, "invalid_max_tokens")
 
 
 def test_completions_route_answers_in_the_openai_shape(client, leader):
     token = leader.first_start.admin_token
-    _error(client.post("/v1/completions", json={"model": "qwen3", "prompt": "hi"}), 401)
-    message = _error(client.post("/v1/completions", headers=_auth(token),
+    check_error(client.post("/v1/completions", json={"model": "qwen3", "prompt": "hi"}), 401)
+    message = check_error(client.post("/v1/completions", headers=_auth(token),
                                  json={"model": "qwen3", "prompt": "hi", "suffix": "end"}), 400, "unsupported_parameter")
     assert "'suffix'" in message
-    _error(client.post("/v1/completions", headers=_auth(token), json={"model": "qwen3", "prompt": "hi"}), 503,
+    check_error(client.post("/v1/completions", headers=_auth(token), json={"model": "qwen3", "prompt": "hi"}), 503,
            "model_not_loaded")
-    message = _error(client.post("/v1/chat/completions", headers=_auth(token),
+    message = check_error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}],
                                        "response_format": {"type": "json_schema",
                                                            "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),

@@ -352,7 +352,7 @@ def _wan_routers(lab: netlab.Lab, host: str) -> list[str]:
     return out
 
 
-def _run_case(ring: Ring, results: Results, reference: list[int], case: str) -> dict:
+def check_case(ring: Ring, results: Results, reference: list[int], case: str) -> dict:
     nat1, nat2, hosts, expected = CASES[case]
     lab = ring.lab
     started = time.monotonic()
@@ -409,14 +409,14 @@ def _run_case(ring: Ring, results: Results, reference: list[int], case: str) -> 
 
 
 def test_a_two_fellows_on_one_lan_talk_directly(ring, results, reference):
-    _run_case(ring, results, reference, "a")
+    check_case(ring, results, reference, "a")
 
 
 def test_b_two_ordinary_nats_go_over_the_relay_and_open_no_port(ring, results, reference):
     ring.seed_cache("a1")
     ring.forget_cache("b1")  # b1 downloads its stage for real, through its NAT and the WAN delay
     ring.use(("a1", "b1"), seed=False)
-    _run_case(ring, results, reference, "b")
+    check_case(ring, results, reference, "b")
     lab = ring.lab
     for host in ("a1", "b1"):
         # The fellow does listen on its serving port (its own LAN reaches it)...
@@ -430,15 +430,15 @@ def test_b_two_ordinary_nats_go_over_the_relay_and_open_no_port(ring, results, r
 
 
 def test_c_fully_random_nat(ring, results, reference):
-    _run_case(ring, results, reference, "c")
+    check_case(ring, results, reference, "c")
 
 
 def test_d_udp_blocked(ring, results, reference):
-    _run_case(ring, results, reference, "d")
+    check_case(ring, results, reference, "d")
 
 
 def test_e_carrier_grade_nat(ring, results, reference):
-    _run_case(ring, results, reference, "e")
+    check_case(ring, results, reference, "e")
     lab = ring.lab
     assert not lab.tcp_reachable(netlab.LEADER, lab.public_address("c1"), SERVE_PORT, timeout=1.0)
     assert lab.inbound_openings("cgn") == []
@@ -461,7 +461,7 @@ FAIL_WAIT_S = 20.0
 _OUTCOME = re.compile(r"hop \S+ \(stage \d+ -> \d+\) of " + re.escape(MODEL) + r": (\w+)")
 
 
-def _run_tunnel_case(ring: Ring, results: Results, reference: list[int], case: str) -> None:
+def check_tunnel_case(ring: Ring, results: Results, reference: list[int], case: str) -> None:
     nat1, nat2, hosts, expected = TUNNEL_CASES[case]
     lab = ring.lab
     started = time.monotonic()
@@ -501,23 +501,23 @@ def _run_tunnel_case(ring: Ring, results: Results, reference: list[int], case: s
 
 
 def test_f_two_ordinary_nats_with_direct_links_punch_a_tunnel(ring, results, reference):
-    _run_tunnel_case(ring, results, reference, "f")
+    check_tunnel_case(ring, results, reference, "f")
 
 
 def test_g_carrier_grade_nat_with_direct_links_punches_a_tunnel(ring, results, reference):
-    _run_tunnel_case(ring, results, reference, "g")
+    check_tunnel_case(ring, results, reference, "g")
 
 
 def test_h_fully_random_nat_stays_on_the_relay(ring, results, reference):
-    _run_tunnel_case(ring, results, reference, "h")
+    check_tunnel_case(ring, results, reference, "h")
 
 
 def test_i_udp_blocked_stays_on_the_relay(ring, results, reference):
-    _run_tunnel_case(ring, results, reference, "i")
+    check_tunnel_case(ring, results, reference, "i")
 
 
 def test_j_routers_that_answer_strangers_still_punch_with_a_coordinated_low_ttl_start(ring, results, reference):
-    _run_tunnel_case(ring, results, reference, "j")
+    check_tunnel_case(ring, results, reference, "j")
 
 
 def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, results, smollm_model_dir):

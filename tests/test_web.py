@@ -92,6 +92,7 @@ def test_sign_in_with_password_and_signed_out_redirect(bg, browser):
     page.fill("#password", bg.swarm.leader.first_start.admin_password)
     page.click("#signin-button")
     page.wait_for_url("**/inference**")
+    assert page.url.endswith("/pools/admin/default/inference"), page.url  # back where the signed-out visit began
     expect(page.locator("#status-pill")).to_have_text("Model ready")
     context.close()
 
