@@ -48,20 +48,10 @@ class FellowProcess:
         self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop(self.proc, thaw=True)
 
     def log(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return _tail(self.log_path, lines)
 
 
 def logs(fellows: list[FellowProcess], lines: int = 40) -> str:
@@ -103,19 +93,31 @@ class LeaderProcess:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop(self.proc)
 
     def log(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return _tail(self.log_path, lines)
+
+
+def _stop(proc: subprocess.Popen | None, thaw: bool = False) -> None:
+    """Terminate ``proc`` (SIGCONT first if it may be frozen), killing it if it has not gone in 10 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    if thaw:
+        proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def free_port() -> int:
