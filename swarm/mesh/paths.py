@@ -7,6 +7,7 @@ The dialer names the hop in the handshake payload so one listening port serves e
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ from swarm.errors import LinkClosed, TunnelError
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
 from swarm.tunnel.channel import HANDSHAKE_TIMEOUT, NoiseChannel, StreamFrameTransport
 from swarm.tunnel.tls import context_for
+
+log = logging.getLogger(__name__)
 
 # A hop that cannot open within this time falls back to the relay. On a LAN a TCP connect plus the Noise handshake
 # takes about a millisecond; seconds mean a filtered port, whose SYNs are dropped rather than refused.
@@ -47,9 +50,12 @@ async def open_relay(
     """Join one end of a relay channel on the leader; the leader pairs the dialer with the listener."""
     url = ws_url(leader_url, f"/relay/{hop_id}?role={role}")
     ssl_context = ssl_context or context_for(leader_url)  # the leader's pinned certificate (swarm.tunnel.tls)
+    # The websocket's reader task runs in a nursery of its own: a refusal it raises there (the leader answering 403
+    # for a hop of an old ring) ends this channel, never the stage's nursery and with it the fellow.
+    own, connected = await nursery.start(_websocket_nursery, url)
     try:
         ws = await trio_websocket.connect_websocket_url(
-            nursery,
+            own,
             url,
             ssl_context=ssl_context,
             extra_headers=[(b"authorization", f"Bearer {credential}".encode())],
@@ -57,7 +63,20 @@ async def open_relay(
         )
     except (OSError, trio_websocket.HandshakeError) as exc:
         raise LinkClosed(f"could not reach the leader's relay at {url}: {exc}") from None
+    finally:
+        connected.set()
     return WebSocketFrameTransport(ws)
+
+
+async def _websocket_nursery(url: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A nursery for one websocket's background tasks, open until the connect is done and its tasks have ended."""
+    connected = trio.Event()
+    try:
+        async with trio.open_nursery() as own:
+            task_status.started((own, connected))
+            await connected.wait()
+    except* (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as group:
+        log.info("the relay channel at %s ended: %s", url, group.exceptions[0])
 
 
 async def dial_relay(
