@@ -57,6 +57,15 @@ class RequestStart:
     # The prompt's token ids, only for a request with penalties (the last stage counts the tokens they apply to);
     # its last ``drawn`` ids are the reply's so far.
     context: list[int] | None = None
+    group: list[str] = dataclasses.field(default_factory=list)  # a group's carrier: its siblings' rids, as started
+
+
+@record
+class Sibling:
+    """One of a group's requests (sampled choices of one prompt): its ring id and its own sampling seed."""
+
+    rid: str
+    seed: int | None = None
 
 
 @message("gen")
@@ -68,6 +77,15 @@ class Generate:
     eos: list[int]
     sampling: Sampling
     drawn: int = 0  # tokens the reply had before this attempt: the prompt ends with them
+    # A group start: ``rid`` only carries the prompt's prefill, once on every stage; at its last chunk each stage
+    # copies the prompt's KV cache to every sibling, which then samples and decodes on its own (its sampling is
+    # ``sampling`` with the sibling's seed). Tokens, failures and cancels are the siblings', never ``rid``'s.
+    siblings: list[Sibling] = dataclasses.field(default_factory=list)
+
+    @property
+    def rids(self) -> list[str]:
+        """The ring ids whose replies this message starts."""
+        return [s.rid for s in self.siblings] if self.siblings else [self.rid]
 
 
 @message("cancel")
@@ -86,6 +104,7 @@ class Part:
     n: int
     last: bool
     start: RequestStart | None = None  # set on a request's first chunk
+    siblings: list[Sibling] = dataclasses.field(default_factory=list)  # a group's last prompt chunk: who gets a copy
 
 
 @message("hidden")

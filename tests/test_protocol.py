@@ -18,15 +18,17 @@ from swarm.stage.protocol import Output, Release, Report, Send, StageProtocol
 EOS = 2
 
 
-def toy_next(token: int, pos: int) -> int:
-    """The toy model's next token after ``token`` at position ``pos`` (never EOS unless it lands there)."""
-    return (token * 7 + pos * 3) % 97 + 3
+def toy_next(token: int, pos: int, seed: int | None = None) -> int:
+    """The toy model's next token after ``token`` at position ``pos`` (never EOS unless it lands there); a seed
+    stands for sampling: another seed, another reply."""
+    base = (token * 7 + pos * 3) % 97 + 3
+    return base if seed is None else (base + seed * 11) % 97 + 3
 
 
-def toy_reference(prompt: list[int], max_tokens: int, eos=(EOS,)) -> tuple[list[int], str]:
+def toy_reference(prompt: list[int], max_tokens: int, eos=(EOS,), seed: int | None = None) -> tuple[list[int], str]:
     out, token, pos = [], prompt[-1], len(prompt) - 1
     while True:
-        token = toy_next(token, pos)
+        token = toy_next(token, pos, seed)
         out.append(token)
         pos += 1
         if token in eos:
@@ -50,7 +52,7 @@ class ToyStage:
 def toy_execute(fail_on: set[tuple[int, str]] = frozenset()):
     def execute(stage: ToyStage, batch) -> Output:
         stage.batches.append([w.rid for w in batch])
-        rows, tokens = [], []
+        rows, tokens, fanned = [], [], []
         for work in batch:
             if (stage.index, work.rid) in fail_on:
                 raise RuntimeError(f"boom on {work.rid}")
@@ -62,10 +64,18 @@ def toy_execute(fail_on: set[tuple[int, str]] = frozenset()):
             ids = work.ids if work.ids is not None else \
                 work.rows.source.tensor()[0, work.rows.row : work.rows.row + work.n, 0].tolist()
             rows += ids
+            members = work.request.members if work.fans_out else []
+            for member in members:  # a group's last prompt chunk: each sibling gets a copy of the cache
+                stage.caches[member.rid] = list(cache)
+            if members:
+                del stage.caches[work.rid]
             if stage.index == stage.num_stages - 1:
-                tokens.append(toy_next(ids[-1], work.pos + work.n - 1) if work.last else None)
+                pos = work.pos + work.n - 1
+                fanned.append([(toy_next(ids[-1], pos, m.sampling.seed), None) for m in members] or None)
+                tokens.append(toy_next(ids[-1], pos, work.request.sampling.seed) if work.last and not members
+                              else None)
         if stage.index == stage.num_stages - 1:
-            return Output(tokens=tokens)
+            return Output(tokens=tokens, fanned=fanned if any(fanned) else None)
         return Output(hidden=wire.tensor_to_wire(torch.tensor(rows, dtype=torch.int64).reshape(1, -1, 1)))
 
     return execute
@@ -209,3 +219,130 @@ def test_an_empty_prompt_is_refused_with_a_failure_report():
     first = StageProtocol(model="m", index=0, num_stages=2)
     (report,) = first.receive(messages.Generate("m", "a", [], 5, [], messages.Sampling()))
     assert isinstance(report, Report) and "empty" in report.message.message
+
+
+# --- groups: sampled choices of one prompt, prefilled once ------------------------------------------------------------
+
+
+SEEDS = [("c0", 11), ("c1", 22), ("c2", 33), ("c3", None)]
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize("prompt_len, chunk", [(1, 4), (4, 4), (10, 4), (9, 3)])
+def test_a_group_prefills_once_and_each_sibling_decodes_its_own_reply(num_stages, prompt_len, chunk):
+    prompt = [(11 * i) % 90 + 5 for i in range(prompt_len)]
+    r = ring(num_stages, chunk)
+    replies = r.submit_group("g", SEEDS, prompt, 9, eos=[])
+    r.run()
+    for rid, seed in SEEDS:  # what n separate requests with these seeds give
+        assert (replies[rid].tokens, replies[rid].finish_reason) == (toy_reference(prompt, 9, (), seed)[0], "length")
+    assert [p.prefill_tokens for p in r.protocols] == [prompt_len] * num_stages  # once, not once per sibling
+    assert sum(rids == ["g"] for rids in r.stages[0].batches) == -(-prompt_len // chunk)
+    apart = ring(num_stages, chunk)
+    for rid, seed in SEEDS:
+        apart.submit(rid, prompt, 9, messages.Sampling(seed=seed), eos=[])
+    apart.run()
+    assert [p.prefill_tokens for p in apart.protocols] == [4 * prompt_len] * num_stages
+    assert {rid: apart.replies[rid].tokens for rid, _ in SEEDS} == {rid: replies[rid].tokens for rid, _ in SEEDS}
+    assert_clean(r)
+
+
+def test_siblings_end_on_their_own_eos():
+    prompt = [5, 6, 7]
+    eos = toy_reference(prompt, 4, (), 22)[0][3]  # c1's fourth token
+    r = ring(2)
+    replies = r.submit_group("g", SEEDS, prompt, 30, eos=[eos])
+    r.run()
+    assert (replies["c1"].tokens, replies["c1"].finish_reason) == toy_reference(prompt, 30, (eos,), 22)
+    for rid, seed in SEEDS:
+        assert (replies[rid].tokens, replies[rid].finish_reason) == toy_reference(prompt, 30, (eos,), seed)
+    assert_clean(r)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_a_sibling_cancelled_before_the_copy_is_left_out_and_the_others_go_on(num_stages):
+    prompt = list(range(10, 30))
+    r = ring(num_stages, chunk=2)
+    replies = r.submit_group("g", SEEDS, prompt, 6, eos=[])
+    for _ in range(3):  # a few chunks in
+        r.step()
+    r.cancel("c1")
+    r.run()
+    assert replies["c1"].tokens == [] and replies["c1"].finish_reason == "cancelled"
+    for rid, seed in SEEDS:
+        if rid != "c1":
+            assert replies[rid].tokens == toy_reference(prompt, 6, (), seed)[0]
+    assert all("c1" not in rids for stage in r.stages for rids in stage.batches)  # never a cache, never a step
+    assert_clean(r)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_a_sibling_cancelled_mid_decode_frees_only_its_cache(num_stages):
+    prompt = [3, 4, 5]
+    r = ring(num_stages)
+    replies = r.submit_group("g", SEEDS, prompt, 40, eos=[])
+    while len(replies["c2"].tokens) < 3:
+        r.step()
+    r.cancel("c2")
+    for _ in range(3 * num_stages):
+        r.step()
+    assert all("c2" not in stage.caches for stage in r.stages)
+    assert all({"c0", "c1", "c3"} <= set(stage.caches) for stage in r.stages)  # the others' caches are untouched
+    r.run()
+    assert 3 <= len(replies["c2"].tokens) < 10
+    for rid, seed in SEEDS:
+        if rid != "c2":
+            assert replies[rid].tokens == toy_reference(prompt, 40, (), seed)[0]
+    assert_clean(r)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_cancelling_every_sibling_mid_prefill_stops_the_prompt(num_stages):
+    r = ring(num_stages, chunk=2)
+    replies = r.submit_group("g", SEEDS, list(range(10, 40)), 5)
+    for _ in range(4):
+        r.step()
+    for rid, _ in SEEDS:
+        r.cancel(rid)
+    r.run()
+    assert all(reply.tokens == [] for reply in replies.values())
+    assert len(r.stages[0].batches) < 15, "the prompt went on after every sibling was cancelled"
+    assert_clean(r)
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1, 2])
+def test_a_failing_prefill_fails_every_sibling_and_nothing_else(failing_stage):
+    r = ring(3, chunk=2, fail_on={(failing_stage, "g")})
+    other = r.submit("other", [4, 4, 4, 4, 4], 8, eos=[])
+    replies = r.submit_group("g", SEEDS, [9, 8, 7, 6, 5], 8, eos=[])
+    r.run()
+    for reply in replies.values():
+        assert reply.error is not None and f"stage {failing_stage}" in reply.error and reply.tokens == []
+    assert other.tokens == toy_reference([4] * 5, 8, eos=())[0]
+    assert_clean(r)
+
+
+def test_a_failed_send_of_a_groups_last_chunk_fails_its_siblings():
+    p = StageProtocol(model="m", index=0, num_stages=2, prefill_chunk=4)
+    group = [messages.Sibling("a", 1), messages.Sibling("b", 2)]
+    assert p.receive(messages.Generate("m", "g", [1, 2, 3], 5, [], messages.Sampling(temperature=1.0),
+                                       siblings=group)) == []
+    (send,) = p.computed(p.next_batch(), Output(hidden=wire.tensor_to_wire(torch.zeros(1, 3, 1))))
+    (part,) = send.message.parts
+    assert (part.rid, part.siblings, part.start.group) == ("g", group, ["a", "b"])
+    assert sorted(p.requests) == ["a", "b"]  # the carrier is done here; the siblings wait for their first tokens
+    actions = p.send_failed(send.message, "the link broke")
+    assert sorted(a.message.rid for a in actions if isinstance(a, Report)) == ["a", "b", "g"]
+    assert p.requests == {}
+
+
+def test_a_group_start_travels_on_the_wire_and_names_its_replies():
+    message = messages.Generate("m", "g", [1, 2], 5, [2], messages.Sampling(temperature=0.7),
+                                siblings=[messages.Sibling("a", 1), messages.Sibling("b", None)])
+    assert wire.decode_message(wire.encode(message)) == message
+    assert message.rids == ["a", "b"]
+    assert messages.Generate("m", "g", [1], 5, [], messages.Sampling()).rids == ["g"]
+    clash = StageProtocol(model="m", index=0, num_stages=1)
+    clash.receive(messages.Generate("m", "a", [1], 5, [], messages.Sampling()))
+    reports = clash.receive(message)
+    assert [r.message.rid for r in reports] == ["a", "b"] and "already" in reports[0].message.message

@@ -160,3 +160,28 @@ def test_logit_bias_is_added_before_everything_else(llama):
     assert banned.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits, -1)[banned.tokens[0]]),
                                                        abs=1e-4)
     assert forced.tokens == [7, 7, 7, 7]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_sampled_choices_prefill_once_and_draw_what_separate_requests_draw(llama, stages):
+    """A group of four sampled choices: every stage computes the prompt once (not four times), copies its KV cache to
+    each choice, and each choice's reply (and logprobs) is what a request of its own with the same seed gets."""
+    model_dir, _ = llama
+    prompt = PROMPT * 3  # 24 tokens: six chunks of 4
+    sampling = messages.Sampling(temperature=1.0, top_k=50, logprobs=2, frequency_penalty=0.5)
+    seeds = [("a", 1), ("b", 2), ("c", 3), ("d", 4)]
+    ring = ring_of(model_dir, stages)
+    group = ring.submit_group("g", seeds, prompt, STEPS, sampling)
+    ring.run()
+    assert [p.prefill_tokens for p in ring.protocols] == [len(prompt)] * stages
+    assert all(s.requests() == [] for s in ring.stages)
+    apart = ring_of(model_dir, stages)
+    alone = {rid: apart.submit(rid, prompt, STEPS, messages.Sampling(**{**sampling.__dict__, "seed": seed}))
+             for rid, seed in seeds}
+    apart.run()
+    assert [p.prefill_tokens for p in apart.protocols] == [4 * len(prompt)] * stages
+    for rid, _ in seeds:
+        assert group[rid].tokens == alone[rid].tokens and len(group[rid].tokens) == STEPS
+        assert [e.logprob for e in group[rid].logprobs] == pytest.approx([e.logprob for e in alone[rid].logprobs],
+                                                                         abs=1e-4)
+    assert len({tuple(r.tokens) for r in group.values()}) > 1  # the choices draw on their own

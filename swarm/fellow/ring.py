@@ -116,7 +116,8 @@ class StageDriver:
                     actions = protocol.computed(batch, output)
                 if self.protocol is not protocol:  # relinked while computing: that work belongs to no ring now
                     for work in batch:
-                        self.stage_model.drop(work.rid)
+                        for rid in [work.rid, *(m.rid for m in work.request.members)]:  # a group's copies too
+                            self.stage_model.drop(rid)
                     continue
                 await self._perform(protocol, actions)
 

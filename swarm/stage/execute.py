@@ -5,6 +5,8 @@ thread so that neither compute nor the copy off the GPU ever blocks the event lo
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from swarm import messages, wire
@@ -41,8 +43,9 @@ def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) 
             rows = work.rows
             hidden = rows.source.tensor()[:, rows.row : rows.row + rows.n]
             out = stage.forward(work.rid, work.pos, hidden=hidden, want_logits=work.last)
+        fan_out(stage, work)
         if stage.spec.is_last:
-            tokens.append(_sample(stage, work, out) if work.last else None)
+            tokens.append(_pick(stage, work, out))
         else:
             hidden_out.append(out)
     if stage.spec.is_last:
@@ -56,9 +59,23 @@ def sampling_params(sampling: messages.Sampling) -> SamplingParams:
                           min_p=sampling.min_p, seed=sampling.seed)
 
 
-def _sample(stage: StageModel, work: Work, logits: torch.Tensor) -> tuple[int, messages.TokenLogprob | None]:
+def fan_out(stage: StageModel, work: Work) -> None:
+    """A group's last prompt chunk is computed: the prompt's KV cache goes to each sibling (copies, and the carrier's
+    own to the last one), so the siblings decode on their own from here without prefilling again."""
+    if work.fans_out:
+        stage.fan_out(work.rid, [member.rid for member in work.request.members])
+
+
+def _pick(stage: StageModel, work: Work, logits: torch.Tensor):
+    """What the last stage draws after ``work``: nothing (a prompt chunk before the last), the request's next token
+    with its logprobs, or -- a group's last prompt chunk -- each sibling's first, from the same logits."""
+    if work.fans_out:
+        return [_sample(stage, member, logits) for member in work.request.members]
+    return _sample(stage, work.request, logits) if work.last else None
+
+
+def _sample(stage: StageModel, request, logits: torch.Tensor) -> tuple[int, messages.TokenLogprob | None]:
     """The request's next token (and its logprobs, when it asked for them), from the logits of its last row."""
-    request = work.request
     sampling = request.sampling
     params = sampling_params(sampling)
     generator = None
@@ -97,11 +114,13 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
     the logits of every row; the rest of the batch as usual."""
     rest = [work for work in batch if not _wants_prompt_logprobs(work)]
     done = run_batch(stage, rest) if rest else Output(tokens=[])
-    results = dict(zip(map(id, rest), zip(done.tokens, done.logprobs or [None] * len(rest))))
-    tokens, logprobs, prompt_logprobs = [], [], []
+    results = dict(zip(map(id, rest), zip(done.tokens, done.logprobs or [None] * len(rest),
+                                          done.fanned or [None] * len(rest))))
+    picked, prompt_logprobs = [], []
     for work in batch:
         if id(work) in results:
-            token, logprob = results[id(work)]
+            token, logprob, group = results[id(work)]
+            picked.append(group if group is not None else (token, logprob) if token is not None else None)
             entries = None
         else:
             if work.start:
@@ -113,14 +132,12 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
                 rows = work.rows
                 logits = stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n],
                                        all_logits=True)
+            fan_out(stage, work)
             logits = logits.cpu()
             entries = prompt_entries(work, logits)
-            token, logprob = _sample(stage, work, logits[-1]) if work.last else (None, None)
-        tokens.append(token)
-        logprobs.append(logprob)
+            picked.append(_pick(stage, work, logits[-1]))
         prompt_logprobs.append(entries)
-    return Output(tokens=tokens, logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-                  prompt_logprobs=prompt_logprobs)
+    return dataclasses.replace(_sampled(picked), prompt_logprobs=prompt_logprobs)
 
 
 def prompt_entries(work: Work, logits: torch.Tensor) -> list[messages.TokenLogprob]:
@@ -144,9 +161,13 @@ def prompt_entries(work: Work, logits: torch.Tensor) -> list[messages.TokenLogpr
 
 
 def _sampled(results: list) -> Output:
-    tokens = [r[0] if r is not None else None for r in results]
-    logprobs = [r[1] if r is not None else None for r in results]
-    return Output(tokens=tokens, logprobs=logprobs if any(lp is not None for lp in logprobs) else None)
+    """The last stage's Output from what :func:`_pick` gave for each piece of work."""
+    single = [r if isinstance(r, tuple) else None for r in results]
+    tokens = [r[0] if r is not None else None for r in single]
+    logprobs = [r[1] if r is not None else None for r in single]
+    fanned = [r if isinstance(r, list) else None for r in results]
+    return Output(tokens=tokens, logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+                  fanned=fanned if any(f is not None for f in fanned) else None)
 
 
 def _run_together(stage: StageModel, batch: list[Work]) -> Output:
@@ -162,6 +183,8 @@ def _run_together(stage: StageModel, batch: list[Work]) -> Output:
             x = rows.source.tensor()[:, rows.row : rows.row + rows.n]
         items.append((work.rid, work.pos, x, work.last))
     out = forward_batch(stage, items)
+    for work in batch:
+        fan_out(stage, work)
     if not stage.spec.is_last:
         return Output(hidden=wire.tensor_to_wire(out))
-    return _sampled([_sample(stage, work, logits) if work.last else None for work, logits in zip(batch, out)])
+    return _sampled([_pick(stage, work, logits) for work, logits in zip(batch, out)])

@@ -61,6 +61,17 @@ class LocalRing:
         self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling))
         return self.replies[rid]
 
+    def submit_group(self, carrier: str, siblings: Sequence[tuple[str, int | None]], prompt: Sequence[int],
+                     max_tokens: int, sampling: messages.Sampling = messages.Sampling(),
+                     eos: Iterable[int] = ()) -> dict[str, LocalReply]:
+        """Sampled choices of one prompt as one group: the prompt prefills once (as ``carrier``), then each sibling
+        ``(rid, seed)`` samples and decodes on its own. The replies by sibling rid."""
+        for rid, _ in siblings:
+            self.replies[rid] = LocalReply()
+        self.inboxes[0].append(messages.Generate(self.model, carrier, list(prompt), max_tokens, sorted(set(eos)),
+                                                 sampling, siblings=[messages.Sibling(r, s) for r, s in siblings]))
+        return {rid: self.replies[rid] for rid, _ in siblings}
+
     def cancel(self, rid: str) -> None:
         self.inboxes[0].append(messages.Cancel(self.model, rid))
         reply = self.replies.get(rid)

@@ -23,6 +23,14 @@ How a request goes round (see the messages in swarm.wire):
 Requests are independent: each has its own KV cache on each stage, its own queue of work here, and its own
 failure (a compute that raises fails only the requests it computed). Work is taken round-robin over requests, one
 piece each, so a long prompt holds the others up by at most one chunk.
+
+A group (a Generate with siblings: sampled choices of one prompt) is prefilled once: the Generate's rid is a
+*carrier* that computes the prompt's chunks on every stage; with its last chunk each stage hands the prompt's KV
+cache to the siblings still alive (a copy each, the last one takes the carrier's own: see execute.fan_out) and
+forgets the carrier; the last stage samples every sibling's first token from the carrier's logits, each with its own
+seed. From there the siblings are ordinary requests. Stage 0 knows the siblings from the start: a cancel of one
+before the copy only takes it off the list the last chunk carries (Part.siblings), and the carrier ends with its last
+sibling. A carrier's failure is reported as each sibling's (RequestStart.group): the leader knows only those.
 """
 
 from __future__ import annotations
@@ -91,12 +99,20 @@ class StageRequest:
     generated: int = 0  # last stage: tokens sampled so far
     reply: list[int] = dataclasses.field(default_factory=list)  # last stage, with penalties: the tokens sampled
     constraint: Any = None  # last stage, with a grammar: its state (swarm.stage.grammar), made on the first draw
+    members: list = dataclasses.field(default_factory=list)  # a group's carrier: the siblings it prefills for
+    carrier: Any = None  # stage 0: the carrier of a sibling whose cache is not there yet
     next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
 
     @property
     def sampling(self) -> messages.Sampling:
         return self.start.sampling
+
+    def sibling(self, sibling: messages.Sibling) -> StageRequest:
+        """A sibling of this carrier, as its own request: the carrier's start with the sibling's seed."""
+        start = dataclasses.replace(self.start, sampling=dataclasses.replace(self.sampling, seed=sibling.seed),
+                                    group=[])
+        return StageRequest(sibling.rid, None, start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +159,11 @@ class Work:
         """A piece of the prompt (not a decode step)."""
         return self.pos < self.request.start.prompt_len
 
+    @property
+    def fans_out(self) -> bool:
+        """A group's last prompt chunk: its cache goes to the siblings (``request.members``) once computed."""
+        return self.last and bool(self.request.members) and self.pos < self.request.start.prompt_len
+
 
 @dataclasses.dataclass(frozen=True)
 class Output:
@@ -153,6 +174,8 @@ class Output:
     tokens: list[int | None] | None = None
     logprobs: list[messages.TokenLogprob | None] | None = None  # with tokens, for requests that asked for them
     prompt_logprobs: list[list[messages.TokenLogprob] | None] | None = None  # prompt tokens' (prompt chunks)
+    # last stage, a group's last prompt chunk: each sibling's (token, logprob), in request.members' order
+    fanned: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
 
 
 # --- the protocol ----------------------------------------------------------------------------------------------------
@@ -172,6 +195,7 @@ class StageProtocol:
         self.max_batch = max_batch
         self.requests: dict[str, StageRequest] = {}
         self._ready: collections.deque[str] = collections.deque()  # rids with work, round-robin
+        self.prefill_tokens = 0  # prompt positions this stage computed (a group's prompt counts once)
 
     # --- messages in ----------------------------------------------------------------------------------------------
 
@@ -179,7 +203,7 @@ class StageProtocol:
         if isinstance(message, messages.Generate) and self.is_first:
             return self._generate(message)
         if isinstance(message, messages.Cancel) and self.is_first:
-            return self._end(message.rid) if message.rid in self.requests else []
+            return self._cancel(message.rid)
         if isinstance(message, messages.Hidden) and not self.is_first:
             return self._hidden(message)
         if isinstance(message, messages.Sampled) and self.is_first:
@@ -192,17 +216,37 @@ class StageProtocol:
         raise ProtocolError(f"stage {self.index} of {self.num_stages} does not take a {type(message).__name__}")
 
     def _generate(self, message: messages.Generate) -> list[Action]:
+        rids = message.rids
         if not message.prompt:
-            return self._fail_new(message.rid, "the prompt is empty")
-        if message.rid in self.requests:
-            return self._fail_new(message.rid, f"request {message.rid} is already on stage 0")
+            return self._fail_new(rids, "the prompt is empty")
+        taken = [rid for rid in dict.fromkeys([message.rid, *rids]) if rid in self.requests]
+        if taken or len(set(rids)) != len(rids) or (message.siblings and message.rid in rids):
+            return self._fail_new(rids, f"request {(taken or rids)[0]} is already on stage 0")
         context = list(message.prompt) if message.sampling.needs_context else None  # penalties, prompt logprobs
         start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling,
-                                      message.drawn, context)
+                                      message.drawn, context, [s.rid for s in message.siblings])
         request = StageRequest(message.rid, list(message.prompt), start)
         self.requests[request.rid] = request
+        for sibling in message.siblings:
+            member = request.sibling(sibling)
+            member.carrier = request
+            request.members.append(member)
+            self.requests[member.rid] = member
         self._queue_next_chunk(request)
         return []
+
+    def _cancel(self, rid: str) -> list[Action]:
+        request = self.requests.get(rid)
+        if request is None:
+            return []
+        carrier = request.carrier
+        if carrier is not None:  # a sibling whose cache does not exist yet: the group's copy leaves it out
+            carrier.members.remove(request)
+            self._forget(rid)
+            return self._end(carrier.rid) if not carrier.members else []
+        for member in request.members:  # a carrier cancelled as such: its siblings go with it
+            self._forget(member.rid)
+        return self._end(rid)
 
     def _queue_next_chunk(self, request: StageRequest) -> None:
         pos = request.next_chunk
@@ -218,6 +262,10 @@ class StageProtocol:
             request = self.requests.get(part.rid)
             if request is None and part.start is not None and part.pos == 0:
                 request = self.requests[part.rid] = StageRequest(part.rid, None, part.start)
+            if request is not None and part.siblings:  # a group's last chunk: its siblings start here
+                for sibling in part.siblings:
+                    if sibling.rid not in self.requests:
+                        request.members.append(self.requests.setdefault(sibling.rid, request.sibling(sibling)))
             if request is not None:  # else a late message of a request that ended here: nothing to do
                 self._enqueue(Work(request, part.pos, part.n, part.last, rows=Rows(source, row, part.n)))
             row += part.n
@@ -277,39 +325,37 @@ class StageProtocol:
 
     def computed(self, batch: list[Work], output: Output) -> list[Action]:
         actions: list[Action] = []
+        self.prefill_tokens += sum(work.n for work in batch if work.prefill)
         if not self.is_last:
             parts = []
             for work in batch:
                 start = work.request.start if work.start else None
-                parts.append(messages.Part(work.rid, work.pos, work.n, work.last, start))
+                siblings = [messages.Sibling(m.rid, m.sampling.seed) for m in work.request.members] \
+                    if work.fans_out else []
+                parts.append(messages.Part(work.rid, work.pos, work.n, work.last, start, siblings))
                 if self.is_first and work.ids is not None and not work.last and work.request.next_chunk > 0:
                     self._queue_next_chunk(work.request)
+                if work.fans_out:
+                    self._fanned_out(work.request)
             actions.append(Send(messages.Hidden(self.model, parts, output.hidden)))
             return actions
-        sampled = []
+        sampled: list[messages.SampledToken] = []
         logprobs = output.logprobs or [None] * len(batch)
         for work, entries in zip(batch, output.prompt_logprobs or []):
             if entries:
                 actions.append(PromptLogprobs(work.rid, entries))
-        for work, token, logprob in zip(batch, output.tokens or [None] * len(batch), logprobs):
+        fanned = output.fanned or [None] * len(batch)
+        for work, token, logprob, group in zip(batch, output.tokens or [None] * len(batch), logprobs, fanned):
             if self.is_first and not work.last:
                 self._queue_next_chunk(work.request)  # one stage: the next prompt chunk
+            if work.fans_out:
+                for member, (token, logprob) in zip(work.request.members, group or []):
+                    actions += self._took(member, work.pos + work.n, token, logprob, sampled)
+                self._fanned_out(work.request)
+                continue
             if not work.last or token is None:
                 continue
-            request = work.request
-            request.generated += 1
-            if request.start.context is not None:
-                request.reply.append(token)
-            finish = None
-            if token in request.start.eos:
-                finish = "stop"
-            elif request.generated >= request.start.max_tokens:
-                finish = "length"
-            actions.append(Stream(work.rid, token, finish, logprob))
-            if finish is not None:
-                self._forget(work.rid)
-                actions.append(Release(work.rid))
-            sampled.append(messages.SampledToken(work.rid, work.pos + work.n, token, finish is not None))
+            actions += self._took(work.request, work.pos + work.n, token, logprob, sampled)
         if not sampled:
             return actions
         if self.is_first:  # one stage: the token goes straight into the next decode step
@@ -319,6 +365,30 @@ class StageProtocol:
         else:
             actions.append(Send(messages.Sampled(self.model, sampled)))
         return actions
+
+    def _took(self, request: StageRequest, pos: int, token: int, logprob, sampled: list) -> list[Action]:
+        """The last stage sampled ``token`` for ``request``: it streams, and ends the request by the eos/length rule;
+        its SampledToken for stage 0 joins ``sampled``."""
+        request.generated += 1
+        if request.start.context is not None:
+            request.reply.append(token)
+        finish = None
+        if token in request.start.eos:
+            finish = "stop"
+        elif request.generated >= request.start.max_tokens:
+            finish = "length"
+        actions: list[Action] = [Stream(request.rid, token, finish, logprob)]
+        if finish is not None:
+            self._forget(request.rid)
+            actions.append(Release(request.rid))
+        sampled.append(messages.SampledToken(request.rid, pos, token, finish is not None))
+        return actions
+
+    def _fanned_out(self, carrier: StageRequest) -> None:
+        """A group's last chunk is computed: the siblings hold the prompt's cache now, the carrier is done here."""
+        self._forget(carrier.rid)
+        for member in carrier.members:
+            member.carrier = None
 
     # --- failures and endings ---------------------------------------------------------------------------------------
 
@@ -332,7 +402,8 @@ class StageProtocol:
     def send_failed(self, message: Any, text: str) -> list[Action]:
         """Sending ``message`` to the next stage failed: the requests it carried fail."""
         if isinstance(message, messages.Hidden):
-            rids = [part.rid for part in message.parts]
+            # a group's last chunk: its siblings hold caches here already, and only they are the leader's to hear of
+            rids = [part.rid for part in message.parts] + [s.rid for part in message.parts for s in part.siblings]
         elif isinstance(message, messages.Sampled):
             rids = [token.rid for token in message.tokens if not token.done]
         else:
@@ -343,17 +414,24 @@ class StageProtocol:
         return actions
 
     def fail(self, rid: str, text: str, *, tell_next: bool = True) -> list[Action]:
-        """End ``rid`` on this stage with an error the leader hears; the stages after this one drop it too."""
+        """End ``rid`` on this stage with an error the leader hears; the stages after this one drop it too. A group's
+        carrier fails as its siblings (the leader knows only them), which end with it."""
         actions: list[Action] = []
-        if self._forget(rid):
-            actions.append(Release(rid))
+        request = self.requests.get(rid)
+        rids = [rid]
+        if request is not None and request.start.group:
+            rids += [m.rid for m in request.members]
+        for each in rids:
+            if self._forget(each):
+                actions.append(Release(each))
         if tell_next and not self.is_last:
-            actions.append(Send(messages.Free(self.model, [rid])))
-        actions.append(Report(messages.Failed(self.model, rid, text, stage=self.index)))
+            actions.append(Send(messages.Free(self.model, rids)))
+        told = request.start.group if request is not None and request.start.group else [rid]
+        actions += self._fail_new(told, text)
         return actions
 
-    def _fail_new(self, rid: str, text: str) -> list[Action]:
-        return [Report(messages.Failed(self.model, rid, text, stage=self.index))]
+    def _fail_new(self, rids: list[str], text: str) -> list[Action]:
+        return [Report(messages.Failed(self.model, rid, text, stage=self.index)) for rid in rids]
 
     def _end(self, rid: str, last_dropped: bool = False) -> list[Action]:
         """Stage 0 ends a request (its last token came back, or it was cancelled): drop its cache here and on the

@@ -216,6 +216,18 @@ class StageModel:
     def drop(self, rid: str) -> None:
         self._caches.pop(rid, None)
 
+    def fan_out(self, rid: str, to: list[str]) -> None:
+        """Hand request ``rid``'s cache to the requests ``to`` (a group's prompt, prefilled once): a copy each, the
+        last one takes the cache itself; ``rid`` has none afterwards. The copy is transformers' own way to reuse a
+        prompt's cache (deepcopy of the cache object: every layer's keys and values, on their device)."""
+        cache = self._caches.pop(rid, None)
+        if cache is None:
+            raise ModelError(f"request {rid!r} has no cache on this stage to share (it was dropped or never started)")
+        for other in to[:-1]:
+            self._caches[other] = copy.deepcopy(cache)
+        if to:
+            self._caches[to[-1]] = cache
+
     def has_request(self, rid: str) -> bool:
         return rid in self._caches
 
