@@ -51,6 +51,7 @@ class Settings:
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
+    serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -81,6 +82,8 @@ class Settings:
             raise ConfigError("SWARM_SERVE_MAX_BATCH must be at least 1 request.")
         if self.serve_queue_limit < 1:
             raise ConfigError("SWARM_SERVE_QUEUE_LIMIT must be at least 1 request.")
+        if self.serving_history_days <= 0:
+            raise ConfigError("SWARM_SERVING_HISTORY_DAYS must be more than 0 days (the 15-minute view needs them).")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -185,6 +185,11 @@ class Gpu:
     name: str
     total_bytes: int
     free_bytes: int
+    # From NVML for the Performance column; None where the driver does not say (or the fellow predates them).
+    load_percent: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
 
 
 @record
@@ -193,6 +198,7 @@ class Hardware:
     ram_total_bytes: int
     ram_free_bytes: int
     gpus: list[Gpu] = dataclasses.field(default_factory=list)
+    cpu_load_percent: float | None = None  # the whole machine's, since the previous report
 
     def serving_free_bytes(self, device: str = "auto") -> int:
         """Memory a stage may use: the roomiest GPU's free memory, or free RAM when serving on the CPU."""

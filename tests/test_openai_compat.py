@@ -15,6 +15,7 @@ import trio
 
 from harness import running_swarm, wait_until
 from scripted import build
+from swarm.leader.openai_params import choice_seed
 from swarm.store.importer import import_model
 
 pytestmark = pytest.mark.e2e
@@ -150,11 +151,20 @@ async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
             # sampled with a seed: reproducible, and each choice draws on its own
             hot = dict(model=name, messages=ASK, temperature=2.0, top_p=1.0, max_tokens=6, seed=11, n=4)
             first = await call(client.chat.completions.create, **hot, extra_body={"return_token_ids": True})
+            prefilled = [f.stages[name].driver.protocol.prefill_tokens for f in swarm.fellows]
             again = await call(client.chat.completions.create, **hot, extra_body={"return_token_ids": True})
+            prompt_len = len(again.choices[0].model_extra["prompt_token_ids"])
+            # the four choices are one group on the ring: each stage computed the prompt once, not four times
+            assert [f.stages[name].driver.protocol.prefill_tokens - p for f, p in zip(swarm.fellows, prefilled)] == \
+                [prompt_len] * len(swarm.fellows)
             drawn = [c.model_extra["token_ids"] for c in first.choices]
             assert drawn == [c.model_extra["token_ids"] for c in again.choices]
             alone = await call(client.chat.completions.create, **{**hot, "n": 1}, extra_body={"return_token_ids": True})
             assert alone.choices[0].model_extra["token_ids"] == drawn[0]  # choice 0 is the n=1 reply
+            for i in (1, 2, 3):  # and choice i is a request of its own with choice i's seed
+                own = await call(client.chat.completions.create, **{**hot, "n": 1, "seed": choice_seed(11, i)},
+                                 extra_body={"return_token_ids": True})
+                assert own.choices[0].model_extra["token_ids"] == drawn[i]
             # streamed: each chunk says whose it is; every choice ends once
             chunks = await trio.to_thread.run_sync(lambda: list(client.chat.completions.create(
                 stream=True, **{**base, "n": 2, "stop": "ee"})))

@@ -327,7 +327,8 @@ def test_a_failed_send_of_a_groups_last_chunk_fails_its_siblings():
     group = [messages.Sibling("a", 1), messages.Sibling("b", 2)]
     assert p.receive(messages.Generate("m", "g", [1, 2, 3], 5, [], messages.Sampling(temperature=1.0),
                                        siblings=group)) == []
-    (send,) = p.computed(p.next_batch(), Output(hidden=wire.tensor_to_wire(torch.zeros(1, 3, 1))))
+    release, send = p.computed(p.next_batch(), Output(hidden=wire.tensor_to_wire(torch.zeros(1, 3, 1))))
+    assert release == Release("g")  # the carrier's cache went to the siblings: it is done here
     (part,) = send.message.parts
     assert (part.rid, part.siblings, part.start.group) == ("g", group, ["a", "b"])
     assert sorted(p.requests) == ["a", "b"]  # the carrier is done here; the siblings wait for their first tokens

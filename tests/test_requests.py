@@ -279,3 +279,81 @@ async def test_a_full_queue_says_when_to_come_back_from_the_rings_recent_pace(au
     assert book.queued("m") == 3 and book.retry_after("m") == 12
     book.cancel(requests[3])  # a cancelled request neither waits nor counts
     assert book.queued("m") == 2 and book.retry_after("m") == 8
+
+
+# --- sampled choices of one prompt, started as one group ----------------------------------------------------------
+
+
+def choices(n=3, prompt=(1, 2, 3), max_tokens=10) -> list[Request]:
+    return [Request(model="m", prompt=list(prompt), max_tokens=max_tokens, eos=[2],
+                    sampling=messages.Sampling(temperature=1.0, seed=seed)) for seed in range(100, 100 + n)]
+
+
+def test_sampled_choices_start_as_one_group_prefilled_once():
+    book = ready_book()
+    group = choices()
+    (action,) = book.submit_group(group)
+    start = action.message
+    assert isinstance(start, messages.Generate) and start.prompt == [1, 2, 3] and start.max_tokens == 10
+    assert start.siblings == [messages.Sibling(r.rid, r.sampling.seed) for r in group]
+    assert start.rid not in [r.rid for r in group] and start.rids == [r.rid for r in group]
+    assert all(r.state == "running" and r.attempts == 1 for r in group)
+    # each choice streams and ends on its own; a cancel of one frees only its own
+    book.on_tokens(tokens(group[0].rid, [5, 6], done=True, finish="stop"))
+    assert (group[0].tokens, group[0].finish_reason) == ([5, 6], "stop") and not group[1].ended
+    assert book.cancel(group[1]) == [ToStage0("m", messages.Cancel("m", group[1].rid))]
+    book.on_tokens(tokens(group[2].rid, [7]))
+    assert group[2].tokens == [7] and sorted(book.by_rid) == [group[2].rid]
+
+
+def test_a_group_waits_whole_until_the_budget_holds_every_choice():
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=4, tokens=100_000))
+    alone = new_request()
+    book.submit(alone)
+    group = choices(4)
+    assert book.submit_group(group) == []  # one running + four would be five
+    assert all(r.state == "waiting" for r in group)
+    (action,) = book.on_tokens(tokens(alone.rid, [5], done=True, finish="stop"))
+    assert action.message.rids == [r.rid for r in group]  # the whole group, in one start
+    # by tokens too: two choices of 13 tokens do not fit beside a running 13 in a pool of 30
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=8, tokens=30))
+    book.submit(new_request())
+    pair = choices(2)
+    assert book.submit_group(pair) == []
+    later = new_request()
+    assert book.submit(later) == []  # nobody passes a waiting group
+
+
+def test_a_group_alone_on_the_ring_may_pass_the_request_count_but_not_the_memory():
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=4, tokens=100_000))
+    group = choices(6)
+    (action,) = book.submit_group(group)
+    assert len(action.message.siblings) == 6
+    # too big for the pool's caches as a whole: its choices go one by one, as the budget allows
+    book = RequestBook()
+    book.resume("m", Budget(max_requests=8, tokens=30))
+    group = choices(3)
+    actions = book.submit_group(group)
+    assert [a.message.rid for a in actions] == [group[0].rid, group[1].rid]
+    assert all(not a.message.siblings for a in actions) and group[2].state == "waiting"
+
+
+def test_a_failed_choice_is_sent_again_alone_and_an_offline_stage_fails_them_all():
+    book = ready_book()
+    group = choices()
+    book.submit_group(group)
+    book.on_tokens(tokens(group[1].rid, [5]))
+    failed_rid = group[1].rid
+    cancel, resend = book.on_failed(messages.Failed("m", failed_rid, "a stage failed"))
+    assert cancel == ToStage0("m", messages.Cancel("m", failed_rid))
+    again = resend.message
+    assert again.rid == group[1].rid != failed_rid and not again.siblings  # alone: its own prefill
+    assert again.prompt == [1, 2, 3, 5] and again.drawn == 1 and again.sampling.seed == group[1].sampling.seed
+    # a ring rebuilt: the running choices go out again one by one
+    book.interrupt("m")
+    actions = book.resume("m", ROOMY)
+    assert sorted(a.message.rid for a in actions) == sorted(r.rid for r in group)
+    assert all(not a.message.siblings for a in actions)

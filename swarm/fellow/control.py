@@ -122,7 +122,8 @@ class ControlLink:
                 await trio.to_thread.run_sync(release_free_memory)  # the last burst's high-water mark goes back
             hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
             await self.send({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(fellow.stages),
-                             "hops": hops, "held": {name: s.held() for name, s in fellow.stages.items()}})
+                             "hops": hops, "held": {name: s.held() for name, s in fellow.stages.items()},
+                             "placement": {name: s.placement() for name, s in fellow.stages.items()}})
 
     async def dispatch(self, message: Any) -> None:
         fellow = self.fellow

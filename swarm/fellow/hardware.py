@@ -1,5 +1,5 @@
-"""What this fellow has to offer, reported to the leader as swarm.messages.Hardware: GPUs with free memory (through
-NVML), else CPU cores and free RAM.
+"""What this fellow has to offer, reported to the leader as swarm.messages.Hardware: GPUs with free memory, load,
+power and temperature (through NVML), else CPU cores, free RAM and CPU load.
 
 NVML (nvidia-ml-py) is the driver's own view of memory, the same numbers as nvidia-smi, and works without CUDA being
 initialised in this process. Without the library, a driver or a GPU, the fellow reports its CPU instead.
@@ -30,7 +30,8 @@ def nvidia_gpus() -> list[Gpu]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             name = pynvml.nvmlDeviceGetName(handle)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(Gpu(index, name.decode() if isinstance(name, bytes) else name, memory.total, memory.free))
+            gpus.append(Gpu(index, name.decode() if isinstance(name, bytes) else name, memory.total, memory.free,
+                            **_gpu_activity(pynvml, handle)))
         return gpus
     except pynvml.NVMLError:
         return []
@@ -41,6 +42,25 @@ def nvidia_gpus() -> list[Gpu]:
             pass
 
 
+def _gpu_activity(pynvml, handle) -> dict:
+    """Load, power and temperature of one card, each None where this card or driver does not report it (NVML
+    answers NotSupported for power on some consumer cards)."""
+    def read(fn):
+        try:
+            return fn()
+        except pynvml.NVMLError:
+            return None
+
+    rates = read(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
+    power = read(lambda: pynvml.nvmlDeviceGetPowerUsage(handle))  # milliwatts
+    limit = read(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle))
+    temperature = read(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+    return {"load_percent": float(rates.gpu) if rates is not None else None,
+            "power_w": round(power / 1000, 1) if power is not None else None,
+            "power_limit_w": round(limit / 1000, 1) if limit is not None else None,
+            "temperature_c": float(temperature) if temperature is not None else None}
+
+
 def probe() -> Hardware:
     memory = psutil.virtual_memory()
     return Hardware(
@@ -48,6 +68,8 @@ def probe() -> Hardware:
         ram_total_bytes=memory.total,
         ram_free_bytes=memory.available,
         gpus=nvidia_gpus(),
+        # since the previous call: the heartbeat's period (the first report says 0, as psutil does)
+        cpu_load_percent=psutil.cpu_percent(interval=None),
     )
 
 

@@ -41,11 +41,20 @@ class LoadedStage:
         self.nursery: trio.Nursery | None = None
         self.links_nursery: trio.Nursery | None = None  # this ring generation's hops and tunnels
         self._links_scope: trio.CancelScope | None = None
+        self._weight_bytes: int | None = None  # what its weights take (placement()), counted once
 
     def summary(self) -> dict:
         """What the fellow tells the leader of this stage (in its hello: a restarted leader adopts it)."""
         return {"model": self.model, "load_id": self.load_id, "index": self.index, "num_stages": self.num_stages,
                 "first_layer": self.first_layer, "end_layer": self.end_layer, "cover": self.cover}
+
+    def placement(self) -> dict:
+        """Where this stage runs, for the leader's Performance view: its devices and the bytes its weights take."""
+        stage_model = self.driver.stage_model
+        if self._weight_bytes is None:
+            self._weight_bytes = stage_model.parameter_bytes()
+        devices = sorted({str(d) for d in getattr(stage_model, "layer_devices", None) or [stage_model.device]})
+        return {"devices": devices, "bytes": self._weight_bytes}
 
     def held(self) -> dict:
         """The requests this stage holds state for: in the ring protocol, and KV caches (0 and 0 when idle: a

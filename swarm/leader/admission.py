@@ -26,6 +26,12 @@ class Budget:
         """Whether a request needing ``need`` tokens may start beside requests holding ``running``."""
         return len(running) < self.max_requests and sum(running) + need <= self.tokens
 
+    def fits_group(self, running: list[int], needs: list[int]) -> bool:
+        """Whether a group (sampled choices of one prompt, prefilled once) may start whole beside ``running``. Alone
+        on the ring it may pass max_requests -- a pipelining target, not memory -- as long as its caches fit."""
+        count = not running or len(running) + len(needs) <= self.max_requests
+        return count and sum(running) + sum(needs) <= self.tokens
+
 
 def budget(plans: list[StagePlan], free_bytes: dict[int, int], kv_bytes_per_token_layer: int, typical_tokens: int,
            context_tokens: int) -> Budget:

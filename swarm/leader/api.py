@@ -9,12 +9,15 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
+from swarm import __version__
 from swarm.errors import AuthError, BadRequest, Forbidden, ModelNotFound, PlacementError
 from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
+from swarm.leader.performance import parse_range, performance_view
 from swarm.leader.signin import MAX_PASSWORD_CHARS, check_password_rule
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
+from swarm.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +214,9 @@ class ApiRoutes:
     async def model_performance(self, request: Request):
         await current_user(request, self.store)
         name = request.path_params["model_id"]
+        range_ = parse_range(request.query_params.get("range"))
         await self._model_row(name)
-        serving = self.leader.serving.models.get(name)
-        if serving is None:
-            return JSONResponse({"id": name, "status": "not_loaded", "hops": [], "stages": []})
-        return JSONResponse({"id": name, "status": serving.status, "stages": serving.describe()["stages"],
-                             "hops": serving.hops(self.leader.serving.hop_stats)})
+        return JSONResponse(await performance_view(self.leader, name, range_))
 
     @handles_errors
     async def model_load(self, request: Request):
@@ -326,7 +326,7 @@ class ApiRoutes:
             view = online[row.id].summary() if row.id in online else {**as_dict(row), "state": "offline"}
             view["stages"] = self.leader.serving.models_on_fellow(row.id)
             out.append(view)
-        return JSONResponse({"fellows": out})
+        return JSONResponse({"fellows": out, "leader": {"version": __version__, "protocol": PROTOCOL_VERSION}})
 
     @handles_errors
     async def join_tokens(self, request: Request):

@@ -23,6 +23,7 @@ from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
+from swarm.leader.history import ServingHistory
 from swarm.leader.completions import CompletionRoutes
 from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.direct_links import DirectLinkCoordinator
@@ -72,6 +73,8 @@ class Leader:
         self.models_root = data_dir / "models"
         self.relay = RelayHub()
         self.serving = Serving(self.store, settings, self.models_root, self.relay)
+        self.history = ServingHistory(self.store, settings.serving_history_days)
+        self.serving.book.on_end = self.history.record
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
         self.direct_links = DirectLinkCoordinator(self.store, self.serving)
@@ -188,6 +191,7 @@ class Leader:
         async with self.mcp.run(), trio.open_nursery() as nursery:
             self.serving.nursery = nursery
             await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
+            await nursery.start(self.history.run)  # writes finished requests off the request path, prunes old ones
 
             async def http(task_status):
                 await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -169,10 +169,18 @@ class OpenAIRoutes:
             request = Request(model=name, prompt=prompt, max_tokens=max_tokens, sampling=first, eos=eos, owner=owner)
             out.extend([await leader.serving.submit(request)] * params.n)
             return
+        choices = []
         for i in range(params.n):
             seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
-            request = Request(model=name, prompt=prompt, max_tokens=max_tokens,
-                              sampling=dataclasses.replace(first, seed=seed), eos=eos, owner=owner)
+            choices.append(Request(model=name, prompt=prompt, max_tokens=max_tokens,
+                                   sampling=dataclasses.replace(first, seed=seed), eos=eos, owner=owner))
+        if len(choices) > 1 and prompt_logprobs is None:
+            # One group: the ring prefills the prompt once and copies its cache to each choice. (Prompt logprobs come
+            # from the prefill's rows, which a group computes under its carrier: such choices run on their own.)
+            await leader.serving.submit_group(choices)
+            out.extend(choices)
+            return
+        for request in choices:
             out.append(await leader.serving.submit(request))
 
     def _reader(self, ring_request: Request) -> Reader:

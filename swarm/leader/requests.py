@@ -71,6 +71,8 @@ class Request:
     started_at: float | None = None  # when it first went to the ring: the wait before is its queue time
     first_token_at: float | None = None
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
+    # Sampled choices of one prompt, started as one group (one prefill on the ring): the same list in each of them.
+    group: list[Request] | None = None
 
     def __post_init__(self) -> None:
         self.rid = self.rid or new_rid()
@@ -173,6 +175,7 @@ class RequestBook:
         self.waiting: dict[str, list[Request]] = {}  # model -> requests waiting, in order of arrival
         self.budgets: dict[str, Budget] = {}  # models whose ring is whole -> what they hold at once
         self.service_s: dict[str, float] = {}  # model -> how long a request ran, on average of the recent ones
+        self.on_end = None  # called with each request as it ends, once (the serving history); must not block
 
     def queued(self, model: str) -> int:
         """How many requests of ``model`` wait to start."""
@@ -200,6 +203,15 @@ class RequestBook:
         self.hold(request)
         return self.pump(request.model)
 
+    def submit_group(self, requests: list[Request]) -> list:
+        """Sampled choices of one prompt (same prompt and settings, their own seeds): they start together as one
+        group -- the ring prefills the prompt once and copies its cache to each -- when the budget holds them all,
+        else they wait together."""
+        for request in requests:
+            request.group = requests if len(requests) > 1 else None
+            self.hold(request)
+        return self.pump(requests[0].model)
+
     def hold(self, request: Request) -> None:
         """``request`` waits until its model's ring is whole and has room for it."""
         request.state = "waiting"
@@ -218,6 +230,17 @@ class RequestBook:
                 queue.pop(0)
                 continue
             running = [r.need for r in self.of_model(model)]
+            group = self._group_at_head(queue)
+            if group:
+                if budget.fits_group(running, [r.need for r in group]):
+                    queue[:] = [r for r in queue if r not in group]
+                    actions += self._start_group(group)
+                    continue
+                if running:
+                    break
+                for member in group:  # alone and still too big as a whole: its choices go one by one
+                    member.group = None
+                continue
             if not budget.fits(running, request.need):
                 if running:
                     break
@@ -307,6 +330,34 @@ class RequestBook:
         for request in [*self.of_model(model), *self.waiting.pop(model, [])]:
             self._end(request, error=text)
 
+    @staticmethod
+    def _group_at_head(queue: list[Request]) -> list[Request]:
+        """The group of first attempts at the head of ``queue`` (they wait side by side: one arrival after the
+        other), or [] when the head is a request of its own."""
+        group = queue[0].group
+        if group is None or queue[0].attempts:
+            return []
+        members = []
+        for request in queue:
+            if request.group is not group or request.attempts:
+                break
+            if not request.ended:
+                members.append(request)
+        return members if len(members) > 1 else []
+
+    def _start_group(self, group: list[Request]) -> list:
+        first = group[0]
+        for request in group:
+            request.started_at = _now()
+            request.attempts += 1
+            request.state = "running"
+            self.by_rid[request.rid] = request
+            request.notify()
+        siblings = [messages.Sibling(r.rid, r.sampling.seed) for r in group]
+        carrier = messages.Generate(first.model, "g" + new_rid()[1:], list(first.prompt), first.max_tokens, first.eos,
+                                    first.sampling, siblings=siblings)
+        return [ToStage0(first.model, carrier)]
+
     def _start(self, request: Request) -> list:
         if request.attempts and len(request.tokens) >= request.max_tokens:
             self._end(request, finish="length")  # cut off right after its last token: nothing left to do
@@ -343,6 +394,8 @@ class RequestBook:
                 took = _now() - request.started_at
                 last = self.service_s.get(request.model)
                 self.service_s[request.model] = took if last is None else 0.8 * last + 0.2 * took
+            if self.on_end is not None:
+                self.on_end(request)
         request.state = "ended"
         request.notify()
 

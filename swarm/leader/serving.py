@@ -20,6 +20,7 @@ from swarm import messages
 from swarm.config import Settings
 from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout
 from swarm.leader.models import ModelServing, StageState, load_message, model_size
+from swarm.leader.performance import hop_rate
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
@@ -40,6 +41,7 @@ class Serving:
         self.models: dict[str, ModelServing] = {}
         self.book = RequestBook()
         self.hop_stats: dict[str, dict] = {}  # hop id -> what its sending fellow last reported
+        self.placements: dict[int, dict] = {}  # fellow id -> model -> where its stage runs {"devices", "bytes"}
         # Models that went because nobody used them (or a fellow dropped them): a request loads them again.
         self.reload_on_request: set[str] = set()
         self.recovery = Recovery(self)
@@ -156,6 +158,20 @@ class Serving:
     async def submit(self, request: Request) -> Request:
         """Send ``request`` to its model's ring, or let it wait while the model loads or recovers; a model that went
         idle is loaded again for it."""
+        await self.check(request)
+        self._perform(self.book.submit(request))  # runs now, or waits for the ring or for room
+        return request
+
+    async def submit_group(self, requests: list[Request]) -> list[Request]:
+        """Sampled choices of one prompt, as :meth:`submit`, started together so that the ring prefills the prompt
+        once (RequestBook.submit_group)."""
+        for request in requests:
+            await self.check(request)
+        self._perform(self.book.submit_group(requests))
+        return requests
+
+    async def check(self, request: Request) -> None:
+        """Refuses ``request`` when its model is not served, it is longer than the pool, or the queue is full."""
         serving = self.models.get(request.model)
         if serving is None and request.model in self.reload_on_request:
             log.info("loading %s again for a request (it was unloaded while idle)", request.model)
@@ -174,8 +190,6 @@ class Serving:
             wait = self.book.retry_after(request.model)
             raise PoolBusy(f"the pool serving {request.model} is busy: {limit} requests are already waiting for it "
                            f"(SWARM_SERVE_QUEUE_LIMIT). Send this one again in about {wait} s.", wait)
-        self._perform(self.book.submit(request))  # runs now, or waits for the ring or for room
-        return request
 
     async def wait_started(self, request: Request, receive=None) -> None:
         """Until ``request`` leaves the queue: it runs on the ring, or it ended. A request that waits longer than
@@ -230,8 +244,9 @@ class Serving:
                 if conn is not None:
                     conn.post(action.message)
                 elif isinstance(action.message, messages.Generate):
-                    self._perform(self.book.on_failed(messages.Failed(
-                        action.model, action.message.rid, f"stage 0 of {action.model} is offline")))
+                    for rid in action.message.rids:  # a group start: each of its choices
+                        self._perform(self.book.on_failed(messages.Failed(
+                            action.model, rid, f"stage 0 of {action.model} is offline")))
             elif isinstance(action, NotLoaded):
                 self._start(self._reload, action.model, action.text)
 
@@ -286,7 +301,10 @@ class Serving:
             hops = message.get("hops")
             for hop in hops if isinstance(hops, list) else []:
                 if isinstance(hop, dict) and hop.get("hop_id") in own:
-                    self.hop_stats[hop["hop_id"]] = hop
+                    previous = self.hop_stats.get(hop["hop_id"])
+                    self.hop_stats[hop["hop_id"]] = hop_rate(previous, hop, trio.current_time())
+            placement = message.get("placement")
+            self.placements[conn.id] = placement if isinstance(placement, dict) else {}
         elif message["t"] in ("load_progress", "loaded", "load_failed", "linked", "link_failed"):
             self.recovery.on_stage_event(conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":

@@ -337,6 +337,7 @@ class StageProtocol:
                     self._queue_next_chunk(work.request)
                 if work.fans_out:
                     self._fanned_out(work.request)
+                    actions.append(Release(work.rid))  # its cache is the siblings' now: nothing left to drop
             actions.append(Send(messages.Hidden(self.model, parts, output.hidden)))
             return actions
         sampled: list[messages.SampledToken] = []

@@ -131,6 +131,26 @@ MIGRATIONS: list[str] = [
         removed_at REAL NOT NULL
     );
     """,
+    # Serving history (issue 12): every finished request, kept SWARM_SERVING_HISTORY_DAYS days (swarm.store.history).
+    """
+    CREATE TABLE serving_history (
+        id TEXT PRIMARY KEY,
+        model TEXT NOT NULL,
+        user_id INTEGER,
+        started_at REAL NOT NULL,
+        ended_at REAL NOT NULL,
+        outcome TEXT NOT NULL,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        reply_tokens INTEGER NOT NULL DEFAULT 0,
+        ttft_ms REAL,
+        tokens_per_s REAL,
+        queue_ms REAL,
+        error TEXT,
+        timing_json TEXT
+    );
+    CREATE INDEX serving_history_model_ended ON serving_history(model, ended_at);
+    CREATE INDEX serving_history_ended ON serving_history(ended_at);
+    """,
 ]
 
 

@@ -1,9 +1,10 @@
-"""The leader's SQLite store: users, sign-in, API tokens, pools, join tokens, fellows, models, settings, chats.
+"""The leader's SQLite store: users, sign-in, API tokens, pools, join tokens, fellows, models, settings, chats,
+serving history.
 
 ``Store(path)`` opens (and migrates) the database; its methods block, so async code calls them through
 ``trio.to_thread.run_sync``. The tables' methods live beside their records: ``accounts`` (users, sessions, login
-links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``; ``core`` holds the connection, the
-transactions and the migrations. Import everything from here.
+links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``, ``history`` (served requests);
+``core`` holds the connection, the transactions and the migrations. Import everything from here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from swarm.store.accounts import LOGIN_LINK_TTL_S, SESSION_TTL_S, AccountsMixin,
 from swarm.store.chats import Chat, ChatLimitReached, ChatsMixin, ChatSummary, ChatTooLarge
 from swarm.store.core import MAX_CHAT_BYTES, MAX_CHATS_PER_USER, MIGRATIONS
 from swarm.store.fleet import DEFAULT_POOL, Fellow, FleetMixin, JoinToken, Model, Pool
+from swarm.store.history import HistoryMixin, ServedRequest
 
 __all__ = [
     "DEFAULT_POOL",
@@ -35,12 +37,13 @@ __all__ = [
     "JoinToken",
     "Model",
     "Pool",
+    "ServedRequest",
     "Store",
     "User",
 ]
 
 
-class Store(AccountsMixin, FleetMixin, ChatsMixin):
+class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin):
     """The leader's database. Methods block; call them through ``trio.to_thread.run_sync`` from async code.
 
     ``password_hasher`` defaults to argon2-cffi's; ``max_chats_per_user`` and ``max_chat_bytes`` to the seed's
