@@ -4,7 +4,8 @@
   stage i -> stage i+1     Hidden (hidden states of prompt chunks and decode steps), Free (drop caches)
   last stage -> stage 0    Sampled (the next token of each request, for its next decode step)
   last stage -> leader     Tokens (batches of sampled tokens, for streaming)
-  any stage -> leader      Failed; a fellow -> leader: HopLost (a path under requests in flight broke)
+  any stage -> leader      Failed; StageTimes (where a request's time went there, once the stage drops it)
+  a fellow -> leader       HopLost (a path under requests in flight broke)
   fellow -> leader         Hardware, in its hello and heartbeats
 """
 
@@ -158,6 +159,24 @@ class TokenBatch:
 class Tokens:
     model: str
     batches: list[TokenBatch]
+
+
+@message("stage_times")
+class StageTimes:
+    """Where one request's time went on one stage, sent to the leader when the stage drops the request (one message
+    per stage per request, not one per token). Times are the stage's own clock; see swarm.stage.timing."""
+
+    model: str
+    rid: str
+    stage: int
+    prefill_s: float = 0.0  # compute of the prompt's chunks
+    prefill_tokens: int = 0
+    decode_s: float = 0.0  # compute of the decode steps (each step's whole pass, sampling included on the last stage)
+    decode_steps: int = 0
+    ring_s: float = 0.0  # stage 0 of several: from a decode step's hidden state leaving to its token coming back
+    ring_steps: int = 0
+    sent_bytes: int = 0  # what the stage sent on for the decode steps: hidden states, or the last stage's tokens
+    sent_tokens: int = 0
 
 
 @message("failed")

@@ -13,6 +13,7 @@ it -- or computations that finish for it -- are ignored.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from swarm import messages, wire
 from swarm.errors import ProtocolError, SwarmError
 from swarm.mesh.hop import OutgoingHop
 from swarm.stage.protocol import PromptLogprobs, Release, Report, Send, StageProtocol, Stream
+from swarm.stage.timing import StageTimer
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class StageDriver:
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         self.protocol: StageProtocol | None = None  # None until the stage is linked into a ring
+        self.timer: StageTimer | None = None  # where each request's time goes here, for the leader
         self.out_hop: OutgoingHop | None = None
         self.ring_id: str | None = None
         # Cancelled when the generation ends: a send stuck on a hop of the old ring (a dead peer, a relay channel the
@@ -48,6 +51,7 @@ class StageDriver:
         self._send_to_leader = send_to_leader
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[str | None, Any]](INBOX_SIZE)
         self._streamed: dict[str, messages.TokenBatch] = {}  # last stage: tokens waiting for the next post
+        self._times: list[messages.StageTimes] = []  # requests' times here, posted after the tokens
         self._stream_ready = trio.Event()
         self.last_used = trio.current_time()
 
@@ -65,6 +69,7 @@ class StageDriver:
         self.unlink()
         self.protocol = StageProtocol(model=self.model, index=index, num_stages=num_stages,
                                       prefill_chunk=self.prefill_chunk, max_batch=self.max_batch)
+        self.timer = StageTimer(self.model, index, num_stages)
         self.out_hop, self.ring_id = out_hop, ring_id
         self.last_used = trio.current_time()
 
@@ -72,7 +77,7 @@ class StageDriver:
         if self.protocol is not None:
             for rid in list(self.protocol.requests):
                 self.stage_model.drop(rid)
-        self.protocol = self.out_hop = self.ring_id = None
+        self.protocol = self.out_hop = self.ring_id = self.timer = None
         self._streamed.clear()
         for scope in self._acting:
             scope.cancel()
@@ -83,6 +88,8 @@ class StageDriver:
         """A ring message for this stage: from the control link (the current generation) or from an incoming hop
         of generation ``ring_id``."""
         self.last_used = trio.current_time()
+        if self.timer is not None and (ring_id or self.ring_id) == self.ring_id:
+            self.timer.arrived(message, time.perf_counter())  # on arrival: a wait in the inbox is not the link's
         await self._inbox_send.send((ring_id or self.ring_id, message))
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -103,9 +110,12 @@ class StageDriver:
                 if not batch:
                     await self._receive(*await self._inbox.receive())
                     continue
+                timer = self.timer
                 try:
                     threads = self.threads(len(protocol.requests))
+                    began = time.perf_counter()
                     output = await trio.to_thread.run_sync(run_batch, self.stage_model, batch, threads)
+                    timer.computed(batch, time.perf_counter() - began)
                 except Exception as exc:  # a bug in one request must not take the stage down
                     if not isinstance(exc, SwarmError):
                         log.exception("stage %s of %s failed a batch", protocol.index, self.model)
@@ -157,6 +167,10 @@ class StageDriver:
                 self._stream_ready.set()
             elif isinstance(action, Release):
                 self.stage_model.drop(action.rid)
+                times = self.timer.finish(action.rid) if self.timer is not None else None
+                if times is not None:
+                    self._times.append(times)
+                    self._stream_ready.set()
             elif isinstance(action, Report):
                 try:
                     await self._send_to_leader(action.message)
@@ -166,7 +180,11 @@ class StageDriver:
     async def _send_next(self, message: Any) -> None:
         if self.out_hop is None:
             raise SwarmError(f"stage {self.index} of {self.model} has no link to the next stage")
-        await self.out_hop.send(wire.encode(message))
+        ready = time.perf_counter()
+        data = wire.encode(message)
+        if self.timer is not None:
+            self.timer.sent(message, len(data), ready)  # before the send: its token may be back before it returns
+        await self.out_hop.send(data)
 
     # --- streaming to the leader ------------------------------------------------------------------------------------
 
@@ -193,8 +211,11 @@ class StageDriver:
             await self._stream_ready.wait()
             self._stream_ready = trio.Event()
             batches, self._streamed = list(self._streamed.values()), {}
-            if batches:
-                try:
+            times, self._times = self._times, []
+            try:
+                if batches:
                     await self._send_to_leader(messages.Tokens(self.model, batches))
-                except SwarmError as exc:
-                    log.warning("could not send tokens to the leader: %s", exc)
+                for report in times:
+                    await self._send_to_leader(report)
+            except SwarmError as exc:
+                log.warning("could not send tokens to the leader: %s", exc)

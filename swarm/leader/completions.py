@@ -16,12 +16,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, SwarmError
+from swarm.leader import timing
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
 from swarm.leader.limits import check_prompt_bytes
 from swarm.leader.http_errors import json_body, openai_error
 from swarm.leader.logprobs import token_text
-from swarm.leader.openai_api import Choice, ReplyText, _error_events, _timing, next_event, read_choices
+from swarm.leader.openai_api import Choice, ReplyText, _error_events, next_event, read_choices
 from swarm.leader.openai_params import CompletionParams, parse_completion_body
 from swarm.leader.requests import Request
 
@@ -92,6 +93,7 @@ class CompletionRoutes:
         failed = await read_choices(self.leader.serving, choices, self._collect)
         if failed is not None:
             return failed
+        await timing.settle(self.leader.serving, first)
         out = []
         for choice in choices:
             item = {"index": choice.index, "text": (choice.prompt_text if params.echo else "") + choice.content,
@@ -104,7 +106,8 @@ class CompletionRoutes:
             out.append(item)
         return JSONResponse({
             "id": f"cmpl-{first.id}", "object": "text_completion", "created": created, "model": params.model,
-            "choices": out, "usage": usage(choices, params.n), "swarm": {"timing": _timing(first)},
+            "choices": out, "usage": usage(choices, params.n),
+            "swarm": {"timing": timing.of_request(self.leader.serving, first)},
         }, headers={"x-swarm-request-id": first.id})
 
     async def _collect(self, choice: Completion) -> None:
@@ -131,7 +134,7 @@ class CompletionRoutes:
         first = choices[0].request
         base = {"id": f"cmpl-{first.id}", "object": "text_completion", "created": created, "model": params.model}
 
-        def chunk(choice: Completion, text: str, finish=None) -> str:
+        async def chunk(choice: Completion, text: str, finish=None) -> str:
             item = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish}
             if params.echo and not choice.echoed:
                 choice.echoed = True
@@ -146,8 +149,9 @@ class CompletionRoutes:
             if finish is not None:
                 choice.finish = finish
                 if all(c.finish is not None for c in choices):
+                    await timing.settle(self.leader.serving, first)
                     data["usage"] = usage(choices, params.n)
-                    data["swarm"] = {"timing": _timing(first)}
+                    data["swarm"] = {"timing": timing.of_request(self.leader.serving, first)}
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         try:
@@ -159,21 +163,21 @@ class CompletionRoutes:
                     break
                 if choice.limit == 0:
                     if kind != "tokens":
-                        yield chunk(choice, "", finish="length")
+                        yield await chunk(choice, "", finish="length")
                     continue
                 if kind == "tokens":
                     for token in value:
                         _, content = choice.text.push([token])
                         if content:
-                            yield chunk(choice, content)
+                            yield await chunk(choice, content)
                         if choice.text.stopped:
                             break
                     if choice.text.stopped:
                         self.leader.serving.cancel(choice.request)
-                        yield chunk(choice, "", finish="stop")
+                        yield await chunk(choice, "", finish="stop")
                 else:
                     _, content = choice.text.flush()
-                    yield chunk(choice, content, finish="stop" if value == "cancelled" else value)
+                    yield await chunk(choice, content, finish="stop" if value == "cancelled" else value)
             yield "data: [DONE]\n\n"
         finally:
             for choice in choices:

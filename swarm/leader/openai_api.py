@@ -15,6 +15,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError, first_leaf
+from swarm.leader import timing
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import (
     TextStream,
@@ -85,6 +86,7 @@ class OpenAIRoutes:
         failed = await read_choices(self.leader.serving, choices, self._collect)
         if failed is not None:
             return failed
+        await timing.settle(self.leader.serving, first)
         out = []
         for choice in choices:
             message = {"role": "assistant", "content": choice.content}
@@ -103,7 +105,7 @@ class OpenAIRoutes:
         return JSONResponse({
             "id": f"chatcmpl-{first.id}", "object": "chat.completion", "created": created,
             "model": params.model, "choices": out, "usage": _usage(choices),
-            "swarm": {"timing": _timing(first)},
+            "swarm": {"timing": timing.of_request(self.leader.serving, first)},
         }, headers={"x-swarm-request-id": first.id})
 
     async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> tuple[bool, str]:
@@ -225,15 +227,17 @@ class OpenAIRoutes:
             if content:
                 yield chunk(choice, {"content": content})
 
-        def finished(choice: Choice, finish: str):
+        async def finished(choice: Choice, finish: str):
             content = choice.end_content()
             if content:
                 yield chunk(choice, {"content": content})
             if choice.calls:
                 yield chunk(choice, {"tool_calls": [{"index": i, **call} for i, call in enumerate(choice.calls)]})
             choice.finish = choice.finish_reason(finish)
-            last = all(c.finish is not None for c in choices)  # usage comes with the last choice's end
-            extra = {"usage": _usage(choices), "swarm": {"timing": _timing(first)}} if last else None
+            extra = None
+            if all(c.finish is not None for c in choices):  # usage and timing come with the last choice's end
+                await timing.settle(self.leader.serving, first)
+                extra = {"usage": _usage(choices), "swarm": {"timing": timing.of_request(self.leader.serving, first)}}
             yield chunk(choice, {}, finish=choice.finish, extra=extra)
 
         try:
@@ -250,7 +254,7 @@ class OpenAIRoutes:
                             break
                     if text.stopped:
                         self.leader.serving.cancel(choice.request)  # the ring stops now and frees the caches
-                        for line in finished(choice, "stop"):
+                        async for line in finished(choice, "stop"):
                             yield line
                 elif kind == "error":
                     payload = {"error": {"message": value, "type": "server_error", "code": "ring_failed"}}
@@ -259,7 +263,7 @@ class OpenAIRoutes:
                 else:
                     for line in deltas(choice, *text.flush()):
                         yield line
-                    for line in finished(choice, "stop" if value == "cancelled" else value):
+                    async for line in finished(choice, "stop" if value == "cancelled" else value):
                         yield line
             yield "data: [DONE]\n\n"
         finally:
@@ -395,13 +399,6 @@ async def _error_events(exc: Exception):
     status, code, openai_type, message = classify(exc)
     yield f"data: {json.dumps({'error': {'message': message, 'type': openai_type, 'code': code}})}\n\n"
     yield "data: [DONE]\n\n"
-
-
-def _timing(request: Request) -> dict:
-    """What the leader measured of the reply (the fellows' split of each token's time comes with issue 12's work)."""
-    first = request.first_token_at
-    return {"queue_ms": round(request.queue_s * 1000, 1),
-            "ttft_ms": round((first - request.created_at) * 1000, 1) if first is not None else None}
 
 
 def _usage(choices: list[Choice]) -> dict:

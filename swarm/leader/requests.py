@@ -18,6 +18,7 @@ while an attempt is on the ring, then ended (finish_reason or error).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -32,6 +33,9 @@ from swarm.leader.admission import Budget
 # (a bug, a request it cannot hold) must not loop. Failovers do not count: a whole ring rebuilt is not the request's
 # fault.
 MAX_RESENDS = 3
+# Ended requests whose stages may still report their times (swarm.leader.timing): far more than end within the
+# moment those reports take.
+RECENT = 512
 
 
 _arrivals = itertools.count()
@@ -70,6 +74,9 @@ class Request:
     created_at: float = dataclasses.field(default_factory=lambda: _now())
     started_at: float | None = None  # when it first went to the ring: the wait before is its queue time
     first_token_at: float | None = None
+    first_tokens: int = 0  # tokens that came with the first one (the steady rate is counted after them)
+    last_token_at: float | None = None
+    stage_times: dict[int, messages.StageTimes] = dataclasses.field(default_factory=dict)  # swarm.leader.timing
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
     # Sampled choices of one prompt, started as one group (one prefill on the ring): the same list in each of them.
     group: list[Request] | None = None
@@ -175,6 +182,8 @@ class RequestBook:
         self.waiting: dict[str, list[Request]] = {}  # model -> requests waiting, in order of arrival
         self.budgets: dict[str, Budget] = {}  # models whose ring is whole -> what they hold at once
         self.service_s: dict[str, float] = {}  # model -> how long a request ran, on average of the recent ones
+        # Ring id -> request, of the last requests that ended: the stages' times come after the last token.
+        self.recent: collections.OrderedDict[str, Request] = collections.OrderedDict()
         self.on_end = None  # called with each request as it ends, once (the serving history); must not block
 
     def queued(self, model: str) -> int:
@@ -275,8 +284,11 @@ class RequestBook:
             request = self.by_rid.get(batch.rid)
             if request is None or request.model != message.model:
                 continue  # an attempt that was cancelled or retried: its late tokens are not the reply's
+            now = _now()
             if request.first_token_at is None:
-                request.first_token_at = _now()
+                request.first_token_at, request.first_tokens = now, len(batch.tokens)
+            if batch.tokens:
+                request.last_token_at = now
             request.tokens.extend(batch.tokens)
             request.logprobs.extend(batch.logprobs)
             if batch.prompt_logprobs:  # an attempt sent again repeats them: the first whole set counts
@@ -287,6 +299,13 @@ class RequestBook:
             else:
                 request.notify()
         return self.pump(message.model) if ended else []
+
+    def on_stage_times(self, message: messages.StageTimes) -> None:
+        """A stage's times of an attempt: kept with its request (running, or among the recently ended)."""
+        request = self.by_rid.get(message.rid) or self.recent.get(message.rid)
+        if request is not None and request.model == message.model and 0 <= message.stage < 64:
+            request.stage_times[message.stage] = message
+            request.notify()
 
     def on_failed(self, message: messages.Failed) -> list:
         request = self.by_rid.get(message.rid)
@@ -388,6 +407,9 @@ class RequestBook:
 
     def _end(self, request: Request, *, finish: str | None = None, error: str | None = None) -> None:
         self.by_rid.pop(request.rid, None)
+        self.recent[request.rid] = request
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
         if not request.ended:
             request.finish_reason, request.error = finish, error
             if finish in ("stop", "length") and request.started_at is not None:

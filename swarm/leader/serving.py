@@ -288,6 +288,9 @@ class Serving:
             if self._serves(conn, message.model):
                 log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)
                 self._perform(self.book.on_failed(message))
+        elif isinstance(message, messages.StageTimes):
+            if self._serves(conn, message.model):
+                self.book.on_stage_times(message)
         elif isinstance(message, messages.HopLost):
             if self._serves(conn, message.model):
                 log.info("a link of %s over the %s broke; re-sending its requests", message.model, message.path)

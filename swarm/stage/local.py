@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from swarm import messages
+from swarm import messages, wire
 from swarm.errors import ModelError
 from swarm.stage.protocol import Output, PromptLogprobs, Release, Report, Send, StageProtocol, Stream, Work
+from swarm.stage.timing import StageTimer
 
 
 @dataclasses.dataclass
@@ -49,6 +51,8 @@ class LocalRing:
         self.protocols = [StageProtocol(model=model, index=i, num_stages=n, prefill_chunk=prefill_chunk)
                           for i in range(n)]
         self.inboxes: list[collections.deque] = [collections.deque() for _ in range(n)]
+        self.timers = [StageTimer(model, i, n) for i in range(n)]
+        self.times: dict[str, dict[int, messages.StageTimes]] = {}  # rid -> each stage's times, once it dropped it
         self.replies: dict[str, LocalReply] = {}
         self.model = model
         self.batches = 0  # computed batches, all stages together
@@ -94,7 +98,9 @@ class LocalRing:
             busy = True
             self.batches += 1
             try:
+                began = time.perf_counter()
                 output = self.execute(self.stages[i], batch)
+                self.timers[i].computed(batch, time.perf_counter() - began)
             except Exception as exc:  # a failing compute fails its requests, as on a fellow
                 self._perform(i, protocol.compute_failed(batch, f"stage {i} failed: {type(exc).__name__}: {exc}"))
             else:
@@ -111,6 +117,9 @@ class LocalRing:
         n = len(self.protocols)
         for action in actions:
             if isinstance(action, Send):
+                now = time.perf_counter()
+                self.timers[index].sent(action.message, len(wire.encode(action.message)), now)
+                self.timers[(index + 1) % n].arrived(action.message, now)
                 self.inboxes[(index + 1) % n].append(action.message)
             elif isinstance(action, Stream):
                 reply = self.replies.get(action.rid)
@@ -131,6 +140,9 @@ class LocalRing:
                 self.inboxes[0].append(messages.Cancel(self.model, action.message.rid))
             elif isinstance(action, Release):
                 self.stages[index].drop(action.rid)
+                times = self.timers[index].finish(action.rid)
+                if times is not None:
+                    self.times.setdefault(action.rid, {})[index] = times
 
     # --- one request, like generate -----------------------------------------------------------------------------
 
