@@ -108,6 +108,10 @@ def test_chat_streams_saves_and_survives_reload(bg, browser, model):
     expect(reply.locator(".answer")).not_to_be_empty()
     expect(reply.locator(".speed")).to_contain_text("tokens/s", timeout=60_000)
     expect(reply.locator(".speed")).to_contain_text("s to first token")
+    # the fellows' split of each token's time (swarm.timing in the stream's last chunk), as in the seed
+    expect(reply.locator(".speed")).to_contain_text(
+        re.compile(r"s to first token · stage 0 [\d.]+ ms/token · link [\d.]+ ms · stage 1 [\d.]+ ms$"))
+    line = reply.locator(".speed").inner_text()
     expect(reply.locator(".model-name")).to_have_text(model)
     expect(page.locator("#save-state")).to_have_text("Saved")
     expect(page.locator("#announcer")).not_to_be_empty()
@@ -116,10 +120,10 @@ def test_chat_streams_saves_and_survives_reload(bg, browser, model):
     assert text.strip()
     shot(page, "chat-1280")
     chat_id = page.url.split("#chat=")[1]
-    # Reload: the address names the chat; it comes back with its reply, model and speed line.
+    # Reload: the address names the chat; it comes back with its reply, model and speed line as it was.
     page.reload()
     expect(page.locator(".msg.assistant .answer")).to_have_text(text)
-    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s")
+    expect(page.locator(".msg.assistant .speed")).to_have_text(line)
     expect(page.locator(f'.chat-row[data-chat-id="{chat_id}"]')).to_be_visible()
     expect(page.locator(".chat-group h3").first).to_have_text("Today")
     assert not page.errors, page.errors
@@ -229,9 +233,13 @@ def test_rendering_math_code_table_mermaid_reasoning(bg, browser, model):
     messages = [
         {"role": "user", "content": "Show me everything"},
         {"role": "assistant", "content": "<think>The user wants a demo.</think>" + RICH, "model": model,
-         "stats": {"tps": 12.5, "tokens": 80, "ttft_ms": 420}},
+         "stats": {"tps": 12.5, "tokens": 80, "ttft_ms": 420},
+         "timing": {"split": "fellows", "link_ms_per_token": 152.4,
+                    "stages": [{"stage": 0, "compute_ms_per_token": 4.04}, {"stage": 1, "compute_ms_per_token": 0.46}]}},
         {"role": "user", "content": "And briefly?"},
-        {"role": "assistant", "content": "<think>\n\n</think>Short answer.", "model": model},
+        {"role": "assistant", "content": "<think>\n\n</think>Short answer.", "model": model,
+         "stats": {"tps": 80, "tokens": 3, "ttft_ms": 90},
+         "timing": {"split": "fellows", "link_ms_per_token": None, "stages": [{"stage": 0, "compute_ms_per_token": 12}]}},
     ]
     r = api(bg, "POST", "/api/v1/chats", json={"title": "Rendering", "model": model, "messages": messages})
     chat_id = r.json()["id"]
@@ -253,8 +261,10 @@ def test_rendering_math_code_table_mermaid_reasoning(bg, browser, model):
     reasoning = first.locator("details.reasoning")
     expect(reasoning).to_be_visible()
     assert reasoning.get_attribute("open") is None  # collapsed once the reply is complete
-    expect(first.locator(".speed")).to_have_text("12.5 tokens/s · 80 tokens · 0.42 s to first token")
+    expect(first.locator(".speed")).to_have_text(
+        "12.5 tokens/s · 80 tokens · 0.42 s to first token · stage 0 4 ms/token · link 152 ms · stage 1 0.5 ms")
     last = page.locator(".msg.assistant").last
+    expect(last.locator(".speed")).to_have_text("80.0 tokens/s · 3 tokens · 0.09 s to first token · compute 12 ms/token")
     expect(last.locator("details.reasoning")).to_be_hidden()  # an empty Reasoning block is hidden
     expect(last.get_by_role("button", name="Regenerate")).to_be_visible()
     first.scroll_into_view_if_needed()

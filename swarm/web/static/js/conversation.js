@@ -166,6 +166,7 @@ async function generate() {
           },
         });
         reply.stats = result.stats;
+        if (result.timing) reply.timing = result.timing; // saved with the message: a reopened chat shows the same line
         reply.finish_reason = result.finishReason;
         if (run.stopped) reply.stopped = true;
         break;

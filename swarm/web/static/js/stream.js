@@ -19,6 +19,7 @@ export async function streamCompletion(body, { apiToken, signal, onStart, onDelt
   let pieces = 0;
   let finishReason = null;
   let usage = null;
+  let timing = null; // swarm.timing, in the last chunk: where each token's time went on the fellows
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -29,6 +30,7 @@ export async function streamCompletion(body, { apiToken, signal, onStart, onDelt
     try { chunk = JSON.parse(data); } catch { return false; }
     if (chunk.error) throw new ApiError(chunk.error.message || "the reply failed", 502, chunk.error.code);
     if (chunk.usage) usage = chunk.usage;
+    if (chunk.swarm?.timing) timing = chunk.swarm.timing;
     const choice = chunk.choices?.[0];
     if (!choice) return false;
     const delta = choice.delta || {};
@@ -60,7 +62,7 @@ export async function streamCompletion(body, { apiToken, signal, onStart, onDelt
   }
   if (done) reader.cancel().catch(() => {});
   const endedAt = performance.now();
-  return { finishReason, usage, stats: speedStats({ started, firstAt, lastAt: lastAt ?? endedAt, endedAt, pieces, usage }) };
+  return { finishReason, usage, timing, stats: speedStats({ started, firstAt, lastAt: lastAt ?? endedAt, endedAt, pieces, usage }) };
 }
 
 /** Tokens per second after the first token, token count, time to first token. A reply that arrived in one burst
@@ -74,11 +76,27 @@ export function speedStats({ started, firstAt, lastAt, endedAt, pieces, usage })
   return { tokens, ttft_ms: Math.round(firstAt - started), tps: Math.round(tps * 10) / 10, burst };
 }
 
-export function speedLine(stats) {
+/** The speed line under a reply: the browser's figures, then (when the fellows measured it) where each token's time
+ * went -- `stage 0 4 ms/token · link 152 ms · stage 1 5 ms`, or `compute 12 ms/token` on one fellow. */
+export function speedLine(stats, timing) {
   if (!stats || !stats.tokens) return "";
   const parts = [];
   if (stats.tps !== null && stats.tps !== undefined) parts.push(`${stats.tps.toFixed(1)} tokens/s`);
   parts.push(`${stats.tokens} token${stats.tokens === 1 ? "" : "s"}`);
   if (stats.ttft_ms !== null && stats.ttft_ms !== undefined) parts.push(`${(stats.ttft_ms / 1000).toFixed(2)} s to first token`);
-  return parts.join(" · ");
+  return parts.concat(splitParts(timing)).join(" · ");
+}
+
+// Whole milliseconds as in the seed (`stage 0 4 ms/token`); a tenth below 1 ms (a fast GPU stage).
+const ms = (value) => (value >= 1 ? String(Math.round(value)) : value.toFixed(1));
+
+/** swarm.timing's split of a token's time, as the speed line shows it ([] when the fellows did not report it). */
+export function splitParts(timing) {
+  const stages = (timing?.split === "fellows" && Array.isArray(timing.stages)) ? timing.stages : [];
+  if (!stages.length || stages.some((s) => typeof s.compute_ms_per_token !== "number")) return [];
+  if (stages.length === 1) return [`compute ${ms(stages[0].compute_ms_per_token)} ms/token`];
+  const parts = [`stage ${stages[0].stage} ${ms(stages[0].compute_ms_per_token)} ms/token`];
+  if (typeof timing.link_ms_per_token === "number") parts.push(`link ${ms(timing.link_ms_per_token)} ms`);
+  for (const s of stages.slice(1)) parts.push(`stage ${s.stage} ${ms(s.compute_ms_per_token)} ms`);
+  return parts;
 }

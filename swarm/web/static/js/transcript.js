@@ -154,7 +154,7 @@ export class Transcript {
     if (message.status) view.status.replaceChildren(h("span", { class: "spinner", "aria-hidden": "true" }), message.status);
     view.error.hidden = !message.error;
     if (message.error) view.error.textContent = message.error;
-    const line = speedLine(message.stats);
+    const line = speedLine(message.stats, message.timing);
     view.speed.textContent = message.stopped ? [line, "stopped"].filter(Boolean).join(" · ") : line;
     if (final) this.renderActions(message);
     const spent = performance.now() - t0;
