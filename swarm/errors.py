@@ -105,6 +105,10 @@ class StoreError(SwarmError):
     """The leader's database or model files could not be read or written."""
 
 
+class UpdateError(SwarmError):
+    """The leader's version of swarm could not be built, fetched or installed on a fellow (`swarm update`)."""
+
+
 class BadRequest(SwarmError):
     """A request to the leader is malformed or asks for something that cannot be; the message says what to fix."""
 

@@ -22,7 +22,14 @@ from swarm.errors import ProtocolError
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # bump when a message changes so that an older peer would misread it
+
+# The control link's envelope: messages whose form stays the same across protocol versions, so that a fellow and a
+# leader on different protocols still enrol, stay alive, see each other's versions and agree on an update (`swarm
+# update`). Every other message is read only at PROTOCOL_VERSION, and the leader sends a fellow on another protocol
+# nothing else (swarm.leader.placement refuses such a fellow). Never change these messages incompatibly.
+ENVELOPE_TYPES = frozenset({"hello", "welcome", "refused", "alive", "heartbeat", "update", "updating", "current",
+                            "update_failed"})
 
 # dtype name on the wire -> bytes per element. Only these: they are what stages compute in and what token ids are.
 # A name outside this table is refused before any torch call sees it.
@@ -66,7 +73,7 @@ def decode(data: bytes) -> dict[str, Any]:
     v = msg.get("v")
     if not isinstance(v, int) or isinstance(v, bool):
         raise ProtocolError(f"wire message {t!r} has no protocol version (key 'v'), got {_show(v)}")
-    if v != PROTOCOL_VERSION:
+    if v != PROTOCOL_VERSION and t not in ENVELOPE_TYPES:
         raise ProtocolError(
             f"the peer speaks swarm protocol version {_show(v)}, this program speaks version {PROTOCOL_VERSION}; "
             "install the same swarm version on the leader and every fellow"

@@ -29,6 +29,7 @@ from swarm.fellow.direct_links import DirectLinkAgent
 from swarm.fellow.hardware import MachineShare
 from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
+from swarm.fellow.update import FellowUpdater, restart_command
 from swarm.tunnel.join_token import join_token_cert_pin, parse_join_token
 from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
@@ -43,7 +44,7 @@ BACKOFF_MAX_S = 30.0
 
 class Fellow:
     def __init__(self, *, leader_url: str, data_dir: Path, settings: Settings, name: str | None = None,
-                 join_token: str | None = None, standby: bool = False):
+                 join_token: str | None = None, standby: bool = False, restart_with: list[str] | None = None):
         self.leader_url = leader_url.rstrip("/")
         self.data_dir = data_dir
         self.settings = settings
@@ -81,6 +82,8 @@ class Fellow:
         self.links = IncomingLinks(self)
         self.loader = StageLoader(self)
         self.direct_links = DirectLinkAgent(self)
+        # `swarm update`: install the leader's version, then run ``restart_with`` (the same command) in this process
+        self.updater = FellowUpdater(self, restart_with)
 
     @property
     def serve_port(self) -> int | None:
@@ -147,6 +150,23 @@ def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: st
                standby: bool = False) -> None:
     settings = Settings.from_env()
     fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token,
-                    standby=standby)
+                    standby=standby, restart_with=restart_command())
     print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)
     trio.run(fellow.run)
+
+
+def update_fellow(data_dir: Path, force: bool = False) -> None:
+    """`swarm update`: this machine's fellow (``data_dir``) to the leader's version of swarm."""
+    from swarm.fellow.update import update_command
+
+    fellow = Fellow(leader_url=_joined_leader(data_dir), data_dir=data_dir, settings=Settings.from_env())
+    print(trio.run(update_command, fellow, force), flush=True)
+
+
+def _joined_leader(data_dir: Path) -> str:
+    state_path = data_dir / "fellow.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if not state.get("leader_url"):
+        raise AuthError(f"no fellow has joined a leader from {data_dir}: run `swarm join URL --token <join token>` "
+                        "first (or give the fellow's --data-dir).")
+    return state["leader_url"]

@@ -20,6 +20,7 @@ class Candidate:
     standby: bool
     serving: bool  # holds a stage of some model (a hot cover does not count)
     covering: bool = False  # holds a hot cover of some stage
+    outdated: str = ""  # why it cannot take a stage: it speaks another wire protocol (never sent what it cannot read)
 
 
 def choose_replacement(plan: StagePlan, candidates: list[Candidate], exclude: set[int] = frozenset()
@@ -27,7 +28,7 @@ def choose_replacement(plan: StagePlan, candidates: list[Candidate], exclude: se
     """The fellow that should take over ``plan``'s stage, or None when no fellow can."""
     usable = [c for c in candidates
               if c.fellow_id not in exclude and c.fellow_id != plan.fellow_id and (c.standby or not c.serving)
-              and c.free_bytes >= plan.need_bytes]
+              and c.free_bytes >= plan.need_bytes and not c.outdated]
     usable.sort(key=lambda c: (not c.standby, -c.free_bytes, c.fellow_id))
     return usable[0] if usable else None
 
@@ -40,7 +41,9 @@ def why_no_replacement(plan: StagePlan, candidates: list[Candidate], exclude: se
                 "start one with `swarm join` (--standby keeps one ready for this)")
     states = []
     for c in others:
-        if c.fellow_id in exclude:
+        if c.outdated:
+            states.append(c.outdated.rstrip("."))
+        elif c.fellow_id in exclude:
             states.append(f"{c.name} failed to load it")
         elif c.serving and not c.standby:
             states.append(f"{c.name} serves another stage")
@@ -53,7 +56,7 @@ def why_no_replacement(plan: StagePlan, candidates: list[Candidate], exclude: se
 def choose_cover(plans: list[StagePlan], candidates: list[Candidate], covered: set[int]) -> tuple[int, Candidate] | None:
     """(stage index, standby) for the next hot cover: the uncovered stage whose loss would cost most to reload (the
     most weight bytes to fetch and load), on a standby that holds no cover yet and has room for it."""
-    standbys = [c for c in candidates if c.standby and not c.covering and not c.serving]
+    standbys = [c for c in candidates if c.standby and not c.covering and not c.serving and not c.outdated]
     for plan in sorted(plans, key=lambda p: (-p.weight_bytes, p.index)):
         if plan.index in covered:
             continue

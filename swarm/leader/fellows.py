@@ -10,7 +10,7 @@ from typing import Any
 import trio
 from starlette.websockets import WebSocket
 
-from swarm import wire
+from swarm import __version__, wire
 from swarm.errors import AuthError, ProtocolError, SwarmError
 from swarm.messages import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
@@ -55,6 +55,9 @@ class FellowConn:
     connected_at: float
     last_heartbeat: float
     standby: bool = False  # left alone by plain loads: it takes over stages of fellows that drop out
+    protocol: int = wire.PROTOCOL_VERSION  # the wire protocol it speaks (its hello's "v")
+    updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
+    update_error: str | None = None  # why its last update failed, as it said
     held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
     last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
@@ -79,6 +82,20 @@ class FellowConn:
         async for message in self._outbox_reader:
             await self.channel.send(wire.encode(message))
 
+    @property
+    def compatible(self) -> bool:
+        """Whether it reads this leader's messages: only such a fellow is given a stage, a cover or a link."""
+        return self.protocol == wire.PROTOCOL_VERSION
+
+    @property
+    def outdated(self) -> bool:
+        """Whether it runs another version of swarm than the leader (the admin page marks it)."""
+        return not self.compatible or self.version != __version__
+
+    def why_incompatible(self) -> str:
+        return (f"{self.name} runs swarm {self.version} (protocol {self.protocol}); this leader needs protocol "
+                f"{wire.PROTOCOL_VERSION} — run swarm update on {self.name}.")
+
     def summary(self) -> dict:
         return {
             "id": self.id,
@@ -89,6 +106,9 @@ class FellowConn:
             "hardware_text": self.hardware.describe(),
             "serve": {"host": self.serve_host, "port": self.serve_port},
             "version": self.version,
+            "protocol": self.protocol,
+            "outdated": self.outdated,
+            "update_error": self.update_error,
             "standby": self.standby,
             "held": self.held,
         }
@@ -103,6 +123,7 @@ class FellowHub:
         self.serving = serving
         self.online: dict[int, FellowConn] = {}
         self._decode_limiter = trio.CapacityLimiter(DECODE_THREADS)
+        self.updates = None  # set by the app: swarm.leader.updates.SelfWheel, the leader's own version for fellows
 
     async def handle(self, ws: WebSocket) -> None:
         await ws.accept()
@@ -124,6 +145,10 @@ class FellowHub:
             await close_quietly(transport)
             return
         channel.max_message_size = CONTROL_MAX_BYTES
+        if hello.get("purpose") == "update":  # `swarm update` on a fellow's machine: one answer, then goodbye
+            await self._update_session(channel, hello)
+            await close_quietly(transport)
+            return
         try:
             conn = await self._admit(channel, hello)
         except SwarmError as exc:  # AuthError, or a malformed hello (ProtocolError)
@@ -143,7 +168,7 @@ class FellowHub:
         try:
             keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
             conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
-                       "stages": keep})
+                       "stages": keep, "leader": {"version": __version__, "protocol": wire.PROTOCOL_VERSION}})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write, conn, nursery.cancel_scope)
                 nursery.start_soon(self._watch, conn, nursery.cancel_scope)
@@ -156,6 +181,46 @@ class FellowHub:
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await self.serving.on_fellow_lost(conn)
             await close_quietly(channel)
+
+    async def ask_update(self, conn: FellowConn) -> None:
+        """Tell ``conn`` to install the leader's version of swarm and restart (it reads this at any protocol)."""
+        offer = await self.updates.offer()
+        log.info("asking %s (swarm %s, protocol %s) to update to swarm %s", conn.name, conn.version, conn.protocol,
+                 offer["version"])
+        conn.post({"t": "update", **offer})
+
+    async def _update_session(self, channel: NoiseChannel, hello: dict) -> None:
+        """Answer `swarm update`: the running fellow is told to update itself; a fellow that is not running gets
+        the offer and a node credential to fetch the wheel with."""
+        key = channel.remote_static
+        try:
+            known = await trio.to_thread.run_sync(self.store.fellow_by_key, key)
+            if known is None or await trio.to_thread.run_sync(self.store.fellow_key_removed, key):
+                raise AuthError(f"this leader has no fellow with key {fingerprint(key)}; join it first with "
+                                "`swarm join URL --token <join token>`.")
+            offer = await self.updates.offer()
+            conn = self.online.get(known.id)
+            if hello.get("version") == offer["version"] and _protocol(hello) == offer["protocol"] and \
+                    hello.get("force") is not True:
+                reply = {"t": "current", "version": offer["version"]}
+            elif conn is not None and conn.updates:
+                await self.ask_update(conn)
+                reply = {"t": "updating", "name": conn.name, "version": offer["version"]}
+            else:
+                if conn is not None:
+                    credential = conn.credential  # the running fellow keeps its own
+                else:
+                    _, credential = await trio.to_thread.run_sync(self.store.enrol_fellow, known.name, key,
+                                                                  known.pool_id)
+                reply = {"t": "update", **offer, "credential": credential, "running": conn is not None}
+        except SwarmError as exc:
+            log.info("refused an update for key %s: %s", fingerprint(key), exc)
+            reply = {"t": "refused", "message": str(exc)}
+        with trio.move_on_after(CLEANUP_S):
+            try:
+                await channel.send(wire.encode(reply))
+            except SwarmError:
+                pass
 
     async def disconnect(self, fellow_id: int) -> bool:
         """End a fellow's control link now (it was removed): its stages fail over as if it had dropped out."""
@@ -179,6 +244,10 @@ class FellowHub:
                     continue
                 conn.last_seen = trio.current_time()
                 try:
+                    if isinstance(message, dict) and message["t"] == "update_failed":
+                        conn.update_error = str(message.get("message"))[:500]
+                        log.warning("fellow %s could not update: %s", conn.name, conn.update_error)
+                        continue
                     if isinstance(message, dict) and message["t"] == "heartbeat":
                         conn.hardware = Hardware.from_wire(message.get("hardware"))
                         held = message.get("held")
@@ -255,6 +324,14 @@ class FellowHub:
             serve_port=port if isinstance(port, int) and not isinstance(port, bool) else None,
             version=str(hello.get("version", "?"))[:64],
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
+            protocol=_protocol(hello), updates=hello.get("updates") is True,
         )
         conn.credential = credential
         return conn
+
+
+def _protocol(hello: dict) -> int:
+    """The protocol a hello's sender speaks: its "protocol", else the envelope's "v" (wire.decode checked it is an
+    int)."""
+    value = hello.get("protocol", hello.get("v"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

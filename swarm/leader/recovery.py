@@ -218,6 +218,7 @@ class Recovery:
             return True
         # the lost fellow itself, back without its stage (restarted), may load it again
         back = serving.hub.online.get(slot.plan.fellow_id)
+        back = back if back is not None and back.compatible else None  # back on another protocol: not for it
         choice = choose_replacement(slot.plan, self.candidates(model, index), slot.failed_on)
         target = back if back is not None and slot.plan.fellow_id not in slot.failed_on else \
             (serving.hub.online.get(choice.fellow_id) if choice is not None else None)
@@ -247,7 +248,8 @@ class Recovery:
                          for m in serving.models.values() for s in m.stages)
             covering = any(s.cover == conn.id for m in serving.models.values() for s in m.stages)
             out.append(Candidate(conn.id, conn.name, conn.hardware.serving_free_bytes(serving.settings.device),
-                                 conn.standby, serves, covering))
+                                 conn.standby, serves, covering,
+                                 "" if conn.compatible else conn.why_incompatible()))
         return out
 
     # --- hot cover ----------------------------------------------------------------------------------------------
@@ -281,6 +283,8 @@ class Recovery:
     def keeps(self, conn, stages: list) -> list[str]:
         """The models whose stage (or hot cover) a rejoining fellow keeps: what it holds of the current loads."""
         keep = []
+        if not conn.compatible:  # it speaks another protocol: it is sent nothing of a ring, and drops what it holds
+            return keep
         for summary in stages:
             if not isinstance(summary, dict):
                 continue
@@ -313,6 +317,8 @@ class Recovery:
 
     def _claim(self, conn, stages: list) -> list[str]:
         adopted = []
+        if not conn.compatible:
+            return adopted
         for summary in stages:
             if not isinstance(summary, dict):
                 continue

@@ -33,12 +33,42 @@ async function loadPools() {
   rows("pools-table", pools, (p) => [p.name, p.owner || "—", formatWhen(p.created_at)], "No pools.");
 }
 
+function versionCell(f, leader) {
+  if (!f.version) return h("span", { class: "muted" }, "—");
+  const text = `${f.version} (protocol ${f.protocol})`;
+  if (!f.outdated) return text;
+  const why = f.protocol !== leader.protocol ? `needs protocol ${leader.protocol}: it gets no stage until updated`
+    : `the leader runs ${leader.version}`;
+  return h("span", { class: "version-outdated", title: f.update_error || why }, [text, h("br"), h("small", {}, f.update_error ? `update failed: ${f.update_error}` : why)]);
+}
+
+async function updateOutdated() {
+  try {
+    const { updating, manual, version } = await post("/api/v1/fellows/update", {});
+    const lines = [];
+    if (updating.length) lines.push(`${updating.join(", ")} ${updating.length === 1 ? "installs" : "install"} swarm ${version} from this leader and restart${updating.length === 1 ? "s" : ""}.`);
+    for (const m of manual) lines.push(m.message);
+    $("fellows-outdated").replaceChildren(lines.join(" ") || "No fellow online needs an update.");
+  } catch (err) { showError(err.message); }
+  setTimeout(() => loadFellows().catch(() => {}), 3000);
+}
+
 async function loadFellows() {
-  const { fellows } = await get("/api/v1/fellows");
+  const { fellows, leader } = await get("/api/v1/fellows");
+  const outdated = fellows.filter((f) => f.state === "online" && f.outdated);
+  const notice = $("fellows-outdated");
+  notice.hidden = !outdated.length;
+  if (outdated.length) {
+    notice.replaceChildren(
+      `${outdated.map((f) => f.name).join(", ")} ${outdated.length === 1 ? "runs" : "run"} another version than this leader (swarm ${leader.version}, protocol ${leader.protocol}). `,
+      h("button", { class: "btn small", type: "button", onclick: updateOutdated }, "Update outdated fellows"),
+    );
+  }
   rows("fellows-table", fellows, (f) => [
     f.name,
     h("span", { class: f.state === "online" ? "state-online" : "state-offline" }, f.state === "online" ? "Online" : "Offline"),
     f.hardware_text || h("span", { class: "muted" }, f.state === "online" ? "—" : "unknown while offline"),
+    versionCell(f, leader),
     (f.stages || []).length ? (f.stages || []).map((s) => (typeof s === "string" ? s : `${s.model ?? ""} stage ${s.index ?? s.stage ?? ""}`)).join(", ") : "—",
     h("label", { class: "switch" }, [
       h("input", {
