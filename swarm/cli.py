@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stand by to take over the stage of a fellow that drops out; plain loads leave it alone")
     p.add_argument("--data-dir", type=Path)
 
+    p = sub.add_parser("update", help="install the leader's version of swarm on this fellow and restart it")
+    p.add_argument("--data-dir", type=Path, help="the fellow's data dir (as given to swarm join)")
+    p.add_argument("--force", action="store_true", help="install it even when the versions already match")
+
     p = sub.add_parser("model", help="manage the model catalogue")
     msub = p.add_subparsers(dest="model_command", required=True)
     mi = msub.add_parser("import", help="import a transformers folder, a .gguf file or smollm2-135m-instruct")
@@ -82,18 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     _leader_options(p)
 
     p = sub.add_parser("models", help="list the models and their status")
-    _leader_options(p)
-
-    p = sub.add_parser("infer", help="stream a reply from a served model, then its speed line")
-    p.add_argument("model")
-    p.add_argument("prompt", help="the message; - reads it from stdin")
-    p.add_argument("--system", metavar="S", help="a system message before it")
-    p.add_argument("--temperature", type=float, help="randomness; 0 is greedy (default: the model's)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int, help="0 is off")
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--no-reasoning", action="store_true", help="ask a reasoning model to answer without thinking")
     _leader_options(p)
 
     p = sub.add_parser("admin", help="leader settings (admins)")
@@ -161,6 +153,10 @@ def _dispatch(args) -> int | None:
 
         run_fellow(args.url, args.token, args.data_dir or settings.data_dir or default_data_dir("fellow"), args.name,
                    args.standby)
+    elif args.command == "update":
+        from swarm.fellow.process import update_fellow
+
+        update_fellow(args.data_dir or settings.data_dir or default_data_dir("fellow"), args.force)
     elif args.command == "model":
         from swarm.model_import import import_into_leader
 
@@ -190,10 +186,6 @@ def _dispatch(args) -> int | None:
                     print(f"Stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
                           f"{s['memory_bytes'] / 1e6:.0f} MB")
             print(f"{args.model} is {'loading' if args.no_wait else 'ready'}")
-    elif args.command == "infer":
-        from swarm.client import LeaderClient
-
-        _infer(LeaderClient.from_options(args.leader, args.token, settings), args)
     elif args.command == "admin":
         from swarm.client import LeaderClient
 
@@ -257,7 +249,9 @@ def _admin(client, args) -> None:
         print(f"Changed the password of {user['name']}; their browsers are signed out")
     elif command == "fellows":
         for f in client.get("/api/v1/fellows")["fellows"]:
-            print(f"{f['id']:5} {f['name']:24} {f['state']:8} {', '.join(f.get('stages') or []) or '-'}")
+            version = f"{f['version']} (protocol {f['protocol']}){' outdated' if f.get('outdated') else ''}" \
+                if f.get("version") else "-"
+            print(f"{f['id']:5} {f['name']:24} {f['state']:8} {version:28} {', '.join(f.get('stages') or []) or '-'}")
     elif command == "remove-fellow":
         fellows = client.get("/api/v1/fellows")["fellows"]
         match = [f for f in fellows if str(f["id"]) == args.fellow or f["name"] == args.fellow]
@@ -265,58 +259,6 @@ def _admin(client, args) -> None:
             raise SwarmError(f"the leader has no fellow {args.fellow!r}; `swarm admin fellows` lists them.")
         client.delete(f"/api/v1/fellows/{match[0]['id']}")
         print(f"Removed fellow {match[0]['name']} ({match[0]['id']}); its key is refused from now on")
-
-
-def _infer(client, args) -> None:
-    """The reply streams to stdout (its reasoning, if any, to stderr), then the speed line to stderr: measured here
-    from the stream, like the chat page's, with the fellows' split from swarm.timing."""
-    import time
-
-    from swarm.client import speed_line
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        raise SwarmError("the prompt is empty: give it as the second argument, or pipe it in with - .")
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": prompt}]
-    body: dict = {"model": args.model, "messages": messages}
-    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
-        if getattr(args, name) is not None:
-            body[name] = getattr(args, name)
-    if args.no_reasoning:
-        body["chat_template_kwargs"] = {"enable_thinking": False}
-    started = time.monotonic()
-    first = last = None
-    pieces = 0
-    usage, timing, reasoning_open = None, None, False
-    for chunk in client.chat_stream(body):
-        usage = chunk.get("usage") or usage
-        timing = (chunk.get("swarm") or {}).get("timing") or timing
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
-            content = delta.get("content") or ""
-            if reasoning or content:
-                last = time.monotonic()
-                first = first or last
-                pieces += 1
-            if reasoning:
-                print(reasoning, end="", file=sys.stderr, flush=True)
-                reasoning_open = True
-            if content:
-                if reasoning_open:
-                    print(file=sys.stderr)
-                    reasoning_open = False
-                print(content, end="", flush=True)
-    print(flush=True)
-    ended = time.monotonic()
-    tokens = (usage or {}).get("completion_tokens", pieces)
-    rate = None
-    if first is not None and tokens:
-        # A reply that came in one burst (a buffering proxy) is rated over the whole request, as on the chat page.
-        burst = last - first < 0.05 or pieces < 3
-        rate = tokens / max(ended - started, 1e-3) if burst else (tokens - 1) / (last - first)
-    print(speed_line(tokens, rate, first - started if first is not None else None, timing), file=sys.stderr)
 
 
 if __name__ == "__main__":

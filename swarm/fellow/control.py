@@ -12,7 +12,7 @@ import trio
 import trio_websocket
 
 from swarm import __version__, messages, wire
-from swarm.errors import AuthError, LinkClosed
+from swarm.errors import AuthError, LinkClosed, ProtocolError
 from swarm.fellow import hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
@@ -62,7 +62,12 @@ class ControlLink:
                             data = await channel.receive()
                     except trio.TooSlowError:
                         raise LinkClosed(f"the leader went silent for {SILENT_S:.0f} s") from None
-                    await self.dispatch(wire.unpack(data))
+                    try:
+                        message = wire.unpack(data)
+                    except ProtocolError as exc:  # a leader on another protocol: its update tells us what to do
+                        log.warning("skipped a message from the leader: %s", exc)
+                        continue
+                    await self.dispatch(message)
             finally:
                 self._channel = None
                 nursery.cancel_scope.cancel()
@@ -70,7 +75,8 @@ class ControlLink:
     async def _enrol(self, channel: NoiseChannel) -> None:
         fellow = self.fellow
         hello = {
-            "t": "hello", "name": fellow.name, "version": __version__,
+            "t": "hello", "name": fellow.name, "version": __version__, "protocol": wire.PROTOCOL_VERSION,
+            "updates": True,  # it installs the leader's version when told to (swarm.fellow.update)
             "hardware": hardware.probe().to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
             "stages": [stage.summary() for stage in fellow.stages.values()],
@@ -91,6 +97,14 @@ class ControlLink:
         fellow.connected.set()
         log.info("joined %s as %s (fellow %s, key %s)", fellow.leader_url, fellow.name, fellow.fellow_id,
                  fingerprint(fellow.public))
+        leader = reply.get("leader") if isinstance(reply.get("leader"), dict) else {}
+        if leader.get("protocol", wire.PROTOCOL_VERSION) != wire.PROTOCOL_VERSION:
+            log.warning("the leader runs swarm %s (protocol %s), this fellow swarm %s (protocol %s): it gets no "
+                        "stage until it is updated -- run `swarm update` here, or Update on the admin page",
+                        leader.get("version"), leader.get("protocol"), __version__, wire.PROTOCOL_VERSION)
+        elif leader.get("version", __version__) != __version__:
+            log.info("the leader runs swarm %s, this fellow %s (same protocol); `swarm update` installs the "
+                     "leader's", leader.get("version"), __version__)
         # Stages whose model the leader no longer counts as ours are stale after a leader restart.
         for model in [m for m in fellow.stages if m not in reply.get("stages", [])]:
             fellow.unload(model)
@@ -169,6 +183,8 @@ class ControlLink:
             fellow.loader.cancel(message["model"])  # a load still in flight stops too
             fellow.unload(message["model"])
             await self.send({"t": "unloaded", "model": message["model"]})
+        elif kind == "update":
+            fellow.nursery.start_soon(fellow.updater.run, message)
         elif kind == "punch_ping":
             await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":

@@ -30,6 +30,7 @@ from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
+from swarm.leader.updates import SelfWheel, UpdateRoutes
 from swarm.leader.headers import SecurityHeaders
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
@@ -77,6 +78,7 @@ class Leader:
         self.serving.book.on_end = self.history.record
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
+        self.hub.updates = SelfWheel(data_dir / "updates")
         self.direct_links = DirectLinkCoordinator(self.store, self.serving)
         self.serving.direct_links = self.direct_links
         self.signin = SignInThrottle()
@@ -111,6 +113,7 @@ class Leader:
     def _build_app(self) -> Starlette:
         api = ApiRoutes(self)
         oai = OpenAIRoutes(self)
+        updates = UpdateRoutes(self)
 
         async def fellow_link(ws: WebSocket):
             await self.hub.handle(ws)
@@ -167,6 +170,8 @@ class Leader:
             Route("/api/v1/chats", api.chats, methods=["GET", "POST"]),
             Route("/api/v1/chats/{chat_id}", api.chat, methods=["GET", "PATCH", "DELETE"]),
             Route("/api/v1/fellows", api.fellows),
+            Route("/api/v1/fellows/update", updates.update_fellows, methods=["POST"]),
+            Route("/api/v1/update/{file}", updates.wheel, methods=["GET", "HEAD"]),
             Route("/api/v1/join-tokens", api.join_tokens, methods=["GET", "POST"]),
             Route("/api/v1/join-tokens/{token_id:int}", api.join_token_revoke, methods=["DELETE"]),
             Route("/api/v1/fellows/{fellow_id:int}", api.fellow_remove, methods=["DELETE"]),

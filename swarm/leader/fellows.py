@@ -165,6 +165,10 @@ class FellowHub:
             await close_quietly(previous.channel)
         self.online[conn.id] = conn
         log.info("fellow %s (%s) connected: %s", conn.name, conn.id, conn.hardware.describe())
+        if conn.outdated:
+            log.warning("fellow %s runs swarm %s (protocol %s), this leader %s (protocol %s)", conn.name,
+                        conn.version, conn.protocol, __version__, wire.PROTOCOL_VERSION)
+            self.serving._start(self._prepare_update)  # the wheel is ready by the time someone asks for it
         try:
             keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
             conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
@@ -188,6 +192,14 @@ class FellowHub:
         log.info("asking %s (swarm %s, protocol %s) to update to swarm %s", conn.name, conn.version, conn.protocol,
                  offer["version"])
         conn.post({"t": "update", **offer})
+
+    async def _prepare_update(self) -> None:
+        if self.updates is None:
+            return
+        try:
+            await self.updates.offer()
+        except SwarmError as exc:
+            log.warning("fellows on another version cannot update from this leader: %s", exc)
 
     async def _update_session(self, channel: NoiseChannel, hello: dict) -> None:
         """Answer `swarm update`: the running fellow is told to update itself; a fellow that is not running gets

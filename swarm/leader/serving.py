@@ -81,13 +81,24 @@ class Serving:
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
         # standbys wait for failovers, unless one is asked for by name
         fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
+        # A fellow on another wire protocol is never sent a message it cannot read: the load goes without it, or is
+        # refused naming it when it was asked for or nothing fits without it.
+        outdated = [f for f in fellows if not f.compatible]
+        if any(f.id == fellow_id for f in outdated):
+            raise PlacementError(next(f for f in outdated if f.id == fellow_id).why_incompatible())
+        fellows = [f for f in fellows if f.compatible]
         if num_stages is None:
             num_stages = max(1, min(len(fellows), manifest["num_layers"]))
         # A CPU fellow holds 16-bit weights widened to float32: a pool with one budgets every stage so (its GPU
         # fellows then keep room to spare, never too little).
         size = model_size(manifest, cpu=not fellows or not all(f.hardware.gpus for f in fellows))
         capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
-        plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
+        try:
+            plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
+        except PlacementError:
+            if outdated:
+                raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
+            raise
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
