@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list the models and their status")
     _leader_options(p)
 
+    p = sub.add_parser("infer", help="stream a reply from a served model, then its speed line")
+    p.add_argument("model")
+    p.add_argument("prompt", help="the message; - reads it from stdin")
+    p.add_argument("--system", metavar="S", help="a system message before it")
+    p.add_argument("--temperature", type=float, help="randomness; 0 is greedy (default: the model's)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int, help="0 is off")
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--no-reasoning", action="store_true", help="ask a reasoning model to answer without thinking")
+    _leader_options(p)
+
     p = sub.add_parser("admin", help="leader settings (admins)")
     asub = p.add_subparsers(dest="admin_command", required=True)
     ad = asub.add_parser("direct-links", help="let stages that cannot reach each other's port punch an encrypted "
@@ -186,6 +198,10 @@ def _dispatch(args) -> int | None:
                     print(f"Stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
                           f"{s['memory_bytes'] / 1e6:.0f} MB")
             print(f"{args.model} is {'loading' if args.no_wait else 'ready'}")
+    elif args.command == "infer":
+        from swarm.client import LeaderClient
+
+        _infer(LeaderClient.from_options(args.leader, args.token, settings), args)
     elif args.command == "admin":
         from swarm.client import LeaderClient
 
@@ -259,6 +275,58 @@ def _admin(client, args) -> None:
             raise SwarmError(f"the leader has no fellow {args.fellow!r}; `swarm admin fellows` lists them.")
         client.delete(f"/api/v1/fellows/{match[0]['id']}")
         print(f"Removed fellow {match[0]['name']} ({match[0]['id']}); its key is refused from now on")
+
+
+def _infer(client, args) -> None:
+    """The reply streams to stdout (its reasoning, if any, to stderr), then the speed line to stderr: measured here
+    from the stream, like the chat page's, with the fellows' split from swarm.timing."""
+    import time
+
+    from swarm.client import speed_line
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise SwarmError("the prompt is empty: give it as the second argument, or pipe it in with - .")
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": prompt}]
+    body: dict = {"model": args.model, "messages": messages}
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
+    if args.no_reasoning:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    started = time.monotonic()
+    first = last = None
+    pieces = 0
+    usage, timing, reasoning_open = None, None, False
+    for chunk in client.chat_stream(body):
+        usage = chunk.get("usage") or usage
+        timing = (chunk.get("swarm") or {}).get("timing") or timing
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            content = delta.get("content") or ""
+            if reasoning or content:
+                last = time.monotonic()
+                first = first or last
+                pieces += 1
+            if reasoning:
+                print(reasoning, end="", file=sys.stderr, flush=True)
+                reasoning_open = True
+            if content:
+                if reasoning_open:
+                    print(file=sys.stderr)
+                    reasoning_open = False
+                print(content, end="", flush=True)
+    print(flush=True)
+    ended = time.monotonic()
+    tokens = (usage or {}).get("completion_tokens", pieces)
+    rate = None
+    if first is not None and tokens:
+        # A reply that came in one burst (a buffering proxy) is rated over the whole request, as on the chat page.
+        burst = last - first < 0.05 or pieces < 3
+        rate = tokens / max(ended - started, 1e-3) if burst else (tokens - 1) / (last - first)
+    print(speed_line(tokens, rate, first - started if first is not None else None, timing), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -340,6 +340,7 @@ TOOLS_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+CALL_PIECES = ['{"name": "get_weather", ', '"arguments": {"city": ', '"Par', 'is"}}']
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -349,7 +350,8 @@ WEATHER = {"type": "function", "function": {
 def tool_model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools")
     # the first turn calls the tool; after its result (and thinking off, so the prompt ends otherwise) it answers
-    build(root / "src", {"assistant\n": ["<tool_call>\n", CALL, "\n</tool_call>"],
+    # (the call in pieces, as a model writes it: its arguments stream piece by piece)
+    build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"],
                          "\n\n": ["It is sunny in Paris."]}, TOOLS_TEMPLATE)
     import_model(str(root / "src"), root / "models", "qwen3-tools")
     return root / "models" / "qwen3-tools"
@@ -376,14 +378,18 @@ async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
             prompt = tokenizer.decode(choice.model_extra["prompt_token_ids"])
             assert "<tools>" in prompt and '"name": "get_weather"' in prompt  # the tools reached the template
 
-            # streamed: no text, one tool-call delta, finish_reason tool_calls
+            # streamed: no text; the call's id and name once known, then its arguments as the model writes them
             chunks = await trio.to_thread.run_sync(lambda: list(client.chat.completions.create(
                 model=name, messages=ask, tools=[WEATHER], temperature=0, max_tokens=10, stream=True)))
             deltas = [c.choices[0].delta for c in chunks if c.choices]
             assert "".join(d.content or "" for d in deltas) == ""
             calls = [t for d in deltas for t in d.tool_calls or []]
-            assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-                (0, "get_weather", {"city": "Paris"})]
+            first, pieces = calls[0], calls[1:]
+            assert (first.index, first.type, first.function.name, first.function.arguments) == \
+                (0, "function", "get_weather", "") and first.id.startswith("call_")
+            assert [(t.index, t.id, t.type, t.function.name) for t in pieces] == [(0, None, None, None)] * len(pieces)
+            assert [t.function.arguments for t in pieces] == ['{"city": ', '"Par', 'is"}']  # token by token
+            assert "".join(t.function.arguments for t in pieces) == tool_call.function.arguments  # the whole reply's
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
             # the call and its result go back into the template; the model answers

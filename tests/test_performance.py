@@ -23,6 +23,13 @@ from swarm.store.db import Store
 from swarm.store.history import ServedRequest
 
 NOW = 1_700_000_000.0
+
+
+def fellows_timing(compute: list[float], links: list[float], prompt_ms: float | None = None) -> dict:
+    """A reply's swarm.timing as swarm.leader.timing builds it once every stage reported."""
+    return {"split": "fellows", "prompt_ms": prompt_ms,
+            "stages": [{"stage": i, "compute_ms_per_token": ms} for i, ms in enumerate(compute)],
+            "links": [{"from_stage": i, "ms_per_token": ms} for i, ms in enumerate(links)]}
 CHEAP = argon2.PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)
 
 
@@ -108,9 +115,10 @@ HOPS = [{"rtt_ms": 150.0, "bytes_per_token": 2400, "transport": "relay"},
 
 
 def test_split_from_the_fellows_is_weighted_by_tokens_and_adds_up():
-    records = [served(1, tokens=100, timing={"stage_ms": [4.0, 5.0], "link_ms": [100.0, 50.0], "prompt_ms": 80}),
-               served(2, tokens=300, timing={"stage_ms": [8.0, 9.0], "link_ms": [60.0, 40.0], "prompt_ms": 120}),
-               served(3, tokens=50)]  # an old fellow's reply: no split, left out of the average
+    records = [served(1, tokens=100, timing=fellows_timing([4.0, 5.0], [100.0, 50.0], 80)),
+               served(2, tokens=300, timing=fellows_timing([8.0, 9.0], [60.0, 40.0], 120)),
+               served(3, tokens=50),  # an old fellow's reply: no split, left out of the average
+               served(4, tokens=50, timing={**fellows_timing([1.0, 1.0], [1.0, 1.0]), "split": None})]  # not all
     split = time_split(records, HOPS, ["fellow-0", "fellow-1"])
     assert split["source"] == "fellows" and split["replies"] == 2
     assert [p["label"] for p in split["parts"]] == ["stage 0", "link", "stage 1"]
@@ -136,7 +144,7 @@ def test_split_estimated_from_round_trips_until_the_fellows_report_it():
 
 
 def test_bottleneck_names_the_slower_stage_and_idle_gpus():
-    records = [served(1, timing={"stage_ms": [4.0, 9.0], "link_ms": [1.0, 1.0]})]
+    records = [served(1, timing=fellows_timing([4.0, 9.0], [1.0, 1.0]))]
     split = time_split(records, HOPS, ["fellow-0", "fellow-1"])
     busy = [{"gpus": [{"role": "stage", "load_percent": 90.0}, {"role": "idle", "load_percent": 0.0}]}]
     sentence = bottleneck(split, busy)
@@ -222,7 +230,7 @@ async def test_finished_requests_are_recorded_and_written_in_batches(tmp_path: P
     req = Request(model="m", prompt=[1, 2, 3], max_tokens=10, sampling=messages.Sampling(), eos=[2], owner=7)
     await trio.sleep(0.25)
     book.submit(req)
-    await trio.sleep(0.5)  # the first token half a second after it left the queue
+    await trio.sleep(0.5)  # the first token half a second after it left the queue, 0.75 s after it came
     book.on_tokens(messages.Tokens("m", [messages.TokenBatch(req.rid, [5])]))
     await trio.sleep(1.0)
     book.on_tokens(messages.Tokens("m", [messages.TokenBatch(req.rid, [6, 7, 8, 9, 10], True, "length")]))
@@ -232,7 +240,8 @@ async def test_finished_requests_are_recorded_and_written_in_batches(tmp_path: P
     assert len(history.recent) == 2 and store.served_requests(None, 0) == []  # memory only: the reply never waits
     done = history.in_memory("m", 0)[0]
     assert (done.outcome, done.prompt_tokens, done.reply_tokens, done.user_id) == ("done", 3, 6, 7)
-    assert done.queue_ms == pytest.approx(250, abs=1) and done.ttft_ms == pytest.approx(500, abs=1)
+    # time to first token counts the queue wait, as swarm.timing does
+    assert done.queue_ms == pytest.approx(250, abs=1) and done.ttft_ms == pytest.approx(750, abs=1)
     assert done.tokens_per_s == pytest.approx(5.0, abs=0.01)  # 5 tokens in the second after the first
     assert history.in_memory("m", 0)[1].outcome == "failed" and history.in_memory("m", 0)[1].error
 

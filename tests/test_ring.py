@@ -48,7 +48,38 @@ async def _replies(tmp_path, model_dir, transport):
             await wait_until(lambda: len(stats) == 2 and all(stats[k] is not before.get(k) for k in stats), 10,
                              message=lambda: f"hop stats: {stats}")
             perf = (await swarm.http.get(f"/api/v1/models/{model_dir.name}/performance")).json()
+            hour = (await swarm.http.get(f"/api/v1/models/{model_dir.name}/performance?range=1h")).json()
+            bad = await swarm.http.get(f"/api/v1/models/{model_dir.name}/performance?range=2h")
+            assert bad.status_code == 400 and "use one of 15m, 1h, 6h, 24h, 7d" in bad.json()["error"]["message"]
+            check_performance(perf, hour, replies)
             return replies, paths, perf
+
+
+def check_performance(perf: dict, hour: dict, replies: dict) -> None:
+    """The performance view after the replies (issue 12): speed, series, pipeline, hops, split, last 15 minutes."""
+    tokens = sum(d["usage"]["completion_tokens"] for d in replies.values())
+    assert perf["range"] == "15m" and perf["step_s"] == 30 and len(perf["series"]) == 30
+    assert sum(p["replies"] for p in perf["series"]) == len(replies)
+    assert sum(p["tokens"] for p in perf["series"]) == tokens == perf["speed"]["tokens"]
+    assert perf["speed"]["tokens_per_s"] > 0 and perf["speed"]["median_ttft_ms"] > 0
+    assert [(s["fellow"], s["layers"]) for s in perf["stages"]] == [("fellow-0", [0, 15]), ("fellow-1", [15, 30])]
+    for stage in perf["stages"]:  # these fellows compute on the CPU: their card shows its cores, load and RAM
+        assert stage["online"] and stage["model_bytes"] > 0 and stage["gpus"] == []
+        cpu = stage["cpu"]
+        assert cpu["cores"] >= 1 and 0 < cpu["ram_used_bytes"] <= cpu["ram_total_bytes"]
+        assert 0 <= cpu["load_percent"] <= 100
+    assert [h["direction"] for h in perf["hops"]] == ["forward", "back"]
+    split = perf["time_per_token"]
+    assert split["source"] in ("fellows", "round_trips") and split["ms_per_token"] > 0
+    assert abs(sum(p["share"] for p in split["parts"]) - 1) < 0.01
+    assert perf["bottleneck"].endswith(".") and "takes most of each token" in perf["bottleneck"]
+    table = perf["last_15m"]
+    assert (table["replies"], table["failed"], table["tokens"]) == (len(replies), 0, tokens)
+    assert table["tokens_per_s"]["p50"] > 0 and table["ttft_ms"]["p95"] >= table["ttft_ms"]["p50"] > 0
+    assert table["mean_ms_between_tokens"] > 0
+    # an hour rolls up from the database (with what is not written yet): the same replies in 2-minute steps
+    assert hour["step_s"] == 120 and sum(p["replies"] for p in hour["series"]) == len(replies)
+    assert hour["speed"]["tokens"] == tokens
 
 
 @pytest.mark.parametrize("transport", ["auto", "relay"])

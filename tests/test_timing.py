@@ -134,3 +134,17 @@ def test_a_cancelled_request_reports_what_it_computed():
     r.run()
     assert sorted(r.times["a"]) == [0, 1]
     assert r.times["a"][0].prefill_tokens > 0
+
+
+def test_the_cli_speed_line_reads_like_the_seeds():
+    from swarm.client import speed_line
+
+    two = {"split": "fellows", "link_ms_per_token": 152.4,
+           "stages": [{"stage": 0, "compute_ms_per_token": 4.2}, {"stage": 1, "compute_ms_per_token": 0.46}]}
+    assert speed_line(80, 12.5, 0.42, two) == \
+        "12.5 tokens/s · 80 tokens · 0.42 s to first token · stage 0 4 ms/token · link 152 ms · stage 1 0.5 ms"
+    one = {"split": "fellows", "link_ms_per_token": None, "stages": [{"stage": 0, "compute_ms_per_token": 12.3}]}
+    assert speed_line(1, None, 0.2, one) == "1 token · 0.20 s to first token · compute 12 ms/token"
+    # fellows that did not report the split: the browser's figures alone
+    assert speed_line(5, 20.0, 0.1, {"split": None, "stages": []}) == "20.0 tokens/s · 5 tokens · 0.10 s to first token"
+    assert speed_line(5, 20.0, None, None) == "20.0 tokens/s · 5 tokens"

@@ -387,6 +387,69 @@ def test_dark_theme(bg, browser):
     context.close()
 
 
+def test_performance_column(bg, browser, model):
+    """The Performance column: the speed chart, the pipeline's stages and link, the time per token, the bottleneck and
+    the last 15 minutes; it asks every 2 s while open and not at all while closed; the range is remembered."""
+    for prompt in ("Name three colours.", "Count from one to five."):
+        reply = api(bg, "POST", "/v1/chat/completions", json={"model": model, "max_tokens": 16, "temperature": 0,
+                                                                "messages": [{"role": "user", "content": prompt}]})
+        assert reply.status_code == 200, reply.text
+    page = signed_in_page(bg, browser, width=1280, height=1000, column="performance")
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/performance" in r.url else None)
+    expect(page.locator("#panel-performance")).to_be_visible()
+    expect(page.locator(".perf-stage")).to_have_count(2)
+    expect(page.locator(".perf-stage").first).to_contain_text(re.compile(r"Stage 0fellow-\d · layers 0–14"))
+    expect(page.locator(".perf-stage").first).to_contain_text("CPU")  # no GPU here: cores, load and RAM
+    expect(page.locator(".perf-link").first).to_contain_text(re.compile(r"^(Direct link|Tunnel|Relay)"))
+    expect(page.locator(".perf-link").first).to_contain_text("per token forward")
+    expect(page.locator("svg.perf-chart")).to_have_attribute(
+        "aria-label", re.compile(r"over the last 15 minutes in 30-second steps: peak [\d.]+, latest [\d.]+\."))
+    expect(page.locator(".perf-split > div").first).to_be_visible()
+    expect(page.locator(".perf-bottleneck")).to_contain_text("takes most of each token's time")
+    expect(page.locator(".perf-table")).to_contain_text("Replies")
+    table = api(bg, "GET", f"/api/v1/models/{model}/performance").json()["last_15m"]
+    expect(page.locator(".perf-table tbody tr").first).to_contain_text(f"{table['replies']}")
+    shot(page, "performance-1280")
+    # open: a request every 2 s
+    before = len(asked)
+    page.wait_for_timeout(4_500)
+    assert 2 <= len(asked) - before <= 3, asked[before:]
+    # closed: none
+    page.click('[data-column="performance"]')
+    expect(page.locator("#panel-performance")).to_be_hidden()
+    page.wait_for_timeout(500)
+    before = len(asked)
+    page.wait_for_timeout(4_500)
+    assert len(asked) == before, asked[before:]
+    # the range switch, remembered in this browser
+    page.click('[data-column="performance"]')
+    page.click('#perf-range [data-range="6h"]')
+    expect(page.locator('#perf-range [data-range="6h"]')).to_have_attribute("aria-checked", "true")
+    expect(page.locator("svg.perf-chart")).to_have_attribute("aria-label", re.compile(r"last 6 hours in 15-minute steps"))
+    assert "range=6h" in asked[-1]
+    page.reload()
+    expect(page.locator('#perf-range [data-range="6h"]')).to_have_attribute("aria-checked", "true")
+    expect(page.locator('#perf-range [data-range="15m"]')).to_have_attribute("aria-checked", "false")
+    expect(page.locator("svg.perf-chart")).to_have_attribute("aria-label", re.compile(r"last 6 hours"))
+    assert page.evaluate("localStorage.getItem('swarm.perfRange')") == '"6h"'
+    assert not page.errors, page.errors
+    page.context.close()
+
+    page = signed_in_page(bg, browser, width=390, height=844, column="performance")
+    expect(page.locator(".perf-stage")).to_have_count(2)
+    page.locator("#panel-performance").scroll_into_view_if_needed()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing sticks out sideways
+    side = page.locator("#side-column").bounding_box()
+    assert side["width"] <= 390
+    page.locator(".perf-stage").first.scroll_into_view_if_needed()
+    shot(page, "performance-390")
+    page.locator(".perf-table").scroll_into_view_if_needed()
+    shot(page, "performance-390-table")
+    assert not page.errors, page.errors
+    page.context.close()
+
+
 def test_sending_while_not_loaded_loads_first(bg, browser, model):
     """Last in the module: it unloads the model the other tests share."""
     assert api(bg, "POST", f"/api/v1/models/{model}/unload").status_code == 200

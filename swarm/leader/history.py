@@ -34,7 +34,7 @@ def _trio_now() -> float | None:
         return None
 
 
-def served_from(request, wall_now: float, trio_now: float | None) -> ServedRequest:
+def served_from(request, wall_now: float, trio_now: float | None, timing: dict | None = None) -> ServedRequest:
     """What to keep of a request that just ended. The request's times are trio's clock; they become wall-clock times
     counted back from now."""
     loop_now = trio_now if trio_now is not None else request.created_at
@@ -44,7 +44,8 @@ def served_from(request, wall_now: float, trio_now: float | None) -> ServedReque
 
     started = request.started_at
     queue_ms = ((started if started is not None else loop_now) - request.created_at) * 1000
-    ttft_ms = (request.first_token_at - started) * 1000 if started is not None and request.first_token_at else None
+    # as swarm.timing counts it: from the request's arrival, its queue wait included
+    ttft_ms = (request.first_token_at - request.created_at) * 1000 if request.first_token_at is not None else None
     tokens = len(request.tokens)
     tokens_per_s = None
     if request.first_token_at is not None and tokens >= 2 and loop_now > request.first_token_at:
@@ -59,14 +60,13 @@ def served_from(request, wall_now: float, trio_now: float | None) -> ServedReque
         id=request.id, model=request.model, started_at=wall(request.created_at), ended_at=wall_now, outcome=outcome,
         prompt_tokens=len(request.prompt), reply_tokens=tokens, ttft_ms=_round(ttft_ms),
         tokens_per_s=_round(tokens_per_s), queue_ms=_round(queue_ms), user_id=request.owner, error=request.error)
-    return with_timing(record, timing_of(request))
+    return with_timing(record, timing)
 
 
 def timing_of(request) -> dict | None:
-    """The request's swarm.timing as the leader has it now (the fellows' figures may come in after its end)."""
+    """A request's own ``timing`` map, if it carries one (how tests hand one in); the leader passes
+    swarm.leader.timing.of_request instead (ServingHistory's ``timing``)."""
     timing = getattr(request, "timing", None)
-    if callable(timing):
-        timing = timing()
     return dict(timing) if isinstance(timing, dict) and timing else None
 
 
@@ -93,14 +93,18 @@ class _Entry:
     """A finished request in memory: its record, and the request itself until the record is written (the fellows'
     time split may arrive just after the request ends)."""
 
-    __slots__ = ("record", "request")
+    __slots__ = ("record", "request", "timing")
 
-    def __init__(self, record: ServedRequest, request=None):
-        self.record, self.request = record, request
+    def __init__(self, record: ServedRequest, request=None, timing: Callable = timing_of):
+        self.record, self.request, self.timing = record, request, timing
 
     def settled(self) -> ServedRequest:
         if self.request is not None:
-            timing = timing_of(self.request)
+            try:
+                timing = self.timing(self.request)
+            except Exception:  # the record keeps the leader's own figures
+                log.exception("could not read the timing of request %s", self.request.id)
+                timing = None
             if timing is not None and timing != self.record.timing:
                 self.record = with_timing(self.record, timing)
         return self.record
@@ -109,8 +113,10 @@ class _Entry:
 class ServingHistory:
     """Finished requests: the last 15 minutes in memory, every one written to the store in batches."""
 
-    def __init__(self, store, keep_days: float, clock: Callable[[], float] = time.time):
+    def __init__(self, store, keep_days: float, clock: Callable[[], float] = time.time,
+                 timing: Callable = timing_of):
         self.store = store
+        self.timing = timing  # request -> its swarm.timing (swarm.leader.timing.of_request on the leader)
         self.keep_s = keep_days * 86400
         self.clock = clock
         self.recent: collections.deque[_Entry] = collections.deque()
@@ -121,12 +127,12 @@ class ServingHistory:
     def record(self, request) -> None:
         """A request ended (RequestBook.on_end): keep it. Never blocks and never raises into the book."""
         try:
-            self.add(served_from(request, self.clock(), _trio_now()), request)
+            self.add(served_from(request, self.clock(), _trio_now()), request)  # timing: once it has settled
         except Exception:  # a bug here must not cost the reply
             log.exception("could not record request %s in the serving history", getattr(request, "id", "?"))
 
     def add(self, record: ServedRequest, request=None) -> None:
-        entry = _Entry(record, request)
+        entry = _Entry(record, request, self.timing)
         self.recent.append(entry)
         self._pending.append(entry)
         if len(self._pending) > MAX_PENDING:

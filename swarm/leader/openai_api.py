@@ -226,13 +226,16 @@ class OpenAIRoutes:
             content = choice.content_delta(content)
             if content:
                 yield chunk(choice, {"content": content})
+            for call in choice.call_deltas():  # a tool call's name, then its arguments piece by piece
+                yield chunk(choice, {"tool_calls": [call]})
 
         async def finished(choice: Choice, finish: str):
             content = choice.end_content()
             if content:
                 yield chunk(choice, {"content": content})
-            if choice.calls:
-                yield chunk(choice, {"tool_calls": [{"index": i, **call} for i, call in enumerate(choice.calls)]})
+            calls = choice.call_deltas()  # what of the calls had not streamed yet
+            if calls:
+                yield chunk(choice, {"tool_calls": calls})
             choice.finish = choice.finish_reason(finish)
             extra = None
             if all(c.finish is not None for c in choices):  # usage and timing come with the last choice's end
@@ -293,6 +296,10 @@ class Choice:
     def content_delta(self, content: str) -> str:
         """What of a content delta goes out now (a tool call is held until the reply ends)."""
         return self.tools.push(content) if self.tools is not None and content else content
+
+    def call_deltas(self) -> list[dict]:
+        """The tool calls' stream deltas since the last time (swarm.leader.tool_calls)."""
+        return self.tools.take() if self.tools is not None else []
 
     def end_content(self) -> str:
         """The end of the reply: the content held back, with the tool calls parsed out of it."""

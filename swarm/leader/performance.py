@@ -123,32 +123,25 @@ def _num(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _per_item(value, keys: tuple[str, ...]) -> list[float] | None:
-    """A list of numbers, or of maps holding one under one of ``keys``."""
-    if not isinstance(value, list):
+def _numbers(items, key: str) -> list[float] | None:
+    """``item[key]`` of every item, or None when one is missing."""
+    if not isinstance(items, list) or not items:
         return None
-    out = []
-    for item in value:
-        number = _num(item)
-        if number is None and isinstance(item, dict):
-            number = next((_num(item[k]) for k in keys if _num(item.get(k)) is not None), None)
-        if number is None:
-            return None
-        out.append(number)
-    return out
+    values = [_num(item.get(key)) if isinstance(item, dict) else None for item in items]
+    return None if any(v is None for v in values) else values
 
 
 def split_of(timing: dict | None) -> tuple[list[float], list[float]] | None:
-    """A reply's measured split: each stage's compute and each hop's link, in ms per token; None when the fellows did
-    not measure it. Reads swarm.timing's ``stage_ms``/``link_ms`` (lists of numbers, or of maps with ``ms``)."""
-    if not timing:
+    """A reply's split as its fellows measured it (swarm.leader.timing's shape: ``stages[].compute_ms_per_token``,
+    ``links[].ms_per_token``, ``split`` "fellows" once every stage reported): each stage's compute and each hop's
+    link in ms per token. None when they did not measure it (fellows from before, or a reply that never decoded)."""
+    if not timing or timing.get("split") != "fellows":
         return None
-    keys = ("compute_ms", "ms_per_token", "ms")
-    stages = _per_item(timing.get("stage_ms", timing.get("stages")), keys)
-    links = _per_item(timing.get("link_ms", timing.get("links")), ("link_ms", *keys))
-    if not stages:
+    stages = _numbers(timing.get("stages"), "compute_ms_per_token")
+    links = _numbers(timing.get("links"), "ms_per_token") if timing.get("links") else []
+    if stages is None or links is None:
         return None
-    return stages, links or []
+    return stages, links
 
 
 def time_split(records: Sequence[ServedRequest], hops: Sequence[dict], stage_names: Sequence[str]) -> dict | None:
@@ -160,6 +153,11 @@ def time_split(records: Sequence[ServedRequest], hops: Sequence[dict], stage_nam
     prompt = [p for r in records if r.timing and (p := _num(r.timing.get("prompt_ms"))) is not None]
     bytes_per_token = {"forward": next((h.get("bytes_per_token") for h in hops[:-1] if h.get("bytes_per_token")), None),
                        "back": hops[-1].get("bytes_per_token") if len(hops) > 1 else None}
+    for r in reversed(records):  # no hop reported yet: what the last replies' stages counted
+        sent = r.timing.get("bytes_per_token") if r.timing else None
+        if isinstance(sent, dict):
+            for way in ("forward", "back"):
+                bytes_per_token[way] = bytes_per_token[way] or _num(sent.get(way))
     n = len(stage_names)
     if measured and all(len(s[0]) == n for _, s in measured):
         weight = sum(r.reply_tokens for r, _ in measured)

@@ -6,6 +6,7 @@ import { initModels } from "./models.js";
 import { initConversation } from "./conversation.js";
 import { initChats } from "./chats.js";
 import { initSettings } from "./settings.js";
+import { initPerformance } from "./performance.js";
 
 const COLUMNS = { chats: "Chats", performance: "Performance", settings: "Settings" };
 
@@ -34,17 +35,6 @@ function initColumns() {
     });
   }
   setColumn(store.get("column", "chats"));
-}
-
-function initPerformance() {
-  // The performance data arrives with a later leader release; until then the column says so plainly.
-  document.getElementById("panel-performance").replaceChildren(
-    h("h2", {}, "Performance"),
-    h("div", { class: "card placeholder", id: "performance-placeholder" },
-      icon("performance"),
-      h("p", {}, "Speed, the pipeline's stages and links, and where each token's time goes will show here."),
-      h("p", { class: "muted" }, "This leader does not report serving metrics yet. Each reply's speed line is under it in the chat.")),
-  );
 }
 
 function initUserMenu() {
