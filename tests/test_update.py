@@ -201,6 +201,9 @@ async def test_admins_ask_outdated_fellows_to_update_and_the_wheel_needs_a_node_
         assert listing["leader"] == {"version": __version__, "protocol": wire.PROTOCOL_VERSION}
         assert [(f["name"], f["protocol"], f["outdated"]) for f in listing["fellows"]] == \
             [("fellow-0", wire.PROTOCOL_VERSION - 1, True)]
+        checks = listing["fellows"][0]["checks"]  # the early checks against the catalogue
+        assert [m["model"] for m in checks["models"]] == [model] and model in checks["text"]
+        assert checks["disk_free_bytes"] > 0 and checks["memory_free_bytes"] > 0
         why = (f"fellow-0 runs swarm {__version__} (protocol {wire.PROTOCOL_VERSION - 1}); this leader needs "
                f"protocol {wire.PROTOCOL_VERSION} — run swarm update on fellow-0.")
         for body in ({}, {"num_stages": 1}, {"fellow_id": conn.id}):

@@ -32,6 +32,20 @@ ALIVE_S = 1.0
 SILENT_S = 4.0
 
 
+def disk_free(folder) -> int | None:
+    """Free bytes on the disk that holds ``folder`` (or the nearest folder above it that exists)."""
+    import shutil
+    from pathlib import Path
+
+    path = Path(folder).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 class ControlLink:
     def __init__(self, fellow):
         self.fellow = fellow
@@ -77,6 +91,7 @@ class ControlLink:
         hello = {
             "t": "hello", "name": fellow.name, "version": __version__, "protocol": wire.PROTOCOL_VERSION,
             "updates": True,  # it installs the leader's version when told to (swarm.fellow.update)
+            "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
             "hardware": hardware.probe().to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
             "stages": [stage.summary() for stage in fellow.stages.values()],
@@ -97,6 +112,8 @@ class ControlLink:
         fellow.connected.set()
         log.info("joined %s as %s (fellow %s, key %s)", fellow.leader_url, fellow.name, fellow.fellow_id,
                  fingerprint(fellow.public))
+        if isinstance(reply.get("checks"), str):
+            log.info("what this PC can hold: %s", reply["checks"])
         leader = reply.get("leader") if isinstance(reply.get("leader"), dict) else {}
         if leader.get("protocol", wire.PROTOCOL_VERSION) != wire.PROTOCOL_VERSION:
             log.warning("the leader runs swarm %s (protocol %s), this fellow swarm %s (protocol %s): it gets no "

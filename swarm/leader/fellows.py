@@ -58,6 +58,7 @@ class FellowConn:
     protocol: int = wire.PROTOCOL_VERSION  # the wire protocol it speaks (its hello's "v")
     updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
     update_error: str | None = None  # why its last update failed, as it said
+    disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
     held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
     last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
@@ -171,8 +172,10 @@ class FellowHub:
             self.serving._start(self._prepare_update)  # the wheel is ready by the time someone asks for it
         try:
             keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
+            checks = (await self.checks([conn])).get(conn.id, {})
             conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
-                       "stages": keep, "leader": {"version": __version__, "protocol": wire.PROTOCOL_VERSION}})
+                       "stages": keep, "leader": {"version": __version__, "protocol": wire.PROTOCOL_VERSION},
+                       "checks": checks.get("text")})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write, conn, nursery.cancel_scope)
                 nursery.start_soon(self._watch, conn, nursery.cancel_scope)
@@ -185,6 +188,23 @@ class FellowHub:
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await self.serving.on_fellow_lost(conn)
             await close_quietly(channel)
+
+    async def checks(self, conns: list[FellowConn]) -> dict[int, dict]:
+        """Early checks (swarm.leader.fit_checks): what each of ``conns`` can hold of the catalogue's models."""
+        from swarm.leader.fit_checks import fit_report
+
+        models = await trio.to_thread.run_sync(self.store.list_models)
+        catalogue = [(name, manifest) for name, manifest in ((m.name, m.manifest) for m in models)
+                     if isinstance(manifest, dict)]
+        settings = self.serving.settings
+        out = {}
+        for conn in conns:
+            try:
+                out[conn.id] = fit_report(conn.hardware, conn.disk_free_bytes, catalogue, device=settings.device,
+                                          context_tokens=settings.serve_context_tokens)
+            except (KeyError, TypeError, ValueError) as exc:  # a manifest of an older format: say so, not fail
+                out[conn.id] = {"text": f"the early checks could not read the catalogue: {exc}", "models": []}
+        return out
 
     async def ask_update(self, conn: FellowConn) -> None:
         """Tell ``conn`` to install the leader's version of swarm and restart (it reads this at any protocol)."""
@@ -337,6 +357,7 @@ class FellowHub:
             version=str(hello.get("version", "?"))[:64],
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
             protocol=_protocol(hello), updates=hello.get("updates") is True,
+            disk_free_bytes=_count(hello.get("disk_free_bytes")),
         )
         conn.credential = credential
         return conn
@@ -347,3 +368,7 @@ def _protocol(hello: dict) -> int:
     int)."""
     value = hello.get("protocol", hello.get("v"))
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -67,7 +67,8 @@ async function loadFellows() {
   rows("fellows-table", fellows, (f) => [
     f.name,
     h("span", { class: f.state === "online" ? "state-online" : "state-offline" }, f.state === "online" ? "Online" : "Offline"),
-    f.hardware_text || h("span", { class: "muted" }, f.state === "online" ? "—" : "unknown while offline"),
+    f.hardware_text ? [f.hardware_text, ...(f.checks ? [h("br"), h("small", { class: "muted" }, f.checks.text)] : [])]
+      : h("span", { class: "muted" }, f.state === "online" ? "—" : "unknown while offline"),
     versionCell(f, leader),
     (f.stages || []).length ? (f.stages || []).map((s) => (typeof s === "string" ? s : `${s.model ?? ""} stage ${s.index ?? s.stage ?? ""}`)).join(", ") : "—",
     h("label", { class: "switch" }, [
