@@ -71,6 +71,11 @@ async def test_mcp_tools_reach_models_and_chats_as_the_api_does(tmp_path, smollm
                 assert reply["content"] == want_text and reply["usage"]["completion_tokens"] == len(want)
                 kind, perf = await mcp.call("models_performance", {"model": name})
                 assert kind == "ok" and perf["status"] == "ready" and len(perf["stages"]) == 2
+                assert perf["range"] == "15m" and perf["last_15m"]["tokens"] == len(want)
+                kind, perf = await mcp.call("models_performance", {"model": name, "range": "24h"})
+                assert kind == "ok" and perf["step_s"] == 3600 and perf["speed"]["tokens"] == len(want)
+                kind, text = await mcp.call("models_performance", {"model": name, "range": "2h"})
+                assert kind == "error" and "15m, 1h, 6h, 24h, 7d" in text and "HTTP 400" in text
                 # a bad argument: the API's own words, as a tool error
                 kind, text = await mcp.call("chat", {"model": name, "prompt": "hi", "temperature": 5})
                 assert kind == "error" and "temperature" in text and "HTTP 400" in text

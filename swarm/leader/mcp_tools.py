@@ -98,8 +98,12 @@ def build_server(leader) -> MCPServer:
     async def models_unload(model: str) -> dict:
         return await call("POST", f"/api/v1/models/{model}/unload")
 
-    @server.tool(description="How a loaded model performs: its stages, the fellows and hardware under them, and "
-                             "each hop between stages (transport, round trip, bytes per token).")
+    @server.tool(description="How a model performs over a range (15m live, or 1h, 6h, 24h, 7d from the serving "
+                             "history): tokens/s now or the median per reply, median time to first token, tokens "
+                             "generated, a tokens/s series; each stage's fellow, layers and GPUs (load, memory, "
+                             "power, temperature; CPU and RAM without one); each hop (transport, bytes per token, "
+                             "bytes/s, round trip); where each token's time goes and a bottleneck sentence; and the "
+                             "last 15 minutes' replies, failures, tokens/s and first-token times at p50 and p95.")
     async def models_performance(model: str, range: str = "15m") -> dict:  # noqa: A002 (the API's name)
         return await call("GET", f"/api/v1/models/{model}/performance", params={"range": range})
 
