@@ -9,6 +9,10 @@ Topology (every box is a namespace; names are ``swlab-<pid>-<rand>-<role>``)::
                            198.51.100.1     │                                  (netem on each WAN link)
                                             └── cgnat router (wan 203.0.113.x) ── 100.64.k.0/24 ── home router ── host
 
+With ``depth=N`` the internet is a chain of N routers ("core", "core2", ... joined by 192.0.2.x/30 links with the
+lab's delay each way); a home (or carrier) hangs off any of them (``attach``), so N routers lie between a home on
+the core and one on the far end. A public host may sit on a delayed link of its own (a leader far from the homes).
+
 The core routes between its links and knows no private prefix (192.168/16, 10/8, 100.64/10 are unroutable there,
 as on the real internet). Routers masquerade what leaves their "wan" interface and forward nothing new inbound:
 only established/related return traffic. NAT kinds:
@@ -67,6 +71,7 @@ NAT_KINDS = ("masquerade", "masquerade fully-random", "udp-blocked", "cgnat")
 DC_NET = ipaddress.ip_network("198.51.100.0/24")  # TEST-NET-2: the segment of public hosts (leader, servers)
 WAN_NET = ipaddress.ip_network("203.0.113.0/24")  # TEST-NET-3: carved into /29 links core <-> router
 CGN_NET = ipaddress.ip_network("100.64.0.0/10")  # RFC 6598 shared address space behind a CGNAT
+CHAIN_NET = ipaddress.ip_network("192.0.2.0/24")  # TEST-NET-1: /30 links between the internet's routers (depth > 1)
 NFT_TABLE = "swlab"
 
 
@@ -268,8 +273,11 @@ class Lab:
     context manager); ``close()`` also ends every process started with ``run``."""
 
     def __init__(self, delay_ms: float = 10.0, prefix: str = PREFIX, workdir: Path | None = None,
-                 delay_backend: str | None = None):
+                 delay_backend: str | None = None, depth: int = 1):
         self.delay_ms = delay_ms
+        if not 1 <= depth <= 8:
+            raise ValueError("the internet's depth is 1 to 8 routers")
+        self.depth = depth
         self.prefix = prefix
         self.tag = f"{prefix}{os.getpid()}-{secrets.token_hex(2)}"
         self.namespaces: list[str] = []
@@ -293,6 +301,17 @@ class Lab:
             self.delay_backend = delay_backend or ("netem" if self._netem_works() else "tun")
             if self.delay_backend not in ("netem", "tun"):
                 raise ValueError("delay_backend must be 'netem' or 'tun'")
+            # The internet: "core", then "core2", "core3"... in a chain, delay_ms each way on every link between them.
+            self.chain = [self.core]
+            for k in range(2, depth + 1):
+                ns = self._add_ns(f"core{k}")
+                self._sysctl(ns, "net.ipv4.ip_forward=1")
+                link = ipaddress.ip_network(f"{CHAIN_NET[4 * (k - 2)]}/30")
+                self._wan_link(self.chain[-1], f"c{k}", ns, f"c{k}", delay_ms)
+                self._ip(self.chain[-1], "addr", "add", f"{link[1]}/30", "dev", f"c{k}")
+                self._ip(ns, "addr", "add", f"{link[2]}/30", "dev", f"c{k}")
+                self._ip(ns, "route", "add", "default", "via", str(link[1]))
+                self.chain.append(ns)
         except BaseException:
             self.close()
             raise
@@ -358,15 +377,41 @@ class Lab:
         self._ip(ns_a, "link", "set", name_a, "up")
         self._ip(ns_b, "link", "set", name_b, "up")
 
-    def add_public_host(self, name: str, address: str | None = None, delay_ms: float = 0.0) -> Host:
-        """A host with a public address on the core's "dc" segment (the leader, test servers)."""
+    def _internet_link(self, attach: int) -> tuple[ipaddress.IPv4Network, str, str]:
+        """A new /29 of WAN_NET on the ``attach``-th router of the internet's chain (1: "core"), routed there from
+        the routers before it: (link, that router's namespace, its device name)."""
+        if not 1 <= attach <= self.depth:
+            raise ValueError(f"attach must be 1..{self.depth} (the internet's routers)")
+        j = self._wan_links
+        self._wan_links += 1
+        if j >= 31:
+            raise NetlabError("the lab's WAN range holds 31 links at most")
+        link = ipaddress.ip_network(f"{WAN_NET[8 * j]}/29")
+        for m in range(1, attach):  # "core" .. the router before: towards the next router of the chain
+            nxt = ipaddress.ip_network(f"{CHAIN_NET[4 * (m - 1)]}/30")[2]
+            self._ip(self.chain[m - 1], "route", "add", str(link), "via", str(nxt))
+        return link, self.chain[attach - 1], f"w{j}"
+
+    def add_public_host(self, name: str, address: str | None = None, delay_ms: float = 0.0,
+                        attach: int | None = None) -> Host:
+        """A host with a public address on the core's "dc" segment (the leader, test servers); or, with
+        ``attach`` (the chain router it hangs off, 1 = "core") or a delay on a kernel without netem, on a link of
+        its own with ``delay_ms`` each way (a leader far from the homes)."""
         self._check_name(name)
+        if attach is not None or (delay_ms and self.delay_backend == "tun"):
+            ns = self._add_ns(name)
+            link, up_ns, up_dev = self._internet_link(attach or 1)
+            self._wan_link(up_ns, up_dev, ns, "eth0", delay_ms)
+            self._ip(up_ns, "addr", "add", f"{link[1]}/{link.prefixlen}", "dev", up_dev)
+            self._ip(ns, "addr", "add", f"{link[2]}/{link.prefixlen}", "dev", "eth0")
+            self._ip(ns, "route", "add", "default", "via", str(link[1]))
+            host = Host(name, ns, str(link[2]), None, "public", up_dev)
+            self.hosts[name] = host
+            return host
         ns = self._add_ns(name)
         idx = sum(1 for h in self.hosts.values() if h.kind == "public")
         address = address or str(DC_NET[10 + idx])
         port = f"h{idx}"
-        if delay_ms and self.delay_backend == "tun":
-            raise NetlabError("this kernel has no netem: public hosts cannot have a delay (routers' WANs can)")
         self._veth(self.core, port, ns, "eth0")
         self._ip(self.core, "link", "set", port, "master", "dc")
         self._ip(ns, "addr", "add", f"{address}/{DC_NET.prefixlen}", "dev", "eth0")
@@ -379,8 +424,9 @@ class Lab:
 
     def add_router(self, name: str, nat: str = "masquerade", upstream: str | None = None,
                    lan_network: str | None = None, delay_ms: float | None = None,
-                   input_filter: bool = True) -> Router:
-        """A NAT router whose WAN hangs off the core (or off the cgnat router named by ``upstream``).
+                   input_filter: bool = True, attach: int = 1) -> Router:
+        """A NAT router whose WAN hangs off the core (the ``attach``-th router of the internet's chain; or off the
+        cgnat router named by ``upstream``).
 
         ``nat`` is one of NAT_KINDS. A home router gets a LAN bridge ``br0`` with ``lan_network`` (default
         192.168.N.0/24, N counting up; pass the same network twice to model two homes with overlapping LANs).
@@ -400,13 +446,8 @@ class Lab:
         self._no_bridge_netfilter(ns)
 
         if upstream is None:
-            j = self._wan_links
-            self._wan_links += 1
-            if j >= 31:
-                raise NetlabError("the lab's WAN range holds 31 routers at most")
-            link = ipaddress.ip_network(f"{WAN_NET[8 * j]}/29")
+            link, up_ns, up_dev = self._internet_link(attach)
             core_side, wan_address = str(link[1]), str(link[2])
-            up_ns, up_dev = self.core, f"w{j}"
             upstream_name = "core"
         else:
             parent = self.routers.get(upstream)
@@ -506,6 +547,8 @@ table inet {NFT_TABLE} {{
         """The namespace of a host, a router, or "core"."""
         if node == "core":
             return self.core
+        if re.fullmatch(r"core\d", node) and 2 <= int(node[4:]) <= self.depth:
+            return self.chain[int(node[4:]) - 1]
         if node in self.hosts:
             return self.hosts[node].ns
         if node in self.routers:
@@ -810,32 +853,43 @@ HOMES: dict[str, Home] = {home.router: home for home in (
 )}
 
 
-def add_home(lab: Lab, home: Home | str) -> Router:
-    """Add a home of ``HOMES`` (or any ``Home``): its carrier's NAT if not there yet, its router, its hosts."""
+def add_home(lab: Lab, home: Home | str, attach: int = 1) -> Router:
+    """Add a home of ``HOMES`` (or any ``Home``): its carrier's NAT if not there yet, its router, its hosts. Its WAN
+    (or its carrier's) hangs off the ``attach``-th router of the internet (1: "core"; ``lab.depth``: the far end)."""
     home = HOMES[home] if isinstance(home, str) else home
     if home.carrier is not None and home.carrier not in lab.routers:
-        lab.add_router(home.carrier, "cgnat")
-    router = lab.add_router(home.router, home.nat, upstream=home.carrier, input_filter=home.input_filter)
+        lab.add_router(home.carrier, "cgnat", attach=attach)
+    router = lab.add_router(home.router, home.nat, upstream=home.carrier, input_filter=home.input_filter,
+                            attach=1 if home.carrier else attach)
     for host in home.hosts:
         lab.add_host(host, home.router)
     return router
 
 
-def build(lab: Lab, public: Sequence[str] = (LEADER,), homes: Iterable[Home | str] = tuple(HOMES)) -> Lab:
-    """The lab's world in ``lab``: public hosts on the internet (the leader's place, test servers), then homes."""
+def build(lab: Lab, public: Sequence[str] = (LEADER,), homes: Iterable[Home | str] = tuple(HOMES),
+          far: Iterable[str] = (), public_delay_ms: float = 0.0) -> Lab:
+    """The lab's world in ``lab``: public hosts on the internet (the leader's place, test servers), then homes.
+    Homes named in ``far`` hang off the far end of the internet (``lab.depth`` routers from the others); with
+    ``public_delay_ms`` the public hosts sit on links of their own that far (each way) from the core."""
+    far = set(far)
     for name in public:
-        lab.add_public_host(name)
+        if public_delay_ms:
+            lab.add_public_host(name, delay_ms=public_delay_ms, attach=1)
+        else:
+            lab.add_public_host(name)
     for home in homes:
-        add_home(lab, home)
+        name = home if isinstance(home, str) else home.router
+        add_home(lab, home, attach=lab.depth if name in far else 1)
     return lab
 
 
 @contextlib.contextmanager
 def world(public: Sequence[str] = (LEADER,), homes: Iterable[Home | str] = tuple(HOMES),
-          delay_ms: float = WAN_DELAY_MS, **kwargs):
-    """``with netlab.world() as lab:`` — a fresh lab (``lab()``) holding ``build(lab, public, homes)``."""
+          delay_ms: float = WAN_DELAY_MS, far: Iterable[str] = (), public_delay_ms: float = 0.0, **kwargs):
+    """``with netlab.world() as lab:`` — a fresh lab (``lab()``) holding ``build(lab, public, homes, far,
+    public_delay_ms)``; ``depth=N`` makes the internet a chain of N routers."""
     with lab(delay_ms=delay_ms, **kwargs) as the_lab:
-        yield build(the_lab, public, homes)
+        yield build(the_lab, public, homes, far, public_delay_ms)
 
 
 def _open_tun(name: str) -> int:

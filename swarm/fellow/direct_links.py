@@ -15,23 +15,23 @@ from urllib.parse import urlsplit
 import trio
 
 from swarm.errors import SwarmError, first_leaf
-from swarm.mesh import hole_punch, quic, rendezvous
 from swarm.fellow.net import outbound_ip
+from swarm.mesh import hole_punch, quic
+from swarm.mesh.punch_plan import Learned, Plan, next_attempt, plan_punch
 from swarm.tunnel.channel import NoiseChannel
 
 log = logging.getLogger(__name__)
-
-# The first probes go out with this IP TTL: enough to leave the home router (and a carrier-grade NAT behind it),
-# too little to reach the far NAT and make it remap (see the mesh issue's note on Linux masquerade).
-LOW_TTL = 3
 
 
 class DirectLinkAgent:
     def __init__(self, fellow):
         self.fellow = fellow
         self.sockets: dict[str, trio.socket.SocketType] = {}
+        self.plans: dict[str, Plan] = {}
+        self.learned: dict[str, Learned] = {}  # per hop, kept across attempts
 
     def _close(self, hop_id: str) -> None:
+        self.plans.pop(hop_id, None)
         sock = self.sockets.pop(hop_id, None)
         if sock is not None:
             sock.close()
@@ -58,27 +58,31 @@ class DirectLinkAgent:
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
         await sock.bind(("0.0.0.0", 0))
         self.sockets[hop_id] = sock
-        port = sock.getsockname()[1]
-        candidates = [[outbound_ip(self.fellow.leader_url), port]]
         server = (urlsplit(self.fellow.leader_url).hostname, int(message["rendezvous_port"]))
-        public = await rendezvous.discover_reflexive(sock, server, message["who"].encode())
-        if public is not None and list(public) not in candidates:
-            candidates.append(list(public))
-        await self.fellow.send_to_leader({**reply, "candidates": candidates, "reflexive": public is not None})
+        plan = await plan_punch(sock, server, message["who"].encode(), outbound_ip(self.fellow.leader_url),
+                                self.learned.setdefault(hop_id, Learned()))
+        self.plans[hop_id] = plan
+        log.info("hop %s: punching with IP TTL %d for the first %d rounds (%s)", hop_id, plan.low_ttl,
+                 plan.low_ttl_rounds, plan.note)
+        await self.fellow.send_to_leader({**reply, "candidates": plan.candidates,
+                                          "reflexive": plan.reflexive is not None})
 
     async def start(self, message: dict) -> None:
         hop_id, role = message["hop_id"], message["role"]
         sock = self.sockets.get(hop_id)
+        plan = self.plans.pop(hop_id, None)
         stage = self.fellow.stages.get(message["model"])
         result = {"t": "punch_result", "model": message["model"], "hop_id": hop_id, "role": role}
-        if sock is None or stage is None:
+        if sock is None or stage is None or plan is None:
             await self.fellow.send_to_leader({**result, "ok": False, "message": "not prepared"})
             return
         start_at = trio.current_time() + float(message["start_in_s"])
+        learned = self.learned.setdefault(hop_id, Learned())
         try:
             try:
                 peer = await hole_punch.punch(sock, [tuple(c) for c in message["peer_candidates"]], message["secret"],
-                                         role, start_at, low_ttl=LOW_TTL)
+                                              role, start_at, low_ttl=plan.low_ttl, low_ttl_rounds=plan.low_ttl_rounds,
+                                              ttl_note=plan.note)
                 if role == "a":
                     await self._dial(stage, sock, peer, hop_id)
                 else:
@@ -86,10 +90,14 @@ class DirectLinkAgent:
             except BaseExceptionGroup as group:
                 raise first_leaf(group) from None
         except (SwarmError, OSError) as exc:
-            log.info("no tunnel for hop %s: %s", hop_id, exc)
+            why = str(exc)
+            if isinstance(exc, hole_punch.PunchFailed):
+                why += next_attempt(learned)
+            log.info("no tunnel for hop %s: %s", hop_id, why)
             self._close(hop_id)
-            await self.fellow.send_to_leader({**result, "ok": False, "message": str(exc)})
+            await self.fellow.send_to_leader({**result, "ok": False, "message": why})
             return
+        self.learned.pop(hop_id, None)  # a hop that punched starts afresh if it ever needs to again
         self.sockets.pop(hop_id, None)  # the QUIC driver owns it now
         await self.fellow.send_to_leader({**result, "ok": True, "peer": list(peer)})
 

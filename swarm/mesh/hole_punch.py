@@ -29,7 +29,8 @@ Schedule, after Tailscale's disco and libp2p's DCUtR: a round of probes to every
 round every 50–100 ms (jitter keeps two fellows from sending in lock-step into each other's still-closed NATs) for
 3 s, then rounds at doubling gaps up to 1 s until the timeout. Optionally the first rounds go out with a small IP
 TTL (HyperDHT's trick): they open our own NAT's mapping but die before the far NAT, so that NAT does not see an
-unsolicited packet that it might answer with a port change or an ICMP error.
+unsolicited packet that it might answer with a port change or an ICMP error. The TTL that does so depends on the
+path; :mod:`swarm.mesh.nat_trace` learns it.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class PunchSession:
         *,
         peer_reflexive: bool = True,
         low_ttl_rounds: int = LOW_TTL_ROUNDS,
+        ttl_note: str = "",
         rng: random.Random | None = None,
     ):
         if role not in ("a", "b"):
@@ -144,6 +146,7 @@ class PunchSession:
         self.timeout = timeout
         self.low_ttl = low_ttl
         self.low_ttl_rounds = low_ttl_rounds if low_ttl is not None else 0
+        self.ttl_note = ttl_note  # how the low TTL was chosen, for the failure message
         self.peer_reflexive = peer_reflexive
         self._rng = rng or random.Random()
         self._round = 0
@@ -255,7 +258,9 @@ class PunchSession:
 
     def failure_message(self) -> str:
         tried = ", ".join(f"{h}:{p}" for h, p in self.candidates + self.peer_reflexive_candidates)
-        ttl = f" (the first {self.low_ttl_rounds} rounds with IP TTL {self.low_ttl})" if self.low_ttl_rounds else ""
+        note = f": {self.ttl_note}" if self.ttl_note else ""
+        ttl = (f" (the first {self.low_ttl_rounds} rounds with IP TTL {self.low_ttl}{note})"
+               if self.low_ttl_rounds else "")
         if not self.heard_from:
             heard = "heard nothing from the peer: its NAT or firewall drops our packets, or it never started"
         elif not self.acked_by:
@@ -306,6 +311,8 @@ async def punch(
     low_ttl: int | None = None,
     *,
     peer_reflexive: bool = True,
+    low_ttl_rounds: int = LOW_TTL_ROUNDS,
+    ttl_note: str = "",
     on_other: Callable[[bytes, Address], None] | None = None,
 ) -> Address:
     """Punch a hole to the peer from the bound UDP socket ``sock``; returns the peer's (host, port) to use.
@@ -315,7 +322,8 @@ async def punch(
     answer, say) go to ``on_other(data, addr)``. Raises :class:`PunchFailed` when no path is found within
     ``timeout`` seconds of ``start_at``.
     """
-    session = PunchSession(candidates, secret, role, start_at, timeout, low_ttl, peer_reflexive=peer_reflexive)
+    session = PunchSession(candidates, secret, role, start_at, timeout, low_ttl, peer_reflexive=peer_reflexive,
+                           low_ttl_rounds=low_ttl_rounds, ttl_note=ttl_note)
     await trio.sleep_until(start_at)
     while True:
         for send in session.on_timer(trio.current_time()):

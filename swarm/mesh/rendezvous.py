@@ -177,7 +177,7 @@ async def discover_reflexive(
     """
     if retries < 1:
         raise ValueError("retries must be at least 1")
-    server_addr = await _resolve(sock, server)
+    server_addr = await resolve(sock, server)
     txid = os.urandom(TXID_SIZE)
     request = make_request(txid, who)
     # Gaps g, 2g, 4g, ... summing to ``timeout``.
@@ -204,7 +204,7 @@ async def discover_reflexive(
     return None
 
 
-async def _resolve(sock, server: Address) -> Address:
+async def resolve(sock, server: Address) -> Address:
     """``server`` with its host as a numeric address of the socket's family (names are looked up once)."""
     try:
         return normalize_address(server)
@@ -226,4 +226,5 @@ __all__ = [
     "socket_address",
     "serve_rendezvous",
     "discover_reflexive",
+    "resolve",
 ]
