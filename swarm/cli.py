@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--standby", action="store_true",
                    help="stand by to take over the stage of a fellow that drops out; plain loads leave it alone")
     p.add_argument("--data-dir", type=Path)
+    p.add_argument("--check", action="store_true",
+                   help="join once, print what this PC can hold of the leader's models, and exit")
 
     p = sub.add_parser("update", help="install the leader's version of swarm on this fellow and restart it")
     p.add_argument("--data-dir", type=Path, help="the fellow's data dir (as given to swarm join)")
@@ -162,9 +164,13 @@ def _dispatch(args) -> int | None:
         for name, value in FELLOW_THREAD_ENV.items():
             os.environ.setdefault(name, value)
         from swarm.fellow import run_fellow
+        from swarm.fellow.process import check_fellow
 
-        run_fellow(args.url, args.token, args.data_dir or settings.data_dir or default_data_dir("fellow"), args.name,
-                   args.standby)
+        data_dir = args.data_dir or settings.data_dir or default_data_dir("fellow")
+        if args.check:
+            check_fellow(args.url, args.token, data_dir, args.name)
+        else:
+            run_fellow(args.url, args.token, data_dir, args.name, args.standby)
     elif args.command == "update":
         from swarm.fellow.process import update_fellow
 

@@ -113,6 +113,7 @@ class ControlLink:
         log.info("joined %s as %s (fellow %s, key %s)", fellow.leader_url, fellow.name, fellow.fellow_id,
                  fingerprint(fellow.public))
         if isinstance(reply.get("checks"), str):
+            fellow.checks = reply["checks"]
             log.info("what this PC can hold: %s", reply["checks"])
         leader = reply.get("leader") if isinstance(reply.get("leader"), dict) else {}
         if leader.get("protocol", wire.PROTOCOL_VERSION) != wire.PROTOCOL_VERSION:

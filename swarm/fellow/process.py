@@ -84,6 +84,7 @@ class Fellow:
         self.direct_links = DirectLinkAgent(self)
         # `swarm update`: install the leader's version, then run ``restart_with`` (the same command) in this process
         self.updater = FellowUpdater(self, restart_with)
+        self.checks: str | None = None  # what this PC can hold of the leader's catalogue (the welcome's early checks)
 
     @property
     def serve_port(self) -> int | None:
@@ -153,6 +154,23 @@ def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: st
                     standby=standby, restart_with=restart_command())
     print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)
     trio.run(fellow.run)
+
+
+def check_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None) -> None:
+    """`swarm join --check`: join once (a join token's use is taken: this PC's key is known from then on), print the
+    early checks -- what this PC can hold of the leader's models -- and exit."""
+    from swarm.fellow.update import open_control
+
+    fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=Settings.from_env(), name=name,
+                    join_token=join_token)
+
+    async def once() -> None:
+        async with open_control(fellow) as channel:
+            await fellow.control._enrol(channel)
+
+    trio.run(once)
+    print(f"Joined {leader_url} as {fellow.name}. What this PC can hold: {fellow.checks or 'the leader did not say'}",
+          flush=True)
 
 
 def update_fellow(data_dir: Path, force: bool = False) -> None:

@@ -16,6 +16,7 @@ Two ways in:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -145,9 +146,10 @@ class FellowUpdater:
         restart(self.restart_with)
 
 
-async def update_command(fellow, force: bool = False) -> str:
-    """`swarm update` on a fellow's machine: ask the leader for its version; the running fellow installs it itself,
-    or this command does when no fellow runs. Returns what to print."""
+@contextlib.asynccontextmanager
+async def open_control(fellow):
+    """A short control session of the fellow's own (its key, the pinned leader key), closed on the way out; the
+    whole of it must end within SESSION_TIMEOUT_S."""
     await fellow.pin_leader_certificate()
     async with trio.open_nursery() as nursery:
         try:
@@ -159,16 +161,21 @@ async def update_command(fellow, force: bool = False) -> str:
         transport = WebSocketFrameTransport(ws)
         try:
             with trio.fail_after(SESSION_TIMEOUT_S):
-                channel = await NoiseChannel.connect(transport, fellow.private, fellow.leader_public)
-                await channel.send(wire.encode({"t": "hello", "purpose": "update", "name": fellow.name,
-                                                "version": __version__, "protocol": wire.PROTOCOL_VERSION,
-                                                "force": force}))
-                reply = wire.decode(await channel.receive())
+                yield await NoiseChannel.connect(transport, fellow.private, fellow.leader_public)
         except trio.TooSlowError:
             raise LinkClosed(f"the leader did not answer within {SESSION_TIMEOUT_S:.0f} s") from None
         finally:
             await close_quietly(transport)
             nursery.cancel_scope.cancel()
+
+
+async def update_command(fellow, force: bool = False) -> str:
+    """`swarm update` on a fellow's machine: ask the leader for its version; the running fellow installs it itself,
+    or this command does when no fellow runs. Returns what to print."""
+    async with open_control(fellow) as channel:
+        await channel.send(wire.encode({"t": "hello", "purpose": "update", "name": fellow.name,
+                                        "version": __version__, "protocol": wire.PROTOCOL_VERSION, "force": force}))
+        reply = wire.decode(await channel.receive())
     kind = reply.get("t")
     if kind == "refused":
         raise AuthError(f"the leader refused the update: {reply.get('message')}")

@@ -30,6 +30,7 @@ from swarm.leader.direct_links import DirectLinkCoordinator
 from swarm.leader.relay import RelayHub
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.leader.serving import Serving
+from swarm.leader.install import InstallRoutes
 from swarm.leader.updates import SelfWheel, UpdateRoutes
 from swarm.leader.headers import SecurityHeaders
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
@@ -114,6 +115,7 @@ class Leader:
         api = ApiRoutes(self)
         oai = OpenAIRoutes(self)
         updates = UpdateRoutes(self)
+        install = InstallRoutes(self)
 
         async def fellow_link(ws: WebSocket):
             await self.hub.handle(ws)
@@ -146,6 +148,8 @@ class Leader:
 
         routes = [
             Route("/healthz", health),
+            Route("/install.sh", install.script),
+            Route("/install.ps1", install.script),
             Route("/", home),
             Route("/login", login_page),
             Route("/pools/{owner}/{pool}/inference", page),

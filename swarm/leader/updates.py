@@ -186,19 +186,19 @@ class SelfWheel:
 
 
 class UpdateRoutes:
-    """GET /api/v1/update/{file}: the wheel, for a fellow's node credential. POST /api/v1/fellows/update (admins):
+    """GET /api/v1/update/{file}: the wheel, for a fellow's node credential (or a join token: the install script). POST /api/v1/fellows/update (admins):
     ask every outdated fellow online (or those named in ``fellow_ids``) to update itself."""
 
     def __init__(self, leader):
         self.leader = leader
 
     async def wheel(self, request):
-        from swarm.leader.auth import current_fellow
         from swarm.leader.files import file_response
         from swarm.leader.http_errors import api_error, problem
+        from swarm.leader.install import wheel_reader
 
         try:
-            await current_fellow(request, self.leader.store)
+            await wheel_reader(request, self.leader.store)  # a fellow, or a PC running the install script
         except AuthError as exc:
             return api_error(exc)
         found = self.leader.hub.updates.path_of(request.path_params["file"])
