@@ -4,8 +4,9 @@
 
 Prints, with the machine it ran on: transformers `generate` tokens/s in one process; the same through swarm with
 1 stage and with 2 stages over the direct TCP link and over the leader's relay; time to first token for a
-1,000-token prompt; the first short chat's time to first token after a load against the later ones'; and each stage
-process's resident memory. Real leader and fellow processes on loopback.
+1,000-token prompt; the first short chat's time to first token after a load against the later ones'; each stage
+process's resident memory; and where each token's time went as the fellows measured it (swarm.timing: each stage's
+compute, the links), against the time per token the leader measured. Real leader and fellow processes on loopback.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarm.client import LeaderClient  # noqa: E402
+from swarm.client import LeaderClient, split_parts  # noqa: E402
 from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http  # noqa: E402
 from swarm.model_import import ensure_imported  # noqa: E402
 
@@ -76,8 +77,10 @@ def bench_generate(model_dir: Path, tokens: int) -> float:
     return max(rates)
 
 
-def stream_once(url: str, token: str, content: str, max_tokens: int) -> tuple[float, float, int]:
-    """-> (time to first token, decode tokens/s after the first, completion tokens)."""
+def stream_once(url: str, token: str, content: str, max_tokens: int, timing: list | None = None) \
+        -> tuple[float, float, int]:
+    """-> (time to first token, decode tokens/s after the first, completion tokens); swarm.timing appended to
+    ``timing``."""
     body = {"model": BUILTIN, "messages": [{"role": "user", "content": content}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True}
     t0 = time.perf_counter()
@@ -93,6 +96,8 @@ def stream_once(url: str, token: str, content: str, max_tokens: int) -> tuple[fl
                 last = time.perf_counter()
                 first = first or last
             usage = data.get("usage") or usage
+            if timing is not None and data.get("swarm"):
+                timing.append(data["swarm"]["timing"])
     n = usage["completion_tokens"]
     return first - t0, (n - 1) / (last - first) if last > first else float("nan"), n
 
@@ -116,12 +121,13 @@ def bench_swarm(data: Path, stages: int, transport: str, tokens: int) -> dict:
         # The first chat after a load pays whatever was not warmed up during it; the goal is within 1.5x of later ones.
         first_ttft = stream_once(url, token, "Hi", 4)[0]
         later_ttft = statistics.median(stream_once(url, token, "Hi", 4)[0] for _ in range(3))
-        rates = [stream_once(url, token, PROMPT, tokens)[1] for _ in range(3)]
+        timings: list[dict] = []
+        rates = [stream_once(url, token, PROMPT, tokens, timings)[1] for _ in range(3)]
         long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 100)  # ~1,000 tokens
         ttft = min(stream_once(url, token, long_prompt, 2)[0] for _ in range(2))
         rss = [psutil.Process(p.pid).memory_info().rss for name, p in procs.children if name.startswith("fellow")]
         return {"tok_s": statistics.median(rates), "ttft_1000": ttft, "rss": rss, "first_ttft": first_ttft,
-                "later_ttft": later_ttft}
+                "later_ttft": later_ttft, "timing": timings[len(timings) // 2]}
     finally:
         procs.stop()
 
@@ -147,6 +153,10 @@ def main() -> None:
         print(f"{label:42} {r['tok_s']:6.1f} tok/s ({r['tok_s'] / base:.2f}x)   TTFT 1000-token prompt "
               f"{r['ttft_1000']:.2f} s   stage RSS MiB: {rss}   first chat TTFT {r['first_ttft'] * 1000:.0f} ms, "
               f"later {r['later_ttft'] * 1000:.0f} ms")
+        t = r["timing"]
+        split = sum(s["compute_ms_per_token"] or 0 for s in t["stages"]) + (t["link_ms_per_token"] or 0)
+        print(f"{'':42} split: {' · '.join(split_parts(t)) or 'not reported'}   sum {split:.1f} ms of "
+              f"{t['ms_per_token']:.1f} ms/token measured by the leader   bytes/token {t['bytes_per_token']}")
 
 
 if __name__ == "__main__":
