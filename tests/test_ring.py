@@ -70,7 +70,12 @@ def check_performance(perf: dict, hour: dict, replies: dict) -> None:
         assert 0 <= cpu["load_percent"] <= 100
     assert [h["direction"] for h in perf["hops"]] == ["forward", "back"]
     split = perf["time_per_token"]
-    assert split["source"] in ("fellows", "round_trips") and split["ms_per_token"] > 0
+    # the fellows measured it (swarm.timing's split, kept with each record): stage 0, the link, stage 1
+    assert split["source"] == "fellows" and split["replies"] == len(replies) and split["ms_per_token"] > 0
+    assert [p["label"] for p in split["parts"]] == ["stage 0", "link", "stage 1"]
+    assert [p["fellow"] for p in split["parts"]] == ["fellow-0", None, "fellow-1"]
+    assert split["prompt_ms"] > 0 and 576 * 4 <= split["bytes_per_token"]["forward"] < 576 * 4 + 400
+    assert all(h["link_ms"] is not None and h["link_ms"] >= 0 for h in perf["hops"])
     assert abs(sum(p["share"] for p in split["parts"]) - 1) < 0.01
     assert perf["bottleneck"].endswith(".") and "takes most of each token" in perf["bottleneck"]
     table = perf["last_15m"]

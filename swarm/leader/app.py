@@ -23,6 +23,7 @@ from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.fellows import FellowHub
+from swarm.leader import timing
 from swarm.leader.history import ServingHistory
 from swarm.leader.completions import CompletionRoutes
 from swarm.leader.openai_api import OpenAIRoutes
@@ -75,7 +76,9 @@ class Leader:
         self.models_root = data_dir / "models"
         self.relay = RelayHub()
         self.serving = Serving(self.store, settings, self.models_root, self.relay)
-        self.history = ServingHistory(self.store, settings.serving_history_days)
+        # each record keeps its reply's swarm.timing, the fellows' split included, once their times came in
+        self.history = ServingHistory(self.store, settings.serving_history_days,
+                                      timing=lambda request: timing.of_request(self.serving, request))
         self.serving.book.on_end = self.history.record
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
