@@ -10,6 +10,7 @@ from pathlib import Path
 
 from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
+from swarm.quantization import KINDS
 
 
 # A fellow's OpenMP threads spin only briefly between two operations before they sleep: long enough to keep a pass
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--num-stages", type=int)
     p.add_argument("--fellow-id", type=int, help="serve on this one fellow (with --num-stages 1)")
+    p.add_argument("--quantization", choices=KINDS,
+                   help="hold the weights at 8 or 4 bits (each fellow quantizes its own layers); default none")
     p.add_argument("--no-wait", action="store_true", help="return once the load has started")
     _leader_options(p)
 
@@ -197,12 +200,16 @@ def _dispatch(args) -> int | None:
             body = {"num_stages": args.num_stages} if args.num_stages else {}
             if args.fellow_id:
                 body = {"num_stages": args.num_stages or 1, "fellow_id": args.fellow_id}
+            if args.quantization:
+                body["quantization"] = args.quantization
             client.post(f"/api/v1/models/{args.model}/load", body)
             if not args.no_wait:
                 view = client.wait_ready(args.model, show_progress=True)
                 for s in view["stages"]:
                     print(f"Stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
                           f"{s['memory_bytes'] / 1e6:.0f} MB")
+                if view.get("quantization", "none") != "none":
+                    print(f"Quantized {view['quantization']}: weights {view['compression']:.1f}x smaller")
             print(f"{args.model} is {'loading' if args.no_wait else 'ready'}")
     elif args.command == "infer":
         from swarm.client import LeaderClient

@@ -218,12 +218,21 @@ class Hardware:
     ram_free_bytes: int
     gpus: list[Gpu] = dataclasses.field(default_factory=list)
     cpu_load_percent: float | None = None  # the whole machine's, since the previous report
+    # The quantization kinds it can load, by device ("cpu", "cuda"); None from a fellow before quantized loads.
+    quantization: dict[str, list[str]] | None = None
 
     def serving_free_bytes(self, device: str = "auto") -> int:
         """Memory a stage may use: the roomiest GPU's free memory, or free RAM when serving on the CPU."""
         if self.gpus and device != "cpu":
             return max(g.free_bytes for g in self.gpus)
         return self.ram_free_bytes
+
+    def quantization_kinds(self, device: str = "auto") -> list[str] | None:
+        """The kinds it loads on the device it serves on (as serving_free_bytes picks it); None when unreported."""
+        if self.quantization is None:
+            return None
+        kinds = self.quantization.get("cuda" if self.gpus and device != "cpu" else "cpu")
+        return [k for k in kinds if isinstance(k, str)] if isinstance(kinds, list) else []
 
     def to_wire(self) -> dict:
         return to_map(self)

@@ -7,6 +7,7 @@ initialised in this process. Without the library, a driver or a GPU, the fellow 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -61,15 +62,28 @@ def _gpu_activity(pynvml, handle) -> dict:
             "temperature_c": float(temperature) if temperature is not None else None}
 
 
+@functools.cache
+def quantization_kinds(has_gpus: bool) -> dict[str, list[str]]:
+    """The quantization kinds this fellow can load, by device: asked of the installed packages once."""
+    from swarm.quantization import kinds_on
+
+    kinds = {"cpu": kinds_on("cpu")}
+    if has_gpus:
+        kinds["cuda"] = kinds_on("cuda")
+    return kinds
+
+
 def probe() -> Hardware:
     memory = psutil.virtual_memory()
+    gpus = nvidia_gpus()
     return Hardware(
         cpu_cores=os.cpu_count() or 1,
         ram_total_bytes=memory.total,
         ram_free_bytes=memory.available,
-        gpus=nvidia_gpus(),
+        gpus=gpus,
         # since the previous call: the heartbeat's period (the first report says 0, as psutil does)
         cpu_load_percent=psutil.cpu_percent(interval=None),
+        quantization=quantization_kinds(bool(gpus)),
     )
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import trio
 
-from swarm.errors import SwarmError, first_leaf
+from swarm.errors import ModelError, SwarmError, first_leaf
 from swarm.fellow.downloads import fetch_with_retries
 from swarm.fellow.stages import LoadedStage
+from swarm.quantization import check_kind, kinds_on, needs
 from swarm.tunnel.tls import context_for
 
 log = logging.getLogger(__name__)
@@ -145,9 +146,13 @@ class StageLoader:
         dtype = torch.float32 if device == "cpu" else getattr(torch, message.get("gpu_dtype") or "float16")
         await progress.report("load", 0.0)
         layer_devices = _spread_over_cards(message, spec, device, dtype)
+        quantization = check_kind(message.get("quantization"))  # a leader from before sends none
+        if quantization not in kinds_on("cpu" if device == "cpu" else "cuda"):
+            raise ModelError(f"this fellow cannot load {quantization} on {device}: it needs "
+                             f"{needs(quantization, 'cpu' if device == 'cpu' else 'cuda')}")
         stage_model = await trio.to_thread.run_sync(
             lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
-                                    layer_devices=layer_devices)
+                                    layer_devices=layer_devices, quantization=quantization)
         )
         stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
         await trio.to_thread.run_sync(stage_model.warm_up)

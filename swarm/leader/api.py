@@ -16,6 +16,7 @@ from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
 from swarm.leader.performance import parse_range, performance_view
 from swarm.leader.signin import MAX_PASSWORD_CHARS, check_password_rule
+from swarm.quantization import check_kind
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
 from swarm.wire import PROTOCOL_VERSION
 
@@ -230,7 +231,10 @@ class ApiRoutes:
                 raise BadRequest(f"{key} must be a positive integer.", f"invalid_{key}")
         if fellow_id is not None and num_stages is None:
             num_stages = 1
-        serving = await self.leader.serving.load(name, num_stages, fellow_id)
+        quantization = body.get("quantization")
+        if quantization is not None:
+            quantization = check_kind(quantization)
+        serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization)
         if serving.status == "failed":
             raise PlacementError(serving.error or "the load failed")
         return JSONResponse(self._model_view(await self._model_row(name)), status_code=202)

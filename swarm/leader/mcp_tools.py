@@ -88,10 +88,13 @@ def build_server(leader) -> MCPServer:
         return (await call("GET", "/api/v1/models"))["models"]
 
     @server.tool(description="Load a model on the pool. num_stages splits it over that many fellows (1: one PC, "
-                             "with fellow_id to choose which); by default the leader places it. Returns at once; "
+                             "with fellow_id to choose which); by default the leader places it. quantization "
+                             "(none, int8, nf4, int4-fast) holds the weights at 8 or 4 bits. Returns at once; "
                              "the model is ready when models_list says so.")
-    async def models_load(model: str, num_stages: int | None = None, fellow_id: int | None = None) -> dict:
-        body = {k: v for k, v in (("num_stages", num_stages), ("fellow_id", fellow_id)) if v is not None}
+    async def models_load(model: str, num_stages: int | None = None, fellow_id: int | None = None,
+                          quantization: str | None = None) -> dict:
+        body = {k: v for k, v in (("num_stages", num_stages), ("fellow_id", fellow_id),
+                                  ("quantization", quantization)) if v is not None}
         return await call("POST", f"/api/v1/models/{model}/load", body)
 
     @server.tool(description="Unload a model from every fellow serving it.")

@@ -42,6 +42,8 @@ class ModelServing:
     config: dict = dataclasses.field(default_factory=dict)
     recovering_since: float | None = None
     size: ModelSize | None = None  # what its stages hold, at the dtype they compute in
+    quantization: str = "none"  # swarm.quantization.KINDS: how its stages hold their linear layers
+    full_weight_bytes: int = 0  # what its weights would hold unquantized (the Settings panel's compression)
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def budget(self, settings) -> Budget:
@@ -91,9 +93,14 @@ class ModelServing:
         return out
 
     def describe(self) -> dict:
+        weight = sum(s.plan.weight_bytes for s in self.stages)
         return {
             "status": self.status,
             "error": self.error,
+            "quantization": self.quantization,
+            "weight_bytes": weight,
+            # unquantized weight bytes over quantized ones: 1.0 at none, ~3.6 at int8 from float32
+            "compression": round(self.full_weight_bytes / weight, 2) if weight and self.full_weight_bytes else 1.0,
             "num_stages": len(self.stages),
             "stages": [
                 {"index": s.plan.index, "fellow_id": s.plan.fellow_id, "fellow": s.plan.fellow_name,
@@ -119,7 +126,7 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
         "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": serving.config,
         "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
         "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
-        "stored_dtype": dtype or "float32",
+        "stored_dtype": dtype or "float32", "quantization": serving.quantization,
     }
 
 
@@ -141,18 +148,65 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
     return message
 
 
-def model_size(manifest: dict, cpu: bool) -> ModelSize:
-    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32."""
+def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSize:
+    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32. A quantized
+    load holds its decoder layers at the kind's bytes per weight (swarm.quantization); the embedding, norms and
+    head are counted unquantized (a little more than a CPU stage's int8 head holds), and so is the KV cache."""
+    from swarm.quantization import bytes_per_weight
+
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
+    quantized = bytes_per_weight(quantization, "cpu" if cpu else "cuda")
+    layer_scale = quantized / stored if quantized is not None else scale
     layers = [0] * manifest["num_layers"]
     embed = final = 0
     for f in manifest["files"]:
         if f["kind"] == "layer":
-            layers[f["layer"]] = int(f["size"] * scale)
+            layers[f["layer"]] = int(f["size"] * layer_scale)
         elif f["kind"] == "embed":
             embed = int(f["size"] * scale)
         elif f["kind"] == "final":
             final = int(f["size"] * scale)
     kv = manifest.get("kv_bytes_per_token") or 0  # per token, per layer, at the stored dtype
     return ModelSize(tuple(layers), embed, final, bool(manifest.get("tie_word_embeddings")), int(kv * scale))
+
+
+def quantized_fellows(kind: str, fellows: list, num_stages: int, device: str) -> tuple[list, str]:
+    """(fellows to place on, kind) for a load asked at ``kind``. Only fellows that report the kinds they run (the
+    current version) take a quantized load; with fewer of them than stages the model loads in full precision (the
+    seed's rule), so the answer's kind is then "none"."""
+    if kind == "none":
+        return fellows, kind
+    current = [f for f in fellows if f.hardware.quantization_kinds(device) is not None]
+    if len(current) >= num_stages:
+        return current, kind
+    return fellows, "none"
+
+
+def check_quantization(kind: str, plans: list[StagePlan], fellows: dict, device: str) -> None:
+    """PlacementError naming the first fellow of ``plans`` that cannot run ``kind`` and what it needs, before any
+    load starts."""
+    from swarm.errors import PlacementError
+    from swarm.quantization import needs
+
+    if kind == "none":
+        return
+    for plan in plans:
+        hardware = fellows[plan.fellow_id].hardware
+        kinds = hardware.quantization_kinds(device)
+        if kinds is not None and kind not in kinds:
+            on = "cuda" if hardware.gpus and device != "cpu" else "cpu"
+            runs = ", ".join(k for k in kinds if k != "none") or "no quantized kind"
+            raise PlacementError(
+                f"stage {plan.index} on {plan.fellow_name} cannot load {kind} on its {on.upper()}: it needs "
+                f"{needs(kind, on)} (it runs {runs}). Install that and restart the fellow, or load with another "
+                "quantization.")
+
+
+def full_weight_bytes(manifest: dict, cpu: bool, plans: list[StagePlan]) -> int:
+    """What the stages of ``plans`` would hold unquantized: the base of a quantized load's compression."""
+    from swarm.leader.placement import stage_weight_bytes
+
+    size = model_size(manifest, cpu)
+    n = len(plans)
+    return sum(stage_weight_bytes(size, p.first_layer, p.end_layer, p.index == 0, p.index == n - 1) for p in plans)

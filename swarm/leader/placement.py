@@ -49,6 +49,17 @@ class StagePlan:
         return self.weight_bytes + self.kv_bytes + OVERHEAD_BYTES
 
 
+def stage_weight_bytes(size: ModelSize, first: int, end: int, is_first: bool, is_last: bool) -> int:
+    """Weights a stage of layers first..end-1 holds: its layers, the embedding (first stage, and the last when the
+    head is tied to it), the final norm and head (last stage)."""
+    weight = sum(size.layer_bytes[first:end])
+    if is_first or (is_last and size.tied_embeddings):
+        weight += size.embed_bytes
+    if is_last:
+        weight += size.final_bytes
+    return weight
+
+
 # The user's manual: "A single-node model needs its weights plus 1 GB free on one fellow."
 ONE_FELLOW_HEADROOM = 1_000_000_000
 
@@ -100,12 +111,7 @@ def place(
     slices = split_layers(len(size.layer_bytes), [max(f.free_bytes, 0) for f in chosen])
     plans = []
     for index, (fellow, (first, end)) in enumerate(zip(chosen, slices)):
-        weight = sum(size.layer_bytes[first:end])
-        is_last = index == num_stages - 1
-        if index == 0 or (is_last and size.tied_embeddings):
-            weight += size.embed_bytes
-        if is_last:
-            weight += size.final_bytes
+        weight = stage_weight_bytes(size, first, end, index == 0, index == num_stages - 1)
         kv = size.kv_bytes_per_token_per_layer * (end - first) * context_tokens
         plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv))
     for plan, fellow in zip(plans, chosen):

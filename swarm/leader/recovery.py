@@ -23,8 +23,10 @@ import secrets
 import trio
 
 from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
-from swarm.leader.models import LOAD_PHASES, ModelServing, StageState, link_message, load_message, model_size
+from swarm.leader.models import (LOAD_PHASES, ModelServing, StageState, full_weight_bytes, link_message, load_message,
+                                 model_size)
 from swarm.leader.placement import StagePlan
+from swarm.quantization import check_kind
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,8 @@ class Recovery:
             if conn is not None:
                 conn.post({"t": "ring_ready", "model": model.name, "ring_id": model.ring_id})
         self.serving.resume(model.name)
-        plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes} for s in model.stages]
+        plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes, "quantization": model.quantization}
+                 for s in model.stages]
         await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
         if len(model.stages) > 1 and self.serving.direct_links is not None:
             await self.serving.direct_links.start(model)
@@ -351,8 +354,9 @@ class Recovery:
                 manifest = await serving.manifest(name)
                 config = await trio.to_thread.run_sync(
                     lambda: json.loads((serving.models_root / name / "config.json").read_text()))
-                stages = [StageState(StagePlan(**{k: v for k, v in p.items() if k != "free_bytes"}),
+                stages = [StageState(StagePlan(**{k: v for k, v in p.items() if k not in ("free_bytes", "quantization")}),
                                      free_bytes=int(p.get("free_bytes", 0))) for p in plans]
+                kind = check_kind(plans[0].get("quantization") if plans else None)
             except Exception as exc:
                 log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
                 await trio.to_thread.run_sync(serving.store.delete_serving, name)
@@ -360,8 +364,11 @@ class Recovery:
             online = list(serving.hub.online.values())
             cpu = not online or not all(c.hardware.gpus for c in online)  # as load() budgets (serving.py)
             model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
-                                 recovering_since=trio.current_time(), size=model_size(manifest, cpu=cpu))
+                                 recovering_since=trio.current_time(), size=model_size(manifest, cpu, kind),
+                                 quantization=kind, full_weight_bytes=full_weight_bytes(manifest, cpu,
+                                                                                        [s.plan for s in stages]))
             serving.models[name] = model
+            serving.quantization_of[name] = kind
             log.info("%s was serving before the restart: waiting for its fellows", name)
             serving._start(self._adopt_or_replace, model)
 

@@ -19,7 +19,8 @@ import trio
 from swarm import messages
 from swarm.config import Settings
 from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout
-from swarm.leader.models import ModelServing, StageState, load_message, model_size
+from swarm.leader.models import (ModelServing, StageState, check_quantization, full_weight_bytes, load_message,
+                                 model_size, quantized_fellows)
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
@@ -44,6 +45,7 @@ class Serving:
         self.placements: dict[int, dict] = {}  # fellow id -> model -> where its stage runs {"devices", "bytes"}
         # Models that went because nobody used them (or a fellow dropped them): a request loads them again.
         self.reload_on_request: set[str] = set()
+        self.quantization_of: dict[str, str] = {}  # the kind each model was last asked to load at
         self.recovery = Recovery(self)
 
     # --- queries --------------------------------------------------------------------------------------------------
@@ -69,16 +71,23 @@ class Serving:
 
     # --- load / unload --------------------------------------------------------------------------------------------
 
-    async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None) -> ModelServing:
+    async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
+                   quantization: str | None = None) -> ModelServing:
+        """Place ``name`` and send each fellow its stage. ``quantization`` (swarm.quantization.KINDS; None: as it
+        was last loaded, else none) is how the stages hold their weights; a load asked at another kind than the one
+        serving starts over at that kind."""
         manifest = await self.manifest(name)
         current = self.models.get(name)
         if current is not None and current.status in ("loading", "ready", "recovering"):
             asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
                 (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
-            if not (current.status == "recovering" and asked_otherwise):
+            requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
+            if not requantized and not (current.status == "recovering" and asked_otherwise):
                 return current
-            # asked for another shape while the old one is still being put back together: start over as asked
+            # asked for another shape while the old one is still being put back together, or another quantization:
+            # start over as asked
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
+        asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
         # standbys wait for failovers, unless one is asked for by name
         fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
         # A fellow on another wire protocol is never sent a message it cannot read: the load goes without it, or is
@@ -89,9 +98,13 @@ class Serving:
         fellows = [f for f in fellows if f.compatible]
         if num_stages is None:
             num_stages = max(1, min(len(fellows), manifest["num_layers"]))
+        fellows, kind = quantized_fellows(asked, fellows, num_stages, self.settings.device)
+        if kind != asked:
+            log.info("%s loads in full precision: fewer than %d fellows report quantized loads", name, num_stages)
         # A CPU fellow holds 16-bit weights widened to float32: a pool with one budgets every stage so (its GPU
         # fellows then keep room to spare, never too little).
-        size = model_size(manifest, cpu=not fellows or not all(f.hardware.gpus for f in fellows))
+        cpu = not fellows or not all(f.hardware.gpus for f in fellows)
+        size = model_size(manifest, cpu=cpu, quantization=kind)
         capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
         try:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
@@ -99,12 +112,15 @@ class Serving:
             if outdated:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
             raise
+        check_quantization(kind, plans, {f.id: f for f in fellows}, self.settings.device)
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
                                                                   for p in plans],
-                               manifest=manifest, config=config, size=size)
+                               manifest=manifest, config=config, size=size, quantization=kind,
+                               full_weight_bytes=full_weight_bytes(manifest, cpu, plans))
         self.models[name] = serving
+        self.quantization_of[name] = asked
         self.reload_on_request.discard(name)
         for i, plan in enumerate(plans):
             self.hub.online[plan.fellow_id].post(load_message(serving, i))

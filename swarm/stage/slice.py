@@ -28,6 +28,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
+from swarm.stage.quantize import quantize_head, quantize_linears
 
 _MASK_FUNCTIONS = {
     "full_attention": create_causal_mask,
@@ -106,6 +107,7 @@ class StageModel:
         self._rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._caches: dict[str, DynamicCache] = {}
+        self.quantization = "none"  # set by load (swarm.stage.quantize.KINDS)
         self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
 
     # --- building ----------------------------------------------------------------------------------------------------
@@ -119,12 +121,14 @@ class StageModel:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         layer_devices: list[str] | None = None,
+        quantization: str = "none",
     ) -> StageModel:
         """Build the stage from config.json's contents and its weight files.
 
         ``files`` maps each relative model path this stage needs (see StageSpec.files) to a local file -- which may be
         a cache entry named by its hash. ``layer_devices`` spreads the layers over several cards of one PC
-        (swarm.stage.devices); by default every layer is on ``device``.
+        (swarm.stage.devices); by default every layer is on ``device``. ``quantization`` (swarm.stage.quantize.KINDS)
+        quantizes each layer's linear layers right after its weights are read, and the head after it.
         """
         devices = [torch.device(d) for d in (layer_devices or [device] * spec.num_layers)]
         if len(devices) != spec.num_layers:
@@ -158,12 +162,16 @@ class StageModel:
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))
         for local, index in enumerate(range(spec.first_layer, spec.end_layer)):
             _assign(layers[local], read(layer_file(index), devices[local]), f"layer {index}")
+            quantize_linears(layers[local], quantization)
 
         embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1])
+        if lm_head is not None:
+            lm_head = quantize_head(lm_head, quantization)
         with device:
             rotary = blocks.rotary_embedding(config=stage_config)
         stage = cls(stage_config, spec, embed, layers, norm, lm_head, rotary, dtype, device)
         stage.layer_devices = devices
+        stage.quantization = quantization
         for module in stage.modules():
             module.eval()
         return stage
@@ -175,6 +183,7 @@ class StageModel:
         spec: StageSpec,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        quantization: str = "none",
     ) -> StageModel:
         """Build the stage from an imported model's folder (files named as the import writes them)."""
         model_dir = Path(model_dir)
@@ -184,7 +193,7 @@ class StageModel:
             raise ModelError(f"{model_dir} has no {CONFIG_FILE}; is it an imported model folder?") from None
         tied = bool(config.get("tie_word_embeddings", False))
         files = {rel: model_dir / rel for rel in spec.files(tied)}
-        return cls.load(config, files, spec, dtype=dtype, device=device)
+        return cls.load(config, files, spec, dtype=dtype, device=device, quantization=quantization)
 
     def modules(self) -> list[nn.Module]:
         return [m for m in (self.embed, self.layers, self.norm, self.lm_head, self.rotary) if m is not None]
@@ -199,9 +208,12 @@ class StageModel:
         return out
 
     def parameter_bytes(self) -> int:
+        """Bytes of the stage's weights as held: parameters, and the buffers quantized layers keep their weights in."""
         seen: set[int] = set()
         total = 0
-        for _, p in self.named_parameters():
+        held = [p for _, p in self.named_parameters()]
+        held += [b for m in (self.embed, self.layers, self.norm, self.lm_head) if m is not None for b in m.buffers()]
+        for p in held:
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()

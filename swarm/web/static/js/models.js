@@ -17,6 +17,7 @@ let busyAction = false;
 
 const picker = () => document.getElementById("model-picker");
 const loadButton = () => document.getElementById("load-button");
+const quantizationPicker = () => document.getElementById("quantization-picker");
 
 export function modelStatus() {
   return selectedModel()?.status || "not_loaded";
@@ -86,7 +87,8 @@ export async function loadModel() {
   busyAction = true;
   renderStatus();
   try {
-    await post(`/api/v1/models/${encodeURIComponent(model.id)}/load`, {});
+    const quantization = quantizationPicker()?.value;
+    await post(`/api/v1/models/${encodeURIComponent(model.id)}/load`, quantization ? { quantization } : {});
   } finally {
     busyAction = false;
     await refreshModels();
@@ -145,5 +147,10 @@ export function initModels() {
     refreshModels();
   });
   loadButton().addEventListener("click", onLoadButton);
+  const quantization = quantizationPicker();
+  if (quantization) {
+    quantization.value = store.get("quantization", "none");
+    quantization.addEventListener("change", () => store.set("quantization", quantization.value));
+  }
   return refreshModels();
 }

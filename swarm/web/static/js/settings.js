@@ -17,6 +17,12 @@ function stageLine(stage) {
   return `Stage ${stage.index}: ${stage.fellow} · L${first}-${end - 1} · ${formatBytes(stage.memory_bytes)}`;
 }
 
+/** "int8 · 3.6x smaller" for a quantized load, "None (full precision)" otherwise. */
+function compression(model) {
+  if (!model.quantization || model.quantization === "none") return model.num_stages ? "None (full precision)" : "—";
+  return `${model.quantization} · ${Number(model.compression || 1).toFixed(1)}x smaller`;
+}
+
 function renderModel() {
   const model = selectedModel();
   if (!model) {
@@ -29,7 +35,8 @@ function renderModel() {
     h("dt", {}, "Layers"), h("dd", {}, model.num_layers ?? "—"),
     h("dt", {}, "Stages"), h("dd", {}, model.num_stages ? String(model.num_stages) : "—"),
     h("dt", {}, "Precision"), h("dd", {}, model.dtype || "—"),
-    h("dt", {}, "Memory"), h("dd", {}, `≈ ${formatBytes(model.total_bytes)}`),
+    h("dt", {}, "Compression"), h("dd", { id: "model-compression" }, compression(model)),
+    h("dt", {}, "Memory"), h("dd", {}, `≈ ${formatBytes(model.weight_bytes || model.total_bytes)}`),
     h("dt", {}, "Status"), h("dd", {}, STATUS_TEXT[model.status] || model.status));
   const parts = [facts];
   if (model.stages?.length) {

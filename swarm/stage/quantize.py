@@ -1,0 +1,230 @@
+"""Quantized loads: a stage's linear layers held and computed at 8 or 4 bits, quantized as they are loaded.
+
+Kinds (the seed's "Quantized models"): ``none``, ``int8``, ``nf4``, ``int4-fast``. Each fellow quantizes only its own
+layers, one decoder layer at a time right after its float weights are read, so the float copy of the whole stage is
+never held at once. Embeddings, norms and the KV caches stay in the compute dtype.
+
+On CUDA: int8 and nf4 with bitsandbytes (LLM.int8 and NF4 with 64-weight blocks); int4-fast with torchao's int4
+weight-only kernels (tinygemm) where torchao is installed, else plain nf4 (the seed's rule).
+
+On CPU, measured on this repository's machines (bench/quantized.py, bench/RESULTS.md), torch's own weight-only
+kernels are the fastest paths and keep the activations in float32:
+
+- int8: ``aten._weight_int8pack_mm`` -- int8 weights with one float scale per output row.
+- nf4 and int4-fast: ``aten._weight_int4pack_mm_for_cpu`` -- 4-bit weights in groups of 32 along the input, each group
+  with its own scale and offset (the layout of torchao's and gpt-fast's int4). The NF4 code book (non-uniform levels)
+  has no CPU kernel: dequantizing it for every pass ran slower than float32, so both 4-bit kinds take the int4 kernel
+  on CPU.
+
+The head (``lm_head``) is a linear layer too: on CPU it runs at int8 for every quantized kind (4 bits cost the small
+models too much perplexity there, as llama.cpp also keeps its output matrix wider); on CUDA it stays in half
+precision, as bitsandbytes' loaders leave it.
+
+Every function here is deterministic: the same weights quantized by the same kind give the same tensors, so a ring's
+stages and one whole model quantized alike (:func:`quantize_model`) compute the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from swarm.errors import ModelError
+from swarm.quantization import INT4_GROUP, KINDS, check_kind, cuda_path, needs  # noqa: F401 (re-exported)
+
+# --- quantizing modules --------------------------------------------------------------------------------------------
+
+
+def quantize_linears(module: Any, kind: str, *, skip: Iterable[str] = ()) -> Any:
+    """Replace every ``nn.Linear`` inside ``module`` (at any depth) by its ``kind`` counterpart on the device its
+    weight is on; ``module`` itself is returned (or its replacement, when it is a Linear itself)."""
+    from torch import nn
+
+    kind = check_kind(kind)
+    if kind == "none":
+        return module
+    if isinstance(module, nn.Linear):
+        return quantize_linear(module, kind)
+    skip = set(skip)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name not in skip:
+                setattr(parent, name, quantize_linear(child, kind))
+    return module
+
+
+def quantize_head(lm_head: Any, kind: str) -> Any:
+    """The head for a ``kind`` load: int8 on CPU for every quantized kind, unchanged on CUDA (see the module doc)."""
+    if kind == "none" or lm_head.weight.device.type != "cpu":
+        return lm_head
+    return quantize_linear(lm_head, "int8")
+
+
+def quantize_model(model: Any, kind: str) -> Any:
+    """A whole transformers causal LM quantized as a ring's stages quantize their parts: the decoder layers' linear
+    layers by ``kind``, the head by :func:`quantize_head`. The one-process reference for a quantized ring."""
+    kind = check_kind(kind)
+    if kind == "none":
+        return model
+    for layer in model.model.layers:
+        quantize_linears(layer, kind)
+    head = model.lm_head
+    quantized = quantize_head(head, kind)
+    if quantized is not head:
+        model.lm_head = quantized
+        # generate() must not tie the float embedding back onto the head
+        model.config.tie_word_embeddings = False
+        if hasattr(model, "_tied_weights_keys"):
+            model._tied_weights_keys = None
+    return model
+
+
+def quantize_linear(linear: Any, kind: str) -> Any:
+    device_type = linear.weight.device.type
+    if device_type == "cpu":
+        return _cpu_linear(linear, kind)
+    if device_type == "cuda":
+        return _cuda_linear(linear, kind)
+    raise ModelError(f"{kind} quantization runs on CPU and CUDA devices, not on {device_type}")
+
+
+def _cpu_linear(linear: Any, kind: str) -> Any:
+    int8, int4 = cpu_modules()
+    if kind == "int8":
+        return int8.from_linear(linear)
+    if linear.in_features % INT4_GROUP:
+        # The int4 kernel needs whole groups along the input; such a layer (no real model has one) keeps 8 bits.
+        return int8.from_linear(linear)
+    return int4.from_linear(linear, INT4_GROUP)
+
+
+def _cuda_linear(linear: Any, kind: str) -> Any:
+    path = cuda_path(kind)
+    if path == "torchao":
+        return _torchao_int4(linear)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise ModelError(f"{kind} on a CUDA card needs {needs(kind, 'cuda')} ({exc})") from exc
+    device, dtype = linear.weight.device, linear.weight.dtype
+    weight = linear.weight.data.to("cpu")
+    bias = linear.bias is not None
+    if kind == "int8":
+        q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
+                                threshold=6.0, device="meta")
+        q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:  # nf4, and int4-fast without torchao
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=dtype,
+                              quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True)
+    if bias:
+        q.bias = linear.bias
+    return q.to(device)  # bitsandbytes quantizes when the weight moves to the card
+
+
+def _torchao_int4(linear: Any) -> Any:
+    import torch
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    # tinygemm's kernel takes bfloat16 activations and weights, in groups of 128 (torchao's default).
+    linear = linear.to(torch.bfloat16)
+    quantize_(linear, Int4WeightOnlyConfig(group_size=128))
+    return linear
+
+
+# --- the CPU modules ------------------------------------------------------------------------------------------------
+
+def _make_cpu_modules():
+    import torch
+    from torch import nn
+
+    class Int8Linear(nn.Module):
+        """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
+
+        def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+            super().__init__()
+            self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+            self.register_buffer("qweight", qweight)
+            self.register_buffer("scales", scales)
+            self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+        @classmethod
+        def from_linear(cls, linear: nn.Linear) -> nn.Module:
+            w = linear.weight.detach().float()
+            scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            bias = linear.bias.detach() if linear.bias is not None else None
+            return cls(q.contiguous(), scales.to(linear.weight.dtype), bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scales.to(x.dtype))
+            y = y.reshape(*shape[:-1], self.out_features)
+            return y + self.bias if self.bias is not None else y
+
+        def dequantized(self) -> torch.Tensor:
+            return self.qweight.float() * self.scales.float()[:, None]
+
+        def extra_repr(self) -> str:
+            return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+    class Int4Linear(nn.Module):
+        """4-bit weights in groups of ``group`` inputs, each with a scale and an offset: w = (q - 8) * scale + zero,
+        q in 0..15 (the int4 layout of torch's CPU kernel, torchao's Int4CPULayout)."""
+
+        def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
+                     out_features: int, bias: torch.Tensor | None):
+            super().__init__()
+            self.in_features, self.out_features, self.group = in_features, out_features, group
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale_zeros", scale_zeros)  # (in / group, out, 2)
+            self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+        @classmethod
+        def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP) -> nn.Module:
+            w = linear.weight.detach().float()
+            n, k = w.shape
+            groups = w.reshape(n, k // group, group)
+            low, high = groups.amin(-1), groups.amax(-1)
+            scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+            zero = low + 8 * scale
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).contiguous(), 1)
+            scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+            bias = linear.bias.detach() if linear.bias is not None else None
+            return cls(packed, scale_zeros, group, k, n, bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            flat = x.reshape(-1, shape[-1])
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.float(), self.packed, self.group, self.scale_zeros)
+            y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return y + self.bias if self.bias is not None else y
+
+        def extra_repr(self) -> str:
+            return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+    return Int8Linear, Int4Linear
+
+
+_CPU_MODULES: tuple | None = None
+
+
+def cpu_modules() -> tuple:
+    """(Int8Linear, Int4Linear). They subclass nn.Module, so they are built on first use: importing this module does
+    not import torch (the fellow's hardware report calls kinds_on without it)."""
+    global _CPU_MODULES
+    if _CPU_MODULES is None:
+        _CPU_MODULES = _make_cpu_modules()
+    return _CPU_MODULES
+
+
+def module_bytes(module: Any) -> int:
+    """Bytes of a module's parameters and buffers (quantized weights are buffers), each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
