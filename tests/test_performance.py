@@ -15,8 +15,8 @@ from swarm.errors import BadRequest
 from swarm.leader import history as history_module
 from swarm.leader.admission import Budget
 from swarm.leader.history import MEMORY_S, ServingHistory
-from swarm.leader.performance import (RANGES, bottleneck, hop_rate, parse_range, percentile, pipeline_stage, speed,
-                                      speed_series, table, time_split)
+from swarm.leader.performance import (RANGES, bottleneck, hop_rate, live_rate, parse_range, percentile, pipeline_stage,
+                                      speed, speed_series, table, time_split)
 from swarm.leader.requests import Request, RequestBook
 from swarm.messages import Gpu, Hardware
 from swarm.store.db import Store
@@ -90,6 +90,8 @@ def test_speed_is_the_streaming_rate_else_the_median():
     now = speed(records, [12.5, 30.0])  # two replies streaming: the cluster's rate is their sum
     assert now["tokens_per_s"] == 42.5 and now["streaming"] == 2 and now["median_tokens_per_s"] == 20.0
     assert speed([], [])["tokens_per_s"] is None
+    assert live_rate(11, 10.0, 12.0) == 5.0  # a reply streaming now: 10 tokens in the 2 s after its first
+    assert live_rate(1, 10.0, 12.0) is None and live_rate(5, None, 12.0) is None
 
 
 def test_last_15_minutes_table():
