@@ -20,6 +20,7 @@ import secrets
 import selectors
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import netlab
@@ -75,9 +76,18 @@ class Punchers:
             raise RuntimeError(f"agent {role} exited: {self.logs[host].read_text(errors='replace')[-2000:]}")
         return json.loads(line)
 
+    def reset(self) -> None:
+        """Both ends forget what earlier attempts taught them (the next attempt is a first one again)."""
+        for role in "ab":
+            self._say(role, {"t": "reset"})
+        for role in "ab":
+            self._hear(role, 30)
+
     def attempt(self, concurrent: int = 1) -> list[dict]:
         """``concurrent`` punches at once (fresh sockets each; what each end learned so far carries over). Returns
-        one outcome per punch: ok, seconds (start to both locked), low_ttl of each end and how, messages."""
+        one outcome per punch: ok, seconds (the common start to both locked), total (asking both ends to prepare to
+        both locked: rendezvous, trace, START_IN_S and the punch), low_ttl of each end and how, messages."""
+        started = time.monotonic()
         for role in "ab":
             self._say(role, {"t": "prepare", "n": concurrent})
         plans = {role: self._hear(role, 30)["plans"] for role in "ab"}
@@ -86,10 +96,12 @@ class Punchers:
             self._say(role, {"t": "start", "start_in_s": START_IN_S, "secret": secret,
                              "peer_candidates": [p["candidates"] for p in plans[other]]})
         results = {role: self._hear(role, 60)["results"] for role in "ab"}
+        total = time.monotonic() - started
         out = []
         for i in range(concurrent):
             a, b = results["a"][i], results["b"][i]
             out.append({"ok": a["ok"] and b["ok"], "seconds": max(a.get("seconds", 0), b.get("seconds", 0)),
+                        "total": total,
                         "low_ttl": (plans["a"][i]["low_ttl"], plans["b"][i]["low_ttl"]),
                         "how": (plans["a"][i]["note"], plans["b"][i]["note"]),
                         "messages": [r["message"] for r in (a, b) if not r["ok"]]})
@@ -136,6 +148,10 @@ def _agent(role: str, leader: str, port: str, fixed_ttl: str, timeout: str) -> N
             line = await trio.to_thread.run_sync(next, lines, None)
             if line is None:
                 return
+            if json.loads(line)["t"] == "reset":  # a new trial: forget what earlier attempts taught
+                learned.failures = 0
+                print(json.dumps({"reset": True}), flush=True)
+                continue
             await _attempt(role, server, int(fixed_ttl), float(timeout), learned, json.loads(line)["n"], lines)
 
     trio.run(main)
