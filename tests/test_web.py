@@ -327,6 +327,19 @@ def test_admin_page(bg, browser):
     page.goto(f"{bg.swarm.url}/admin")
     expect(page.locator("#fellows-table")).to_contain_text("fellow-0")
     expect(page.locator("#fellows-table")).to_contain_text("Online")
+    from swarm import __version__, wire
+
+    expect(page.locator("#fellows-table")).to_contain_text(f"{__version__} (protocol {wire.PROTOCOL_VERSION})")
+    expect(page.locator("#fellows-outdated")).to_be_hidden()
+    conn = bg.sync(lambda: next(c for c in bg.swarm.leader.hub.online.values() if c.name == "fellow-1"))
+    bg.sync(setattr, conn, "protocol", wire.PROTOCOL_VERSION - 1)  # as an older build of swarm would say
+    try:  # the page polls the fellows every 5 s
+        expect(page.locator("#fellows-outdated")).to_contain_text("fellow-1 runs another version", timeout=15_000)
+        expect(page.locator("#fellows-outdated").get_by_role("button", name="Update outdated fellows")).to_be_visible()
+        expect(page.locator("#fellows-table .version-outdated")).to_contain_text(
+            f"needs protocol {wire.PROTOCOL_VERSION}")
+    finally:
+        bg.sync(setattr, conn, "protocol", wire.PROTOCOL_VERSION)
     expect(page.locator("#users-table")).to_contain_text("admin")
     expect(page.locator("#pools-table")).to_contain_text("default")
     switch = page.locator("#direct-links")
@@ -335,7 +348,7 @@ def test_admin_page(bg, browser):
     expect(page.locator("#direct-links-state")).to_have_text("Direct links are on")
     assert api(bg, "GET", "/api/v1/settings/direct-links").json() == {"enabled": True}
     page.click("#new-join-token")
-    expect(page.locator("dialog .token-once")).not_to_be_empty()
+    expect(page.locator("dialog .token-once")).to_contain_text(f"curl -fsSL \"{bg.swarm.url}/install.sh?token=swj1.")
     shot(page, "admin")
     page.locator("dialog").get_by_role("button", name="Done").click()
     page.context.close()

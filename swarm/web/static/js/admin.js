@@ -153,7 +153,7 @@ async function main() {
       const uses = Number($("join-uses").value) || 1;
       const { token } = await post("/api/v1/join-tokens", { uses, ttl_s: Number($("join-ttl").value) });
       const install = `curl -fsSL "${location.origin}/install.sh?token=${token}" | sh`;
-      await showOnce("New join token", `Run this on ${uses === 1 ? "the PC" : `up to ${uses} PCs`} that should join (Linux, macOS): it installs swarm from this leader and starts it as a service. On Windows, in PowerShell: irm "${location.origin}/install.ps1?token=${token}" | iex. By hand: swarm join ${location.origin} --token ${token}. The token is shown only now.`, install);
+      await showOnce("New join token", `Run this on ${uses === 1 ? "the PC" : `up to ${uses} PCs`} that should join (Linux, macOS): it installs swarm from this leader and starts it as a service. On Windows, in PowerShell: irm "${location.origin}/install.ps1?token=<the same token>" | iex. By hand: swarm join ${location.origin} --token <the token>. The token is shown only now.`, install);
       loadJoinTokens();
     } catch (err) { showError(err.message); }
   });
