@@ -8,17 +8,23 @@ On CUDA: int8 and nf4 with bitsandbytes (LLM.int8 and NF4 with 64-weight blocks)
 weight-only kernels (tinygemm) where torchao is installed, else plain nf4 (the seed's rule).
 
 On CPU, measured on this repository's machines (bench/quantized.py, bench/RESULTS.md), torch's own weight-only
-kernels are the fastest paths and keep the activations in float32:
+kernels with bfloat16 activations are the fastest paths that keep every row of a batch independent:
 
-- int8: ``aten._weight_int8pack_mm`` -- int8 weights with one float scale per output row.
+- int8: ``aten._weight_int8pack_mm`` -- int8 weights with one scale per output row.
 - nf4 and int4-fast: ``aten._weight_int4pack_mm_for_cpu`` -- 4-bit weights in groups of 32 along the input, each group
   with its own scale and offset (the layout of torchao's and gpt-fast's int4). The NF4 code book (non-uniform levels)
-  has no CPU kernel: dequantizing it for every pass ran slower than float32, so both 4-bit kinds take the int4 kernel
+  has no CPU kernel: dequantizing it for every pass runs slower than float32, so both 4-bit kinds take the int4 kernel
   on CPU.
 
-The head (``lm_head``) is a linear layer too: on CPU it runs at int8 for every quantized kind (4 bits cost the small
-models too much perplexity there, as llama.cpp also keeps its output matrix wider); on CUDA it stays in half
-precision, as bitsandbytes' loaders leave it.
+torch.ao's dynamic int8 (``quantize_dynamic``) ran the small matrices faster still, but it quantizes the activations
+with one scale over all the rows it is given: a chat's reply would then depend on the other chats batched with it
+(and torch deprecates it). torchao's int8 paths run slower than float32 in eager mode (DESIGN.md).
+
+The head (``lm_head``) is a linear layer too, and on a small model a large share of each token's time. On CPU it runs
+at int8 for int8 and nf4 (the quality choice: 4 bits in the head cost the built-in model 9 % perplexity, where the
+layers at 4 bits cost 0.4 %; llama.cpp also keeps its output matrix wider), and at 4 bits for int4-fast (the speed
+choice: measured here, the built-in model's 49152 x 576 head took 2.1 ms at 4 bits, 6-10 ms at int8, 14-18 ms in
+float32). On CUDA it stays in half precision, as bitsandbytes' loaders leave it.
 
 Every function here is deterministic: the same weights quantized by the same kind give the same tensors, so a ring's
 stages and one whole model quantized alike (:func:`quantize_model`) compute the same tokens.
@@ -54,10 +60,11 @@ def quantize_linears(module: Any, kind: str, *, skip: Iterable[str] = ()) -> Any
 
 
 def quantize_head(lm_head: Any, kind: str) -> Any:
-    """The head for a ``kind`` load: int8 on CPU for every quantized kind, unchanged on CUDA (see the module doc)."""
+    """The head for a ``kind`` load: on CPU int8 for int8 and nf4, 4 bits for int4-fast; unchanged on CUDA (see the
+    module doc)."""
     if kind == "none" or lm_head.weight.device.type != "cpu":
         return lm_head
-    return quantize_linear(lm_head, "int8")
+    return quantize_linear(lm_head, "int4-fast" if kind == "int4-fast" else "int8")
 
 
 def quantize_model(model: Any, kind: str) -> Any:
@@ -138,6 +145,10 @@ def _make_cpu_modules():
     import torch
     from torch import nn
 
+    # Both kernels take their activations in bfloat16 on CPU: measured here with float32 ones they ran 5-40x slower
+    # than with bfloat16 (a generic loop instead of the AVX-512 one), slower than float32 itself.
+    ACTIVATIONS = torch.bfloat16
+
     class Int8Linear(nn.Module):
         """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
 
@@ -151,15 +162,17 @@ def _make_cpu_modules():
         @classmethod
         def from_linear(cls, linear: nn.Linear) -> nn.Module:
             w = linear.weight.detach().float()
-            scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            # the scale as the kernel will hold it (bfloat16), so the weights round to the grid it computes with
+            scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-30).to(ACTIVATIONS)
+            q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
             bias = linear.bias.detach() if linear.bias is not None else None
-            return cls(q.contiguous(), scales.to(linear.weight.dtype), bias)
+            return cls(q.contiguous(), scales, bias)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scales.to(x.dtype))
-            y = y.reshape(*shape[:-1], self.out_features)
+            flat = x.reshape(-1, shape[-1]).to(ACTIVATIONS)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+            y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
 
         def dequantized(self) -> torch.Tensor:
@@ -186,18 +199,19 @@ def _make_cpu_modules():
             n, k = w.shape
             groups = w.reshape(n, k // group, group)
             low, high = groups.amin(-1), groups.amax(-1)
-            scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-            zero = low + 8 * scale
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).contiguous(), 1)
+            # scale and offset as the kernel will hold them (bfloat16), so the weights round to its grid
+            scale = ((high - low) / 15).clamp(min=1e-30).to(ACTIVATIONS)
+            zero = (low + 8 * scale.float()).to(ACTIVATIONS)
+            q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k).contiguous(), 1)
             scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
             bias = linear.bias.detach() if linear.bias is not None else None
             return cls(packed, scale_zeros, group, k, n, bias)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
-            flat = x.reshape(-1, shape[-1])
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.float(), self.packed, self.group, self.scale_zeros)
+            flat = x.reshape(-1, shape[-1]).to(ACTIVATIONS)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scale_zeros)
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
 
