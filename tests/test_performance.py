@@ -142,7 +142,7 @@ def test_split_estimated_from_round_trips_until_the_fellows_report_it():
     assert [(p["label"], p["ms"]) for p in split["parts"]] == [("compute", 50.0), ("link", 150.0)]
     assert "estimated" in bottleneck(split, [])
     assert time_split([served(1, rate=None)], HOPS, ["a", "b"]) is None  # nothing to go by
-    assert bottleneck(None, []).startswith("No replies in this range yet")
+    assert bottleneck(None, []).startswith("No replies in the last 15 minutes")
 
 
 def test_bottleneck_names_the_slower_stage_and_idle_gpus():
@@ -260,7 +260,7 @@ async def test_finished_requests_are_recorded_and_written_in_batches(tmp_path: P
     assert history._pending == [] and all(e.request is None for e in history.recent)  # requests let go
     # a longer range reads the database plus what is not written yet
     history.add(served(1, rid="fresh"))
-    assert {r.id for r in await history.since("m", NOW - 3600)} == {req.id, failed.id, "fresh"}
+    assert {r.id for r in await history.over("m", 3600)} == {req.id, failed.id, "fresh"}
     async with trio.open_nursery() as nursery:
         await nursery.start(history.run)
         nursery.cancel_scope.cancel()
@@ -272,7 +272,7 @@ async def test_finished_requests_are_recorded_and_written_in_batches(tmp_path: P
     async with trio.open_nursery() as nursery:
         await nursery.start(again.run)
         assert {r.id for r in again.in_memory("m", 0)} == {req.id, failed.id, "fresh"}
-        assert "older" in {r.id for r in await again.since("m", NOW - 3600)}
+        assert "older" in {r.id for r in await again.over("m", 3600)}
         nursery.cancel_scope.cancel()
     store.close()
 
@@ -284,4 +284,24 @@ async def test_history_is_pruned_past_its_days(tmp_path: Path):
     await history.prune()
     assert [r.id for r in store.served_requests(None, 0)] == ["a minute"]
     assert history_module.PRUNE_S == 3600  # the background task prunes hourly
+    store.close()
+
+
+async def test_longer_ranges_read_the_database_at_most_every_30_s(tmp_path: Path):
+    store = Store(tmp_path / "leader.db", password_hasher=CHEAP)
+    store.add_served_requests([served(3000, rid="old", timing=fellows_timing([1.0], []))])
+    clock = Clock()
+    history = ServingHistory(store, keep_days=7, clock=clock)
+    reads = []
+    real = store.served_requests
+    store.served_requests = lambda *args, **kwargs: reads.append(args) or real(*args, **kwargs)
+    history.add(served(10, rid="new"))
+    first = await history.over("m", 3600)
+    assert [r.id for r in first] == ["old", "new"] and first[0].timing is None  # no timing maps from the database
+    clock.now += 10
+    assert [r.id for r in await history.over("m", 3600)] == ["old", "new"] and len(reads) == 1  # reused
+    clock.now += 25
+    await history.flush()  # as the background task has long done by now
+    assert [r.id for r in await history.over("m", 3600)] == ["old", "new"] and len(reads) == 2  # read again
+    assert [r.id for r in await history.over("m", 900)] == ["new"] and len(reads) == 2  # the live range: memory
     store.close()

@@ -193,7 +193,7 @@ def bottleneck(split: dict | None, stages: Sequence[dict]) -> str:
     """One sentence: whether the link or compute takes most of each token, which stage's side is slower, and whether
     the GPUs are mostly idle (then the network, not the cards, sets the speed)."""
     if split is None:
-        return "No replies in this range yet: where each token's time goes shows once the model has answered."
+        return "No replies in the last 15 minutes: where each token's time goes shows once the model answers."
     parts = split["parts"]
     link = sum(p["share"] for p in parts if p["kind"] == "link")
     compute = [p for p in parts if p["kind"] == "compute"]
@@ -287,7 +287,7 @@ async def performance_view(leader, name: str, range_: str) -> dict:
     span, step = RANGES[range_]
     history, serving = leader.history, leader.serving
     now = history.clock()
-    records = await history.since(name, now - span)
+    records = await history.over(name, span)
     model = serving.models.get(name)
     loop_now = trio.current_time()
     streaming = [rate for r in serving.book.of_model(name)
@@ -303,11 +303,12 @@ async def performance_view(leader, name: str, range_: str) -> dict:
     for i, hop in enumerate(hops):
         hop["direction"] = "back" if i == len(hops) - 1 else "forward"
         hop["bytes_per_s"] = serving.hop_stats.get(model.hop_ids[i], {}).get("bytes_per_s")
-    split = time_split(records, hops, [s["fellow"] for s in stages]) if stages else None
+    last_15m = records if range_ == LIVE_RANGE else history.in_memory(name, now - RANGES[LIVE_RANGE][0])
+    # the seed: the time per token is "averaged over the replies of the last 15 minutes", whatever the range
+    split = time_split(last_15m, hops, [s["fellow"] for s in stages]) if stages else None
     for i, hop in enumerate(hops):
         hop["link_ms"] = split["hop_ms"][i] if split and split["source"] == "fellows" and i < len(split["hop_ms"]) \
             else None
-    last_15m = records if range_ == LIVE_RANGE else history.in_memory(name, now - RANGES[LIVE_RANGE][0])
     return {
         "id": name, "status": model.status if model is not None else "not_loaded", "range": range_,
         "step_s": step, "now": now,

@@ -59,10 +59,13 @@ class HistoryMixin(StoreCore):
             db.executemany(f"INSERT OR REPLACE INTO serving_history ({', '.join(_COLUMNS)}) "
                            f"VALUES ({', '.join('?' * len(_COLUMNS))})", rows)
 
-    def served_requests(self, model: str | None, since: float, until: float | None = None) -> list[ServedRequest]:
+    def served_requests(self, model: str | None, since: float, until: float | None = None,
+                        timing: bool = True) -> list[ServedRequest]:
         """The requests of ``model`` (None: of every model) that ended at ``since`` or later (and before ``until``),
-        oldest first."""
-        sql = f"SELECT {', '.join(_COLUMNS)} FROM serving_history WHERE ended_at >= ?"
+        oldest first; without their timing maps when ``timing`` is False (a week of them reads several times
+        faster and takes a fraction of the memory)."""
+        columns = _COLUMNS if timing else _COLUMNS[:-1]
+        sql = f"SELECT {', '.join(columns)} FROM serving_history WHERE ended_at >= ?"
         args: tuple = (since,)
         if model is not None:
             sql, args = sql + " AND model = ?", (*args, model)
@@ -79,7 +82,7 @@ class HistoryMixin(StoreCore):
 def _record(row) -> ServedRequest:
     values = {name: row[name] for name in _COLUMNS if name != "timing_json"}
     try:
-        timing = json.loads(row["timing_json"]) if row["timing_json"] else None
+        timing = json.loads(row["timing_json"]) if "timing_json" in row.keys() and row["timing_json"] else None
     except ValueError:
         timing = None
     return ServedRequest(**values, timing=timing if isinstance(timing, dict) else None)

@@ -161,7 +161,7 @@ function pipeline(data) {
 }
 
 function timeBar(split, bottleneck) {
-  if (!split) return [h("p", { class: "muted perf-bottleneck" }, bottleneck || "No replies in this range yet.")];
+  if (!split) return [h("p", { class: "muted perf-bottleneck" }, bottleneck || "No replies in the last 15 minutes.")];
   const legend = split.parts.map((p, i) => h("li", {},
     h("span", { class: `swatch ${p.kind} k${i}` }), `${p.label} ${ms(p.ms)} (${pct(p.share)})`));
   const facts = [`${ms(split.ms_per_token)} per token`,
