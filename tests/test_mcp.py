@@ -83,6 +83,8 @@ async def test_mcp_tools_reach_models_and_chats_as_the_api_does(tmp_path, smollm
                 assert kind == "error" and "either messages" in text
                 kind, text = await mcp.call("models_load", {"model": "no-such-model"})
                 assert kind == "error" and "404" in text
+                kind, text = await mcp.call("models_load", {"model": name, "quantization": "int3"})
+                assert kind == "error" and "none, int8, nf4, int4-fast" in text and "HTTP 400" in text
 
                 # saved chats: the same ones the REST API shows, private to their user
                 saved = (await swarm.http.post("/api/v1/chats", json={
