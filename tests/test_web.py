@@ -482,3 +482,23 @@ def test_sending_while_not_loaded_loads_first(bg, browser, model):
     expect(page.locator("#status-pill")).to_have_text("Model ready")
     expect(page.locator("#load-button")).to_have_text("Unload")
     context.close()
+
+
+def test_a_quantized_load_from_the_choice_beside_load_shows_its_compression(bg, browser, model):
+    """After the not-loaded test: loads the model again, at int8, as picked beside Load; Settings shows it."""
+    assert api(bg, "POST", f"/api/v1/models/{model}/unload").status_code == 200
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context.add_init_script("localStorage.setItem('swarm.column', '\"settings\"');")
+    page = context.new_page()
+    page.goto(f"{bg.swarm.url}/auth/link?token={bg.sync(bg.swarm.leader.store.create_login_link, 1)}")
+    expect(page.locator("#status-pill")).to_have_text("Model not loaded")
+    expect(page.locator("#quantization-picker")).to_have_value("none")
+    page.select_option("#quantization-picker", "int8")
+    page.click("#load-button")
+    expect(page.locator("#status-pill")).to_have_text("Model ready", timeout=120_000)
+    assert api(bg, "GET", f"/api/v1/models/{model}").json()["quantization"] == "int8"
+    expect(page.locator("#model-compression")).to_have_text(re.compile(r"^int8 · \d\.\dx smaller$"))
+    shot(page, "quantized-settings")
+    page.reload()  # the choice is remembered in this browser
+    expect(page.locator("#quantization-picker")).to_have_value("int8")
+    context.close()
