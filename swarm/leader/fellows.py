@@ -161,18 +161,22 @@ class FellowHub:
                     pass
             await close_quietly(transport)
             return
-        previous = self.online.get(conn.id)
-        if previous is not None:
-            await close_quietly(previous.channel)
-        self.online[conn.id] = conn
-        log.info("fellow %s (%s) connected: %s", conn.name, conn.id, conn.hardware.describe())
-        if conn.outdated:
-            log.warning("fellow %s runs swarm %s (protocol %s), this leader %s (protocol %s)", conn.name,
-                        conn.version, conn.protocol, __version__, wire.PROTOCOL_VERSION)
-            self.serving._start(self._prepare_update)  # the wheel is ready by the time someone asks for it
         try:
-            keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
+            # Everything that waits comes before the fellow is online: once it is in self.online, any task may post
+            # to it (a ring's link, an unlink), and its welcome must be the first message it reads. So from the
+            # registration below to the welcome's post nothing awaits (a "link" ahead of the welcome made the
+            # fellow drop the connection and rejoin over and over).
             checks = (await self.checks([conn])).get(conn.id, {})
+            previous = self.online.get(conn.id)
+            if previous is not None:
+                await close_quietly(previous.channel)
+            self.online[conn.id] = conn
+            log.info("fellow %s (%s) connected: %s", conn.name, conn.id, conn.hardware.describe())
+            if conn.outdated:
+                log.warning("fellow %s runs swarm %s (protocol %s), this leader %s (protocol %s)", conn.name,
+                            conn.version, conn.protocol, __version__, wire.PROTOCOL_VERSION)
+                self.serving._start(self._prepare_update)  # the wheel is ready by the time someone asks for it
+            keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
             conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
                        "stages": keep, "leader": {"version": __version__, "protocol": wire.PROTOCOL_VERSION},
                        "checks": checks.get("text")})
