@@ -45,3 +45,45 @@ async def test_fellow_rejoins_a_restarted_leader(tmp_path):
             assert [c.name for c in again.hub.online.values()] == ["pc-1"]
             stop2.set()
             nursery.cancel_scope.cancel()
+
+
+async def test_nothing_reaches_a_fellow_before_its_welcome(tmp_path):
+    """Once a fellow is online any task may post to it (a ring's link, an unlink); its welcome must still be the first
+    message it reads. A leader whose enrolment awaited (the early checks) after putting the fellow online let another
+    task's message go first, and the fellow dropped the link and rejoined over and over."""
+    settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "0.5"})
+    leader = Leader(tmp_path / "leader", settings)
+    join = leader.first_start.join_token
+    checks = leader.hub.checks
+
+    async def slow_checks(conns):  # a slow catalogue read: the window in which other tasks run
+        await trio.sleep(0.5)
+        return await checks(conns)
+
+    leader.hub.checks = slow_checks
+    posted = []
+
+    async def post_as_soon_as_online():  # another task with something to tell every online fellow
+        while True:
+            for conn in list(leader.hub.online.values()):
+                if conn.id not in posted:
+                    conn.post({"t": "alive"})
+                    posted.append(conn.id)
+            await trio.sleep(0.01)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            urls = await nursery.start(_serve, leader, 0, stop)
+            nursery.start_soon(post_as_soon_as_online)
+            fellow = Fellow(leader_url=urls[0], data_dir=tmp_path / "fellow", settings=settings, name="pc-1",
+                            join_token=join)
+            nursery.start_soon(fellow.run)
+            await fellow.connected.wait()
+            await wait_until(lambda: posted, 5, message="the other task never saw the fellow online")
+            await trio.sleep(1.5)  # three heartbeats: still the same link
+            assert fellow.connected.is_set()
+            assert [c.name for c in leader.hub.online.values()] == ["pc-1"]
+            assert len(posted) == 1  # it never had to join again
+            stop.set()
+            nursery.cancel_scope.cancel()
