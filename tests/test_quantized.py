@@ -199,3 +199,18 @@ async def test_quantized_loads_over_two_fellows_reply_as_the_same_quantization_i
                 want, margins = await trio.to_thread.run_sync(lambda kind=kind: reference(
                     quantize_model(load_reference_model(smollm_model_dir), kind), ids, 24, [2]))
                 assert check_reply(data["choices"][0]["token_ids"], want, margins) == "identical", kind
+
+
+def test_cuda_paths_without_their_libraries_degrade_then_say_what_to_install(monkeypatch):
+    """No GPU here: the CUDA path runs on a CPU layer as far as it can. torchao's int4 that cannot run falls back to
+    plain nf4 (the seed's rule), and nf4 without bitsandbytes is a ModelError naming the package to install."""
+    import importlib.util
+
+    import swarm.stage.quantize as quantize
+    from swarm.errors import ModelError
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    monkeypatch.setattr(quantize, "cuda_path", lambda kind: "torchao")
+    with pytest.raises(ModelError, match="pip install bitsandbytes"):
+        quantize._cuda_linear(_linear(64, 64), "int4-fast")

@@ -32,11 +32,15 @@ stages and one whole model quantized alike (:func:`quantize_model`) compute the 
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 from swarm.errors import ModelError
 from swarm.quantization import INT4_GROUP, KINDS, check_kind, cuda_path, needs  # noqa: F401 (re-exported)
+
+log = logging.getLogger(__name__)
 
 # --- quantizing modules --------------------------------------------------------------------------------------------
 
@@ -106,9 +110,13 @@ def _cpu_linear(linear: Any, kind: str) -> Any:
 
 
 def _cuda_linear(linear: Any, kind: str) -> Any:
-    path = cuda_path(kind)
-    if path == "torchao":
-        return _torchao_int4(linear)
+    if cuda_path(kind) == "torchao":
+        try:
+            return _torchao_int4(linear)
+        except Exception as exc:  # noqa: BLE001 - an installed torchao that cannot run here: plain nf4 (the seed's rule)
+            log.warning("torchao's int4 did not take this layer (%s: %s); it runs as plain nf4",
+                        type(exc).__name__, exc)
+            kind = "nf4"
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
@@ -133,10 +141,26 @@ def _torchao_int4(linear: Any) -> Any:
     import torch
     from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
-    # tinygemm's kernel takes bfloat16 activations and weights, in groups of 128 (torchao's default).
-    linear = linear.to(torch.bfloat16)
-    quantize_(linear, Int4WeightOnlyConfig(group_size=128))
-    return linear
+    # tinygemm's kernel takes bfloat16 activations and weights, in groups of 128 (torchao's default); a stage that
+    # computes in float16 hands it bfloat16 and takes its own dtype back.
+    dtype = linear.weight.dtype
+    quantized = copy.deepcopy(linear).to(torch.bfloat16)
+    quantize_(quantized, Int4WeightOnlyConfig(group_size=128))
+    return quantized if dtype == torch.bfloat16 else _cast_around(quantized, torch.bfloat16)
+
+
+def _cast_around(module: Any, dtype: Any) -> Any:
+    from torch import nn
+
+    class CastAround(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.to(dtype)).to(x.dtype)
+
+    return CastAround(module)
 
 
 # --- the CPU modules ------------------------------------------------------------------------------------------------
