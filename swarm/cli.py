@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return once the load has started")
     _leader_options(p)
 
+    p = sub.add_parser("plan", help="predict a model's speed on the pool before loading it")
+    p.add_argument("model")
+    p.add_argument("--num-stages", type=int)
+    _leader_options(p)
+
     p = sub.add_parser("model-unload", help="unload a model and free the fellows' memory")
     p.add_argument("model")
     _leader_options(p)
@@ -186,6 +191,10 @@ def _dispatch(args) -> int | None:
                                       dtype=args.dtype)
         print(f"Imported {manifest.name}: {manifest.architecture}, {manifest.num_layers} layers, "
               f"{manifest.total_bytes / 1e9:.2f} GB in {manifest.dtype}")
+    elif args.command == "plan":
+        from swarm.client import LeaderClient
+
+        _plan(LeaderClient.from_options(args.leader, args.token, settings), args)
     elif args.command in ("model-load", "model-unload", "models"):
         from swarm.client import LeaderClient
 
@@ -288,6 +297,22 @@ def _admin(client, args) -> None:
             raise SwarmError(f"the leader has no fellow {args.fellow!r}; `swarm admin fellows` lists them.")
         client.delete(f"/api/v1/fellows/{match[0]['id']}")
         print(f"Removed fellow {match[0]['name']} ({match[0]['id']}); its key is refused from now on")
+
+
+def _plan(client, args) -> None:
+    """`swarm plan MODEL [--num-stages N]`: the prediction's sentence, then each stage and link."""
+    from urllib.parse import quote
+
+    query = f"?num_stages={args.num_stages}" if args.num_stages else ""
+    plan = client.get(f"/api/v1/models/{quote(args.model, safe='')}/plan{query}")
+    print(f"{args.model}: {plan['text']}")
+    for s in plan["stages"]:
+        print(f"  stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
+              f"{s['decode_ms']:.1f} ms/token, prompt {s['prefill_ms'] / 1000:.2f} s")
+    for link in plan["links"]:
+        how = "measured" if link["rtt_measured"] else "assumed"
+        print(f"  link {link['from_stage']} -> {link['to_stage']}: {link['rtt_ms']:.1f} ms round trip ({how}), "
+              f"{link['bytes_per_token']:,} bytes/token")
 
 
 def _infer(client, args) -> None:

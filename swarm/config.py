@@ -38,6 +38,7 @@ class Settings:
     device: str = "auto"  # SWARM_DEVICE: auto, cpu, cuda, cuda:N
     serve_max_batch: int = 16  # SWARM_SERVE_MAX_BATCH: requests one pass of a stage takes at most (1: no batching)
     threads: int = 0  # SWARM_THREADS: torch threads of a fellow (0: torch's choice, the machine's cores)
+    calibrate: bool = True  # SWARM_CALIBRATE: time a decoder layer on this fellow's device for the planner (0: off)
 
     # --- serving (leader side) ---
     pipeline_transport: str = "auto"  # SWARM_PIPELINE_TRANSPORT: auto (direct, relay on failure), direct, relay

@@ -17,6 +17,9 @@ import pytest
 # the lab's leader and fellows, another test run): spinning threads starve each other. Measured here with another
 # e2e run going: the fast selection took 127 s spinning, 38 s passive. Inherited by the processes tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Fellows time a decoder layer when they join (swarm.fellow.calibration, ~3 s of CPU): off in tests, where a fresh
+# data dir per fellow would pay it each time; the planner's tests turn it on.
+os.environ.setdefault("SWARM_CALIBRATE", "0")
 
 # name -> (config class, config kwargs). Hidden 64, a few layers, vocab 320: milliseconds per token on a laptop CPU.
 # initializer_range 0.2 (library default 0.02) makes random models produce varied tokens instead of one token

@@ -110,7 +110,8 @@ async def running_swarm(tmp: Path, model_dirs: list[Path], fellows: int = 2, lea
                         fellow_env: dict | None = None, leader_tls: tuple[Path, Path] | None = None):
     """``leader_tls`` (certificate, key): the leader serves HTTPS, and the join tokens pin its certificate."""
     leader_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", **(leader_env or {})})
-    fellow_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", **(fellow_env or {})})
+    fellow_settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "SWARM_CALIBRATE": "0",
+                                         **(fellow_env or {})})
     leader = Leader(tmp / "leader", leader_settings, tls_cert=leader_tls[0] if leader_tls else None,
                     tls_key=leader_tls[1] if leader_tls else None)
     for model_dir in model_dirs:

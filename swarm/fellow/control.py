@@ -13,7 +13,7 @@ import trio_websocket
 
 from swarm import __version__, messages, wire
 from swarm.errors import AuthError, LinkClosed, ProtocolError
-from swarm.fellow import hardware
+from swarm.fellow import calibration, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -68,7 +68,7 @@ class ControlLink:
             channel = await NoiseChannel.connect(WebSocketFrameTransport(ws), fellow.private, fellow.leader_public)
             try:
                 await self._enrol(channel)
-                nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self._heartbeat, nursery)
                 nursery.start_soon(self._alive)
                 while True:
                     try:
@@ -144,10 +144,26 @@ class ControlLink:
             await trio.sleep(ALIVE_S)
             await self.send({"t": "alive"})
 
-    async def _heartbeat(self) -> None:
+    async def _calibrate(self, key: str, hw_wire: dict) -> None:
+        """Time a decoder layer on this fellow's device (once per hardware: cached in its data dir) for the planner;
+        the next heartbeat carries it."""
+        fellow = self.fellow
+        device = calibration.compute_device(fellow.settings.device)
+        fellow.calibration = await trio.to_thread.run_sync(
+            calibration.cached_or_measure, fellow.data_dir, device, hw_wire, fellow.threads_for(1))
+        fellow.calibration_key = key
+
+    async def _heartbeat(self, nursery: trio.Nursery) -> None:
         fellow = self.fellow
         trimmer = IdleTrimmer()
+        calibrating: str | None = None
+        hw = await trio.to_thread.run_sync(hardware.probe)
         while True:
+            if fellow.settings.calibrate:  # when it joins, and again when its hardware changes
+                key = calibration.hardware_key(fellow.settings.device, hw.to_wire())
+                if key != fellow.calibration_key and key != calibrating:
+                    calibrating = key
+                    nursery.start_soon(self._calibrate, key, hw.to_wire())
             await trio.sleep(fellow.settings.heartbeat_s)
             hw = await trio.to_thread.run_sync(hardware.probe)
             if trimmer.due(any(s.driver.busy for s in fellow.stages.values())):
@@ -155,7 +171,8 @@ class ControlLink:
             hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
             await self.send({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(fellow.stages),
                              "hops": hops, "held": {name: s.held() for name, s in fellow.stages.items()},
-                             "placement": {name: s.placement() for name, s in fellow.stages.items()}})
+                             "placement": {name: s.placement() for name, s in fellow.stages.items()},
+                             "calibration": fellow.calibration})
 
     async def dispatch(self, message: Any) -> None:
         fellow = self.fellow

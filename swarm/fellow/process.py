@@ -85,6 +85,9 @@ class Fellow:
         # `swarm update`: install the leader's version, then run ``restart_with`` (the same command) in this process
         self.updater = FellowUpdater(self, restart_with)
         self.checks: str | None = None  # what this PC can hold of the leader's catalogue (the welcome's early checks)
+        # how fast this PC runs a decoder layer (swarm.fellow.calibration), and the hardware it was measured on
+        self.calibration: dict | None = None
+        self.calibration_key: str | None = None
 
     @property
     def serve_port(self) -> int | None:

@@ -15,6 +15,7 @@ from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
 from swarm.leader.performance import parse_range, performance_view
+from swarm.leader.planner import plan_model
 from swarm.leader.signin import MAX_PASSWORD_CHARS, check_password_rule
 from swarm.quantization import check_kind
 from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
@@ -218,6 +219,20 @@ class ApiRoutes:
         range_ = parse_range(request.query_params.get("range"))
         await self._model_row(name)
         return JSONResponse(await performance_view(self.leader, name, range_))
+
+    @handles_errors
+    async def model_plan(self, request: Request):
+        """What a load would give on the pool now: decode tokens/s, time to first token, the bottleneck."""
+        await current_user(request, self.store)
+        name = request.path_params["model_id"]
+        await self._model_row(name)
+        raw = request.query_params.get("num_stages")
+        num_stages = None
+        if raw is not None:
+            if not raw.isdigit() or int(raw) < 1:
+                raise BadRequest("num_stages must be a positive integer.", "invalid_num_stages")
+            num_stages = int(raw)
+        return JSONResponse(await plan_model(self.leader.serving, name, num_stages))
 
     @handles_errors
     async def model_load(self, request: Request):

@@ -171,6 +171,7 @@ class Leader:
             Route("/api/v1/models/{model_id}", api.model),
             Route("/api/v1/models/{model_id}/load", api.model_load, methods=["POST"]),
             Route("/api/v1/models/{model_id}/performance", api.model_performance),
+            Route("/api/v1/models/{model_id}/plan", api.model_plan),
             Route("/api/v1/models/{model_id}/unload", api.model_unload, methods=["POST"]),
             Route("/api/v1/models/{model_id}/files/{path:path}", api.model_file, methods=["GET", "HEAD"]),
             Route("/api/v1/requests/{rid}/cancel", api.request_cancel, methods=["POST"]),

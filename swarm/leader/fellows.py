@@ -59,6 +59,7 @@ class FellowConn:
     updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
+    calibration: dict | None = None  # how fast it runs a decoder layer, as its heartbeat said (swarm.leader.planner)
     held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
     last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
@@ -288,6 +289,8 @@ class FellowHub:
                         conn.hardware = Hardware.from_wire(message.get("hardware"))
                         held = message.get("held")
                         conn.held = held if isinstance(held, dict) else {}
+                        if isinstance(message.get("calibration"), dict):
+                            conn.calibration = message["calibration"]
                         conn.last_heartbeat = trio.current_time()
                         if conn.last_heartbeat - conn.touched_at >= TOUCH_EVERY_S:  # not a write per message
                             conn.touched_at = conn.last_heartbeat

@@ -71,23 +71,10 @@ class Serving:
 
     # --- load / unload --------------------------------------------------------------------------------------------
 
-    async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
-                   quantization: str | None = None) -> ModelServing:
-        """Place ``name`` and send each fellow its stage. ``quantization`` (swarm.quantization.KINDS; None: as it
-        was last loaded, else none) is how the stages hold their weights; a load asked at another kind than the one
-        serving starts over at that kind."""
-        manifest = await self.manifest(name)
-        current = self.models.get(name)
-        if current is not None and current.status in ("loading", "ready", "recovering"):
-            asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
-                (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
-            requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
-            if not requantized and not (current.status == "recovering" and asked_otherwise):
-                return current
-            # asked for another shape while the old one is still being put back together, or another quantization:
-            # start over as asked
-            await self.unload(name, reason=f"model {name} is being loaded again as asked")
-        asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
+    def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str):
+        """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now (swarm.leader.placement.place): the
+        plans, the model's sizes, the quantization kind, the fellows it chose from and their capacities. Raises
+        PlacementError when nothing fits. The load and the planner (swarm.leader.planner) both use it."""
         # standbys wait for failovers, unless one is asked for by name
         fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
         # A fellow on another wire protocol is never sent a message it cannot read: the load goes without it, or is
@@ -113,6 +100,27 @@ class Serving:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
             raise
         check_quantization(kind, plans, {f.id: f for f in fellows}, self.settings.device)
+        return plans, size, kind, fellows, capacities
+
+    async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
+                   quantization: str | None = None) -> ModelServing:
+        """Place ``name`` and send each fellow its stage. ``quantization`` (swarm.quantization.KINDS; None: as it
+        was last loaded, else none) is how the stages hold their weights; a load asked at another kind than the one
+        serving starts over at that kind."""
+        manifest = await self.manifest(name)
+        current = self.models.get(name)
+        if current is not None and current.status in ("loading", "ready", "recovering"):
+            asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
+                (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
+            requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
+            if not requantized and not (current.status == "recovering" and asked_otherwise):
+                return current
+            # asked for another shape while the old one is still being put back together, or another quantization:
+            # start over as asked
+            await self.unload(name, reason=f"model {name} is being loaded again as asked")
+        asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
+        plans, size, kind, fellows, capacities = self.placement(name, manifest, num_stages, fellow_id, asked)
+        cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])

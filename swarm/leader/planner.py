@@ -1,0 +1,193 @@
+"""Know before you load: the decode speed and the time to first token a model would have on the pool now.
+
+Plain functions over made-up or real inputs. The placement is the one a load would make (the caller gets it from
+swarm.leader.serving.ServingHub.placement); each fellow's speed is its calibration (swarm.fellow.calibration: one
+synthetic decoder layer timed at two widths, a decode step and a 1,000-token prefill chunk), fitted with a line --
+a fixed cost per layer plus a cost per weight byte -- and scaled by the model's layer sizes at the dtype its stages
+compute in. Each hop between stages costs half its round trip plus its bytes over the link, per pass.
+
+One token passes every stage in turn and every hop once (the ring), so the time per token is the sum of the stages'
+compute and the hops' transit; the bottleneck is the largest of those parts. A prompt goes through the ring in
+chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from swarm.errors import PlacementError
+from swarm.leader.placement import ModelSize, StagePlan
+
+PROMPT_TOKENS = 1000  # the time to first token is told for a prompt of this many tokens
+# A hop's round trip before any stage has used it: two fellows on one LAN through the leader's relay (measured
+# here on loopback: 0.5-2 ms); told as assumed.
+ASSUMED_RTT_MS = 2.0
+# What a link carries per second, for the bytes of a hidden state: a home LAN's 100 Mbit/s, the slow end.
+LINK_BYTES_PER_S = 12_500_000
+TOKEN_BACK_BYTES = 64  # the last stage's token going back to the first (with its framing)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpeed:
+    """A fellow's time for one decoder layer: ``fixed_ms + per_byte_ms * weight_bytes``, decode and prefill."""
+    decode_fixed_ms: float
+    decode_per_byte_ms: float
+    prefill_fixed_ms: float  # for PROMPT_TOKENS tokens
+    prefill_per_byte_ms: float
+
+    def decode_ms(self, weight_bytes: int) -> float:
+        return self.decode_fixed_ms + self.decode_per_byte_ms * weight_bytes
+
+    def prefill_ms(self, weight_bytes: int, tokens: int = PROMPT_TOKENS) -> float:
+        return (self.prefill_fixed_ms + self.prefill_per_byte_ms * weight_bytes) * tokens / PROMPT_TOKENS
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed, per unit) through the smallest and largest point; a measurement the noise made fall (the larger
+    layer timed faster) or cross below zero is read as proportional to the largest point."""
+    (x0, y0), (x1, y1) = min(points), max(points)
+    if x1 > x0:
+        slope = (y1 - y0) / (x1 - x0)
+        fixed = y0 - slope * x0
+        if slope > 0 and fixed >= 0:
+            return fixed, slope
+    return 0.0, y1 / x1 if x1 else 0.0
+
+
+def layer_speed(calibration: dict) -> LayerSpeed:
+    """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed."""
+    points = calibration.get("points") if isinstance(calibration, dict) else None
+    if not isinstance(points, list) or not points:
+        raise ValueError("no calibration points")
+    tokens = float(calibration.get("prefill_tokens") or PROMPT_TOKENS)
+    decode = [(float(p["weight_bytes"]), float(p["decode_ms"])) for p in points]
+    prefill = [(float(p["weight_bytes"]), float(p["prefill_ms"]) * PROMPT_TOKENS / tokens) for p in points]
+    if any(x <= 0 or y < 0 or not math.isfinite(y) for x, y in decode + prefill):
+        raise ValueError("calibration points out of range")
+    return LayerSpeed(*_line(decode), *_line(prefill))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hop:
+    rtt_ms: float
+    measured: bool  # False: ASSUMED_RTT_MS, no stage has used a link between these fellows yet
+    transport: str | None = None
+
+
+def head_bytes(size: ModelSize) -> int:
+    """The last stage's output head: the embedding when tied (its final_bytes is then only the norm)."""
+    return size.embed_bytes if size.tied_embeddings else size.final_bytes
+
+
+def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpeed], hops: list[Hop],
+            hidden_bytes_per_token: int, prefill_chunk: int = 256, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    """The prediction for ``plans``: per stage its compute ms per token and for the prompt, per hop its ms per pass,
+    the decode tokens/s, the time to first token of ``prompt_tokens``, and the bottleneck. ``hops[i]`` is the link
+    from stage i to stage i+1 (the last one back to stage 0); none with one stage. ``speeds``: fellow id -> speed."""
+    n = len(plans)
+    stages = []
+    for plan in plans:
+        speed = speeds[plan.fellow_id]
+        layers = size.layer_bytes[plan.first_layer:plan.end_layer]
+        decode = sum(speed.decode_ms(b) for b in layers)
+        prefill = sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
+        if plan.index == n - 1:  # the head: one token's logits, in decode and at the prompt's end alike
+            head = speed.decode_per_byte_ms * head_bytes(size)
+            decode += head
+            prefill += head
+        stages.append({"index": plan.index, "fellow_id": plan.fellow_id, "fellow": plan.fellow_name,
+                       "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill})
+    links = []
+    chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
+    for i, hop in enumerate(hops[:n] if n > 1 else []):
+        forward = i < n - 1  # hidden states forward; the last hop carries the token back
+        per_token_bytes = hidden_bytes_per_token if forward else TOKEN_BACK_BYTES
+        per_pass = hop.rtt_ms / 2 + per_token_bytes / LINK_BYTES_PER_S * 1e3
+        chunk_bytes = hidden_bytes_per_token * prompt_tokens if forward else TOKEN_BACK_BYTES
+        links.append({"from_stage": i, "to_stage": (i + 1) % n, "rtt_ms": hop.rtt_ms, "rtt_measured": hop.measured,
+                      "transport": hop.transport, "bytes_per_token": per_token_bytes, "ms_per_token": per_pass,
+                      "prompt_ms": chunks * hop.rtt_ms / 2 + chunk_bytes / LINK_BYTES_PER_S * 1e3})
+    per_token = sum(s["decode_ms"] for s in stages) + sum(link["ms_per_token"] for link in links)
+    ttft = sum(s["prefill_ms"] for s in stages) + sum(link["prompt_ms"] for link in links)
+    slowest = max(stages, key=lambda s: s["decode_ms"])
+    link_ms = sum(link["ms_per_token"] for link in links)
+    if links and link_ms > slowest["decode_ms"]:
+        bottleneck = {"kind": "link", "ms_per_token": link_ms, "text": "the links between stages"}
+    else:
+        bottleneck = {"kind": "compute", "stage": slowest["index"], "fellow": slowest["fellow"],
+                      "ms_per_token": slowest["decode_ms"],
+                      "text": f"stage {slowest['index']} on {slowest['fellow']} (compute)"}
+    return {"num_stages": n, "tokens_per_s": 1000 / per_token if per_token > 0 else None,
+            "ms_per_token": per_token, "prompt_tokens": prompt_tokens, "time_to_first_token_s": ttft / 1000,
+            "stages": stages, "links": links, "bottleneck": bottleneck}
+
+
+def sentence(prediction: dict) -> str:
+    """The prediction in the seed's words: 'about 21 tokens/s, first token of a 1,000-token prompt in 1.4 s over 2
+    stages; the slowest part is stage 1 on pc-2 (compute)'."""
+    n = prediction["num_stages"]
+    rate = prediction["tokens_per_s"]
+    rate_text = f"about {rate:.0f} tokens/s" if rate >= 10 else f"about {rate:.1f} tokens/s"
+    over = f"over {n} stages" if n > 1 else f"on {prediction['stages'][0]['fellow']}"
+    text = (f"{rate_text}, first token of a {prediction['prompt_tokens']:,}-token prompt in "
+            f"{prediction['time_to_first_token_s']:.1f} s {over}; the slowest part is {prediction['bottleneck']['text']}")
+    assumed = [link for link in prediction["links"] if not link["rtt_measured"]]
+    if assumed:
+        text += f" (links not measured yet: assumed {ASSUMED_RTT_MS:g} ms round trip)"
+    return text
+
+
+def hop_round_trips(plans: list[StagePlan], known: dict[tuple[int, int], Hop]) -> list[Hop]:
+    """Each hop of ``plans``' ring: the round trip measured between its two fellows (``known``: (from fellow id,
+    to fellow id) -> Hop, either way round), else ASSUMED_RTT_MS."""
+    n = len(plans)
+    if n < 2:
+        return []
+    out = []
+    for i in range(n):
+        a, b = plans[i].fellow_id, plans[(i + 1) % n].fellow_id
+        out.append(known.get((a, b)) or known.get((b, a)) or Hop(ASSUMED_RTT_MS, False))
+    return out
+
+
+def missing_speeds(plans: list[StagePlan], speeds: dict[int, LayerSpeed]) -> None:
+    """PlacementError naming the fellows of ``plans`` that have not reported their speed yet."""
+    missing = sorted({p.fellow_name for p in plans if p.fellow_id not in speeds})
+    if missing:
+        raise PlacementError(
+            f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} not reported {'its' if len(missing) == 1 else 'their'} "
+            "speed yet: a fellow times a decoder layer a few seconds after it joins (and not at all with "
+            "SWARM_CALIBRATE=0). Try again in a few seconds."
+        )
+
+
+async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
+    """The prediction for loading ``name`` on the pool now over ``num_stages`` (None: as a load would choose):
+    ModelNotFound for a model not in the catalogue, PlacementError when nothing fits or a fellow of the placement
+    has not reported its speed. ``serving``: the leader's swarm.leader.serving.ServingHub."""
+    manifest = await serving.manifest(name)
+    kind = serving.quantization_of.get(name, "none")
+    plans, size, kind, fellows, _ = serving.placement(name, manifest, num_stages, None, kind)
+    speeds = {}
+    for fellow in fellows:
+        try:
+            speeds[fellow.id] = layer_speed(fellow.calibration)
+        except (ValueError, KeyError, TypeError):
+            continue
+    missing_speeds(plans, speeds)
+    known: dict[tuple[int, int], Hop] = {}
+    for model in serving.models.values():
+        n = len(model.stages)
+        for i, hop_id in enumerate(model.hop_ids[:n]):
+            stats = serving.hop_stats.get(hop_id) or {}
+            rtt = stats.get("rtt_ms")
+            if isinstance(rtt, (int, float)) and rtt > 0:
+                pair = (model.stages[i].plan.fellow_id, model.stages[(i + 1) % n].plan.fellow_id)
+                known[pair] = Hop(float(rtt), True, stats.get("transport"))
+    cpu = not all(f.hardware.gpus for f in fellows if f.id in {p.fellow_id for p in plans})
+    hidden_bytes = int(manifest.get("hidden_size") or 0) * (4 if cpu else 2)
+    prediction = predict(plans, size, speeds, hop_round_trips(plans, known), hidden_bytes,
+                         serving.settings.serve_prefill_chunk)
+    prediction.update(model=name, quantization=kind, text=sentence(prediction))
+    return prediction
