@@ -1,7 +1,7 @@
 """How fast this fellow runs a decoder layer: a short calibration on the device it computes on, for the planner.
 
 A synthetic Llama-style decoder layer (attention with its four projections, a gated MLP of 8/3 the width) is timed at
-two hidden sizes, for one decode step (one token over a short KV cache) and for a 1,000-token prefill chunk. The
+two hidden sizes, for one decode step (one token over a short KV cache) and for a 256-token prefill chunk (a prompt's chunk). The
 leader fits a line through the two points (fixed cost per layer + cost per weight byte) and scales it by a model's
 layer sizes (swarm.leader.planner). It runs in a worker thread when the fellow starts, takes well under a few seconds,
 and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # bump when what is measured changes: older cached results are then measured again
+VERSION = 2  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
-PREFILL_TOKENS = 1000
+PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
 
 
@@ -93,7 +93,7 @@ def _best(fn, sync, repeats: int, budget_s: float) -> float:
 
 def measure(device: str = "cpu", threads: int | None = None) -> dict:
     """Time one synthetic decoder layer at each of HIDDEN_SIZES on ``device``: a list of points, each with the
-    layer's weight bytes, a decode step's ms and a 1,000-token prefill chunk's ms."""
+    layer's weight bytes, a decode step's ms and a PREFILL_TOKENS-token prefill chunk's ms."""
     import torch
 
     dtype = torch.float32 if device == "cpu" else torch.float16
@@ -112,7 +112,7 @@ def measure(device: str = "cpu", threads: int | None = None) -> dict:
                 past = torch.randn(heads, KV_TOKENS, 64, generator=g).to(device=device, dtype=dtype)
                 chunk = torch.randn(PREFILL_TOKENS, hidden, generator=g).to(device=device, dtype=dtype)
                 decode = _best(lambda: _forward(layer, one, past, past, heads), sync, 30, 0.5)
-                prefill = _best(lambda: _forward(layer, chunk, None, None, heads), sync, 2, 0.5)
+                prefill = _best(lambda: _forward(layer, chunk, None, None, heads), sync, 5, 0.5)
                 weight_bytes = sum(t.numel() for t in layer.values()) * torch.finfo(dtype).bits // 8
                 points.append({"hidden": hidden, "weight_bytes": weight_bytes, "decode_ms": round(decode * 1e3, 4),
                                "prefill_ms": round(prefill * 1e3, 3)})
@@ -137,7 +137,7 @@ def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads:
         t0 = time.perf_counter()
         result = measure(device, threads)
         log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
-                 ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms, 1,000-token prefill "
+                 ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms, {PREFILL_TOKENS}-token prefill "
                            f"{p['prefill_ms']:.0f} ms" for p in result["points"]))
     except Exception as exc:  # noqa: BLE001 -- a planner without this fellow's speed is better than no fellow
         log.warning("could not calibrate this fellow's speed on %s (%s): the planner will not count it", device, exc)
