@@ -502,3 +502,23 @@ def test_a_quantized_load_from_the_choice_beside_load_shows_its_compression(bg, 
     page.reload()  # the choice is remembered in this browser
     expect(page.locator("#quantization-picker")).to_have_value("int8")
     context.close()
+
+
+def test_settings_shows_the_planned_speed(bg, browser, model):
+    """The Settings panel's model facts carry the planner's sentence (GET /api/v1/models/{id}/plan). The fellows here
+    run with SWARM_CALIBRATE=0, so each is given a made-up calibration first: 1 ms + 1e-7 ms/byte a decode step."""
+    def calibrate():
+        for conn in bg.swarm.leader.hub.online.values():
+            conn.calibration = {"prefill_tokens": 256, "points": [
+                {"weight_bytes": 1_000_000, "decode_ms": 1.1, "prefill_ms": 30},
+                {"weight_bytes": 10_000_000, "decode_ms": 2.0, "prefill_ms": 300}]}
+
+    bg.sync(calibrate)
+    page = signed_in_page(bg, browser, column="settings")
+    expect(page.locator("#model-plan")).to_have_text(re.compile(
+        r"^about \d+ tokens/s, first token of a 1,000-token prompt in [\d.]+ s over 2 stages; the slowest part is "
+        r"(stage \d on fellow-\d \(compute\)|the links between stages)"))
+    assert api(bg, "GET", f"/api/v1/models/{model}/plan").json()["num_stages"] == 2
+    shot(page, "settings-planned-speed")
+    assert not page.errors, page.errors
+    page.context.close()
