@@ -44,6 +44,7 @@ class ModelServing:
     size: ModelSize | None = None  # what its stages hold, at the dtype they compute in
     quantization: str = "none"  # swarm.quantization.KINDS: how its stages hold their linear layers
     full_weight_bytes: int = 0  # what its weights would hold unquantized (the Settings panel's compression)
+    pool_id: int | None = None  # its pool: only that pool's fellows take its stages, covers and failovers
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def budget(self, settings) -> Budget:
@@ -51,6 +52,10 @@ class ModelServing:
         kv = self.size.kv_bytes_per_token_per_layer if self.size is not None else 0
         return admission.budget([s.plan for s in self.stages], {s.plan.fellow_id: s.free_bytes for s in self.stages},
                                 kv, settings.serve_typical_tokens, settings.serve_context_tokens)
+
+    def takes(self, conn) -> bool:
+        """Whether the online fellow ``conn`` may hold a stage of this model: it is in the model's pool."""
+        return self.pool_id is None or conn.pool_id == self.pool_id
 
     def slot_of(self, fellow_id: int) -> StageState | None:
         return next((s for s in self.stages if s.plan.fellow_id == fellow_id), None)
@@ -149,26 +154,42 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
 
 
 def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSize:
-    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32. A quantized
-    load holds its decoder layers at the kind's bytes per weight (swarm.quantization); the embedding, norms and
-    head are counted unquantized (a little more than a CPU stage's int8 head holds), and so is the KV cache."""
+    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32. A quantized load
+    holds what swarm.stage.quantize quantizes at the kind's bytes per weight (swarm.quantization): every linear layer
+    of the decoder layers, and on CPU the head too (4 bits at int4-fast, int8 otherwise; a tied head is then a
+    quantized copy, so the last stage holds no float embedding for it). The embedding, the norms and the KV cache stay
+    in the compute dtype, and so does the head on CUDA."""
     from swarm.quantization import bytes_per_weight
 
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
-    quantized = bytes_per_weight(quantization, "cpu" if cpu else "cuda")
-    layer_scale = quantized / stored if quantized is not None else scale
+    device = "cpu" if cpu else "cuda"
+    layer_q = bytes_per_weight(quantization, device)
+    head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization != "none" and cpu else "none"
+    head_q = bytes_per_weight(head_kind, device)
+    norm = (manifest.get("hidden_size") or 0) * stored  # one norm's weight, as stored
+
+    def quantized(size: int, q: float | None, unquantized: int = 0) -> int:
+        """A file of ``size`` stored bytes whose ``unquantized`` bytes (norms) stay in the compute dtype."""
+        if q is None:
+            return int(size * scale)
+        kept = min(unquantized, size)
+        return int((size - kept) * q / stored + kept * scale)
+
+    tied = bool(manifest.get("tie_word_embeddings"))
     layers = [0] * manifest["num_layers"]
     embed = final = 0
     for f in manifest["files"]:
         if f["kind"] == "layer":
-            layers[f["layer"]] = int(f["size"] * layer_scale)
+            layers[f["layer"]] = quantized(f["size"], layer_q, 2 * norm)  # its two norms
         elif f["kind"] == "embed":
             embed = int(f["size"] * scale)
+            if tied and head_q is not None:
+                final += int(f["size"] * head_q / stored)  # the head: a quantized copy of the embedding
         elif f["kind"] == "final":
-            final = int(f["size"] * scale)
+            final += quantized(f["size"], None if tied else head_q, norm)  # the final norm (and an untied head)
     kv = manifest.get("kv_bytes_per_token") or 0  # per token, per layer, at the stored dtype
-    return ModelSize(tuple(layers), embed, final, bool(manifest.get("tie_word_embeddings")), int(kv * scale))
+    return ModelSize(tuple(layers), embed, final, tied and head_q is None, int(kv * scale))
 
 
 def quantized_fellows(kind: str, fellows: list, num_stages: int, device: str) -> tuple[list, str]:
