@@ -53,6 +53,9 @@ class Settings:
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
+    # SWARM_DATABASE_URL: the leader's store on PostgreSQL (postgresql://user:password@host/db); unset, a SQLite file
+    # in its data dir (leader.db). `swarm admin migrate-db --to URL` copies a SQLite leader over.
+    database_url: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -85,6 +88,10 @@ class Settings:
             raise ConfigError("SWARM_SERVE_QUEUE_LIMIT must be at least 1 request.")
         if self.serving_history_days <= 0:
             raise ConfigError("SWARM_SERVING_HISTORY_DAYS must be more than 0 days (the 15-minute view needs them).")
+        if self.database_url is not None and not self.database_url.lower().startswith(("postgresql://",
+                                                                                        "postgres://")):
+            raise ConfigError("SWARM_DATABASE_URL must be a postgresql:// URL (postgresql://user:password@host/db); "
+                              "unset it to keep the leader's store in its data dir.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -1,7 +1,7 @@
-"""The leader's SQLite store: users, sign-in, API tokens, pools, join tokens, fellows, models, settings, chats,
-serving history.
+"""The leader's store: users, sign-in, API tokens, pools, join tokens, fellows, models, settings, chats,
+serving history -- in a SQLite file in the data dir, or on PostgreSQL when ``SWARM_DATABASE_URL`` says so.
 
-``Store(path)`` opens (and migrates) the database; its methods block, so async code calls them through
+``Store(path_or_url)`` opens (and migrates) the database (``leader_store(data_dir)`` the leader's own); its methods block, so async code calls them through
 ``trio.to_thread.run_sync``. The tables' methods live beside their records: ``accounts`` (users, sessions, login
 links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``, ``history`` (served requests);
 ``core`` holds the connection, the transactions and the migrations. Import everything from here.
@@ -15,6 +15,7 @@ from typing import Any
 
 import argon2
 
+from swarm.config import Settings
 from swarm.store.accounts import LOGIN_LINK_TTL_S, SESSION_TTL_S, AccountsMixin, ApiToken, User
 from swarm.store.chats import Chat, ChatLimitReached, ChatsMixin, ChatSummary, ChatTooLarge
 from swarm.store.core import MAX_CHAT_BYTES, MAX_CHATS_PER_USER, MIGRATIONS
@@ -40,6 +41,7 @@ __all__ = [
     "ServedRequest",
     "Store",
     "User",
+    "leader_store",
 ]
 
 
@@ -89,3 +91,10 @@ class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin):
                 "ON CONFLICT(key) DO UPDATE SET value_json = excluded.value_json",
                 (key, text),
             )
+
+
+def leader_store(data_dir: Path, settings: Settings | None = None, **options: Any) -> Store:
+    """The leader's store: the PostgreSQL database of ``SWARM_DATABASE_URL`` when it is set, else ``leader.db`` in
+    its data dir."""
+    url = (settings or Settings.from_env()).database_url
+    return Store(url or Path(data_dir) / "leader.db", **options)
