@@ -58,6 +58,10 @@ class ModelNotFound(ModelError):
     """No model of that name is in the catalogue."""
 
 
+class PoolNotFound(SwarmError):
+    """No pool of that name (or id) on this leader."""
+
+
 class ModelNotLoaded(ModelError):
     """The model is in the catalogue but not loaded on any fellow."""
 
@@ -135,6 +139,11 @@ class PoolBusy(RequestFailed):
 
 class QueueTimeout(RequestFailed):
     """A request waited longer than SWARM_SERVE_QUEUE_TIMEOUT_S to start and was given up."""
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun in the right number, for messages: "1 request", "2 requests", "0 other requests"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def first_leaf(exc: BaseException) -> BaseException:

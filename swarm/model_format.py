@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from swarm.errors import ModelError, PlacementError, UnsupportedArchitecture
+from swarm.errors import ModelError, PlacementError, UnsupportedArchitecture, counted
 
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
@@ -62,7 +62,8 @@ def split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, i
     fellow's free memory; equal weights split evenly), each holding at least one layer."""
     n = len(weights)
     if n < 1 or num_layers < n:
-        raise PlacementError(f"cannot split {num_layers} layers over {n} stages; use at most {num_layers} stages.")
+        raise PlacementError(f"cannot split {counted(num_layers, 'layer')} over {counted(n, 'stage')}; use at most "
+                             f"{counted(num_layers, 'stage')}.")
     weights = [max(float(w), 0.0) for w in weights]
     if not sum(weights):
         weights = [1.0] * n

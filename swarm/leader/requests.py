@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from swarm import messages
+from swarm.errors import counted
 from swarm.leader.admission import Budget
 
 # How often one request may be sent again before it fails for good: a stage that fails the same request every time
@@ -402,7 +403,7 @@ class RequestBook:
             request.resends += 1
             self.hold(request)
             return []
-        self._end(request, error=f"{text} (the request was sent {request.resends + 1} times)")
+        self._end(request, error=f"{text} (the request was sent {counted(request.resends + 1, 'time')})")
         return []
 
     def _end(self, request: Request, *, finish: str | None = None, error: str | None = None) -> None:

@@ -26,6 +26,7 @@ import sys
 
 import trio
 
+from swarm.errors import counted
 from swarm.mesh.udp import Address, plain_ip, socket_address
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ async def trace(sock, server: Address, reflexive_ip: str | None = None, timeout:
     path = ", ".join(f"{ttl}: {addr}" for ttl, addr in sorted(routers.items())) or "no router answered"
     if low_ttl is None:
         return Trace(None, routers, f"not learned ({path})")
-    return Trace(low_ttl, routers, f"traced: the first router past this fellow's NATs is {low_ttl} hops away ({path})")
+    return Trace(low_ttl, routers, f"traced: the first router past this fellow's NATs is {counted(low_ttl, 'hop')} away ({path})")
 
 
 async def _read_errors(sock, raw: socket.socket, token: bytes, routers: dict[int, str], reflexive_ip) -> None:
