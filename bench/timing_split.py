@@ -12,31 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 
-import trio
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from builtin_swarm import COUNT, main  # first: puts tests/ on the import path
 
 from harness import running_swarm  # noqa: E402
 
-from swarm.demo import BUILTIN  # noqa: E402
-from swarm.model_import import ensure_imported  # noqa: E402
 
-COUNT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
-
-
-async def bench(model_dir: Path, tmp: Path, tokens: int, runs: int) -> None:
+async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
     for transport, stages in (("relay", 2), ("auto", 2), ("auto", 1)):
         async with running_swarm(tmp / f"{transport}-{stages}", [model_dir],
                                  leader_env={"SWARM_PIPELINE_TRANSPORT": transport}) as swarm:
             await swarm.load(model_dir.name, stages)
             await swarm.chat(model_dir.name, [{"role": "user", "content": "Hi"}], max_tokens=4)  # warm-up
-            for _ in range(runs):
-                data = await swarm.chat(model_dir.name, COUNT, max_tokens=tokens, ignore_eos=True)
+            for _ in range(args.runs):
+                data = await swarm.chat(model_dir.name, COUNT, max_tokens=args.tokens, ignore_eos=True)
                 t = data["swarm"]["timing"]
                 split = sum(s["compute_ms_per_token"] for s in t["stages"]) + (t["link_ms_per_token"] or 0)
                 stages_text = ", ".join(f"stage {s['stage']} on {s['fellow']} {s['compute_ms_per_token']:.1f} ms/token "
@@ -48,17 +38,5 @@ async def bench(model_dir: Path, tmp: Path, tokens: int, runs: int) -> None:
                       + f"; bytes/token {json.dumps(t['bytes_per_token'])}; TTFT {t['ttft_ms']:.0f} ms", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
-    args = parser.parse_args()
-    (args.data_dir / "leader").mkdir(parents=True, exist_ok=True)
-    ensure_imported(BUILTIN, args.data_dir / "leader", BUILTIN)
-    with tempfile.TemporaryDirectory() as tmp:
-        trio.run(bench, args.data_dir / "leader" / "models" / BUILTIN, Path(tmp), args.tokens, args.runs)
-
-
 if __name__ == "__main__":
-    main()
+    main(bench, __doc__, lambda parser: parser.add_argument("--runs", type=int, default=2, help="replies per ring"))
