@@ -65,6 +65,11 @@ _tokenizers: dict[str, object] = {}
 _loading = threading.Lock()
 
 
+def loaded_tokenizer(model_dir: str):
+    """The model's tokenizer if it is loaded already, else None; never loads it, never waits (the event loop's)."""
+    return _tokenizers.get(model_dir)
+
+
 def load_tokenizer(model_dir: str):
     """The model's tokenizer, loaded once per model folder (from any thread)."""
     tokenizer = _tokenizers.get(model_dir)
@@ -182,3 +187,6 @@ def warm_up(model_dir: Path) -> None:
     """Load the tokenizer and run the chat template once, so the first real request pays for neither."""
     ids = encode_chat(model_dir, [{"role": "user", "content": "Hello"}], None)
     load_tokenizer(str(model_dir)).decode(ids[-4:], skip_special_tokens=True)
+    from swarm.leader.limits import longest_token_bytes
+
+    longest_token_bytes(str(model_dir))  # its vocabulary scan here in the worker thread, not on the first chat's loop

@@ -13,7 +13,6 @@ fit: refusing it is never wrong.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -44,16 +43,34 @@ def text_bytes(value: Any) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=32)
-def longest_token_bytes(model_dir: str) -> int:
-    """Bytes of the longest vocabulary entry of the model's tokenizer (see the module's note)."""
-    try:
-        from swarm.leader.chat_format import load_tokenizer
+_longest: dict[str, int] = {}  # model folder -> bytes of its longest vocabulary entry, once its tokenizer is loaded
 
-        vocab = load_tokenizer(model_dir).get_vocab()
-        return max((len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=FALLBACK_TOKEN_BYTES)
-    except Exception:  # no tokenizer files (a tiny test model) or an unreadable one: the safe upper bound
+
+def longest_token_bytes(model_dir: str) -> int:
+    """Bytes of the longest vocabulary entry of the model's tokenizer (see the module's note), or the fallback while
+    the tokenizer is not loaded yet.
+
+    It never loads the tokenizer itself: it runs on the leader's event loop, and loading there (importing
+    transformers, or waiting for the load-time warm-up that holds the loading lock while it imports them) blocked the
+    whole leader for 4-12 s at a model's first chat on a busy machine -- no heartbeat went out or was read, so every
+    fellow of the ring dropped the leader and rejoined (seen in the network lab). The fallback only makes this early
+    check looser; the tokenizer's count after encoding is exact. ``swarm.leader.chat_format.warm_up`` fills it in
+    from a worker thread."""
+    found = _longest.get(model_dir)
+    if found is not None:
+        return found
+    from swarm.leader.chat_format import loaded_tokenizer
+
+    tokenizer = loaded_tokenizer(model_dir)
+    if tokenizer is None:
         return FALLBACK_TOKEN_BYTES
+    try:
+        vocab = tokenizer.get_vocab()
+        found = max((len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=FALLBACK_TOKEN_BYTES)
+    except Exception:  # noqa: BLE001 - an unreadable vocabulary: the safe upper bound
+        found = FALLBACK_TOKEN_BYTES
+    _longest[model_dir] = found
+    return found
 
 
 def check_prompt_bytes(text: Any, model_dir: Path | str, pool_tokens: int) -> None:
