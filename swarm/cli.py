@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     mi = msub.add_parser("import", help="import a transformers folder, a .gguf file or smollm2-135m-instruct")
     mi.add_argument("source")
     mi.add_argument("--name")
+    mi.add_argument("--pool", default="default",
+                    help="the pool to import it into (default: default); there its id is NAME@POOL")
     mi.add_argument("--data-dir", type=Path, help="the leader's data dir")
     mi.add_argument("--replace", action="store_true",
                     help="replace a model of the same name (the old one stays if the import fails)")
@@ -120,7 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     aj.add_argument("--uses", type=int, default=1, help="how many fellows may join with it (default 1)")
     aj.add_argument("--ttl", type=_duration, default=24 * 3600.0,
                     help="how long it is valid: 3600, 30m, 24h or 7d (default 24h)")
+    aj.add_argument("--pool", default="default", help="the pool the fellow joins and serves (default: default)")
     _leader_options(aj)
+    for command, help_text, args in (
+            ("pools", "list the pools, their members, fellows and models", ()),
+            ("pool-create", "create a pool (fellows join it with a join token of --pool NAME)", ("pool",)),
+            ("pool-delete", "delete an empty pool (no fellows, no models)", ("pool",)),
+            ("pool-members", "list a pool's members", ("pool",)),
+            ("pool-member-add", "make a user a member of a pool: they see its models", ("pool", "user")),
+            ("pool-member-remove", "take a user out of a pool", ("pool", "user"))):
+        pp = asub.add_parser(command, help=help_text)
+        for arg in args:
+            pp.add_argument(arg, help="its name" if arg == "pool" else "their name or id")
+        _leader_options(pp)
     al = asub.add_parser("join-tokens", help="list the join tokens (their prefixes, expiry and uses left)")
     _leader_options(al)
     ar = asub.add_parser("revoke-join-token", help="revoke a join token: nobody joins with it any more")
@@ -188,7 +202,7 @@ def _dispatch(args) -> int | None:
 
         data_dir = args.data_dir or settings.data_dir or default_data_dir("leader")
         manifest = import_into_leader(args.source, data_dir, args.name, replace=args.replace, show_progress=True,
-                                      dtype=args.dtype)
+                                      dtype=args.dtype, pool=args.pool)
         print(f"Imported {manifest.name}: {manifest.architecture}, {manifest.num_layers} layers, "
               f"{manifest.total_bytes / 1e9:.2f} GB in {manifest.dtype}")
     elif args.command == "plan":
@@ -248,11 +262,13 @@ def _admin(client, args) -> None:
             enabled = client.put("/api/v1/settings/direct-links", {"enabled": args.state == "on"})["enabled"]
         print(f"Direct links: {'on' if enabled else 'off'}")
     elif command == "join-token":
-        made = client.post("/api/v1/join-tokens", {"uses": args.uses, "ttl_s": args.ttl})
+        made = client.post("/api/v1/join-tokens", {"uses": args.uses, "ttl_s": args.ttl, "pool": args.pool})
         hours = made["ttl_s"] / 3600
         print(made["token"])
-        print(f"(lets {made['uses']} fellow{'s' if made['uses'] != 1 else ''} join within {hours:g} h: "
-              "swarm join URL --token <it>)", file=sys.stderr)
+        print(f"(lets {made['uses']} fellow{'s' if made['uses'] != 1 else ''} join within {hours:g} h, into pool "
+              f"{made['pool']}: swarm join URL --token <it>)", file=sys.stderr)
+    elif command.startswith("pool"):
+        _pools(client, args)
     elif command == "join-tokens":
         now = time.time()
         for t in client.get("/api/v1/join-tokens")["join_tokens"]:
@@ -297,6 +313,36 @@ def _admin(client, args) -> None:
             raise SwarmError(f"the leader has no fellow {args.fellow!r}; `swarm admin fellows` lists them.")
         client.delete(f"/api/v1/fellows/{match[0]['id']}")
         print(f"Removed fellow {match[0]['name']} ({match[0]['id']}); its key is refused from now on")
+
+
+def _pools(client, args) -> None:
+    """`swarm admin pools`, `pool-create`, `pool-delete`, `pool-members`, `pool-member-add`, `pool-member-remove`."""
+    from urllib.parse import quote
+
+    command = args.admin_command
+    if command == "pools":
+        for p in client.get("/api/v1/pools")["pools"]:
+            members = ", ".join(m["name"] for m in p.get("members", [])) or "-"
+            fellows = ", ".join(f["name"] for f in p.get("fellows", [])) or "-"
+            print(f"{p['name']:20} members: {members}; fellows: {fellows}; models: {', '.join(p['models']) or '-'}")
+        return
+    pool = quote(args.pool, safe="")
+    if command == "pool-create":
+        made = client.post("/api/v1/pools", {"name": args.pool})["pool"]
+        print(f"Created pool {made['name']} ({made['path']}); add fellows with "
+              f"`swarm admin join-token --pool {made['name']}`, users with `swarm admin pool-member-add`")
+    elif command == "pool-delete":
+        client.delete(f"/api/v1/pools/{pool}")
+        print(f"Deleted pool {args.pool}")
+    elif command == "pool-member-add":
+        members = client.post(f"/api/v1/pools/{pool}/members", {"user": args.user})["members"]
+        print(f"Pool {args.pool}: {', '.join(m['name'] for m in members)}")
+    elif command == "pool-member-remove":
+        members = client.delete(f"/api/v1/pools/{pool}/members/{quote(args.user, safe='')}")["members"]
+        print(f"Pool {args.pool}: {', '.join(m['name'] for m in members) or 'no members'}")
+    else:
+        members = client.get(f"/api/v1/pools/{pool}/members")["members"]
+        print(f"Pool {args.pool}: {', '.join(m['name'] for m in members) or 'no members'}")
 
 
 def _plan(client, args) -> None:

@@ -5,30 +5,51 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from swarm.errors import ImportFailed
 from swarm.store.db import Store
-from swarm.store.importer import import_model
+from swarm.store.fleet import DEFAULT_POOL, check_pool_name, model_id
+from swarm.store.importer import BUILTIN_MODELS, _default_name, import_model
 from swarm.store.manifest import Manifest, load_manifest
 
 
 def import_into_leader(source: str, data_dir: Path, name: str | None = None, *, replace: bool = False,
-                       show_progress: bool = False, dtype: str = "auto") -> Manifest:
-    """Import SOURCE and list it in the catalogue -- only once its files are complete, so a failed or interrupted
-    import (a --replace included) leaves the catalogue as it was."""
+                       show_progress: bool = False, dtype: str = "auto", pool: str = DEFAULT_POOL) -> Manifest:
+    """Import SOURCE into ``pool`` and list it in the catalogue -- only once its files are complete, so a failed or
+    interrupted import (a --replace included) leaves the catalogue as it was. In a pool other than the default its
+    id (and folder) is NAME@POOL (swarm.store.fleet)."""
+    if pool != DEFAULT_POOL:
+        check_pool_name(pool)
+        _pool_id(data_dir, pool)  # refuses an unknown pool before anything is read
+        base = name or (source if source in BUILTIN_MODELS else _default_name(Path(source)))
+        if "@" in base:
+            raise ImportFailed(f"{base!r} cannot be a model name: use letters, digits, '.', '_' and '-' "
+                               "(--pool names the pool)")
+        name = model_id(base, pool)
     progress = _ProgressBar() if show_progress else None
     try:
         manifest = import_model(source, data_dir / "models", name, progress, replace=replace, dtype=dtype)
     finally:
         if progress is not None:
             progress.close()
-    register(data_dir, manifest)
+    register(data_dir, manifest, pool)
     return manifest
 
 
-def register(data_dir: Path, manifest: Manifest) -> None:
+def _pool_id(data_dir: Path, pool: str) -> int:
     store = Store(data_dir / "leader.db")
     try:
-        pools = store.list_pools()
-        pool_id = pools[0].id if pools else store.ensure_default_pool(None).id
+        if pool == DEFAULT_POOL:
+            return store.ensure_default_pool(None).id
+        return store.pool_by_name(pool).id
+    finally:
+        store.close()
+
+
+def register(data_dir: Path, manifest: Manifest, pool: str = DEFAULT_POOL) -> None:
+    """List an imported model (its folder is data_dir/models/<its id>) in ``pool``'s catalogue."""
+    pool_id = _pool_id(data_dir, pool)
+    store = Store(data_dir / "leader.db")
+    try:
         store.upsert_model(manifest.name, pool_id, manifest.to_json())
     finally:
         store.close()

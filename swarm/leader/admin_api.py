@@ -71,15 +71,88 @@ class AdminRoutes:
         ok = await trio.to_thread.run_sync(self.store.delete_user, user_id)
         return JSONResponse({"deleted": ok}, status_code=200 if ok else 404)
 
+    def _pool_view(self, pool, users: dict[int, str], admin: bool) -> dict:
+        view = {**as_dict(pool), "owner": users.get(pool.owner_user_id), "path": self.leader.pool_path(pool),
+                "models": [m.name for m in self.store.list_models({pool.id})]}
+        if admin:
+            view["members"] = [{"id": u.id, "name": u.name} for u in self.store.pool_members(pool.id)]
+            view["fellows"] = [{"id": f.id, "name": f.name} for f in self.store.list_fellows()
+                               if f.pool_id == pool.id]
+        return view
+
     @handles_errors
     async def pools(self, request: Request):
-        await self._admin(request)
+        """GET: the caller's pools (an admin's: every pool, with its members and fellows); POST {"name"}: an admin
+        creates a pool, owned by them."""
+        user = await current_user(request, self.store)
+        if request.method == "POST":
+            if not user.is_admin:
+                raise Forbidden("this needs an admin account.")
+            name = (await json_body(request)).get("name")
+            pool = await trio.to_thread.run_sync(self.store.create_pool, name, user.id)
+            view = await trio.to_thread.run_sync(self._pool_view, pool, {user.id: user.name}, True)
+            return JSONResponse({"pool": view}, status_code=201)
 
         def read():
             users = {u.id: u.name for u in self.store.list_users()}
-            return [{**as_dict(p), "owner": users.get(p.owner_user_id)} for p in self.store.list_pools()]
+            mine = self.store.visible_pool_ids(user)
+            return [self._pool_view(p, users, user.is_admin) for p in self.store.list_pools()
+                    if mine is None or p.id in mine]
 
         return JSONResponse({"pools": await trio.to_thread.run_sync(read)})
+
+    @handles_errors
+    async def pool_delete(self, request: Request):
+        await self._admin(request)
+
+        def delete():
+            return self.store.delete_pool(self.store.pool_by_name(request.path_params["pool"]).id)
+
+        pool = await trio.to_thread.run_sync(delete)
+        return JSONResponse({"deleted": True, "pool": as_dict(pool)})
+
+    @handles_errors
+    async def pool_members(self, request: Request):
+        """GET: a pool's members; POST {"user": name or id}: add one (they see its models from now on)."""
+        await self._admin(request)
+        name = request.path_params["pool"]
+        body = await json_body(request) if request.method == "POST" else {}
+
+        def change():
+            pool = self.store.pool_by_name(name)
+            if request.method == "POST":
+                self.store.add_pool_member(pool.id, self._user(body.get("user")).id)
+            return [as_dict(u) for u in self.store.pool_members(pool.id)]
+
+        members = await trio.to_thread.run_sync(change)
+        return JSONResponse({"pool": name, "members": members}, status_code=201 if request.method == "POST" else 200)
+
+    @handles_errors
+    async def pool_member_remove(self, request: Request):
+        await self._admin(request)
+        name = request.path_params["pool"]
+
+        def change():
+            pool = self.store.pool_by_name(name)
+            user = self._user(request.path_params["user"])
+            if not self.store.remove_pool_member(pool.id, user.id):
+                raise BadRequest(f"{user.name} is not a member of pool {name!r}.", "not_a_member")
+            return [as_dict(u) for u in self.store.pool_members(pool.id)]
+
+        return JSONResponse({"pool": name, "members": await trio.to_thread.run_sync(change)})
+
+    def _user(self, ref):
+        """The user a request names, by id or by name (blocks); BadRequest naming what was asked."""
+        user = None
+        if isinstance(ref, int) and not isinstance(ref, bool):
+            user = self.store.get_user(ref)
+        elif isinstance(ref, str) and ref.strip():
+            user = self.store.get_user_by_name(ref)
+            if user is None and ref.isdigit():
+                user = self.store.get_user(int(ref))
+        if user is None:
+            raise BadRequest(f"there is no user {ref!r}; `GET /api/v1/users` lists them.", "unknown_user")
+        return user
 
     @handles_errors
     async def direct_links(self, request: Request):
@@ -132,7 +205,10 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/api/v1/users", admin.users, methods=["GET", "POST"]),
         Route("/api/v1/users/{user_id:int}", admin.user_delete, methods=["DELETE"]),
         Route("/api/v1/users/{user_id:int}/password", admin.user_password, methods=["PUT"]),
-        Route("/api/v1/pools", admin.pools),
+        Route("/api/v1/pools", admin.pools, methods=["GET", "POST"]),
+        Route("/api/v1/pools/{pool}", admin.pool_delete, methods=["DELETE"]),
+        Route("/api/v1/pools/{pool}/members", admin.pool_members, methods=["GET", "POST"]),
+        Route("/api/v1/pools/{pool}/members/{user}", admin.pool_member_remove, methods=["DELETE"]),
         Route("/api/v1/settings/direct-links", admin.direct_links, methods=["GET", "PUT"]),
         Route("/api/v1/settings/hot-cover", admin.hot_cover, methods=["GET", "PUT"]),
         Route("/api/v1/fellows/{fellow_id:int}", admin.fellow_update, methods=["PUT"]),

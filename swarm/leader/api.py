@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from swarm import __version__
-from swarm.errors import AuthError, BadRequest, Forbidden, ModelNotFound, PlacementError
+from swarm.errors import AuthError, BadRequest, Forbidden, PlacementError, PoolNotFound
 from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
@@ -18,7 +18,7 @@ from swarm.leader.performance import parse_range, performance_view
 from swarm.leader.planner import plan_model
 from swarm.leader.signin import MAX_PASSWORD_CHARS, check_password_rule
 from swarm.quantization import check_kind
-from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
+from swarm.store.fleet import DEFAULT_POOL, JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES, check_join_token_limits
 from swarm.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class ApiRoutes:
         user = await trio.to_thread.run_sync(self.store.use_login_link, token) if token else None
         if user is None:
             return RedirectResponse("/login?expired=1", status_code=303)
-        return await self._signed_in(request, user, RedirectResponse(await self.leader.home_path(), status_code=303))
+        return await self._signed_in(request, user, RedirectResponse(await self.leader.home_path(user), status_code=303))
 
     @handles_errors
     async def logout(self, request: Request):
@@ -152,7 +152,7 @@ class ApiRoutes:
         if session and not request.headers.get("authorization"):
             found = await trio.to_thread.run_sync(self.store.session_user, session)
             csrf = found[1] if found else None
-        return JSONResponse({"user": as_dict(user), "csrf": csrf, "home": await self.leader.home_path()})
+        return JSONResponse({"user": as_dict(user), "csrf": csrf, "home": await self.leader.home_path(user)})
 
     # --- API tokens -----------------------------------------------------------------------------------------------
 
@@ -177,11 +177,13 @@ class ApiRoutes:
 
     # --- models ---------------------------------------------------------------------------------------------------
 
-    def _model_view(self, row) -> dict:
+    def _model_view(self, row, pools: dict[int, str] | None = None) -> dict:
         manifest = row.manifest
         serving = self.leader.serving.models.get(row.name)
         view = {
             "id": row.name,
+            "name": row.base_name,
+            "pool": (pools or {}).get(row.pool_id) or self._pool_name(row.pool_id),
             "architecture": manifest.get("architecture"),
             "num_layers": manifest.get("num_layers"),
             "dtype": manifest.get("dtype"),
@@ -195,37 +197,55 @@ class ApiRoutes:
             view.update(serving.describe())
         return view
 
+    def _pool_name(self, pool_id: int) -> str | None:
+        pool = self.store.get_pool(pool_id)
+        return pool.name if pool else None
+
     @handles_errors
     async def models(self, request: Request):
-        await current_user(request, self.store)
-        rows = await trio.to_thread.run_sync(self.store.list_models)
-        return JSONResponse({"models": [self._model_view(r) for r in rows]})
+        """The models of the caller's pools (an admin's: every pool's), or of the one ``?pool=NAME`` names."""
+        user = await current_user(request, self.store)
+        asked = request.query_params.get("pool")
 
-    async def _model_row(self, name: str):
-        row = await trio.to_thread.run_sync(self.store.get_model, name)
-        if row is None:
-            raise ModelNotFound(f"model {name!r} is not in the catalogue; import it with `swarm model import`.")
-        return row
+        def read():
+            visible = self.store.visible_pool_ids(user)
+            names = {p.id: p.name for p in self.store.list_pools()}
+            pool_ids = visible
+            if asked:
+                pool = self.store.pool_by_name(asked)
+                if visible is not None and pool.id not in visible:
+                    raise PoolNotFound(f"you are not a member of pool {asked!r}; ask an admin to add you "
+                                       f"(swarm admin pool-member-add {asked} {user.name}).")
+                pool_ids = {pool.id}
+            return self.store.list_models(pool_ids), names
+
+        rows, names = await trio.to_thread.run_sync(read)
+        return JSONResponse({"models": [self._model_view(r, names) for r in rows]})
+
+    async def _model_row(self, name: str, user):
+        """The model ``name`` names among ``user``'s pools (swarm.store.fleet: its id, or a bare name only one of
+        them has); ModelNotFound for one outside them, as for one that does not exist."""
+        return await trio.to_thread.run_sync(
+            lambda: self.store.resolve_model(name, self.store.visible_pool_ids(user)))
 
     @handles_errors
     async def model(self, request: Request):
-        await current_user(request, self.store)
-        return JSONResponse(self._model_view(await self._model_row(request.path_params["model_id"])))
+        user = await current_user(request, self.store)
+        row = await self._model_row(request.path_params["model_id"], user)
+        return JSONResponse(await trio.to_thread.run_sync(self._model_view, row))
 
     @handles_errors
     async def model_performance(self, request: Request):
-        await current_user(request, self.store)
-        name = request.path_params["model_id"]
+        user = await current_user(request, self.store)
         range_ = parse_range(request.query_params.get("range"))
-        await self._model_row(name)
+        name = (await self._model_row(request.path_params["model_id"], user)).name
         return JSONResponse(await performance_view(self.leader, name, range_))
 
     @handles_errors
     async def model_plan(self, request: Request):
         """What a load would give on the pool now: decode tokens/s, time to first token, the bottleneck."""
-        await current_user(request, self.store)
-        name = request.path_params["model_id"]
-        await self._model_row(name)
+        user = await current_user(request, self.store)
+        name = (await self._model_row(request.path_params["model_id"], user)).name
         raw = request.query_params.get("num_stages")
         num_stages = None
         if raw is not None:
@@ -236,9 +256,8 @@ class ApiRoutes:
 
     @handles_errors
     async def model_load(self, request: Request):
-        await current_user(request, self.store)
-        name = request.path_params["model_id"]
-        await self._model_row(name)
+        user = await current_user(request, self.store)
+        name = (await self._model_row(request.path_params["model_id"], user)).name
         body = await self._json(request) if await request.body() else {}
         num_stages, fellow_id = body.get("num_stages"), body.get("fellow_id")
         for key, value in (("num_stages", num_stages), ("fellow_id", fellow_id)):
@@ -252,13 +271,13 @@ class ApiRoutes:
         serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization)
         if serving.status == "failed":
             raise PlacementError(serving.error or "the load failed")
-        return JSONResponse(self._model_view(await self._model_row(name)), status_code=202)
+        row = await self._model_row(name, user)
+        return JSONResponse(await trio.to_thread.run_sync(self._model_view, row), status_code=202)
 
     @handles_errors
     async def model_unload(self, request: Request):
         user = await current_user(request, self.store)
-        name = request.path_params["model_id"]
-        await self._model_row(name)
+        name = (await self._model_row(request.path_params["model_id"], user)).name
         # The rule (README, "Who may do what"): anyone signed in may load a model and unload one nobody else is
         # using; unloading a model in the middle of another user's reply needs an admin.
         if not user.is_admin:
@@ -339,12 +358,14 @@ class ApiRoutes:
     async def fellows(self, request: Request):
         await self._admin(request)
         rows = await trio.to_thread.run_sync(self.store.list_fellows)
+        pools = {p.id: p.name for p in await trio.to_thread.run_sync(self.store.list_pools)}
         online = self.leader.hub.online
         checks = await self.leader.hub.checks(list(online.values()))  # what each can hold (early checks)
         out = []
         for row in rows:
             view = online[row.id].summary() if row.id in online else {**as_dict(row), "state": "offline"}
             view["stages"] = self.leader.serving.models_on_fellow(row.id)
+            view["pool"] = pools.get(row.pool_id)
             view["checks"] = checks.get(row.id)
             out.append(view)
         return JSONResponse({"fellows": out, "leader": {"version": __version__, "protocol": PROTOCOL_VERSION}})
@@ -355,11 +376,18 @@ class ApiRoutes:
         if request.method == "POST":
             body = await self._json(request) if await request.body() else {}
             ttl_s, uses = body.get("ttl_s", JOIN_TOKEN_TTL_S), body.get("uses", JOIN_TOKEN_USES)
+            pool = body.get("pool", DEFAULT_POOL)
+            if not isinstance(pool, str):
+                raise BadRequest("pool must be a pool's name, e.g. \"default\".", "invalid_pool")
             check_join_token_limits(ttl_s, uses)
-            token = await self.leader.new_join_token(ttl_s, uses)
-            return JSONResponse({"token": token, "uses": uses, "ttl_s": ttl_s}, status_code=201)
-        tokens = await trio.to_thread.run_sync(self.store.list_join_tokens)
-        return JSONResponse({"join_tokens": [as_dict(t) for t in tokens]})
+            token = await self.leader.new_join_token(ttl_s, uses, pool)
+            return JSONResponse({"token": token, "uses": uses, "ttl_s": ttl_s, "pool": pool}, status_code=201)
+
+        def read():
+            names = {p.id: p.name for p in self.store.list_pools()}
+            return [{**as_dict(t), "pool": names.get(t.pool_id)} for t in self.store.list_join_tokens()]
+
+        return JSONResponse({"join_tokens": await trio.to_thread.run_sync(read)})
 
     @handles_errors
     async def join_token_revoke(self, request: Request):

@@ -38,7 +38,7 @@ from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, Bo
 from swarm.leader.mcp_tools import McpEndpoint
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.store.db import Store
-from swarm.store.fleet import JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
+from swarm.store.fleet import DEFAULT_POOL, JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
 from swarm.tunnel.noise import MAX_FRAME
@@ -103,16 +103,28 @@ class Leader:
             return 2 * self.store.max_chat_bytes + CHAT_BODY_MARGIN  # a whole chat, every character escaped
         return DEFAULT_BODY
 
-    async def new_join_token(self, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES) -> str:
-        pools = await trio.to_thread.run_sync(self.store.list_pools)
-        secret = await trio.to_thread.run_sync(self.store.create_join_token, pools[0].id, ttl_s, uses)
+    async def new_join_token(self, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES,
+                             pool: str = DEFAULT_POOL) -> str:
+        """A join token that lets ``uses`` fellows into ``pool`` (PoolNotFound when there is none of that name)."""
+        found = await trio.to_thread.run_sync(self.store.pool_by_name, pool)
+        secret = await trio.to_thread.run_sync(self.store.create_join_token, found.id, ttl_s, uses)
         return make_join_token(self.public, secret, self.cert_pin)
 
-    async def home_path(self) -> str:
-        pools = await trio.to_thread.run_sync(self.store.list_pools)
-        pool = pools[0]
-        owner = await trio.to_thread.run_sync(self.store.get_user, pool.owner_user_id) if pool.owner_user_id else None
+    def pool_path(self, pool) -> str:
+        """The chat page of ``pool``: /pools/{owner}/{pool}/inference (blocks: call it in a thread)."""
+        owner = self.store.get_user(pool.owner_user_id) if pool.owner_user_id else None
         return f"/pools/{owner.name if owner else 'admin'}/{pool.name}/inference"
+
+    async def home_path(self, user=None) -> str:
+        """The page a user lands on: their only pool's, else every pool of theirs (/inference)."""
+        def pick():
+            pools = self.store.list_pools()
+            if user is not None and not user.is_admin:
+                mine = self.store.member_pool_ids(user.id)
+                pools = [p for p in pools if p.id in mine]
+            return self.pool_path(pools[0]) if len(pools) == 1 else "/inference"
+
+        return await trio.to_thread.run_sync(pick)
 
     def _build_app(self) -> Starlette:
         api = ApiRoutes(self)
@@ -141,10 +153,10 @@ class Leader:
 
         async def home(request: Request):
             try:
-                await current_user(request, self.store)
+                user = await current_user(request, self.store)
             except AuthError:
                 return RedirectResponse("/login", status_code=303)
-            return RedirectResponse(await self.home_path(), status_code=303)
+            return RedirectResponse(await self.home_path(user), status_code=303)
 
         async def login_page(request: Request):
             return FileResponse(WEB_DIR / "login.html")
@@ -156,6 +168,7 @@ class Leader:
             Route("/", home),
             Route("/login", login_page),
             Route("/pools/{owner}/{pool}/inference", page),
+            Route("/inference", page),  # every pool of the user's ("All your pools")
             Route("/auth/link", api.login_link),
             Route("/mcp", self.mcp, methods=["GET", "POST", "DELETE"]),
             Route("/v1/models", oai.models),

@@ -51,6 +51,7 @@ class CompletionRoutes:
             body = await json_body(request)
             stream = body.get("stream") is True
             params = parse_completion_body(body, self.leader.settings.max_tokens_limit)
+            params.model = await self.routes.resolve(params.model, user)
             manifest, model_dir = await self.routes.model(params.model)
             vocab = int(manifest.get("vocab_size") or 0)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(model_dir))

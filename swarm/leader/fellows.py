@@ -199,13 +199,13 @@ class FellowHub:
         from swarm.leader.fit_checks import fit_report
 
         models = await trio.to_thread.run_sync(self.store.list_models)
-        catalogue = [(name, manifest) for name, manifest in ((m.name, m.manifest) for m in models)
-                     if isinstance(manifest, dict)]
+        catalogue = [(m.pool_id, m.name, m.manifest) for m in models if isinstance(m.manifest, dict)]
         settings = self.serving.settings
         out = {}
         for conn in conns:
+            mine = [(name, manifest) for pool_id, name, manifest in catalogue if pool_id == conn.pool_id]
             try:
-                out[conn.id] = fit_report(conn.hardware, conn.disk_free_bytes, catalogue, device=settings.device,
+                out[conn.id] = fit_report(conn.hardware, conn.disk_free_bytes, mine, device=settings.device,
                                           context_tokens=settings.serve_context_tokens)
             except (KeyError, TypeError, ValueError) as exc:  # a manifest of an older format: say so, not fail
                 out[conn.id] = {"text": f"the early checks could not read the catalogue: {exc}", "models": []}

@@ -82,7 +82,8 @@ def build_server(leader) -> MCPServer:
             raise ToolError(f"{message} (HTTP {response.status_code})")
         return data
 
-    @server.tool(description="The models in the catalogue, each with its status (not_loaded, loading, ready, "
+    @server.tool(description="The models of your pools (an admin's: every pool's), each with its id (its name, or "
+                             "NAME@POOL outside the default pool), its pool, its status (not_loaded, loading, ready, "
                              "recovering, failed) and where its stages run.")
     async def models_list() -> list[dict]:
         return (await call("GET", "/api/v1/models"))["models"]

@@ -44,9 +44,11 @@ class OpenAIRoutes:
         self.leader = leader
 
     async def models(self, request: HttpRequest):
+        """The models of the caller's pools (an admin's: every pool's)."""
         try:
-            await current_user(request, self.leader.store)
-            rows = await trio.to_thread.run_sync(self.leader.store.list_models)
+            user = await current_user(request, self.leader.store)
+            store = self.leader.store
+            rows = await trio.to_thread.run_sync(lambda: store.list_models(store.visible_pool_ids(user)))
         except Exception as exc:
             return openai_error(exc)
         data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": "swarm",
@@ -61,6 +63,7 @@ class OpenAIRoutes:
             body = await json_body(request)
             stream = body.get("stream") is True
             params = parse_chat_body(body, self.leader.settings.max_tokens_limit)
+            params.model = await self.resolve(params.model, user)
             inside, tool_family = await self._submit(params, user.id, ring_requests)
             for ring_request in ring_requests:
                 await self.leader.serving.wait_started(ring_request, request.receive)  # 503 if it waits too long
@@ -134,6 +137,12 @@ class OpenAIRoutes:
         await self.send(params.model, prompt, params.max_tokens, params.sampling, params, owner, out,
                         thinking=params.thinking is not False)
         return inside, family
+
+    async def resolve(self, name: str, user) -> str:
+        """The id of the model ``name`` names among ``user``'s pools (swarm.store.fleet.FleetMixin.resolve_model):
+        a model of another pool is a 404, as one that does not exist."""
+        store = self.leader.store
+        return (await trio.to_thread.run_sync(lambda: store.resolve_model(name, store.visible_pool_ids(user)))).name
 
     async def model(self, name: str) -> tuple[dict, Path]:
         """The manifest and folder of a model that is served (or comes back for a request)."""

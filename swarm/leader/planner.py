@@ -166,9 +166,10 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     """The prediction for loading ``name`` on the pool now over ``num_stages`` (None: as a load would choose):
     ModelNotFound for a model not in the catalogue, PlacementError when nothing fits or a fellow of the placement
     has not reported its speed. ``serving``: the leader's swarm.leader.serving.ServingHub."""
-    manifest = await serving.manifest(name)
+    row = await serving.model_row(name)
+    manifest = row.manifest
     kind = serving.quantization_of.get(name, "none")
-    plans, size, kind, fellows, _ = serving.placement(name, manifest, num_stages, None, kind)
+    plans, size, kind, fellows, _ = serving.placement(name, manifest, num_stages, None, kind, row.pool_id)
     speeds = {}
     for fellow in fellows:
         try:

@@ -247,6 +247,8 @@ class Recovery:
         serving = self.serving
         out = []
         for conn in serving.hub.online.values():
+            if not model.takes(conn):  # another pool's fellow never takes this model's stage
+                continue
             serves = any(s.plan.fellow_id == conn.id and not (m is model and s.plan.index == index)
                          for m in serving.models.values() for s in m.stages)
             covering = any(s.cover == conn.id for m in serving.models.values() for s in m.stages)
@@ -326,7 +328,7 @@ class Recovery:
             if not isinstance(summary, dict):
                 continue
             model = self.serving.models.get(summary.get("model"))
-            if model is None or model.load_id != summary.get("load_id"):
+            if model is None or model.load_id != summary.get("load_id") or not model.takes(conn):
                 continue
             index = summary.get("index")
             slot = model.stages[index] if isinstance(index, int) and 0 <= index < len(model.stages) else None
@@ -351,7 +353,8 @@ class Recovery:
         records = await trio.to_thread.run_sync(serving.store.list_serving)
         for name, load_id, plans in records:
             try:
-                manifest = await serving.manifest(name)
+                row = await serving.model_row(name)
+                manifest = row.manifest
                 config = await trio.to_thread.run_sync(
                     lambda: json.loads((serving.models_root / name / "config.json").read_text()))
                 stages = [StageState(StagePlan(**{k: v for k, v in p.items() if k not in ("free_bytes", "quantization")}),
@@ -366,7 +369,8 @@ class Recovery:
             model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
                                  recovering_since=trio.current_time(), size=model_size(manifest, cpu, kind),
                                  quantization=kind, full_weight_bytes=full_weight_bytes(manifest, cpu,
-                                                                                        [s.plan for s in stages]))
+                                                                                        [s.plan for s in stages]),
+                                 pool_id=row.pool_id)
             serving.models[name] = model
             serving.quantization_of[name] = kind
             log.info("%s was serving before the restart: waiting for its fellows", name)

@@ -64,19 +64,29 @@ class Serving:
         return serving.status if serving else "not_loaded"
 
     async def manifest(self, name: str) -> dict:
+        return (await self.model_row(name)).manifest
+
+    async def model_row(self, name: str):
+        """The catalogue's record of model ``name`` (its id): its manifest and its pool."""
         row = await trio.to_thread.run_sync(self.store.get_model, name)
         if row is None:
             raise ModelNotFound(f"model {name!r} is not in the catalogue. Import it with `swarm model import`.")
-        return row.manifest
+        return row
 
     # --- load / unload --------------------------------------------------------------------------------------------
 
-    def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str):
+    def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str,
+                  pool_id: int | None = None):
         """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now (swarm.leader.placement.place): the
         plans, the model's sizes, the quantization kind, the fellows it chose from and their capacities. Raises
         PlacementError when nothing fits. The load and the planner (swarm.leader.planner) both use it."""
-        # standbys wait for failovers, unless one is asked for by name
-        fellows = [f for f in self.hub.online.values() if not f.standby or f.id == fellow_id]
+        # only the model's pool's fellows (swarm.store.fleet); standbys wait for failovers, unless one is asked for
+        if pool_id is not None and fellow_id is not None and fellow_id in self.hub.online and \
+                self.hub.online[fellow_id].pool_id != pool_id:
+            raise PlacementError(f"fellow {self.hub.online[fellow_id].name} is in another pool than {name}; a model "
+                                 "loads over its own pool's fellows only.")
+        fellows = [f for f in self.hub.online.values() if (not f.standby or f.id == fellow_id)
+                   and (pool_id is None or f.pool_id == pool_id)]
         # A fellow on another wire protocol is never sent a message it cannot read: the load goes without it, or is
         # refused naming it when it was asked for or nothing fits without it.
         outdated = [f for f in fellows if not f.compatible]
@@ -107,7 +117,8 @@ class Serving:
         """Place ``name`` and send each fellow its stage. ``quantization`` (swarm.quantization.KINDS; None: as it
         was last loaded, else none) is how the stages hold their weights; a load asked at another kind than the one
         serving starts over at that kind."""
-        manifest = await self.manifest(name)
+        row = await self.model_row(name)
+        manifest = row.manifest
         current = self.models.get(name)
         if current is not None and current.status in ("loading", "ready", "recovering"):
             asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
@@ -119,14 +130,15 @@ class Serving:
             # start over as asked
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
-        plans, size, kind, fellows, capacities = self.placement(name, manifest, num_stages, fellow_id, asked)
+        plans, size, kind, fellows, capacities = self.placement(name, manifest, num_stages, fellow_id, asked,
+                                                                row.pool_id)
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
                                                                   for p in plans],
                                manifest=manifest, config=config, size=size, quantization=kind,
-                               full_weight_bytes=full_weight_bytes(manifest, cpu, plans))
+                               full_weight_bytes=full_weight_bytes(manifest, cpu, plans), pool_id=row.pool_id)
         self.models[name] = serving
         self.quantization_of[name] = asked
         self.reload_on_request.discard(name)

@@ -61,6 +61,10 @@ class AccountsMixin(StoreCore):
                 (name, password_hash, int(is_admin), self._now()),
             )
             user_id = cur.lastrowid
+            # A new user is a member of the default pool (as every user was before pools); an admin can take them
+            # out of it and into others.
+            db.execute("INSERT INTO pool_members (pool_id, user_id, added_at) SELECT id, ?, ? FROM pools "
+                       "WHERE name = 'default'", (user_id, self._now()))
         user = self.get_user(user_id)
         assert user is not None
         return user
@@ -210,3 +214,34 @@ class AccountsMixin(StoreCore):
         with self._tx() as db:
             cur = db.execute("DELETE FROM api_tokens WHERE id = ? AND user_id = ?", (token_id, user_id))
             return cur.rowcount > 0
+
+    # --- pool membership ---------------------------------------------------------------------------------------------
+
+    def add_pool_member(self, pool_id: int, user_id: int) -> bool:
+        """Make ``user_id`` a member of ``pool_id``; False when they already were."""
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM pool_members WHERE pool_id = ? AND user_id = ?",
+                          (pool_id, user_id)).fetchone():
+                return False
+            db.execute("INSERT INTO pool_members (pool_id, user_id, added_at) VALUES (?, ?, ?)",
+                       (pool_id, user_id, self._now()))
+        return True
+
+    def remove_pool_member(self, pool_id: int, user_id: int) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM pool_members WHERE pool_id = ? AND user_id = ?",
+                              (pool_id, user_id)).rowcount > 0
+
+    def pool_members(self, pool_id: int) -> list[User]:
+        rows = self._all("SELECT users.* FROM pool_members JOIN users ON users.id = pool_members.user_id "
+                         "WHERE pool_members.pool_id = ? ORDER BY users.id", (pool_id,))
+        return [self._user(r) for r in rows]
+
+    def member_pool_ids(self, user_id: int) -> set[int]:
+        """The pools ``user_id`` is a member of."""
+        return {int(r["pool_id"]) for r in self._all("SELECT pool_id FROM pool_members WHERE user_id = ?",
+                                                     (user_id,))}
+
+    def visible_pool_ids(self, user: User) -> set[int] | None:
+        """The pools whose models ``user`` sees: their own, or every pool (None) for an admin."""
+        return None if user.is_admin else self.member_pool_ids(user.id)

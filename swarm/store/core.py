@@ -151,6 +151,26 @@ MIGRATIONS: list[str] = [
     CREATE INDEX serving_history_model_ended ON serving_history(model, ended_at);
     CREATE INDEX serving_history_ended ON serving_history(ended_at);
     """,
+    # Pools (issue 14): a leader hosts several, named uniquely; users are members of pools. Everything that was there
+    # before -- every user, fellow, model and join token -- is in the default pool.
+    """
+    CREATE UNIQUE INDEX pools_name ON pools(name);
+    CREATE TABLE pool_members (
+        pool_id INTEGER NOT NULL REFERENCES pools(id) ON DELETE CASCADE,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        added_at REAL NOT NULL,
+        PRIMARY KEY (pool_id, user_id)
+    );
+    CREATE INDEX pool_members_user ON pool_members(user_id);
+    INSERT INTO pool_members (pool_id, user_id, added_at)
+        SELECT pools.id, users.id, users.created_at FROM pools, users WHERE pools.name = 'default';
+    UPDATE fellows SET pool_id = (SELECT id FROM pools WHERE name = 'default')
+        WHERE EXISTS (SELECT 1 FROM pools WHERE name = 'default');
+    UPDATE models SET pool_id = (SELECT id FROM pools WHERE name = 'default')
+        WHERE EXISTS (SELECT 1 FROM pools WHERE name = 'default');
+    UPDATE join_tokens SET pool_id = (SELECT id FROM pools WHERE name = 'default')
+        WHERE EXISTS (SELECT 1 FROM pools WHERE name = 'default');
+    """,
 ]
 
 

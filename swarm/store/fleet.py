@@ -1,17 +1,26 @@
-"""The fleet: pools, join tokens, fellows (their public keys and node credentials) and the model catalogue."""
+"""The fleet: pools, join tokens, fellows (their public keys and node credentials) and the model catalogue.
+
+A leader hosts several pools. A fellow serves only the pool its join token named; a model is imported into one pool
+and loads over that pool's fellows. A model's id -- the OpenAI ``model`` field, the key of everything the leader
+keeps about it -- is its name in the default pool and ``NAME@POOL`` in any other, so the same name may be in two
+pools and a leader with one pool never sees an ``@``. The API also takes a bare NAME when just one of the caller's
+pools has a model of that name (:meth:`FleetMixin.resolve_model`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sqlite3
 import time
 from typing import Any
 
-from swarm.errors import AuthError, BadRequest
+from swarm.errors import AuthError, BadRequest, ModelNotFound, PoolNotFound
 from swarm.store.core import StoreCore, new_secret, sha256_hex
 
 DEFAULT_POOL = "default"
+POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 # A join token lets one fellow in, within a day, unless its admin asks for more (`swarm admin join-token --uses N
 # --ttl T`): a token that leaks from a chat log or a screenshot is worth little. Upper bounds keep a typo from
@@ -64,6 +73,23 @@ class Model:
     def manifest(self) -> Any:
         return json.loads(self.manifest_json)
 
+    @property
+    def base_name(self) -> str:
+        """The name it was imported as, without its pool: ``qwen`` of ``qwen@lab``."""
+        return self.name.split("@", 1)[0]
+
+
+def model_id(name: str, pool: str) -> str:
+    """A model's id: its name in the default pool, NAME@POOL in any other."""
+    return name if pool == DEFAULT_POOL else f"{name}@{pool}"
+
+
+def check_pool_name(name: str) -> str:
+    if not isinstance(name, str) or not POOL_NAME_RE.match(name):
+        raise BadRequest(f"{name!r} cannot be a pool name: use letters, digits, '.', '_' and '-' (up to 64), "
+                         "starting with a letter or digit, e.g. family or lab-2.", "invalid_pool_name")
+    return name
+
 
 def check_join_token_limits(ttl_s: float, uses: int) -> None:
     """BadRequest unless a join token of ``uses`` uses that lives ``ttl_s`` seconds is one we mint."""
@@ -92,6 +118,9 @@ class FleetMixin(StoreCore):
                     (owner_id, DEFAULT_POOL, self._now()),
                 )
                 row = db.execute("SELECT * FROM pools WHERE id = ?", (cur.lastrowid,)).fetchone()
+                # everyone there is (the first admin, usually) is in it, as every user was before pools
+                db.execute("INSERT INTO pool_members (pool_id, user_id, added_at) SELECT ?, id, ? FROM users",
+                           (row["id"], self._now()))
         return self._pool(row)
 
     def get_pool(self, pool_id: int) -> Pool | None:
@@ -100,6 +129,45 @@ class FleetMixin(StoreCore):
 
     def list_pools(self) -> list[Pool]:
         return [self._pool(r) for r in self._all("SELECT * FROM pools ORDER BY id")]
+
+    def pool_by_name(self, name: str) -> Pool:
+        """The pool called ``name``; PoolNotFound naming the pools there are."""
+        row = self._one("SELECT * FROM pools WHERE name = ?", (name,))
+        if row is None:
+            known = ", ".join(p.name for p in self.list_pools()) or "none"
+            raise PoolNotFound(f"there is no pool {name!r} on this leader (pools: {known}); an admin creates one "
+                               "with `swarm admin pool-create NAME` or on the admin page.")
+        return self._pool(row)
+
+    def create_pool(self, name: str, owner_id: int | None) -> Pool:
+        """A new, empty pool; BadRequest when the name is not one or is taken."""
+        check_pool_name(name)
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM pools WHERE name = ?", (name,)).fetchone():
+                raise BadRequest(f"a pool named {name!r} already exists; pick another name.", "pool_exists")
+            cur = db.execute("INSERT INTO pools (owner_user_id, name, created_at) VALUES (?, ?, ?)",
+                             (owner_id, name, self._now()))
+            row = db.execute("SELECT * FROM pools WHERE id = ?", (cur.lastrowid,)).fetchone()
+        return self._pool(row)
+
+    def delete_pool(self, pool_id: int) -> Pool:
+        """Delete an empty pool with its join tokens and memberships. The default pool stays, and a pool that still
+        has fellows or models is refused (BadRequest saying what is left): nothing goes by accident."""
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM pools WHERE id = ?", (pool_id,)).fetchone()
+            if row is None:
+                raise PoolNotFound(f"there is no pool {pool_id} on this leader.")
+            if row["name"] == DEFAULT_POOL:
+                raise BadRequest("the default pool cannot be deleted.", "default_pool")
+            fellows = db.execute("SELECT COUNT(*) AS n FROM fellows WHERE pool_id = ?", (pool_id,)).fetchone()["n"]
+            models = db.execute("SELECT COUNT(*) AS n FROM models WHERE pool_id = ?", (pool_id,)).fetchone()["n"]
+            if fellows or models:
+                raise BadRequest(
+                    f"pool {row['name']!r} still has {fellows} fellow{'s' if fellows != 1 else ''} and {models} "
+                    f"model{'s' if models != 1 else ''}; remove them first (swarm admin remove-fellow ID; "
+                    "a model goes with its folder under the data dir).", "pool_not_empty")
+            db.execute("DELETE FROM pools WHERE id = ?", (pool_id,))
+        return self._pool(row)
 
     def create_join_token(self, pool_id: int, ttl_s: float = JOIN_TOKEN_TTL_S, uses: int = JOIN_TOKEN_USES) -> str:
         """A token that lets ``uses`` fellows join ``pool_id`` within ``ttl_s`` seconds (default: one, in 24 h)."""
@@ -269,8 +337,28 @@ class FleetMixin(StoreCore):
         row = self._one("SELECT * FROM models WHERE name = ?", (name,))
         return self._model(row) if row else None
 
-    def list_models(self) -> list[Model]:
-        return [self._model(r) for r in self._all("SELECT * FROM models ORDER BY name")]
+    def list_models(self, pool_ids: set[int] | None = None) -> list[Model]:
+        """The catalogue, or the models of ``pool_ids``."""
+        models = [self._model(r) for r in self._all("SELECT * FROM models ORDER BY name")]
+        return models if pool_ids is None else [m for m in models if m.pool_id in pool_ids]
+
+    def resolve_model(self, name: str, pool_ids: set[int] | None) -> Model:
+        """The model ``name`` names among the pools ``pool_ids`` (None: every pool): its id, or a bare name that
+        only one of those pools has. ModelNotFound in the OpenAI API's words otherwise (a model of a pool the caller
+        is not in reads as one that does not exist); BadRequest when the bare name is in several of them."""
+        if isinstance(name, str):
+            row = self._one("SELECT * FROM models WHERE name = ?", (name,))
+            if row is not None and (pool_ids is None or row["pool_id"] in pool_ids):
+                return self._model(row)
+            same = [m for m in self.list_models(pool_ids) if m.base_name == name]
+            if len(same) == 1:
+                return same[0]
+            if same:
+                raise BadRequest(f"model {name!r} is in several of your pools: name one of "
+                                 f"{', '.join(m.name for m in same)}.", "ambiguous_model")
+        raise ModelNotFound(f"The model {name!r} does not exist or you do not have access to it: it is in none of "
+                            "your pools. GET /v1/models lists yours; an admin adds you to a pool with "
+                            "`swarm admin pool-member-add POOL USER`, or imports a model with `swarm model import`.")
 
     def delete_model(self, name: str) -> bool:
         with self._tx() as db:

@@ -57,7 +57,8 @@ BUILTIN_MODELS = {
 }
 DEFAULT_BUILTIN = "smollm2-135m-instruct"
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# a name, and @POOL for a model imported into a pool other than the default (swarm.store.fleet.model_id)
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(?:@[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$")
 _LAYER_KEY_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
