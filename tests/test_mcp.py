@@ -19,8 +19,11 @@ from harness import running_swarm
 pytestmark = pytest.mark.e2e
 
 QUESTION = "Name three colours."
-TOOLS = {"models_list", "models_load", "models_unload", "models_performance", "chat", "chats_list", "chats_get",
-         "chats_rename", "chats_delete"}
+TOOLS = {"models_list", "models_load", "models_unload", "models_performance", "models_plan", "chat", "chats_list",
+         "chats_get", "chats_rename", "chats_delete"}
+# A made-up speed for each fellow (they run with SWARM_CALIBRATE=0 here): 1 ms + 1e-7 ms/byte a decode step.
+CALIBRATION = {"prefill_tokens": 256, "points": [{"weight_bytes": 1_000_000, "decode_ms": 1.1, "prefill_ms": 30},
+                                                 {"weight_bytes": 10_000_000, "decode_ms": 2.0, "prefill_ms": 300}]}
 
 
 class Mcp:
@@ -62,6 +65,19 @@ async def test_mcp_tools_reach_models_and_chats_as_the_api_does(tmp_path, smollm
                 kind, models = await mcp.call("models_list")
                 assert kind == "ok" and [m["id"] for m in models] == [name]
                 assert models[0]["status"] == "not_loaded"
+                # the plan before loading: the plan route's answer, and its refusals in its words
+                kind, text = await mcp.call("models_plan", {"model": name})
+                assert kind == "error" and "not reported their speed yet" in text and "HTTP 409" in text
+                for conn in swarm.leader.hub.online.values():
+                    conn.calibration = CALIBRATION
+                for query in ({"num_stages": 2}, {"num_stages": 1}, {}):
+                    kind, planned = await mcp.call("models_plan", {"model": name, **query})
+                    assert kind == "ok", planned
+                    assert planned == (await swarm.http.get(f"/api/v1/models/{name}/plan", params=query)).json()
+                    assert planned["num_stages"] == query.get("num_stages", 2) and planned["tokens_per_s"] > 0
+                    assert planned["text"].startswith("about ")
+                kind, text = await mcp.call("models_plan", {"model": name, "num_stages": 3})
+                assert kind == "error" and "needs 3 fellows online" in text and "HTTP 409" in text
                 kind, started = await mcp.call("models_load", {"model": name, "num_stages": 2})
                 assert kind == "ok", started
                 await swarm.leader.serving.wait_ready(name, 120)

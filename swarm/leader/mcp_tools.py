@@ -26,7 +26,8 @@ _token: contextvars.ContextVar[str] = contextvars.ContextVar("mcp_token")
 INSTRUCTIONS = (
     "swarm serves large language models split over several PCs. models_list shows the catalogue and what is loaded; "
     "models_load puts a model on the pool's fellows (it answers once the load has started; poll models_list for "
-    "ready); chat sends messages to a loaded model and returns its reply; chats_* reach your saved chats."
+    "ready); models_plan tells how fast a model would run before loading it; chat sends messages to a loaded model "
+    "and returns its reply; chats_* reach your saved chats."
 )
 
 
@@ -110,6 +111,14 @@ def build_server(leader) -> MCPServer:
                              "last 15 minutes' replies, failures, tokens/s and first-token times at p50 and p95.")
     async def models_performance(model: str, range: str = "15m") -> dict:  # noqa: A002 (the API's name)
         return await call("GET", f"/api/v1/models/{model}/performance", params={"range": range})
+
+    @server.tool(description="Before loading: how fast a model would run on the pool now -- decode tokens/s, the "
+                             "time to first token of a 1,000-token prompt, per stage its fellow, layers and ms per "
+                             "token, per hop its round trip (measured or assumed), the bottleneck and a sentence. "
+                             "num_stages: over that many fellows (by default as a load would place it).")
+    async def models_plan(model: str, num_stages: int | None = None) -> dict:
+        params = {"num_stages": num_stages} if num_stages is not None else None
+        return await call("GET", f"/api/v1/models/{model}/plan", params=params)
 
     @server.tool(description="Send a chat to a loaded model and return its reply. Give messages (a list of "
                              "{role, content}) or a prompt (one user message). temperature 0 is greedy; unset "
