@@ -148,3 +148,59 @@ def test_the_cli_speed_line_reads_like_the_seeds():
     # fellows that did not report the split: the browser's figures alone
     assert speed_line(5, 20.0, 0.1, {"split": None, "stages": []}) == "20.0 tokens/s · 5 tokens · 0.10 s to first token"
     assert speed_line(5, 20.0, None, None) == "20.0 tokens/s · 5 tokens"
+
+
+def _ring_of(protocols: list[int | None]):
+    """The leader's view of a ring whose stage i runs on fellow i+1 speaking ``protocols[i]`` (None: offline)."""
+    from types import SimpleNamespace
+
+    from swarm.leader.placement import StagePlan
+
+    stages = [SimpleNamespace(plan=StagePlan(i, i + 1, f"f{i + 1}", i, i + 1, 0, 0)) for i in range(len(protocols))]
+    online = {i + 1: SimpleNamespace(protocol=p) for i, p in enumerate(protocols) if p is not None}
+    return SimpleNamespace(models={"m": SimpleNamespace(stages=stages)}, hub=SimpleNamespace(online=online))
+
+
+@pytest.mark.parametrize("protocols, waits", [([1, 1], True), ([1, 0], False), ([1, None], False), ([0], False)])
+def test_a_reply_waits_for_the_times_only_from_a_ring_that_sends_them(protocols, waits):
+    """settle waits (up to its cap) for each stage's StageTimes, but not at all when a fellow of the ring speaks a
+    protocol from before StageTimes (or is gone): such a ring would hold every reply's end for the whole cap."""
+    import trio
+    import trio.testing
+
+    from swarm.leader.timing import settle
+
+    serving = _ring_of(protocols)
+
+    async def waited() -> float:
+        request = _request(tokens=[1, 2])
+        start = trio.current_time()
+        await settle(serving, request, wait_s=1.0)
+        return trio.current_time() - start
+
+    assert trio.run(waited, clock=trio.testing.MockClock(autojump_threshold=0)) == (1.0 if waits else 0.0)
+
+
+def test_settle_ends_when_the_last_stage_reports():
+    import trio
+    import trio.testing
+
+    from swarm.leader.timing import settle
+
+    serving = _ring_of([1, 1])
+    request = _request(tokens=[1, 2])
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            async def report() -> None:
+                for stage in (0, 1):
+                    await trio.sleep(0.1)
+                    request.stage_times[stage] = _times(stage)
+                    request.changed.set()
+                    request.changed = trio.Event()
+            nursery.start_soon(report)
+            start = trio.current_time()
+            await settle(serving, request, wait_s=1.0)
+            return trio.current_time() - start
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == pytest.approx(0.2)

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # and its control link after the leader saw the token -- so on a LAN this is milliseconds; the cap keeps a ring of
 # fellows that never report (older versions) from holding every reply's end.
 SETTLE_S = 1.0
+# The first wire protocol (swarm.wire.PROTOCOL_VERSION, a fellow's hello says its own) whose fellows send StageTimes.
+STAGE_TIMES_PROTOCOL = 1
 
 
 def _ms(seconds: float | None, digits: int = 1) -> float | None:
@@ -120,12 +122,26 @@ def of_request(serving: Serving, request: Request) -> dict:
     return reply_timing(request, *_ring(serving, request.model))
 
 
+def reports_times(serving: Serving, model: str) -> bool:
+    """Whether every stage of ``model``'s ring will report its StageTimes: False when a stage's fellow speaks a
+    protocol older than STAGE_TIMES_PROTOCOL (it never sends them) or is not online (it cannot)."""
+    ring = serving.models.get(model)
+    hub = serving.hub
+    if ring is None or hub is None:
+        return ring is not None
+    for stage in ring.stages:
+        conn = hub.online.get(stage.plan.fellow_id)
+        if conn is None or conn.protocol < STAGE_TIMES_PROTOCOL:
+            return False
+    return True
+
+
 async def settle(serving: Serving, request: Request, wait_s: float = SETTLE_S) -> None:
     """Until every stage of the request's ring has reported its times (or ``wait_s`` passed): call once the reply
-    ended, before its timing goes out."""
+    ended, before its timing goes out. No wait at all for a ring that holds a fellow that will not report."""
     ring = serving.models.get(request.model)
     n = len(ring.stages) if ring is not None else 0
-    if not request.tokens or not n:
+    if not request.tokens or not n or not reports_times(serving, request.model):
         return
     with trio.move_on_after(wait_s):
         while len(request.stage_times) < n:
