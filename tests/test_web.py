@@ -446,6 +446,19 @@ def test_performance_column(bg, browser, model):
     expect(page.locator('#perf-range [data-range="15m"]')).to_have_attribute("aria-checked", "false")
     expect(page.locator("svg.perf-chart")).to_have_attribute("aria-label", re.compile(r"last 6 hours"))
     assert page.evaluate("localStorage.getItem('swarm.perfRange')") == '"6h"'
+    # past 2 stages the time-per-token bar has a segment per hop after the stage it leaves (the API's hop_ms; a
+    # made-up split of 3 stages, drawn by the column's own code)
+    segments = page.evaluate("""async () => {
+        const { timeBar } = await import("/static/js/performance.js");
+        const part = (label, kind, ms) => ({ label, kind, ms, share: ms / 100 });
+        const [bar] = timeBar({ source: "fellows", ms_per_token: 100, prompt_ms: null, bytes_per_token: {},
+            hop_ms: [5, 10, 15], parts: [part("stage 0", "compute", 20), part("link", "link", 30),
+                                         part("stage 1", "compute", 25), part("stage 2", "compute", 25)] }, "");
+        return [...bar.children].map((d) => [d.title, d.className, d.style.flexGrow]);
+    }""")
+    assert segments == [["stage 0 20 ms", "compute k0", "0.2"], ["link 0→1 5 ms", "link k1", "0.05"],
+                        ["stage 1 25 ms", "compute k2", "0.25"], ["link 1→2 10 ms", "link k3", "0.1"],
+                        ["stage 2 25 ms", "compute k4", "0.25"], ["link 2→0 15 ms", "link k5", "0.15"]]
     assert not page.errors, page.errors
     page.context.close()
 

@@ -160,17 +160,36 @@ function pipeline(data) {
   return parts;
 }
 
-function timeBar(split, bottleneck) {
+// The bar's segments in the ring's order. The API gives one "link" part for all hops (after stage 0) and each hop's
+// ms in hop_ms; past 2 stages each hop gets its own segment after the stage it leaves (stage 0, link 0→1, stage 1,
+// link 1→2, stage 2, link 2→0), so a slow hop shows where it is.
+export function barParts(split) {
+  const stages = split.parts.filter((p) => p.kind === "compute");
+  const hops = split.hop_ms || [];
+  if (stages.length <= 2 || hops.length !== stages.length) return split.parts;
+  const total = split.ms_per_token || 0;
+  const out = [];
+  stages.forEach((stage, i) => {
+    out.push(stage);
+    const hopMs = hops[i];
+    out.push({ label: `link ${i}→${(i + 1) % stages.length}`, kind: "link", stage: null, fellow: null, ms: hopMs,
+      share: total > 0 ? hopMs / total : 0 });
+  });
+  return out;
+}
+
+export function timeBar(split, bottleneck) {
   if (!split) return [h("p", { class: "muted perf-bottleneck" }, bottleneck || "No replies in the last 15 minutes.")];
-  const legend = split.parts.map((p, i) => h("li", {},
+  const parts = barParts(split);
+  const legend = parts.map((p, i) => h("li", {},
     h("span", { class: `swatch ${p.kind} k${i}` }), `${p.label} ${ms(p.ms)} (${pct(p.share)})`));
   const facts = [`${ms(split.ms_per_token)} per token`,
     split.prompt_ms !== null && split.prompt_ms !== undefined ? `prompt ${ms(split.prompt_ms)}` : null,
     split.bytes_per_token?.forward ? `${formatBytes(split.bytes_per_token.forward)} forward and ${formatBytes(split.bytes_per_token.back || 0)} back per token` : null]
     .filter(Boolean).join(" · ");
   return [
-    h("div", { class: "perf-split", role: "img", "aria-label": split.parts.map((p) => `${p.label} ${ms(p.ms)}, ${pct(p.share)}`).join("; ") },
-      ...split.parts.map((p, i) => h("div", { class: `${p.kind} k${i}`, style: `flex-grow:${Math.max(p.share, 0.001)}`, title: `${p.label} ${ms(p.ms)}` }))),
+    h("div", { class: "perf-split", role: "img", "aria-label": parts.map((p) => `${p.label} ${ms(p.ms)}, ${pct(p.share)}`).join("; ") },
+      ...parts.map((p, i) => h("div", { class: `${p.kind} k${i}`, style: `flex-grow:${Math.max(p.share, 0.001)}`, title: `${p.label} ${ms(p.ms)}` }))),
     h("ul", { class: "perf-legend" }, ...legend),
     h("p", { class: "perf-note" }, facts),
     split.source === "round_trips"
