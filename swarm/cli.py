@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     ax = asub.add_parser("remove-fellow", help="remove a fellow: its link ends, its key and credential are refused")
     ax.add_argument("fellow", help="its id or name, from `swarm admin fellows`")
     _leader_options(ax)
+    am = asub.add_parser("migrate-db", help="copy a SQLite leader's store (stop the leader first) into an empty "
+                                            "PostgreSQL database; then run it with SWARM_DATABASE_URL")
+    am.add_argument("--to", required=True, metavar="URL", help="postgresql://user:password@host/db, empty")
+    am.add_argument("--data-dir", type=Path, help="the leader's data dir (the folder holding leader.db)")
 
     p = sub.add_parser("demo", help="a leader and fellows on this machine with the built-in model")
     p.add_argument("--port", type=int, default=8000)
@@ -238,6 +242,8 @@ def _dispatch(args) -> int | None:
         from swarm.client import LeaderClient
 
         _infer(LeaderClient.from_options(args.leader, args.token, settings), args)
+    elif args.command == "admin" and args.admin_command == "migrate-db":
+        _migrate_db(args, settings)
     elif args.command == "admin":
         from swarm.client import LeaderClient
 
@@ -249,6 +255,19 @@ def _dispatch(args) -> int | None:
         return run_demo(args.port, args.stages, not args.no_browser,
                         args.data_dir or settings.data_dir or default_data_dir("demo"))
     return None
+
+
+def _migrate_db(args, settings: Settings) -> None:
+    from swarm.store.copy_db import copy_to_postgres
+    from swarm.store.dialect import is_postgres_url, redact
+
+    if not is_postgres_url(args.to):
+        raise SwarmError(f"--to {args.to!r} is not a postgresql:// URL; write postgresql://user:password@host/db.")
+    data_dir = args.data_dir or settings.data_dir or default_data_dir("leader")
+    counts = copy_to_postgres(data_dir / "leader.db", args.to)
+    print("Copied " + ", ".join(f"{n} {table}" for table, n in counts.items()) + f" to {redact(args.to)}.")
+    print(f"Start the leader with SWARM_DATABASE_URL={redact(args.to)} (with its password) to use it; "
+          f"{data_dir / 'leader.db'} stays as it was.")
 
 
 def _admin(client, args) -> None:

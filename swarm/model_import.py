@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from swarm.errors import ImportFailed
-from swarm.store.db import Store
+from swarm.store.db import leader_store
 from swarm.store.fleet import DEFAULT_POOL, check_pool_name, model_id
 from swarm.store.importer import BUILTIN_MODELS, _default_name, import_model
 from swarm.store.manifest import Manifest, load_manifest
@@ -36,7 +36,7 @@ def import_into_leader(source: str, data_dir: Path, name: str | None = None, *, 
 
 
 def _pool_id(data_dir: Path, pool: str) -> int:
-    store = Store(data_dir / "leader.db")
+    store = leader_store(data_dir)
     try:
         if pool == DEFAULT_POOL:
             return store.ensure_default_pool(None).id
@@ -48,7 +48,7 @@ def _pool_id(data_dir: Path, pool: str) -> int:
 def register(data_dir: Path, manifest: Manifest, pool: str = DEFAULT_POOL) -> None:
     """List an imported model (its folder is data_dir/models/<its id>) in ``pool``'s catalogue."""
     pool_id = _pool_id(data_dir, pool)
-    store = Store(data_dir / "leader.db")
+    store = leader_store(data_dir)
     try:
         store.upsert_model(manifest.name, pool_id, manifest.to_json())
     finally:

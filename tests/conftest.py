@@ -178,3 +178,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for title, text in config.stash.get(_SUMMARIES, []):
         terminalreporter.write_sep("=", title)
         terminalreporter.write_line(text)
+
+
+# --- the store on both backends ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL server for this run (tests/pg_server.py); the PostgreSQL variants skip, saying why,
+    where its binaries are missing (scripts/bootstrap test installs them)."""
+    from pg_server import PostgresServer
+
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg is not installed: pip install 'psycopg[binary]' psycopg_pool")
+    try:
+        server = PostgresServer()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no PostgreSQL server to test against: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_location(request, tmp_path: Path) -> Path | str:
+    """Where a test's leader store lives: a SQLite file in its tmp dir, or a new database on the test server."""
+    if request.param == "sqlite":
+        return tmp_path / "leader" / "swarm.db"
+    return request.getfixturevalue("postgres_server").new_database()

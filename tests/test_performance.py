@@ -197,8 +197,8 @@ def test_hop_rate_from_two_heartbeats():
 # --- the store's table -----------------------------------------------------------------------------------------------
 
 
-def test_store_keeps_queries_and_prunes_served_requests(tmp_path: Path):
-    with Store(tmp_path / "leader.db", password_hasher=CHEAP) as store:
+def test_store_keeps_queries_and_prunes_served_requests(store_location):  # on SQLite and PostgreSQL
+    with Store(store_location, password_hasher=CHEAP) as store:
         store.add_served_requests([served(10, timing={"stage_ms": [1.5, 2.5]}), served(100, model="other"),
                                    served(5000, rid="old")])
         rows = store.served_requests("m", NOW - 3600)
@@ -207,7 +207,7 @@ def test_store_keeps_queries_and_prunes_served_requests(tmp_path: Path):
         assert len(store.served_requests(None, NOW - 6000)) == 3
         assert store.prune_served_requests(NOW - 3600) == 1
         assert [r.id for r in store.served_requests(None, 0)] == [served(100).id, served(10).id]
-    with Store(tmp_path / "leader.db", password_hasher=CHEAP) as store:  # and they are there after a reopen
+    with Store(store_location, password_hasher=CHEAP) as store:  # and they are there after a reopen
         assert len(store.served_requests(None, 0)) == 2
 
 
@@ -277,8 +277,8 @@ async def test_finished_requests_are_recorded_and_written_in_batches(tmp_path: P
     store.close()
 
 
-async def test_history_is_pruned_past_its_days(tmp_path: Path):
-    store = Store(tmp_path / "leader.db", password_hasher=CHEAP)
+async def test_history_is_pruned_past_its_days(store_location):  # on SQLite and PostgreSQL
+    store = Store(store_location, password_hasher=CHEAP)
     store.add_served_requests([served(3 * 86400, rid="three days"), served(60, rid="a minute")])
     history = ServingHistory(store, keep_days=2, clock=Clock())
     await history.prune()

@@ -1,8 +1,8 @@
-"""The leader's SQLite store: identity, secrets stored hashed, private chats with their limits, settings."""
+"""The leader's store: identity, secrets stored hashed, private chats with their limits, settings. Each test that
+takes ``store`` or ``db_path`` runs twice: on SQLite and on PostgreSQL (``store_location``, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -19,8 +19,9 @@ CHEAP = argon2.PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)
 
 
 @pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "leader" / "swarm.db"
+def db_path(store_location: Path | str) -> Path | str:
+    """The store's place: a SQLite file, or a postgresql:// URL of a new database."""
+    return store_location
 
 
 @pytest.fixture
@@ -30,8 +31,15 @@ def store(db_path: Path):
     s.close()
 
 
-def _db_bytes(path: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+def _db_bytes(path: Path | str) -> bytes:
+    """Everything the database holds: the SQLite files' bytes, or every PostgreSQL row as text."""
+    if isinstance(path, Path):
+        return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+    import psycopg
+
+    with psycopg.connect(path) as conn:
+        tables = [t for (t,) in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")]
+        return "\n".join(str(row) for t in tables for row in conn.execute(f"SELECT * FROM {t}")).encode()
 
 
 # --- schema ---------------------------------------------------------------------------------------------------------
@@ -44,17 +52,16 @@ def test_schema_version_and_reopen(db_path: Path) -> None:
     with Store(db_path, password_hasher=CHEAP) as s:
         assert s.schema_version() == len(MIGRATIONS)
         assert [u.name for u in s.list_users()] == ["ada"]
+        if not isinstance(db_path, Path):
+            return
         mode = s._one("PRAGMA journal_mode")[0]
         assert mode == "wal"
         assert s._one("PRAGMA foreign_keys")[0] == 1
 
 
 def test_newer_schema_is_refused(db_path: Path) -> None:
-    Store(db_path, password_hasher=CHEAP).close()
-    conn = sqlite3.connect(db_path)
-    conn.execute("UPDATE schema_version SET version = 999")
-    conn.commit()
-    conn.close()
+    with Store(db_path, password_hasher=CHEAP) as s, s._tx() as db:
+        db.execute("UPDATE schema_version SET version = 999")
     with pytest.raises(StoreError, match="newer than this swarm"):
         Store(db_path, password_hasher=CHEAP)
 
@@ -362,6 +369,28 @@ async def test_store_from_worker_threads(store: Store) -> None:
                 nursery.start_soon(trio.to_thread.run_sync, store.create_chat, bob.id, f"chat {i}", "m", [])
                 nursery.start_soon(trio.to_thread.run_sync, store.list_chats, bob.id)
     assert len(store.list_chats(bob.id)) == 20
+
+
+async def test_concurrent_writers_go_one_at_a_time(db_path) -> None:
+    """The chat limit is a count, then an insert: 20 threads racing for 5 places get exactly 5 (SQLite's BEGIN
+    IMMEDIATE, PostgreSQL's write lock)."""
+    with Store(db_path, password_hasher=CHEAP, max_chats_per_user=5) as s:
+        bob = s.create_user("bob", "pw")
+        outcomes: list[str] = []
+
+        def create() -> None:
+            try:
+                s.create_chat(bob.id, messages=[])
+                outcomes.append("saved")
+            except ChatLimitReached:
+                outcomes.append("refused")
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(trio.to_thread.run_sync, create)
+        assert sorted(outcomes) == ["refused"] * 15 + ["saved"] * 5
+        assert len(s.list_chats(bob.id)) == 5
 
 
 def test_the_database_file_is_private_and_errors_do_not_name_it(tmp_path) -> None:

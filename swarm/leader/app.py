@@ -37,7 +37,7 @@ from swarm.leader.headers import SecurityHeaders
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
 from swarm.leader.signin import HashPool, SignInThrottle
-from swarm.store.db import Store
+from swarm.store.db import Store, leader_store
 from swarm.store.fleet import DEFAULT_POOL, JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import fingerprint, load_or_create_identity
@@ -71,7 +71,7 @@ class Leader:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the TLS certificate {tls_cert}: {exc}") from None
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(data_dir / "leader.db")
+        self.store = leader_store(data_dir, settings)
         self.private, self.public = load_or_create_identity(data_dir / "leader.key")
         self.models_root = data_dir / "models"
         self.relay = RelayHub()

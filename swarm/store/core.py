@@ -1,10 +1,22 @@
-"""The store's plumbing: one SQLite connection (WAL, foreign keys) behind a lock, transactions, schema migrations.
+"""The store's plumbing: the connection, transactions, schema migrations -- on SQLite or PostgreSQL.
 
-The leader calls the store from ``trio.to_thread.run_sync``, so several worker threads may call at once: one
-connection opened with ``check_same_thread=False`` and an ``RLock`` around every use keeps that safe, and SQLite's
-own locking (``BEGIN IMMEDIATE``, a busy timeout) covers a second process such as ``swarm`` CLI admin commands.
+SQLite (the default, nothing to set up): one file in the leader's data dir. The leader calls the store from
+``trio.to_thread.run_sync``, so several worker threads may call at once: one connection opened with
+``check_same_thread=False`` and an ``RLock`` around every use keeps that safe, and SQLite's own locking (``BEGIN
+IMMEDIATE``, a busy timeout) covers a second process such as ``swarm`` CLI admin commands.
 
-The schema grows by appending to ``MIGRATIONS``; never edit an entry that has shipped.
+PostgreSQL (``SWARM_DATABASE_URL=postgresql://...``, for a leader that outgrows one file): a pool of connections
+(psycopg_pool) that the worker threads borrow from, and a write transaction that first takes one advisory lock, so
+writers go one at a time as under ``BEGIN IMMEDIATE`` while readers never wait. The SQL stays SQLite's, written once:
+``swarm.store.dialect`` translates each statement (placeholders, id columns, BLOB, upserts), so one list of
+MIGRATIONS is the one schema and history of both. Design choice, measured (bench/store_backends.py,
+bench/RESULTS.md): psycopg 3 with that thin layer rather than SQLAlchemy Core and Alembic -- the store is ~100
+hand-written statements with ``?``; SQLAlchemy would have meant rewriting each as expressions or ``text()`` with
+named parameters and keeping a second, Alembic, migration history beside the SQLite one, for a driver (psycopg)
+that is the same underneath. Each call's overhead is in the bench.
+
+The schema grows by appending to ``MIGRATIONS`` (SQLite SQL; the store's tests run it on both); never edit an entry
+that has shipped.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from typing import Any
 import argon2
 
 from swarm.errors import StoreError
+from swarm.store import dialect
 
 log = logging.getLogger(__name__)
 
@@ -201,19 +214,29 @@ class StoreCore:
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path,  # the SQLite file, or a postgresql:// URL
         *,
         password_hasher: argon2.PasswordHasher | None = None,
         max_chats_per_user: int = MAX_CHATS_PER_USER,
         max_chat_bytes: int = MAX_CHAT_BYTES,
     ) -> None:
-        self.path = Path(path)
         self.max_chats_per_user = max_chats_per_user
         self.max_chat_bytes = max_chat_bytes
         self._hasher = password_hasher or argon2.PasswordHasher()
         self._dummy_hash: str | None = None
         self._lock = threading.RLock()
         self._last_now = 0.0
+        self._pg: dialect.Postgres | None = None
+        if dialect.is_postgres_url(path):
+            self.path = None
+            self._pg = dialect.Postgres(str(path))
+            self.where = self._pg.where
+            self._error: type[Exception] = self._pg.Error
+            self._migrate()
+            return
+        self.path = Path(path)
+        self.where = str(self.path)
+        self._error = sqlite3.Error
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _private_file(self.path)
@@ -230,6 +253,9 @@ class StoreCore:
     # --- plumbing ----------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._pg is not None:
+            self._pg.close()
+            return
         with self._lock:
             self._conn.close()
 
@@ -241,7 +267,12 @@ class StoreCore:
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; rolled back when the block raises."""
+        """One write transaction; rolled back when the block raises. On PostgreSQL the connection it gives takes the
+        same SQL (swarm.store.dialect translates it), and the block's ``_one``/``_all`` read inside it."""
+        if self._pg is not None:
+            with self._pg_errors(), self._pg.transaction() as conn:
+                yield conn  # type: ignore[misc]
+            return
         with self._lock:
             # These messages can reach an HTTP client: they name no path (the log does), so a user of the API
             # learns nothing about the leader's disk.
@@ -264,11 +295,29 @@ class StoreCore:
             else:
                 self._conn.execute("COMMIT")
 
+    @contextlib.contextmanager
+    def _pg_errors(self) -> Iterator[None]:
+        """PostgreSQL's errors as the StoreError an API client may read: no host or password in it (the log has
+        the server's words)."""
+        assert self._pg is not None
+        try:
+            yield
+        except self._pg.Error as exc:
+            log.error("the database %s refused a change: %s", self.where, exc)
+            raise StoreError("the leader's database refused this change or could not be reached; its admin can "
+                             "find why in the leader's log.") from exc
+
     def _one(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Row | None:
+        if self._pg is not None:
+            with self._pg_errors():
+                return self._pg.read(sql, args, many=False)
         with self._lock:
             return self._conn.execute(sql, args).fetchone()
 
     def _all(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        if self._pg is not None:
+            with self._pg_errors():
+                return self._pg.read(sql, args, many=True)
         with self._lock:
             return self._conn.execute(sql, args).fetchall()
 
@@ -284,6 +333,9 @@ class StoreCore:
 
     def _migrate(self) -> None:
         with self._tx() as db:
+            if self._pg is not None:
+                for statement in dialect.PRELUDE:
+                    db.execute(statement)
             db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             row = db.execute("SELECT version FROM schema_version").fetchone()
             if row is None:
@@ -293,7 +345,7 @@ class StoreCore:
                 version = int(row["version"])
             if version > len(MIGRATIONS):
                 raise StoreError(
-                    f"the database {self.path} has schema version {version}, newer than this swarm "
+                    f"the database {self.where} has schema version {version}, newer than this swarm "
                     f"({len(MIGRATIONS)}); update swarm or use another data dir."
                 )
             for number in range(version, len(MIGRATIONS)):
@@ -303,3 +355,5 @@ class StoreCore:
                     if statement.strip():
                         db.execute(statement)
                 db.execute("UPDATE schema_version SET version = ?", (number + 1,))
+            if self._pg is not None:
+                self._pg.schema.refresh(db.raw)
