@@ -5,11 +5,11 @@
 Without --url a throwaway PostgreSQL server is started (tests/pg_server.py: Debian's postgresql package; as root it
 runs as the postgres user). Each round times, per backend, in turn (so a shared machine's swings fall on all alike):
 a read by key (``get_user_by_name``), a write transaction (``create_chat``: a count and an insert under the write
-lock), a list (``list_chats`` of 50 chats; the writes go to another user) and a batch of 100 served requests (``add_served_requests``). The
-SQLAlchemy rows run the same SQL on the same PostgreSQL database through SQLAlchemy 2 Core (``text()`` statements,
-its connection pool, the psycopg 3 driver) -- what choosing it over psycopg with swarm.store.dialect would cost per
-call before any rewrite (pip install sqlalchemy for those rows; they are left out without it). Prints the median
-microseconds per call of each operation and backend.
+lock), a list (``list_chats`` of 50 chats; the writes go to another user) and a batch of 100 served requests
+(``add_served_requests``). The SQLAlchemy rows run the same SQL on the same PostgreSQL database through SQLAlchemy 2
+Core (``text()`` statements, its connection pool, the psycopg 3 driver) -- what choosing it over psycopg with
+swarm.store.dialect would cost per call before any rewrite (pip install sqlalchemy for those rows; they are left out
+without it). Prints the median microseconds per call of each operation and backend.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import argon2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from swarm.store.db import Store  # noqa: E402
-from swarm.store.history import ServedRequest  # noqa: E402
+from swarm.store.db import Store
+from swarm.store.history import ServedRequest
 
 CHEAP = argon2.PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)
 
