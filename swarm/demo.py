@@ -16,7 +16,7 @@ from swarm.client import LeaderClient
 from swarm.errors import SwarmError
 from swarm.tunnel.join_token import make_join_token
 from swarm.model_import import ensure_imported
-from swarm.store.db import leader_store
+from swarm.store.db import Store
 from swarm.tunnel.keys import load_or_create_identity
 
 BUILTIN = "smollm2-135m-instruct"
@@ -79,6 +79,9 @@ def run_demo(port: int, stages: int, open_browser: bool, data_dir: Path) -> int:
         raise SwarmError("--stages must be at least 1")
     leader_dir = data_dir / "leader"
     leader_dir.mkdir(parents=True, exist_ok=True)
+    # The demo keeps its whole store in its data dir (leader.db), whatever database a real leader here uses: its
+    # import, its leader process and its sign-in link never touch SWARM_DATABASE_URL's.
+    os.environ.pop("SWARM_DATABASE_URL", None)
     print(f"Demo data: {data_dir}", flush=True)
     ensure_imported(BUILTIN, leader_dir, BUILTIN)
 
@@ -129,7 +132,7 @@ def run_demo(port: int, stages: int, open_browser: bool, data_dir: Path) -> int:
 def _credentials(leader_dir: Path, fellows: int = 2) -> tuple[str, str, str]:
     """A fresh API token, join token (for ``fellows`` fellows, within the hour) and sign-in link for this run, made
     by the demo in the leader's store."""
-    store = leader_store(leader_dir)
+    store = Store(leader_dir / "leader.db")
     try:
         admin = next(u for u in store.list_users() if u.is_admin)
         token, _ = store.create_api_token(admin.id, "demo")
@@ -142,7 +145,7 @@ def _credentials(leader_dir: Path, fellows: int = 2) -> tuple[str, str, str]:
 def mint_join_token(leader_dir: Path, uses: int = 1, ttl_s: float = 3600) -> str:
     """A join token for ``uses`` fellows, written straight into a (running or stopped) leader's store -- as the
     demo and the tests do; an admin uses `swarm admin join-token` or the admin page."""
-    store = leader_store(leader_dir)
+    store = Store(leader_dir / "leader.db")
     try:
         admin = next(u for u in store.list_users() if u.is_admin)
         pool = store.ensure_default_pool(admin.id)
