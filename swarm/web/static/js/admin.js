@@ -28,9 +28,44 @@ async function loadUsers() {
   ], "No users.");
 }
 
+function membersCell(pool, users) {
+  const path = `/api/v1/pools/${encodeURIComponent(pool.name)}/members`;
+  const change = async (method, url, body) => {
+    try { await api(method, url, body); } catch (err) { showError(err.message); }
+    loadPools();
+  };
+  const others = users.filter((u) => !pool.members.some((m) => m.id === u.id));
+  const add = h("select", { "aria-label": `Add a member to pool ${pool.name}` },
+    [h("option", { value: "" }, "Add…"), ...others.map((u) => h("option", { value: u.name }, u.name))]);
+  add.addEventListener("change", () => { if (add.value) change("POST", path, { user: add.value }); });
+  return h("div", { class: "members" }, [
+    ...pool.members.map((m) => h("span", { class: "member" }, [m.name, h("button", {
+      class: "btn small", type: "button", "aria-label": `Remove ${m.name} from pool ${pool.name}`,
+      onclick: () => change("DELETE", `${path}/${encodeURIComponent(m.name)}`),
+    }, "×")])),
+    ...(others.length ? [add] : []),
+  ]);
+}
+
 async function loadPools() {
-  const { pools } = await get("/api/v1/pools");
-  rows("pools-table", pools, (p) => [p.name, p.owner || "—", formatWhen(p.created_at)], "No pools.");
+  const [{ pools }, { users }] = await Promise.all([get("/api/v1/pools"), get("/api/v1/users")]);
+  rows("pools-table", pools, (p) => [
+    h("a", { href: p.path }, p.name), membersCell(p, users),
+    p.fellows.map((f) => f.name).join(", ") || h("span", { class: "muted" }, "—"),
+    p.models.join(", ") || h("span", { class: "muted" }, "—"),
+    formatWhen(p.created_at),
+    p.name === "default" ? "" : h("button", {
+      class: "btn small danger", type: "button", "aria-label": `Delete pool ${p.name}`,
+      onclick: async () => {
+        if (!await confirmAction(`Delete pool ${p.name}?`, "Its join tokens and memberships go with it. A pool that still has fellows or models is not deleted.")) return;
+        try { await del(`/api/v1/pools/${encodeURIComponent(p.name)}`); } catch (err) { showError(err.message); }
+        loadPools();
+      },
+    }, "Delete"),
+  ], "No pools.");
+  const picker = $("join-pool");
+  const chosen = picker.value || "default";
+  picker.replaceChildren(...pools.map((p) => h("option", { value: p.name, selected: p.name === chosen || undefined }, p.name)));
 }
 
 function versionCell(f, leader) {
@@ -98,7 +133,7 @@ async function loadJoinTokens() {
   const state = (t) => t.revoked ? "revoked" : (t.expires_at && t.expires_at <= now) ? "expired"
     : t.uses_left === 0 ? "used" : t.uses_left == null ? "active" : `active, ${t.uses_left} of ${t.uses} left`;
   rows("join-table", tokens, (t) => [
-    h("span", { class: "mono" }, `${t.prefix}…`), formatWhen(t.created_at),
+    h("span", { class: "mono" }, `${t.prefix}…`), t.pool || "—", formatWhen(t.created_at),
     t.expires_at ? formatWhen(t.expires_at) : "never", state(t),
     state(t).startsWith("active") ? h("button", {
       class: "btn small danger", type: "button", "aria-label": `Revoke join token ${t.prefix}`,
@@ -146,14 +181,24 @@ async function main() {
       await post("/api/v1/users", { name: $("new-user-name").value.trim(), password: $("new-user-password").value, is_admin: $("new-user-admin").checked });
       e.target.reset();
       loadUsers();
+      loadPools(); // a new user starts in the default pool
     } catch (err) { showError(`The user was not added: ${err.message}`); }
+  });
+  $("pool-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    try {
+      await post("/api/v1/pools", { name: $("new-pool-name").value.trim() });
+      e.target.reset();
+      loadPools();
+    } catch (err) { showError(`The pool was not created: ${err.message}`); }
   });
   $("new-join-token").addEventListener("click", async () => {
     try {
       const uses = Number($("join-uses").value) || 1;
-      const { token } = await post("/api/v1/join-tokens", { uses, ttl_s: Number($("join-ttl").value) });
+      const pool = $("join-pool").value || "default";
+      const { token } = await post("/api/v1/join-tokens", { uses, ttl_s: Number($("join-ttl").value), pool });
       const install = `curl -fsSL "${location.origin}/install.sh?token=${token}" | sh`;
-      await showOnce("New join token", `Run this on ${uses === 1 ? "the PC" : `up to ${uses} PCs`} that should join (Linux, macOS): it installs swarm from this leader and starts it as a service. On Windows, in PowerShell: irm "${location.origin}/install.ps1?token=<the same token>" | iex. By hand: swarm join ${location.origin} --token <the token>. The token is shown only now.`, install);
+      await showOnce("New join token", `Run this on ${uses === 1 ? "the PC" : `up to ${uses} PCs`} that should join pool ${pool} (Linux, macOS): it installs swarm from this leader and starts it as a service. On Windows, in PowerShell: irm "${location.origin}/install.ps1?token=<the same token>" | iex. By hand: swarm join ${location.origin} --token <the token>. The token is shown only now.`, install);
       loadJoinTokens();
     } catch (err) { showError(err.message); }
   });

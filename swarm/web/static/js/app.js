@@ -53,9 +53,26 @@ function initUserMenu() {
   menu.addEventListener("keydown", (e) => { if (e.key === "Escape") { toggle(false); button.focus(); } });
 }
 
-function poolContext() {
+// The pool the page is scoped to: /pools/{owner}/{pool}/inference names one, /inference is all the user's pools.
+function poolFromPath() {
   const m = /^\/pools\/([^/]+)\/([^/]+)\/inference/.exec(location.pathname);
-  return m ? `${decodeURIComponent(m[1])} / ${decodeURIComponent(m[2])}` : "All your pools";
+  return m ? { owner: decodeURIComponent(m[1]), name: decodeURIComponent(m[2]) } : null;
+}
+
+function poolContext(pool) {
+  return pool ? `${pool.owner} / ${pool.name}` : "All your pools";
+}
+
+// With more than one pool, a picker beside the context opens another pool's page (or all of them).
+async function initPoolPicker() {
+  const { pools } = await get("/api/v1/pools");
+  const select = document.getElementById("pool-picker");
+  if (pools.length < 2) return;
+  select.replaceChildren(
+    h("option", { value: "/inference", selected: !state.pool || undefined }, "All your pools"),
+    ...pools.map((p) => h("option", { value: p.path, selected: p.name === state.pool || undefined }, p.name)));
+  select.hidden = false;
+  select.addEventListener("change", () => { location.href = select.value + location.hash; });
 }
 
 function trackTopbarHeight() {
@@ -70,7 +87,10 @@ async function main() {
   trackTopbarHeight();
   state.me = await get("/api/v1/me");
   setCsrf(state.me.csrf);
-  document.getElementById("pool-context").textContent = poolContext();
+  const pool = poolFromPath();
+  state.pool = pool ? pool.name : null;
+  document.getElementById("pool-context").textContent = poolContext(pool);
+  initPoolPicker().catch(() => {}); // the page works without it
   initUserMenu();
   initPerformance();
   initSettings();

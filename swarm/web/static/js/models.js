@@ -31,7 +31,7 @@ function incomplete(model) {
 export async function refreshModels() {
   clearTimeout(pollTimer);
   try {
-    const data = await get("/api/v1/models");
+    const data = await get(state.pool ? `/api/v1/models?pool=${encodeURIComponent(state.pool)}` : "/api/v1/models");
     state.models = data.models || [];
   } catch (err) {
     showError(`The model list could not be read: ${err.message}`);

@@ -3,7 +3,8 @@ import { store } from "./dom.js";
 
 export const state = {
   me: null, // {user: {id, name, is_admin}, csrf, home}
-  models: [], // GET /api/v1/models
+  pool: null, // the pool the page is scoped to (its name), null: all the user's pools
+  models: [], // GET /api/v1/models (?pool=)
   modelId: store.get("model", null),
   settings: {
     temperature: store.get("temperature", null), // null: the model's own default (the leader fills it in)
