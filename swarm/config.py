@@ -52,6 +52,9 @@ class Settings:
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
+    # SWARM_SERVE_SPECULATIVE: drafting ahead, up to N tokens guessed per pass by prompt lookup, for models loaded from
+    # now on (0: off); only while a model has no more chats than stages, on rings whose fellows all support it
+    serve_speculative: int = 0
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
     # SWARM_DATABASE_URL: the leader's store on PostgreSQL (postgresql://user:password@host/db); unset, a SQLite file
     # in its data dir (leader.db). `swarm admin migrate-db --to URL` copies a SQLite leader over.
@@ -92,6 +95,9 @@ class Settings:
                                                                                         "postgres://")):
             raise ConfigError("SWARM_DATABASE_URL must be a postgresql:// URL (postgresql://user:password@host/db); "
                               "unset it to keep the leader's store in its data dir.")
+        if not 0 <= self.serve_speculative <= 16:
+            raise ConfigError(f"SWARM_SERVE_SPECULATIVE is {self.serve_speculative}; use 0 (off) to 16 tokens guessed "
+                              "per pass (2 to 4 is typical).")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -59,6 +59,7 @@ class RequestStart:
     # its last ``drawn`` ids are the reply's so far.
     context: list[int] | None = None
     group: list[str] = dataclasses.field(default_factory=list)  # a group's carrier: its siblings' rids, as started
+    draft: int = 0  # drafting ahead: the last stage may propose up to this many tokens per pass (0: off)
 
 
 @record
@@ -82,6 +83,7 @@ class Generate:
     # copies the prompt's KV cache to every sibling, which then samples and decodes on its own (its sampling is
     # ``sampling`` with the sibling's seed). Tokens, failures and cancels are the siblings', never ``rid``'s.
     siblings: list[Sibling] = dataclasses.field(default_factory=list)
+    draft: int = 0  # drafting ahead (swarm.stage.drafting): tokens the last stage may propose per pass; 0: off
 
     @property
     def rids(self) -> list[str]:
@@ -121,6 +123,9 @@ class SampledToken:
     pos: int  # where the token goes: the position of the request's next decode step
     token: int
     done: bool
+    # Drafting ahead: tokens the last stage guessed would follow ``token``; stage 0 runs them with it in one pass
+    # (positions pos + 1, ...) and the last stage keeps those its model agrees with.
+    draft: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("sampled")
@@ -177,6 +182,12 @@ class StageTimes:
     ring_steps: int = 0
     sent_bytes: int = 0  # what the stage sent on for the decode steps: hidden states, or the last stage's tokens
     sent_tokens: int = 0
+    # The last stage, drafting ahead: passes that sampled (the prompt's last chunk and each decode step), the tokens
+    # they gave, the tokens guessed and those kept; all 0 without drafting.
+    spec_passes: int = 0
+    spec_tokens: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 @message("failed")

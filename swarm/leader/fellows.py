@@ -57,6 +57,7 @@ class FellowConn:
     standby: bool = False  # left alone by plain loads: it takes over stages of fellows that drop out
     protocol: int = wire.PROTOCOL_VERSION  # the wire protocol it speaks (its hello's "v")
     updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
+    drafting: bool = False  # its stages run and verify guessed tokens (drafting ahead; its hello says so)
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
     calibration: dict | None = None  # how fast it runs a decoder layer, as its heartbeat said (swarm.leader.planner)
@@ -363,7 +364,7 @@ class FellowHub:
             serve_port=port if isinstance(port, int) and not isinstance(port, bool) else None,
             version=str(hello.get("version", "?"))[:64],
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
-            protocol=_protocol(hello), updates=hello.get("updates") is True,
+            protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
             disk_free_bytes=_count(hello.get("disk_free_bytes")),
         )
         conn.credential = credential

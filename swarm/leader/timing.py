@@ -14,7 +14,8 @@ The shape is stable (the serving history stores it as it is)::
     link_ms_per_token the links together (None on one stage)
     bytes_per_token   {forward: a hidden state, back: the token}, as sent per decode step (None on one stage)
     split             "fellows" when every stage reported its times, else None (stages/links hold what came)
-    spec_passes, spec_tokens, spec_drafted, spec_accepted   drafting ahead (0 until it exists)
+    spec_passes, spec_tokens, spec_drafted, spec_accepted   drafting ahead, as the last stage counted (0 without it):
+                      passes that gave tokens, the tokens they gave, tokens guessed, guesses kept
 
 Where the link's time comes from: the stages' clocks are not synchronised, so no stage can time a hop by itself.
 Stage 0 times each decode step's round trip on its own clock -- from the step's hidden state leaving (before it is
@@ -83,6 +84,10 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
             "compute_ms_per_token": round(r.decode_s / r.decode_steps * 1000, 2) if r.decode_steps else None,
             "prefill_ms": _ms(r.prefill_s),
         })
+    last = reports.get(n - 1) if n else None
+    if last is not None and last.spec_passes:
+        out.update(spec_passes=last.spec_passes, spec_tokens=last.spec_tokens, spec_drafted=last.spec_drafted,
+                   spec_accepted=last.spec_accepted)
     if n > 1:
         out["bytes_per_token"] = {"forward": _per_token(reports.get(0)), "back": _per_token(reports.get(n - 1))}
         out["links"] = [{"from_stage": i, "to_stage": (i + 1) % n,

@@ -22,11 +22,15 @@ from swarm.stage.sampling import (
     token_generator,
 )
 from swarm.stage.slice import StageModel
+from swarm.stage import verify
 
 
 def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) -> Output:
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # in this worker thread: OpenMP keeps the count per calling thread
+    verify.align(stage, batch)  # drafting ahead: rejected guesses leave the caches first
+    if stage.spec.is_last and any(verify.verifying(work) for work in batch):
+        return verify.run(stage, batch, lambda rest: run_batch(stage, rest))
     if stage.spec.is_last and any(_wants_prompt_logprobs(work) for work in batch):
         return _with_prompt_logprobs(stage, batch)
     if len(batch) > 1:

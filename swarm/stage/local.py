@@ -60,9 +60,11 @@ class LocalRing:
     # --- requests -----------------------------------------------------------------------------------------------
 
     def submit(self, rid: str, prompt: Sequence[int], max_tokens: int, sampling: messages.Sampling = messages.Sampling(),
-               eos: Iterable[int] = ()) -> LocalReply:
+               eos: Iterable[int] = (), draft: int = 0) -> LocalReply:
+        """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass (swarm.stage.drafting)."""
         self.replies[rid] = LocalReply()
-        self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling))
+        self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling,
+                                                 draft=draft))
         return self.replies[rid]
 
     def submit_group(self, carrier: str, siblings: Sequence[tuple[str, int | None]], prompt: Sequence[int],
@@ -147,9 +149,9 @@ class LocalRing:
     # --- one request, like generate -----------------------------------------------------------------------------
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: messages.Sampling = messages.Sampling(),
-                 eos_token_ids: Iterable[int] = (), rid: str = "local") -> list[int]:
+                 eos_token_ids: Iterable[int] = (), rid: str = "local", draft: int = 0) -> list[int]:
         """New tokens of one request, ending after an end-of-sequence token (included) or ``max_new_tokens``."""
-        reply = self.submit(rid, prompt, max_new_tokens, sampling, eos_token_ids)
+        reply = self.submit(rid, prompt, max_new_tokens, sampling, eos_token_ids, draft)
         self.run()
         if reply.error is not None:
             raise ModelError(reply.error)

@@ -42,6 +42,7 @@ from typing import Any
 
 from swarm import messages, wire
 from swarm.errors import ProtocolError
+from swarm.stage import drafting
 
 
 # Requests one pass takes at most. Measured on the built-in model (2-core CPU): a pass of 8 decode rows costs ~1.7x
@@ -102,6 +103,9 @@ class StageRequest:
     members: list = dataclasses.field(default_factory=list)  # a group's carrier: the siblings it prefills for
     carrier: Any = None  # stage 0: the carrier of a sibling whose cache is not there yet
     next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
+    draft: list[int] = dataclasses.field(default_factory=list)  # last stage: the tokens guessed for the pass in flight
+    spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])  # last stage: passes, tokens, drafted,
+    # accepted (swarm.stage.drafting), for its StageTimes
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
 
     @property
@@ -176,6 +180,9 @@ class Output:
     prompt_logprobs: list[list[messages.TokenLogprob] | None] | None = None  # prompt tokens' (prompt chunks)
     # last stage, a group's last prompt chunk: each sibling's (token, logprob), in request.members' order
     fanned: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
+    # last stage, a pass that verified drafted tokens (swarm.stage.verify): the (token, logprob) it gives, in order --
+    # the drafted tokens kept, then the model's own next one
+    verified: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
 
 
 # --- the protocol ----------------------------------------------------------------------------------------------------
@@ -222,9 +229,10 @@ class StageProtocol:
         taken = [rid for rid in dict.fromkeys([message.rid, *rids]) if rid in self.requests]
         if taken or len(set(rids)) != len(rids) or (message.siblings and message.rid in rids):
             return self._fail_new(rids, f"request {(taken or rids)[0]} is already on stage 0")
-        context = list(message.prompt) if message.sampling.needs_context else None  # penalties, prompt logprobs
+        # penalties, prompt logprobs, drafting ahead (the lookup searches the prompt)
+        context = list(message.prompt) if message.sampling.needs_context or message.draft > 0 else None
         start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling,
-                                      message.drawn, context, [s.rid for s in message.siblings])
+                                      message.drawn, context, [s.rid for s in message.siblings], message.draft)
         request = StageRequest(message.rid, list(message.prompt), start)
         self.requests[request.rid] = request
         for sibling in message.siblings:
@@ -277,7 +285,8 @@ class StageProtocol:
             return []  # cancelled: the token came back after the request was dropped
         if sampled.done:
             return self._end(sampled.rid, last_dropped=True)
-        self._enqueue(Work(request, sampled.pos, 1, True, ids=[sampled.token]))
+        ids = [sampled.token, *sampled.draft]  # with drafted tokens: one pass runs them all (the last stage verifies)
+        self._enqueue(Work(request, sampled.pos, len(ids), True, ids=ids))
         return []
 
     def _free(self, message: messages.Free) -> list[Action]:
@@ -346,9 +355,14 @@ class StageProtocol:
             if entries:
                 actions.append(PromptLogprobs(work.rid, entries))
         fanned = output.fanned or [None] * len(batch)
-        for work, token, logprob, group in zip(batch, output.tokens or [None] * len(batch), logprobs, fanned):
+        verified = output.verified or [None] * len(batch)
+        for work, token, logprob, group, kept in zip(batch, output.tokens or [None] * len(batch), logprobs, fanned,
+                                                     verified):
             if self.is_first and not work.last:
                 self._queue_next_chunk(work.request)  # one stage: the next prompt chunk
+            if kept is not None:
+                actions += self._took_several(work, kept, sampled)
+                continue
             if work.fans_out:
                 for member, (token, logprob) in zip(work.request.members, group or []):
                     actions += self._took(member, work.pos + work.n, token, logprob, sampled)
@@ -357,6 +371,7 @@ class StageProtocol:
             if not work.last or token is None:
                 continue
             actions += self._took(work.request, work.pos + work.n, token, logprob, sampled)
+            self._draft(work.request, sampled)
         if not sampled:
             return actions
         if self.is_first:  # one stage: the token goes straight into the next decode step
@@ -384,6 +399,38 @@ class StageProtocol:
             actions.append(Release(request.rid))
         sampled.append(messages.SampledToken(request.rid, pos, token, finish is not None))
         return actions
+
+    def _took_several(self, work: Work, kept: list, sampled: list) -> list[Action]:
+        """A pass that verified drafted tokens gave ``kept`` (the drafted tokens its model agreed with, then its own
+        next one): each streams, up to the eos/length rule; one SampledToken goes back, for the last of them."""
+        request = work.request
+        actions: list[Action] = []
+        drafted, request.draft = len(request.draft), []
+        taken: list[messages.SampledToken] = []
+        for i, (token, logprob) in enumerate(kept):
+            actions += self._took(request, work.pos + i + 1, token, logprob, taken)
+            if taken[-1].done:
+                break
+        request.spec[2] += drafted
+        request.spec[3] += min(len(taken), len(kept) - 1)  # kept ends with the model's own token, never drafted
+        sampled.append(taken[-1])
+        self._draft(request, sampled)
+        return actions
+
+    def _draft(self, request: StageRequest, sampled: list) -> None:
+        """The last stage sampled ``sampled[-1]`` for ``request``: count the pass, and guess what follows
+        (swarm.stage.drafting) while the model has no more chats than stages."""
+        token = sampled[-1]
+        if request.start.draft <= 0:
+            return
+        request.spec[0] += 1
+        request.spec[1] = request.generated
+        if token.done:
+            return
+        draft = drafting.draft_for(request, len(self.requests), self.num_stages)
+        if draft:
+            request.draft = draft
+            sampled[-1] = dataclasses.replace(token, draft=draft)
 
     def _fanned_out(self, carrier: StageRequest) -> None:
         """A group's last chunk is computed: the siblings hold the prompt's cache now, the carrier is done here."""

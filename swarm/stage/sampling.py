@@ -128,3 +128,19 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams, generator
 def _finite(value: torch.Tensor) -> float:
     value = float(value)
     return value if value > IMPOSSIBLE else IMPOSSIBLE
+
+
+def accept_drafted(probs: torch.Tensor, drafted: int, generator: torch.Generator | None = None) -> int:
+    """Speculative sampling's acceptance rule for a deterministic guess (prompt lookup proposes one token for sure):
+    keep ``drafted`` with probability p(drafted); otherwise draw from ``probs`` (vocab,) without it, renormalised.
+    The token returned is then distributed exactly as ``probs`` (Leviathan et al. 2023, with the guess's own
+    distribution all on ``drafted``): p(drafted) * 1 for drafted, (1 - p(drafted)) * p(x) / (1 - p(drafted)) else."""
+    p = float(probs[drafted])
+    if float(torch.rand((), generator=generator)) < p:
+        return drafted
+    rest = probs.clone().reshape(-1)
+    rest[drafted] = 0.0
+    total = float(rest.sum())
+    if total <= 0.0:  # only a rounding away from p == 1
+        return drafted
+    return int(torch.multinomial(rest / total, num_samples=1, generator=generator)[0])

@@ -35,6 +35,7 @@ class _Totals:
     sent_bytes: float = 0.0
     sent_tokens: int = 0
     prompt_len: int = 0
+    request: Any = None  # the protocol's StageRequest: the last stage's drafting counters (StageRequest.spec)
 
 
 class StageTimer:
@@ -58,6 +59,7 @@ class StageTimer:
         for work in batch:
             totals = self._of(work.rid)
             totals.prompt_len = work.request.start.prompt_len
+            totals.request = work.request
             if work.prefill:
                 totals.prefill_s += seconds
                 totals.prefill_tokens += work.n
@@ -76,7 +78,8 @@ class StageTimer:
                 totals.sent_bytes += nbytes * part.n / rows
                 totals.sent_tokens += 1
                 if self.index == 0 and part.last:
-                    self._out[part.rid] = (part.pos + part.n, now)
+                    # the token comes back for a position past pos; with drafted rows, up to pos + n
+                    self._out[part.rid] = (part.pos, part.pos + part.n, now)
         elif isinstance(message, messages.Sampled) and message.tokens:
             for token in message.tokens:
                 totals = self._totals.get(token.rid)
@@ -91,8 +94,8 @@ class StageTimer:
         for token in message.tokens:
             out = self._out.pop(token.rid, None)
             totals = self._totals.get(token.rid)
-            if out is not None and totals is not None and out[0] == token.pos:
-                totals.ring_s += max(0.0, now - out[1])
+            if out is not None and totals is not None and out[0] < token.pos <= out[1]:
+                totals.ring_s += max(0.0, now - out[2])
                 totals.ring_steps += 1
 
     def finish(self, rid: str) -> messages.StageTimes | None:
@@ -101,5 +104,6 @@ class StageTimer:
         t = self._totals.pop(rid, None)
         if t is None:
             return None
+        spec = t.request.spec if self.index == self.num_stages - 1 and t.request is not None else [0, 0, 0, 0]
         return messages.StageTimes(self.model, rid, self.index, t.prefill_s, t.prefill_tokens, t.decode_s,
-                                   t.decode_steps, t.ring_s, t.ring_steps, round(t.sent_bytes), t.sent_tokens)
+                                   t.decode_steps, t.ring_s, t.ring_steps, round(t.sent_bytes), t.sent_tokens, *spec)
