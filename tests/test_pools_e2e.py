@@ -14,9 +14,9 @@ import sys
 import httpx
 import pytest
 import trio
-
 from fleet import FellowProcess, LeaderProcess, free_port, logs
 from harness import wait_for
+
 from swarm.store.db import Store
 from swarm.store.fleet import model_id
 from swarm.store.manifest import load_manifest
@@ -38,7 +38,7 @@ def test_two_pools_on_one_leader_serve_apart(tmp_path, smollm_model_dir, process
 
         def cli(*args: str) -> str:
             done = subprocess.run([sys.executable, "-m", "swarm", "admin", *args, "--leader", leader.url,
-                                   "--token", token], capture_output=True, text=True, timeout=60,
+                                   "--token", token], capture_output=True, text=True, timeout=60, check=False,
                                   env={**os.environ, "SWARM_LEADER": "", "SWARM_TOKEN": ""})
             assert done.returncode == 0, done.stderr
             return done.stdout
@@ -87,7 +87,7 @@ def test_two_pools_on_one_leader_serve_apart(tmp_path, smollm_model_dir, process
         for pool in ("family", "lab"):
             assert admin.post(f"/api/v1/models/smol@{pool}/load", json={}).status_code == 202
         for pool in ("family", "lab"):
-            wait_for(lambda: admin.get(f"/api/v1/models/smol@{pool}").json()["status"] == "ready", 180,
+            wait_for(lambda pool=pool: admin.get(f"/api/v1/models/smol@{pool}").json()["status"] == "ready", 180,
                      message=lambda: logs(fellows))
             view = admin.get(f"/api/v1/models/smol@{pool}").json()
             assert [s["fellow"] for s in view["stages"]] == [f"pc-{pool}"]

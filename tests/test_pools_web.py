@@ -5,7 +5,6 @@ page. No fellow is needed: nothing is loaded."""
 from __future__ import annotations
 
 import pytest
-
 from web_helpers import CHROMIUM_ARGS, BackgroundSwarm, chromium_path
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
