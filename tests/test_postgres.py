@@ -5,6 +5,7 @@ throwaway server of tests/conftest.py (``postgres_server``)."""
 from __future__ import annotations
 
 import sqlite3
+import sys
 import time
 from pathlib import Path
 
@@ -169,3 +170,12 @@ async def test_a_leader_on_postgresql_enrols_fellows_loads_and_answers(tmp_path:
         assert [m for (m,) in pg.execute("SELECT name FROM models")] == [model]
         assert [m for (m,) in pg.execute("SELECT model FROM serving")] == [model]
         assert pg.execute("SELECT count(*) FROM users WHERE is_admin = 1").fetchone()[0] == 1
+
+
+def test_without_the_driver_the_leader_says_what_to_install(monkeypatch) -> None:
+    """psycopg is imported only when SWARM_DATABASE_URL is set; a leader without it says how to get it."""
+    from swarm.errors import StoreError
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if not installed: its import raises ImportError
+    with pytest.raises(StoreError, match=r"pip install 'psycopg\[binary\]' psycopg_pool"):
+        Store("postgresql://swarm@127.0.0.1:1/swarm")
