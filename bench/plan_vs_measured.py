@@ -1,38 +1,31 @@
 """The planner's prediction (swarm.leader.planner) against the measured speed: the built-in model over 1 and 2
 stages. The goal is within 25 %.
 
-    .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--data-dir /tmp/swarm-bench]
+    .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--data-dir /tmp/swarm-bench]
 
 A leader and two fellows in one process (tests/harness.py) with the fellows' calibration on. For each ring: the plan
-before loading (links assumed), then the load, a warm-up, a greedy reply of --tokens tokens (steady decode tokens/s)
-and a reply to a ~1,000-token prompt (time to first token), then the plan again (links now measured). Prints the
-predicted and measured figures and their ratio.
+before loading (from the fellows' own calibration at start, links assumed), then the load and a warm-up; then
+--rounds rounds, each calibrating afresh right before it measures (swarm.fellow.calibration.measure, handed to both
+fellows, which report it in their next heartbeat) so that the plan and the measurement see the same load on a shared
+machine: the plan (links now measured), a greedy reply of --tokens tokens (steady decode tokens/s) and a reply to a
+~1,000-token prompt (time to first token). Prints each round's predicted and measured figures and their ratio, and
+the median ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import tempfile
+import statistics
 from pathlib import Path
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from builtin_swarm import COUNT, main  # first: puts tests/ on the import path
 
 from harness import running_swarm  # noqa: E402
 
-from swarm.cli import FELLOW_THREAD_ENV  # noqa: E402
+from swarm.fellow import calibration  # noqa: E402
 
-for _name, _value in {**FELLOW_THREAD_ENV, "OMP_WAIT_POLICY": "PASSIVE"}.items():  # as `swarm join` and the tests
-    os.environ.setdefault(_name, _value)
-
-from swarm.demo import BUILTIN  # noqa: E402
-from swarm.model_import import ensure_imported  # noqa: E402
-
-COUNT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
 LONG = [{"role": "user", "content": "Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 98}]
 
 
@@ -44,39 +37,67 @@ async def plan(swarm, name: str, stages: int) -> dict:
         await trio.sleep(0.5)  # the fellows' calibration is still running
 
 
-async def bench(model_dir: Path, tmp: Path, tokens: int) -> None:
+async def calibrate_afresh(swarm) -> dict:
+    """Calibrate now, as a fellow does (its device, every core), and wait until the leader holds it for both."""
+    fellow = swarm.fellows[0]
+    device = calibration.compute_device(fellow.settings.device)
+    fresh = await trio.to_thread.run_sync(calibration.measure, device, fellow.threads_for(1))
+    for fellow in swarm.fellows:
+        fellow.calibration = fresh
+    while any(conn.calibration != fresh for conn in swarm.leader.hub.online.values()):
+        await trio.sleep(0.1)
+    return fresh
+
+
+def parts(prediction: dict) -> str:
+    return " + ".join(f"{s['decode_ms']:.1f}" for s in prediction["stages"]) + "".join(
+        f" + link {link['ms_per_token']:.1f}" for link in prediction["links"])
+
+
+async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
     name = model_dir.name
+    summary = []
     for stages in (1, 2):
-        async with running_swarm(tmp / f"s{stages}", [model_dir], fellow_env={"SWARM_CALIBRATE": "1"}) as swarm:
+        fellow_env = {"SWARM_CALIBRATE": "1", **({"SWARM_THREADS": str(args.threads)} if args.threads else {})}
+        async with running_swarm(tmp / f"s{stages}", [model_dir], fellow_env=fellow_env) as swarm:
             before = await plan(swarm, name, stages)
             await swarm.load(name, stages)
             await swarm.chat(name, [{"role": "user", "content": "Hi"}], max_tokens=4)  # warm-up
-            decode = (await swarm.chat(name, COUNT, max_tokens=tokens, ignore_eos=True))["swarm"]["timing"]
-            long = await swarm.chat(name, LONG, max_tokens=2)
-            after = await plan(swarm, name, stages)
-            ttft = long["swarm"]["timing"]["ttft_ms"] / 1000
-            print(f"{stages} stage{'s' if stages > 1 else ''}: {after['text']}", flush=True)
-            print(f"  predicted before loading {before['tokens_per_s']:.1f} tok/s, "
-                  f"TTFT {before['time_to_first_token_s']:.2f} s; after (links measured) "
-                  f"{after['tokens_per_s']:.1f} tok/s, TTFT {after['time_to_first_token_s']:.2f} s", flush=True)
-            split = ", ".join(f"{s['compute_ms_per_token']:.1f}" for s in decode["stages"])
-            print(f"  measured {decode['tokens_per_s']:.1f} tok/s ({decode['ms_per_token']:.1f} ms/token; "
-                  f"stages {split} ms/token), "
-                  f"TTFT {ttft:.2f} s for {long['usage']['prompt_tokens']} prompt tokens", flush=True)
-            print(f"  predicted/measured: tokens/s {after['tokens_per_s'] / decode['tokens_per_s']:.2f}, "
-                  f"TTFT {after['time_to_first_token_s'] / ttft:.2f}", flush=True)
+            label = f"{stages} stage{'s' if stages > 1 else ''}"
+            print(f"{label}: before loading (calibrated at the fellows' start, links assumed) "
+                  f"{before['tokens_per_s']:.1f} tok/s, TTFT {before['time_to_first_token_s']:.2f} s", flush=True)
+            decode_ratios, ttft_ratios = [], []
+            for round_ in range(args.rounds):
+                fresh = await calibrate_afresh(swarm)
+                after = await plan(swarm, name, stages)
+                decode = (await swarm.chat(name, COUNT, max_tokens=args.tokens, ignore_eos=True))["swarm"]["timing"]
+                long = await swarm.chat(name, LONG, max_tokens=2)
+                ttft = long["swarm"]["timing"]["ttft_ms"] / 1000
+                decode_ratios.append(after["tokens_per_s"] / decode["tokens_per_s"])
+                ttft_ratios.append(after["time_to_first_token_s"] / ttft)
+                points = "; ".join(f"hidden {p['hidden']}: layer {p['decode_ms']:.2f} ms, head {p['head_ms']:.1f} ms"
+                                   for p in fresh["points"])
+                split = " + ".join(f"{s['compute_ms_per_token']:.1f}" for s in decode["stages"]) + (
+                    f" + links {decode['link_ms_per_token']:.1f}" if decode.get("link_ms_per_token") else "")
+                print(f"  round {round_ + 1} (calibration: {points})\n"
+                      f"    predicted {after['tokens_per_s']:.1f} tok/s ({after['ms_per_token']:.1f} ms/token = "
+                      f"{parts(after)}), TTFT {after['time_to_first_token_s']:.2f} s\n"
+                      f"    measured  {decode['tokens_per_s']:.1f} tok/s ({decode['ms_per_token']:.1f} ms/token = "
+                      f"{split}), TTFT {ttft:.2f} s for {long['usage']['prompt_tokens']} prompt tokens\n"
+                      f"    predicted/measured: tokens/s {decode_ratios[-1]:.2f}, TTFT {ttft_ratios[-1]:.2f}",
+                      flush=True)
+            summary.append((label, decode_ratios, ttft_ratios))
+    for label, decode_ratios, ttft_ratios in summary:
+        print(f"{label}: predicted/measured tokens/s {' '.join(f'{r:.2f}' for r in decode_ratios)} "
+              f"(median {statistics.median(decode_ratios):.2f}); TTFT {' '.join(f'{r:.2f}' for r in ttft_ratios)} "
+              f"(median {statistics.median(ttft_ratios):.2f})", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
-    args = parser.parse_args()
-    (args.data_dir / "leader").mkdir(parents=True, exist_ok=True)
-    ensure_imported(BUILTIN, args.data_dir / "leader", BUILTIN)
-    with tempfile.TemporaryDirectory() as tmp:
-        trio.run(bench, args.data_dir / "leader" / "models" / BUILTIN, Path(tmp), args.tokens)
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3, help="calibrate-then-measure rounds per ring")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="SWARM_THREADS for the fellows (their calibration and their stages); 0: every core")
 
 
 if __name__ == "__main__":
-    main()
+    main(bench, __doc__, options)

@@ -69,6 +69,8 @@ def test_plan_before_loading_route_and_cli(pool):
     for fellow in pool.fellows:
         cached = json.loads((fellow.data_dir / "calibration.json").read_text())
         assert cached["key"] and len(cached["calibration"]["points"]) == 2
+        for point in cached["calibration"]["points"]:  # the layer, the pass's own costs, the embedding, the head
+            assert all(point[k] > 0 for k in ("decode_ms", "prefill_ms", "pass_ms", "embed_ms", "head_bytes", "head_ms"))
 
     one = plan(pool, "?num_stages=1").json()
     assert one["num_stages"] == 1 and one["links"] == []
@@ -87,7 +89,7 @@ def test_plan_before_loading_route_and_cli(pool):
 def test_plan_errors_are_the_apis(pool):
     missing = plan(pool, name="no-such-model")
     assert missing.status_code == 404
-    assert "not in the catalogue" in missing.json()["error"]["message"]
+    assert "'no-such-model'" in missing.json()["error"]["message"]  # the model route's own words name it
     too_many = plan(pool, "?num_stages=3")
     assert too_many.status_code == 409
     assert "needs 3 fellows online" in too_many.json()["error"]["message"]
@@ -95,5 +97,5 @@ def test_plan_errors_are_the_apis(pool):
     assert bad.status_code == 400
     result = swarm_plan(pool, "no-such-model")
     assert result.returncode == 1
-    assert result.stderr.strip().startswith("error: ") and "not in the catalogue" in result.stderr
+    assert result.stderr.strip().startswith("error: ") and "'no-such-model'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

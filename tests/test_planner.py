@@ -40,6 +40,27 @@ def test_layer_speed_is_a_line_through_the_two_widths():
     assert half.prefill_ms(1_000_000) == pytest.approx(100.0)
 
 
+def test_a_stage_pays_its_pass_embedding_and_head_as_measured():
+    """A calibration that also timed what a decode pass costs besides its layers (pass_ms), the embedding and the
+    head (swarm.fellow.calibration VERSION 3): each stage pays its pass, the first its embedding, the last its head
+    at the head's own line."""
+    cal = calibration(2, 4, 100, 300)
+    for point, (pass_ms, embed_ms, head_bytes, head_ms) in zip(cal["points"], [(0.5, 0.01, 10_000_000, 5.0),
+                                                                               (0.7, 0.03, 30_000_000, 13.0)]):
+        point.update(pass_ms=pass_ms, embed_ms=embed_ms, head_bytes=head_bytes, head_ms=head_ms)
+    speed = layer_speed(cal)
+    # the per-pass costs hardly depend on the width: their mean; the head: 1 ms + 4e-7 ms/byte
+    assert (speed.pass_ms, speed.embed_ms) == (pytest.approx(0.6), pytest.approx(0.02))
+    assert (speed.head_fixed_ms, speed.head_per_byte_ms) == (pytest.approx(1.0), pytest.approx(4e-7))
+    p = predict(TWO, SIZE, {1: speed, 2: speed}, [Hop(2.0, False), Hop(2.0, False)], 2500, prefill_chunk=256)
+    # stage 0: pass 0.6 + embedding 0.02 + 2 layers x 2 ms = 4.62 ms; stage 1: 0.6 + 4 + head 1 + 4e-7 x 10,000
+    assert [s["decode_ms"] for s in p["stages"]] == [pytest.approx(4.62), pytest.approx(5.604)]
+    # the prompt: 4 chunks of 256, each paying the pass (and on stage 0 the embedding); the head once at its end
+    assert [s["prefill_ms"] for s in p["stages"]] == [pytest.approx(4 * 0.62 + 200), pytest.approx(2.4 + 200 + 1.004)]
+    # an older calibration (no head timed): the head at the layers' cost per byte, no pass cost
+    assert SPEEDS[1].head_ms(10_000) == pytest.approx(0.01) and SPEEDS[1].pass_ms == 0.0
+
+
 def test_two_stages_compute_bound_on_the_slower_fellow():
     hops = [Hop(10.0, True, "direct"), Hop(2.0, False)]
     p = predict(TWO, SIZE, SPEEDS, hops, hidden_bytes_per_token=2500, prefill_chunk=256)

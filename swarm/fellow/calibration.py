@@ -1,10 +1,13 @@
-"""How fast this fellow runs a decoder layer: a short calibration on the device it computes on, for the planner.
+"""How fast this fellow runs a stage: a short calibration on the device it computes on, for the planner.
 
-A synthetic Llama-style decoder layer (attention with its four projections, a gated MLP of 8/3 the width) is timed at
-two hidden sizes, for one decode step (one token over a short KV cache) and for a 256-token prefill chunk (a prompt's chunk). The
-leader fits a line through the two points (fixed cost per layer + cost per weight byte) and scales it by a model's
-layer sizes (swarm.leader.planner). It runs in a worker thread when the fellow starts, takes well under a few seconds,
-and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
+Transformers' own Llama decoder layer (random weights, grouped-query attention, a gated MLP of 8/3 the width), called
+as a stage calls it, is timed at two hidden sizes, for one decode step (one token over a short KV cache) and for a
+256-token prefill chunk (a prompt's chunk); so is what a decode pass costs besides its layers (the rotary table, the
+causal mask, the hidden state's copy for the wire), a first stage's embedding, and a last stage's final norm, head
+and greedy pick over a HEAD_VOCAB-token vocabulary. The leader fits a line through the two points (fixed cost per
+layer + cost per weight byte; the head's per head byte) and scales it by a model's sizes (swarm.leader.planner).
+Each figure is the median of its runs. It runs in a worker thread when the fellow starts, takes 5-10 s on a 2-core
+CPU, and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # bump when what is measured changes: older cached results are then measured again
+VERSION = 3  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
+HEAD_VOCAB = 32768  # the timed head's vocabulary (the planner scales it by a model's head bytes)
 
 
 def hardware_key(device: str, hardware_wire: dict) -> str:
@@ -43,57 +48,165 @@ def compute_device(setting: str) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-def _layer(hidden: int, device: str, dtype):
-    import torch
-
-    inter = hidden * 8 // 3
-    g = torch.Generator().manual_seed(0)
-
-    def w(rows, cols):
-        return (torch.randn(rows, cols, generator=g) / cols ** 0.5).to(device=device, dtype=dtype)
-
-    return {"q": w(hidden, hidden), "k": w(hidden, hidden), "v": w(hidden, hidden), "o": w(hidden, hidden),
-            "gate": w(inter, hidden), "up": w(inter, hidden), "down": w(hidden, inter)}
+LAYERS = 4  # layers chained per timed pass, as a stage runs them (sharing one rotary table, timed with the pass)
+# Decode steps per timed run: 32 layers' worth, as long as a small model's stage takes, so that on a machine other
+# work shares, a run meets the scheduler as a stage's pass does (runs much shorter than a time slice mostly do not).
+DECODE_STEPS = 8
 
 
-def _forward(layer: dict, x, past_k, past_v, heads: int):
-    import torch
-    import torch.nn.functional as F
+class _Stack:
+    """``LAYERS`` of transformers' own Llama decoder layers (grouped-query attention, a gated MLP of 8/3 the width,
+    random weights), called as a stage calls its layers (swarm.stage.slice.StageModel.forward): one rotary table per
+    pass (timed apart, with the pass's other costs), a DynamicCache per request. Timing the library's layer rather
+    than bare matmuls counts what each layer costs beyond its weights (the cache's bookkeeping, module calls), which
+    dominates at small widths."""
 
-    tokens, hidden = x.shape
-    h = F.rms_norm(x, (hidden,))
-    q = (h @ layer["q"].T).view(tokens, heads, -1).transpose(0, 1)
-    k = (h @ layer["k"].T).view(tokens, heads, -1).transpose(0, 1)
-    v = (h @ layer["v"].T).view(tokens, heads, -1).transpose(0, 1)
-    if past_k is not None:
-        k, v = torch.cat([past_k, k], 1), torch.cat([past_v, v], 1)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=past_k is None)
-    x = x + attn.transpose(0, 1).reshape(tokens, hidden) @ layer["o"].T
-    h = F.rms_norm(x, (hidden,))
-    return x + (F.silu(h @ layer["gate"].T) * (h @ layer["up"].T)) @ layer["down"].T
+    def __init__(self, hidden: int, device: str, dtype):
+        import torch
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        heads = max(1, hidden // 64)
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=heads,
+                             num_key_value_heads=max(1, heads // 3) if heads % 3 == 0 else heads,
+                             num_hidden_layers=LAYERS, max_position_embeddings=4096)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        self.config = config
+        self.layers = [LlamaDecoderLayer(config, i).to(device=device, dtype=dtype).eval() for i in range(LAYERS)]
+        self.rotary = LlamaRotaryEmbedding(config).to(device)
+        self.device, self.dtype = device, dtype
+
+    def weight_bytes(self) -> int:
+        """One layer's weights (norms included), as a stage's layer_bytes counts them."""
+        return sum(p.numel() * p.element_size() for p in self.layers[0].parameters())
+
+    def new_cache(self, tokens: int):
+        """A cache already holding ``tokens`` positions (a conversation in progress)."""
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        if tokens:
+            self.run(self.states(tokens), 0, cache)
+        return cache
+
+    def states(self, tokens: int):
+        import torch
+
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(1, tokens, self.config.hidden_size, generator=g).to(device=self.device, dtype=self.dtype)
+
+    def run(self, states, position: int, cache, embeddings=None):
+        """The layers over ``states`` from ``position`` on; ``embeddings``: the pass's rotary table (computed here
+        when not given)."""
+        import torch
+
+        position_ids = torch.arange(position, position + states.shape[1], device=self.device).unsqueeze(0)
+        if embeddings is None:
+            embeddings = self.rotary(states, position_ids)
+        for layer in self.layers:
+            states = layer(states, attention_mask=None, position_ids=position_ids, cache=cache, use_cache=True,
+                           position_embeddings=embeddings)
+        return states
+
+    def pass_ends(self, states, position: int, cache):
+        """What a stage's decode pass does besides its layers, as swarm.stage.slice.StageModel.forward and
+        swarm.stage.execute.run_batch do it: the position ids, the rotary table, the causal mask, and the hidden
+        state's copy for the wire. Returns the rotary table."""
+        import torch
+        from transformers.masking_utils import create_causal_mask
+
+        from swarm import wire
+
+        position_ids = torch.arange(position, position + states.shape[1], device=self.device).unsqueeze(0)
+        embeddings = self.rotary(states, position_ids)
+        create_causal_mask(config=self.config, inputs_embeds=states, attention_mask=None, cache=cache,
+                           position_ids=position_ids)
+        wire.tensor_to_wire(states)
+        return embeddings
 
 
-def _best(fn, sync, repeats: int, budget_s: float) -> float:
-    """The fastest of ``repeats`` runs (seconds), after warm-ups; fewer runs once ``budget_s`` is spent. (The first
-    calls of a new shape are far slower on CPU -- oneDNN picks its kernels -- so they do not count.)"""
+class _Ends:
+    """A first stage's embedding and a last stage's final norm, head and greedy pick, at HEAD_VOCAB tokens, as
+    swarm.stage.slice.StageModel.forward/logits and swarm.stage.execute._sample run them per decode step."""
+
+    def __init__(self, hidden: int, device: str, dtype):
+        import torch
+        from torch import nn
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(HEAD_VOCAB, hidden).to(device=device, dtype=dtype)
+        self.norm = LlamaRMSNorm(hidden).to(device=device, dtype=dtype)
+        self.head = nn.Linear(hidden, HEAD_VOCAB, bias=False).to(device=device, dtype=dtype)
+        self.ids = torch.tensor([[7]], dtype=torch.long)
+        self.device = device
+
+    def head_bytes(self) -> int:
+        return self.head.weight.numel() * self.head.weight.element_size()
+
+    def embed_step(self) -> None:
+        self.embed(self.ids.to(self.device))
+
+    def head_step(self, states) -> int:
+        import torch
+
+        logits = self.head(self.norm(states[:, -1:, :]))[0, -1].float().cpu()
+        return int(torch.argmax(logits))
+
+
+def _typical(fn, sync, repeats: int, budget_s: float) -> float:
+    """The median of ``repeats`` runs (seconds), after warm-ups; fewer runs once ``budget_s`` is spent. (The first
+    calls of a new shape are far slower on CPU -- oneDNN picks its kernels -- so they do not count.) The median, not
+    the fastest: on a machine that other work shares, a stage meets the same contention as the typical run, and the
+    fastest run is the lucky moment nothing else ran; on an idle machine the two agree."""
     for _ in range(3):
         fn()
     sync()
-    best = float("inf")
+    times = []
     start = time.perf_counter()
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
-    return best
+    return statistics.median(times)
+
+
+def _point(hidden: int, device: str, dtype, sync) -> dict:
+    stack = _Stack(hidden, device, dtype)
+    ends = _Ends(hidden, device, dtype)
+    cache = stack.new_cache(KV_TOKENS)
+    one = stack.states(1)
+    chunk = stack.states(PREFILL_TOKENS)
+    rotary = stack.pass_ends(one, KV_TOKENS, cache)
+
+    def decode_steps():
+        for _ in range(DECODE_STEPS):
+            stack.run(one, KV_TOKENS, cache, rotary)
+            cache.crop(-1)  # the next step sees the same cache (transformers 5: a count to remove)
+
+    def prefill_chunk():
+        stack.run(chunk, 0, stack.new_cache(0))
+
+    decode = _typical(decode_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
+    prefill = _typical(prefill_chunk, sync, 5, 0.5) / LAYERS
+    per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2)
+    embed = _typical(ends.embed_step, sync, 30, 0.1)
+    head = _typical(lambda: ends.head_step(one), sync, 20, 0.5)
+    return {"hidden": hidden, "weight_bytes": stack.weight_bytes(), "decode_ms": round(decode * 1e3, 4),
+            "prefill_ms": round(prefill * 1e3, 3), "pass_ms": round(per_pass * 1e3, 4),
+            "embed_ms": round(embed * 1e3, 4), "head_bytes": ends.head_bytes(), "head_ms": round(head * 1e3, 4)}
 
 
 def measure(device: str = "cpu", threads: int | None = None) -> dict:
-    """Time one synthetic decoder layer at each of HIDDEN_SIZES on ``device``: a list of points, each with the
-    layer's weight bytes, a decode step's ms and a PREFILL_TOKENS-token prefill chunk's ms."""
+    """Time a stage's parts at each of HIDDEN_SIZES on ``device``: a list of points, each with one layer's weight
+    bytes, its decode step's ms (one token over a KV_TOKENS-token cache) and its PREFILL_TOKENS-token prefill
+    chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table, causal mask, the copy for the
+    wire); the first stage's embedding (``embed_ms``); and the last stage's final norm, head and greedy pick over
+    HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``)."""
     import torch
 
     dtype = torch.float32 if device == "cpu" else torch.float16
@@ -101,21 +214,9 @@ def measure(device: str = "cpu", threads: int | None = None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
-    points = []
     try:
         with torch.inference_mode():
-            for hidden in HIDDEN_SIZES:
-                layer = _layer(hidden, device, dtype)
-                heads = hidden // 64
-                g = torch.Generator().manual_seed(1)
-                one = torch.randn(1, hidden, generator=g).to(device=device, dtype=dtype)
-                past = torch.randn(heads, KV_TOKENS, 64, generator=g).to(device=device, dtype=dtype)
-                chunk = torch.randn(PREFILL_TOKENS, hidden, generator=g).to(device=device, dtype=dtype)
-                decode = _best(lambda: _forward(layer, one, past, past, heads), sync, 30, 0.5)
-                prefill = _best(lambda: _forward(layer, chunk, None, None, heads), sync, 5, 0.5)
-                weight_bytes = sum(t.numel() for t in layer.values()) * torch.finfo(dtype).bits // 8
-                points.append({"hidden": hidden, "weight_bytes": weight_bytes, "decode_ms": round(decode * 1e3, 4),
-                               "prefill_ms": round(prefill * 1e3, 3)})
+            points = [_point(hidden, device, dtype, sync) for hidden in HIDDEN_SIZES]
     finally:
         torch.set_num_threads(old_threads)
     return {"version": VERSION, "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -138,7 +239,7 @@ def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads:
         result = measure(device, threads)
         log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
                  ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms, {PREFILL_TOKENS}-token prefill "
-                           f"{p['prefill_ms']:.0f} ms" for p in result["points"]))
+                           f"{p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms" for p in result["points"]))
     except Exception as exc:  # noqa: BLE001 -- a planner without this fellow's speed is better than no fellow
         log.warning("could not calibrate this fellow's speed on %s (%s): the planner will not count it", device, exc)
         return None

@@ -1,10 +1,12 @@
 """Know before you load: the decode speed and the time to first token a model would have on the pool now.
 
 Plain functions over made-up or real inputs. The placement is the one a load would make (the caller gets it from
-swarm.leader.serving.ServingHub.placement); each fellow's speed is its calibration (swarm.fellow.calibration: one
-synthetic decoder layer timed at two widths, a decode step and a 1,000-token prefill chunk), fitted with a line --
-a fixed cost per layer plus a cost per weight byte -- and scaled by the model's layer sizes at the dtype its stages
-compute in. Each hop between stages costs half its round trip plus its bytes over the link, per pass.
+swarm.leader.serving.ServingHub.placement); each fellow's speed is its calibration (swarm.fellow.calibration:
+transformers' decoder layer timed at two widths, a decode step and a prefill chunk; a pass's own costs; the
+embedding; the head), fitted with a line -- a fixed cost per layer plus a cost per weight byte, the head's per head
+byte -- and scaled by the model's sizes at the dtype its stages compute in. Each stage pays its pass, the first its
+embedding, the last its head and pick. Each hop between stages costs half its round trip plus its bytes over the
+link, per pass.
 
 One token passes every stage in turn and every hop once (the ring), so the time per token is the sum of the stages'
 compute and the hops' transit; the bottleneck is the largest of those parts. A prompt goes through the ring in
@@ -30,17 +32,29 @@ TOKEN_BACK_BYTES = 64  # the last stage's token going back to the first (with it
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpeed:
-    """A fellow's time for one decoder layer: ``fixed_ms + per_byte_ms * weight_bytes``, decode and prefill."""
+    """A fellow's speed: one decoder layer takes ``fixed_ms + per_byte_ms * weight_bytes`` (decode and prefill); a
+    decode pass costs ``pass_ms`` besides its layers (rotary table, causal mask, the copy for the wire), a first
+    stage's embedding ``embed_ms``, a last stage's norm, head and pick ``head_fixed_ms + head_per_byte_ms * head
+    bytes``. A fellow on an older calibration (no head measured) has the head at its layers' cost per byte."""
     decode_fixed_ms: float
     decode_per_byte_ms: float
     prefill_fixed_ms: float  # for PROMPT_TOKENS tokens
     prefill_per_byte_ms: float
+    pass_ms: float = 0.0
+    embed_ms: float = 0.0
+    head_fixed_ms: float | None = None
+    head_per_byte_ms: float | None = None
 
     def decode_ms(self, weight_bytes: int) -> float:
         return self.decode_fixed_ms + self.decode_per_byte_ms * weight_bytes
 
     def prefill_ms(self, weight_bytes: int, tokens: int = PROMPT_TOKENS) -> float:
         return (self.prefill_fixed_ms + self.prefill_per_byte_ms * weight_bytes) * tokens / PROMPT_TOKENS
+
+    def head_ms(self, head_bytes: int) -> float:
+        if self.head_per_byte_ms is None:
+            return self.decode_per_byte_ms * head_bytes
+        return (self.head_fixed_ms or 0.0) + self.head_per_byte_ms * head_bytes
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -63,9 +77,18 @@ def layer_speed(calibration: dict) -> LayerSpeed:
     tokens = float(calibration.get("prefill_tokens") or PROMPT_TOKENS)
     decode = [(float(p["weight_bytes"]), float(p["decode_ms"])) for p in points]
     prefill = [(float(p["weight_bytes"]), float(p["prefill_ms"]) * PROMPT_TOKENS / tokens) for p in points]
-    if any(x <= 0 or y < 0 or not math.isfinite(y) for x, y in decode + prefill):
+    heads = [(float(p["head_bytes"]), float(p["head_ms"])) for p in points if "head_ms" in p and "head_bytes" in p]
+    if any(x <= 0 or y < 0 or not math.isfinite(y) for x, y in decode + prefill + heads):
         raise ValueError("calibration points out of range")
-    return LayerSpeed(*_line(decode), *_line(prefill))
+
+    def mean(key: str) -> float:
+        values = [float(p[key]) for p in points if key in p]
+        if any(v < 0 or not math.isfinite(v) for v in values):
+            raise ValueError(f"calibration {key} out of range")
+        return sum(values) / len(values) if values else 0.0
+
+    head = _line(heads) if len(heads) == len(points) else (None, None)
+    return LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,19 +110,22 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     from stage i to stage i+1 (the last one back to stage 0); none with one stage. ``speeds``: fellow id -> speed."""
     n = len(plans)
     stages = []
+    chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
     for plan in plans:
         speed = speeds[plan.fellow_id]
         layers = size.layer_bytes[plan.first_layer:plan.end_layer]
-        decode = sum(speed.decode_ms(b) for b in layers)
-        prefill = sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
+        decode = speed.pass_ms + sum(speed.decode_ms(b) for b in layers)
+        prefill = chunks * speed.pass_ms + sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
+        if plan.index == 0:
+            decode += speed.embed_ms
+            prefill += chunks * speed.embed_ms
         if plan.index == n - 1:  # the head: one token's logits, in decode and at the prompt's end alike
-            head = speed.decode_per_byte_ms * head_bytes(size)
+            head = speed.head_ms(head_bytes(size))
             decode += head
             prefill += head
         stages.append({"index": plan.index, "fellow_id": plan.fellow_id, "fellow": plan.fellow_name,
                        "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill})
     links = []
-    chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
     for i, hop in enumerate(hops[:n] if n > 1 else []):
         forward = i < n - 1  # hidden states forward; the last hop carries the token back
         per_token_bytes = hidden_bytes_per_token if forward else TOKEN_BACK_BYTES
