@@ -135,3 +135,27 @@ def test_members_see_only_their_pools_models(store: Store) -> None:
     assert store.remove_pool_member(lab.id, family.id)
     store.delete_user(scientist.id)
     assert store.pool_members(lab.id) == []
+
+
+def test_import_into_a_pool(tmp_path) -> None:
+    """`swarm model import SOURCE --name m --pool lab` writes models/m@lab and lists it in the lab's pool, beside an m
+    of the default pool; an unknown pool, or an '@' in the name, is refused before anything is read."""
+    from conftest import build_tiny_source
+
+    from swarm.errors import ImportFailed
+    from swarm.model_import import import_into_leader
+
+    leader = tmp_path / "leader"
+    source = build_tiny_source(tmp_path / "src", "llama")
+    with pytest.raises(PoolNotFound, match="no pool 'lab'"):
+        import_into_leader(str(source), leader, "m", pool="lab")
+    with Store(leader / "leader.db", password_hasher=CHEAP) as store:
+        admin = store.create_user("root", "pw", is_admin=True)
+        lab = store.create_pool("lab", admin.id)
+    with pytest.raises(ImportFailed, match="'m@x' cannot be a model name"):
+        import_into_leader(str(source), leader, "m@x", pool="lab")
+    assert import_into_leader(str(source), leader, "m", pool="lab").name == "m@lab"
+    import_into_leader(str(source), leader, "m")
+    assert sorted(p.name for p in (leader / "models").iterdir()) == ["m", "m@lab"]
+    with Store(leader / "leader.db", password_hasher=CHEAP) as store:
+        assert [(m.name, m.pool_id == lab.id) for m in store.list_models()] == [("m", False), ("m@lab", True)]
