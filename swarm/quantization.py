@@ -31,9 +31,18 @@ def check_kind(kind: Any) -> str:
     return kind
 
 
-def bytes_per_weight(kind: str, device_type: str) -> float | None:
-    """What one weight of a quantized linear layer holds in memory (None: unquantized)."""
-    return _BYTES_PER_WEIGHT.get(("cuda" if device_type != "cpu" else "cpu", kind))
+# int8 also holds a scale per output row: bfloat16 on CPU, float32 in bitsandbytes' LLM.int8 (its SCB).
+_BYTES_PER_ROW = {("cpu", "int8"): 2, ("cuda", "int8"): 4}
+
+
+def bytes_per_weight(kind: str, device_type: str, row: int | None = None) -> float | None:
+    """What one weight of a quantized linear layer holds in memory (None: unquantized); with ``row`` (the weights of
+    an output row, a layer's in_features: give the shortest for an upper bound), its share of the row's scale too."""
+    device = "cuda" if device_type != "cpu" else "cpu"
+    per_weight = _BYTES_PER_WEIGHT.get((device, kind))
+    if per_weight is None or not row:
+        return per_weight
+    return per_weight + _BYTES_PER_ROW.get((device, kind), 0) / row
 
 
 # --- what a machine can run (reported in the fellow's hardware, cheap: no torch import) ------------------------------

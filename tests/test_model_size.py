@@ -1,6 +1,6 @@
 """What placement counts a stage to hold at each quantization (swarm.leader.models.model_size): every tensor
 swarm.stage.quantize quantizes at swarm.quantization's bytes per weight, the rest in the compute dtype. The built-in
-model's real stages (2 of 30 layers each, on CPU) held 1.000-1.003x what this counts at every kind."""
+model's real stages (15 of 30 layers each, on CPU) held 4-36 KB less than this counts at every kind."""
 
 from __future__ import annotations
 
@@ -28,21 +28,22 @@ def last_stage(size, first: int = 2) -> int:
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("kind, layer_byte, head_byte", [
-    ("int8", 1.0, 1.0),  # int8 layers, an int8 head
-    ("nf4", 0.625, 1.0),  # 4 bits + a scale and offset per 32 weights; the head stays int8 (quality)
+    ("int8", 1.002, 1.002),  # int8 layers, an int8 head: a byte, and a bfloat16 scale per row of 1000
+    ("nf4", 0.625, 1.002),  # 4 bits + a scale and offset per 32 weights; the head stays int8 (quality)
     ("int4-fast", 0.625, 0.625),  # the head at 4 bits too (speed)
 ])
 def test_on_cpu_the_layers_linears_and_the_head_are_counted_quantized(tied, kind, layer_byte, head_byte):
     size = model_size(manifest(tied), cpu=True, quantization=kind)
     norms = 2 * HIDDEN * 4  # a layer's two norms stay in float32
-    assert size.layer_bytes == (int(5_000_000 * layer_byte + norms),) * LAYERS
+    assert size.layer_bytes == pytest.approx((5_000_000 * layer_byte + norms,) * LAYERS, abs=1)
     assert size.embed_bytes == VOCAB * HIDDEN * 4  # the embedding is a lookup: float32, never quantized
-    head = int(VOCAB * HIDDEN * head_byte)
+    head = VOCAB * HIDDEN * head_byte
     # the last stage holds the layers, the float32 final norm and the quantized head -- and no float32 embedding for
     # a tied head (the stage quantizes a copy of it and drops the float one)
-    assert last_stage(size) == 2 * size.layer_bytes[0] + HIDDEN * 4 + head
+    assert last_stage(size) == pytest.approx(2 * size.layer_bytes[0] + HIDDEN * 4 + head, abs=2)
     # one stage holds the float32 embedding and the quantized head both
-    assert last_stage(size, first=0) == 4 * size.layer_bytes[0] + VOCAB * HIDDEN * 4 + HIDDEN * 4 + head
+    assert last_stage(size, first=0) == pytest.approx(4 * size.layer_bytes[0] + VOCAB * HIDDEN * 4 + HIDDEN * 4 + head,
+                                                      abs=2)
     full = model_size(manifest(tied), cpu=True)
     assert last_stage(size) < last_stage(full) / 2
     assert size.kv_bytes_per_token_per_layer == full.kv_bytes_per_token_per_layer == 1024  # the KV cache stays float32

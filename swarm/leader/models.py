@@ -44,6 +44,7 @@ class ModelServing:
     size: ModelSize | None = None  # what its stages hold, at the dtype they compute in
     quantization: str = "none"  # swarm.quantization.KINDS: how its stages hold their linear layers
     full_weight_bytes: int = 0  # what its weights would hold unquantized (the Settings panel's compression)
+    speculative: int = 0  # drafting ahead: tokens guessed per pass (SWARM_SERVE_SPECULATIVE when it was loaded)
     pool_id: int | None = None  # its pool: only that pool's fellows take its stages, covers and failovers
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
@@ -164,10 +165,11 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSi
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
     device = "cpu" if cpu else "cuda"
-    layer_q = bytes_per_weight(quantization, device)
+    hidden = manifest.get("hidden_size") or 0  # the shortest row of a decoder layer's linears, and the head's row
+    layer_q = bytes_per_weight(quantization, device, hidden)
     head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization != "none" and cpu else "none"
-    head_q = bytes_per_weight(head_kind, device)
-    norm = (manifest.get("hidden_size") or 0) * stored  # one norm's weight, as stored
+    head_q = bytes_per_weight(head_kind, device, hidden)
+    norm = hidden * stored  # one norm's weight, as stored
 
     def quantized(size: int, q: float | None, unquantized: int = 0) -> int:
         """A file of ``size`` stored bytes whose ``unquantized`` bytes (norms) stay in the compute dtype."""
