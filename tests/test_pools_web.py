@@ -1,6 +1,7 @@
 """The chat page in headless Chromium names its pool: /pools/{owner}/{pool}/inference shows that pool and its models
 only, /inference shows "All your pools" and every model of the user's pools, and the pool picker opens another pool's
-page. No fellow is needed: nothing is loaded."""
+page; Admin > Pools creates a pool, adds a member and mints a join token for it. No fellow is needed: nothing is
+loaded."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ def test_the_page_names_its_pool_and_lists_its_models_only(tmp_path, smollm_mode
             page.wait_for_url("**/pools/admin/default/inference")
             expect(page.locator("#pool-context")).to_have_text("admin / default")
             expect(picker).to_have_text([builtin])
+
+            # Admin > Pools: a new pool, a member for it, and a join token that names it
+            page.goto(f"{bg.swarm.url}/admin")
+            page.fill("#new-pool-name", "kids")
+            page.get_by_role("button", name="Create pool").click()
+            row = page.locator("#pools-table tr", has_text="kids")
+            expect(row).to_have_count(1)
+            row.get_by_label("Add a member to pool kids").select_option("admin")
+            expect(row.get_by_role("button", name="Remove admin from pool kids")).to_be_visible()
+            page.select_option("#join-pool", "kids")
+            page.click("#new-join-token")
+            expect(page.locator("dialog")).to_contain_text("that should join pool kids")
+            page.locator("dialog").get_by_role("button", name="Done").click()
+            expect(page.locator("#join-table")).to_contain_text("kids")
+            kids = bg.sync(store.pool_by_name, "kids")
+            assert [u.name for u in bg.sync(store.pool_members, kids.id)] == ["admin"]
+            assert [t.pool_id for t in bg.sync(store.list_join_tokens)][-1] == kids.id
             browser.close()
     finally:
         bg.stop()
