@@ -199,3 +199,29 @@ def test_sampled_reply_with_drafting_follows_the_acceptance_rule(qwen3):
             guesses = propose(prompt + want, min(3, 16 - len(want) - 1))
         assert reply.tokens == want, seed
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+# --- the leader's side -------------------------------------------------------------------------------------------
+
+
+def test_leader_drafts_only_on_rings_that_support_it():
+    from types import SimpleNamespace as NS
+
+    from swarm.leader.drafting import sliding, tokens_ahead, with_drafting
+
+    stages = [NS(plan=NS(fellow_id=1)), NS(plan=NS(fellow_id=2))]
+    online = {1: NS(drafting=True), 2: NS(drafting=True)}
+    llama = {"model_type": "llama"}
+    serving = NS(speculative=3, config=llama, stages=stages)
+    generate = messages.Generate("m", "r1", [1, 2, 3], 8, [2], messages.Sampling())
+    assert with_drafting(generate, serving, online).draft == 3
+    assert with_drafting(messages.Cancel("m", "r1"), serving, online) == messages.Cancel("m", "r1")
+    assert tokens_ahead(NS(speculative=0, config=llama, stages=stages), online) == 0  # loaded with it off
+    assert tokens_ahead(serving, {1: NS(drafting=True), 2: NS(drafting=False)}) == 0  # an older fellow
+    assert tokens_ahead(serving, {1: NS(drafting=True)}) == 0  # a stage's fellow offline
+    # sliding-window layers could not give rejected guesses back once their window is full
+    assert sliding({"layer_types": ["full_attention", "sliding_attention"]})
+    assert sliding({"sliding_window": 4096})  # Mistral's older configs: every layer
+    assert not sliding({"sliding_window": 4096, "use_sliding_window": False})  # Qwen2's: off
+    assert not sliding({"layer_types": ["full_attention"] * 4, "sliding_window": 4096})
+    assert tokens_ahead(NS(speculative=3, config={"sliding_window": 16}, stages=stages), online) == 0

@@ -19,6 +19,7 @@ import trio
 from swarm import messages
 from swarm.config import Settings
 from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout
+from swarm.leader.drafting import with_drafting
 from swarm.leader.models import (ModelServing, StageState, check_quantization, full_weight_bytes, load_message,
                                  model_size, quantized_fellows)
 from swarm.leader.performance import hop_rate
@@ -139,6 +140,7 @@ class Serving:
                                                                   for p in plans],
                                manifest=manifest, config=config, size=size, quantization=kind,
                                full_weight_bytes=full_weight_bytes(manifest, cpu, plans), pool_id=row.pool_id)
+        serving.speculative = self.settings.serve_speculative  # drafting ahead: the setting at this load
         self.models[name] = serving
         self.quantization_of[name] = asked
         self.reload_on_request.discard(name)
@@ -289,7 +291,7 @@ class Serving:
                 serving = self.models.get(action.model)
                 conn = self.hub.online.get(serving.stages[0].plan.fellow_id) if serving else None
                 if conn is not None:
-                    conn.post(action.message)
+                    conn.post(with_drafting(action.message, serving, self.hub.online))
                 elif isinstance(action.message, messages.Generate):
                     for rid in action.message.rids:  # a group start: each of its choices
                         self._perform(self.book.on_failed(messages.Failed(

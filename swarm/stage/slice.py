@@ -287,13 +287,15 @@ class StageModel:
         hidden: torch.Tensor | None = None,
         want_logits: bool = True,
         all_logits: bool = False,
+        final_states: bool = False,
     ) -> torch.Tensor | None:
         """Run one chunk of a request through this stage's layers, starting at token ``position``.
 
         First stage: ``input_ids`` (1, n). Other stages: ``hidden`` (1, n, hidden_size) from the stage before.
         Returns hidden states (1, n, hidden_size), or on the last stage the float32 logits (vocab,) of the chunk's
         last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last); with
-        ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs).
+        ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs); with
+        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` row by row).
         """
         cache = self._cache(rid)
         cached = cache.get_seq_length()
@@ -326,7 +328,7 @@ class StageModel:
                     use_cache=True,
                     position_embeddings=pe[kind],
                 )
-            if not self.spec.is_last:
+            if not self.spec.is_last or final_states:
                 return states
             if not want_logits:
                 return None

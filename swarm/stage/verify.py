@@ -61,26 +61,30 @@ def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
     """Compute ``work`` (a sampled token and the guesses after it) and keep what the model agrees with: the guesses
     kept, then the model's own next token."""
     if work.ids is not None:
-        logits = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
-                               all_logits=True)
+        states = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
+                               final_states=True)
     else:
         rows = work.rows
-        logits = stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n],
-                               all_logits=True)
+        states = stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n],
+                               final_states=True)
     request = work.request
     draft = request.draft
     sampling = request.sampling
     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             min_p=sampling.min_p, seed=sampling.seed)
-    logits = logits.cpu().float()
-    if sampling.bias_ids:  # logit_bias, before everything else (OpenAI's order), on every row
-        logits = logits.clone()  # an inference-mode tensor is not changed in place
-        logits[:, torch.tensor(sampling.bias_ids, dtype=torch.long)] += torch.tensor(sampling.bias_values)
+    bias = (torch.tensor(sampling.bias_ids, dtype=torch.long), torch.tensor(sampling.bias_values)) \
+        if sampling.bias_ids else None
     kept: list[tuple[int, messages.TokenLogprob | None]] = []
     for i in range(work.n):
+        # the head row by row, as far as the guesses are kept: a rejected guess's later rows never pay for it
+        with torch.inference_mode():
+            logits = stage.logits(states[:, i : i + 1, :])[0, -1].float().cpu()
+        if bias is not None:  # logit_bias, before everything else (OpenAI's order)
+            logits = logits.clone()
+            logits[bias[0]] += bias[1]
         guess = draft[i] if i < len(draft) else None
         generator = None if params.greedy else token_generator(params.seed, request.start.drawn + request.generated + i)
-        token, entry = choose(logits[i], params, generator, guess, sampling.logprobs)
+        token, entry = choose(logits, params, generator, guess, sampling.logprobs)
         kept.append((token, entry))
         if guess is None or token != guess:
             break
