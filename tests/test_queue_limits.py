@@ -74,7 +74,7 @@ async def test_a_full_queue_is_a_429_and_a_long_wait_a_503(tmp_path, scripted_di
                 assert third["status"] == 429, third["text"]
                 error = json.loads(third["text"])["error"]
                 assert error["type"] == "rate_limit_error" and error["code"] == "pool_busy"
-                assert f"the pool serving {name} is busy: 1 requests are already waiting" in error["message"]
+                assert f"the pool serving {name} is busy: its queue is full, with 1 request waiting" in error["message"]
                 assert "SWARM_SERVE_QUEUE_LIMIT" in error["message"]
                 assert 1 <= int(third["headers"]["retry-after"]) <= 300
                 # the waiting one gives up after SWARM_SERVE_QUEUE_TIMEOUT_S: a real 503, even for a stream
@@ -83,7 +83,8 @@ async def test_a_full_queue_is_a_429_and_a_long_wait_a_503(tmp_path, scripted_di
                 error = json.loads(second["text"])["error"]
                 assert error["code"] == "queue_timeout" and error["type"] == "server_error"
                 assert error["message"].startswith(f"this request waited 3 s for room on the pool serving {name} "
-                                                   "and did not start (SWARM_SERVE_QUEUE_TIMEOUT_S)")
+                                                   "and did not start (SWARM_SERVE_QUEUE_TIMEOUT_S), with 1 other "
+                                                   "request running or waiting")
                 assert book.queued(name) == 0
                 gate.set()  # the ring moves again: the first request is answered in full
             assert first["status"] == 200, first["text"]

@@ -18,7 +18,8 @@ import trio
 
 from swarm import messages
 from swarm.config import Settings
-from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout
+from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout,
+                          counted)
 from swarm.leader.drafting import with_drafting
 from swarm.leader.models import (ModelServing, StageState, check_quantization, full_weight_bytes, load_message,
                                  model_size, quantized_fellows)
@@ -237,8 +238,9 @@ class Serving:
         limit = self.settings.serve_queue_limit
         if self.book.queued(request.model) >= limit:
             wait = self.book.retry_after(request.model)
-            raise PoolBusy(f"the pool serving {request.model} is busy: {limit} requests are already waiting for it "
-                           f"(SWARM_SERVE_QUEUE_LIMIT). Send this one again in about {wait} s.", wait)
+            raise PoolBusy(f"the pool serving {request.model} is busy: its queue is full, with "
+                           f"{counted(limit, 'request')} waiting (SWARM_SERVE_QUEUE_LIMIT). Send this one again in "
+                           f"about {wait} s.", wait)
 
     async def wait_started(self, request: Request, receive=None) -> None:
         """Until ``request`` leaves the queue: it runs on the ring, or it ended. A request that waits longer than
@@ -260,8 +262,8 @@ class Serving:
             if status == "ready":
                 raise QueueTimeout(
                     f"this request waited {timeout:.0f} s for room on the pool serving {request.model} and did not "
-                    f"start (SWARM_SERVE_QUEUE_TIMEOUT_S); {ahead - 1} other requests were running or waiting. Try "
-                    "again later, or serve the model on more fellows.")
+                    f"start (SWARM_SERVE_QUEUE_TIMEOUT_S), with {counted(ahead - 1, 'other request')} running or "
+                    "waiting. Try again later, or serve the model on more fellows.")
             raise QueueTimeout(
                 f"model {request.model} was not ready within {timeout:.0f} s (SWARM_SERVE_QUEUE_TIMEOUT_S): it is "
                 f"still {status.replace('_', ' ')}. Try again later.")
