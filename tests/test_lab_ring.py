@@ -139,6 +139,7 @@ class Ring:
         self.fellows: dict[str, subprocess.Popen] = {}  # host -> its `swarm join` process
         self.leader_url = f"http://{lab.address(netlab.LEADER)}:{LEADER_PORT}"
         self.leader = None
+        self.leader_up = False  # once it answered: from then on, no answer at all is a failure of its own
         self.proxy = None
         self.token = None
         self.join_token = None
@@ -158,12 +159,28 @@ class Ring:
             return self.api("GET", "/healthz", timeout=10)[0] == 200
 
         wait_for(healthy, 120, interval=0.2, message=lambda: self.tail("leader"))
+        self.leader_up = True
         from swarm.demo import _credentials
 
         self.token, self.join_token, _ = _credentials(self.leader_dir, fellows=16)  # every case's fellows
 
     def api(self, method: str, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, object]:
-        return self.proxy.call(method, path, body, self.token, timeout)
+        status, answer = self.proxy.call(method, path, body, self.token, timeout)
+        if status == 0 and self.leader_up:  # the proxy got no HTTP answer at all (refused, reset, timed out)
+            raise AssertionError(f"{method} {path}: no answer from the leader ({answer}); {self.leader_state()}")
+        return status, answer
+
+    def leader_state(self) -> str:
+        """Whether the leader process still runs and what listens in its namespace: tells a leader that died (its
+        exit code; its log is in the report) from one that runs but stopped serving, or a namespace gone."""
+        code = self.leader.poll()
+        if code is not None:
+            return f"the leader process exited with code {code}"
+        try:
+            listening = self.lab.check(netlab.LEADER, ["ss", "-ltnu"], timeout=10).strip()
+        except (netlab.NetlabError, OSError, subprocess.TimeoutExpired) as exc:
+            listening = f"(could not list: {exc})"
+        return f"the leader process (pid {self.leader.pid}) is still running; listening in its namespace:\n{listening}"
 
     def online(self) -> set[str]:
         status, body = self.api("GET", "/api/v1/fellows")
