@@ -3,10 +3,10 @@ with n=4, a group on the ring) against four requests of their own (what n=4 samp
 
     .venv/bin/python bench/group_prefill.py [--stages 2] [--words 760] [--rounds 3]
 
-Starts a leader and ``--stages`` fellows on this machine (as `swarm demo` does), serves the built-in model, and
-alternates: one streamed chat with n=4 (temperature 0.8, a seed), then four streamed chats at once, each n=1 with the
-seed choice i of the first gets (so both draw the same replies). Prints, per round and as medians, the time until
-the first choice's first token and until every choice has its first token.
+Starts a leader and ``--stages`` fellow processes on this machine (tests/fleet.Pool), serves the built-in model, and
+alternates: one streamed chat with n=4 (temperature 0.8, a seed), then four streamed chats at once, each n=1 with
+the seed choice i of the first gets (so both draw the same replies). Prints, per round and as medians, the time
+until the first choice's first token and until every choice has its first token.
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ring_speed import free_port, machine  # noqa: E402
-from swarm.client import LeaderClient  # noqa: E402
-from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http  # noqa: E402
+from ring_speed import builtin_pool, machine  # noqa: E402
+from swarm.demo import BUILTIN  # noqa: E402
 from swarm.leader.openai_params import choice_seed  # noqa: E402
-from swarm.model_import import ensure_imported  # noqa: E402
 
 SEED = 1234
 STORY = ("The lighthouse keeper climbed the narrow stairs every evening, counting the steps and listening to the sea "
@@ -81,27 +79,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench-group"))
     args = parser.parse_args()
-    data = args.data_dir
-    (data / "leader").mkdir(parents=True, exist_ok=True)
-    ensure_imported(BUILTIN, data / "leader", BUILTIN)
     words = STORY.split()
     prompt = "Continue this story.\n\n" + " ".join(words[i % len(words)] for i in range(args.words))
     print(f"machine: {machine()}")
-    port = free_port()
-    procs = Processes(data)
-    url = f"http://127.0.0.1:{port}"
+    pool = builtin_pool(args.data_dir, args.stages)
+    url, token = pool.leader.url, pool.token
     try:
-        procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
-                               str(data / "leader")])
-        _wait_http(url, procs)
-        token, join, _ = _credentials(data / "leader")
-        for i in range(args.stages):
-            procs.start(f"fellow-{i}", ["join", url, "--token", join, "--name", f"fellow-{i}", "--data-dir",
-                                        str(data / f"fellow-{i}")], env={"SWARM_SERVE_PORT": "0"})
-        client = LeaderClient(url, token)
-        _wait_fellows(client, procs, args.stages)
-        client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": args.stages})
-        client.wait_ready(BUILTIN)
+        pool.load(args.stages)
         grouped(url, token, "Say hello.")  # warm the path
         rows = {"group": [], "separate": []}
         prompt_tokens = 0
@@ -117,7 +101,7 @@ def main() -> None:
             every = statistics.median(e for _, e in rows[name])
             print(f"{label:24s} first token {first:6.2f} s   every choice's first token {every:6.2f} s")
     finally:
-        procs.stop()
+        pool.stop()
 
 
 if __name__ == "__main__":

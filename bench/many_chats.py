@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/many_chats.py [--stages 2] [--tokens 64] [--concurrency 1,2,4,8] [--env K=V ...]
 
-Starts a leader and ``--stages`` fellows on this machine (as `swarm demo` does), serves the built-in model, and for
-each concurrency sends that many greedy chats at once (different prompts, ``--tokens`` each, no early stop).
+Starts a leader and ``--stages`` fellow processes on this machine (tests/fleet.Pool), serves the built-in model, and
+for each concurrency sends that many greedy chats at once (different prompts, ``--tokens`` each, no early stop).
 Prints tokens/s in all, the slowest chat's steady rate, and the ratio to one chat; and, for reference, transformers'
 `generate` in one process. ``--env`` sets variables for the fellows (e.g. OMP_WAIT_POLICY=ACTIVE, SWARM_THREADS=1,
 SWARM_SERVE_MAX_BATCH=1) to compare how fellows share the machine. Goals: 4 chats >= 2.5x one chat in all, 8 chats
@@ -25,9 +25,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ring_speed import bench_generate, free_port, machine  # noqa: E402
-from swarm.client import LeaderClient  # noqa: E402
-from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http  # noqa: E402
+from ring_speed import bench_generate, builtin_pool, machine  # noqa: E402
+from swarm.demo import BUILTIN  # noqa: E402
 from swarm.model_import import ensure_imported  # noqa: E402
 
 TOPICS = ["a lighthouse keeper", "a dragon who bakes", "the first city on Mars", "a clockmaker's apprentice",
@@ -84,21 +83,10 @@ def main() -> None:
     if not args.no_generate:
         base = bench_generate(data / "leader" / "models" / BUILTIN, args.tokens)
         print(f"transformers generate, one process: {base:.1f} tok/s")
-    port = free_port()
-    procs = Processes(data)
-    url = f"http://127.0.0.1:{port}"
+    pool = builtin_pool(data, args.stages, fellow_env=env)
+    url, token = pool.leader.url, pool.token
     try:
-        procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
-                               str(data / "leader")])
-        _wait_http(url, procs)
-        token, join, _ = _credentials(data / "leader")
-        for i in range(args.stages):
-            procs.start(f"fellow-{i}", ["join", url, "--token", join, "--name", f"fellow-{i}", "--data-dir",
-                                        str(data / f"fellow-{i}")], env={"SWARM_SERVE_PORT": "0", **env})
-        client = LeaderClient(url, token)
-        _wait_fellows(client, procs, args.stages)
-        client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": args.stages})
-        client.wait_ready(BUILTIN)
+        pool.load(args.stages)
         run_round(url, token, 1, 8)  # warm the path
         lone = None
         for n in [int(c) for c in args.concurrency.split(",")]:
@@ -108,7 +96,7 @@ def main() -> None:
                   f"chat); each chat {r['median']:5.1f} tok/s median, slowest {r['slowest']:5.1f} "
                   f"({r['slowest'] / lone:.2f}x a lone chat)")
     finally:
-        procs.stop()
+        pool.stop()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -25,19 +25,29 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from swarm.client import LeaderClient, split_parts  # noqa: E402
-from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http  # noqa: E402
+from fleet import Pool, free_port  # noqa: E402, F401 (free_port: bench/side_by_side.py takes it from here)
+from swarm.client import split_parts  # noqa: E402
+from swarm.demo import BUILTIN  # noqa: E402
 from swarm.model_import import ensure_imported  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def builtin_pool(data: Path, stages: int, *, leader_env: dict | None = None,
+                 fellow_env: dict | None = None) -> Pool:
+    """A leader process and ``stages`` `swarm join` processes on this machine (tests/fleet.Pool), with the built-in
+    model imported once into ``data``/leader and in the leader's catalogue. Each call starts them afresh in
+    ``data``/pool (their logs stay there). The fellows take the threads `swarm join` picks, and do not calibrate
+    (it would run beside the first measurements)."""
+    ensure_imported(BUILTIN, data / "leader", BUILTIN)
+    run = data / "pool"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    env = {"OMP_NUM_THREADS": None, "SWARM_HEARTBEAT_S": None, "SWARM_CALIBRATE": "0", **(fellow_env or {})}
+    return Pool(run, data / "leader" / "models" / BUILTIN, stages, leader_env=leader_env, fellow_env=env)
 
 
 def machine() -> str:
@@ -103,21 +113,10 @@ def stream_once(url: str, token: str, content: str, max_tokens: int, timing: lis
 
 
 def bench_swarm(data: Path, stages: int, transport: str, tokens: int) -> dict:
-    port = free_port()
-    procs = Processes(data)
-    url = f"http://127.0.0.1:{port}"
+    pool = builtin_pool(data, stages, leader_env={"SWARM_PIPELINE_TRANSPORT": transport})
+    url, token = pool.leader.url, pool.token
     try:
-        procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
-                               str(data / "leader")], env={"SWARM_PIPELINE_TRANSPORT": transport})
-        _wait_http(url, procs)
-        token, join, _ = _credentials(data / "leader")
-        for i in range(stages):
-            procs.start(f"fellow-{i}", ["join", url, "--token", join, "--name", f"fellow-{i}", "--data-dir",
-                                        str(data / f"fellow-{i}")], env={"SWARM_SERVE_PORT": "0"})
-        client = LeaderClient(url, token)
-        _wait_fellows(client, procs, stages)
-        client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": stages})
-        client.wait_ready(BUILTIN)
+        pool.load(stages)
         # The first chat after a load pays whatever was not warmed up during it; the goal is within 1.5x of later ones.
         first_ttft = stream_once(url, token, "Hi", 4)[0]
         later_ttft = statistics.median(stream_once(url, token, "Hi", 4)[0] for _ in range(3))
@@ -125,11 +124,11 @@ def bench_swarm(data: Path, stages: int, transport: str, tokens: int) -> dict:
         rates = [stream_once(url, token, PROMPT, tokens, timings)[1] for _ in range(3)]
         long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 100)  # ~1,000 tokens
         ttft = min(stream_once(url, token, long_prompt, 2)[0] for _ in range(2))
-        rss = [psutil.Process(p.pid).memory_info().rss for name, p in procs.children if name.startswith("fellow")]
+        rss = [psutil.Process(f.proc.pid).memory_info().rss for f in pool.fellows]
         return {"tok_s": statistics.median(rates), "ttft_1000": ttft, "rss": rss, "first_ttft": first_ttft,
                 "later_ttft": later_ttft, "timing": timings[len(timings) // 2]}
     finally:
-        procs.stop()
+        pool.stop()
 
 
 def main() -> None:

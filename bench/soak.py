@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/soak.py [--minutes 5] [--clients 64] [--tokens 48] [--stages 2] [--burst 64]
 
-Starts a leader and ``--stages`` fellows on this machine (as `swarm demo` does) serving the built-in model, sends a
-burst of ``--burst`` chats the moment the model is ready (this also warms every path), then runs ``--clients``
-clients back to back for ``--minutes``: whole replies and streams, prompts of 10 to 2,000 tokens, some clients
-cancelling mid-reply, some going away without a word, some reading slowly (tests/traffic.py). Prints requests done,
-refused and failed (by kind), lost (never answered nor refused: must be 0), how many greedy replies were generate's
-(identical, cut-off prefix, near-tie: tests/exactness.py), time to first token and latency at p50/p95, tokens/s,
-and the resident memory of the leader and each fellow after the burst and at the end.
+Starts a leader and ``--stages`` fellow processes on this machine (tests/fleet.Pool) serving the built-in model,
+sends a burst of ``--burst`` chats the moment the model is ready (this also warms every path), then runs
+``--clients`` clients back to back for ``--minutes``: whole replies and streams, prompts of 10 to 2,000 tokens, some
+clients cancelling mid-reply, some going away without a word, some reading slowly (tests/traffic.py). Prints
+requests done, refused and failed (by kind), lost (never answered nor refused: must be 0), how many greedy replies
+were generate's (identical, cut-off prefix, near-tie: tests/exactness.py), time to first token and latency at
+p50/p95, tokens/s, and the resident memory of the leader and each fellow after the burst and at the end.
 
 Goals: 0 lost; 0 failed (refusals only of requests over the pool's limits, in words); no reply that differs from
 generate's; memory at the end within 5 % of memory after warm-up; every stage holding no request once traffic ends.
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ring_speed import free_port, machine  # noqa: E402
+from ring_speed import builtin_pool, machine  # noqa: E402
 from swarm.client import LeaderClient  # noqa: E402
-from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http  # noqa: E402
+from swarm.demo import BUILTIN  # noqa: E402
 from swarm.model_import import ensure_imported  # noqa: E402
 from traffic import Traffic, build_prompts, rss_mb  # noqa: E402
 
@@ -84,22 +84,12 @@ def main() -> None:
 
     prompts = build_prompts(model_dir, LENGTHS, args.tokens, eos=[2])
     tokenizer = load_tokenizer(str(model_dir))
-    port = free_port()
-    procs = Processes(data)
-    url = f"http://127.0.0.1:{port}"
+    pool = builtin_pool(data, args.stages, fellow_env={"SWARM_HEARTBEAT_S": "1"})
+    url, token = pool.leader.url, pool.token
+    pids = pool.pids()
+    client = LeaderClient(url, token)
     try:
-        leader = procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
-                                        str(data / "leader")])
-        _wait_http(url, procs)
-        token, join, _ = _credentials(data / "leader", args.stages)
-        fellows = {f"fellow-{i}": procs.start(f"fellow-{i}", [
-            "join", url, "--token", join, "--name", f"fellow-{i}", "--data-dir", str(data / f"fellow-{i}")],
-            env={"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1"}) for i in range(args.stages)}
-        pids = {"leader": leader.pid, **{name: p.pid for name, p in fellows.items()}}
-        client = LeaderClient(url, token)
-        _wait_fellows(client, procs, args.stages)
-        client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": args.stages})
-        client.wait_ready(BUILTIN)
+        pool.load(args.stages)
 
         burst = Traffic(url, token, BUILTIN, prompts, tokenizer, max_tokens=args.tokens,
                         kinds={"whole": 0.5, "stream": 0.5}, deadline_s=1800)
@@ -128,10 +118,10 @@ def main() -> None:
             f"{name} {warm[name]:.0f} -> {end[name]:.0f} ({(end[name] / warm[name] - 1) * 100:+.1f} %)"
             for name in pids))
     except httpx.HTTPError as exc:
-        print(f"the leader stopped answering: {exc}\n{procs.tail('leader')}")
+        print(f"the leader stopped answering: {exc}\n{pool.leader.log()}")
         raise SystemExit(1) from None
     finally:
-        procs.stop()
+        pool.stop()
 
 
 if __name__ == "__main__":

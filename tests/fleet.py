@@ -18,8 +18,9 @@ class FellowProcess:
                  env: dict | None = None):
         self.url, self.join_token, self.data_dir, self.name = url, join_token, data_dir, name
         self.standby = standby
-        self.env = {**os.environ, "SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "OMP_NUM_THREADS": "1",
-                    **(env or {})}
+        # ``env`` adds to (or, with None, takes out of) these
+        env = {**os.environ, "SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = {k: v for k, v in env.items() if v is not None}
         self.log_path = data_dir.parent / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -130,23 +131,26 @@ def free_port() -> int:
 
 class Pool:
     """A `swarm leader` process with ``count`` `swarm join` fellows online, serving nothing yet; ``model_dir`` is in
-    its catalogue as ``name``. ``http`` is a client signed in with the admin API token. ``stop()`` ends them all."""
+    its catalogue as ``name``. ``http`` is a client signed in with the admin API token. ``stop()`` ends them all.
+    ``leader_env`` and ``fellow_env`` add to their environments (a None value takes a variable out: the benches run
+    fellows with torch's own thread count, ``{"OMP_NUM_THREADS": None}``)."""
 
-    def __init__(self, tmp: Path, model_dir: Path, count: int = 2):
+    def __init__(self, tmp: Path, model_dir: Path, count: int = 2, *, leader_env: dict | None = None,
+                 fellow_env: dict | None = None):
         self.name = install_model(tmp / "leader", model_dir)
-        self.leader = LeaderProcess(tmp / "leader", free_port()).start()
+        self.leader = LeaderProcess(tmp / "leader", free_port(), env=leader_env).start()
         self.fellows: list[FellowProcess] = []
         self.http = None
         try:
-            self._start(tmp, count)
+            self._start(tmp, count, fellow_env)
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, tmp: Path, count: int) -> None:
+    def _start(self, tmp: Path, count: int, fellow_env: dict | None) -> None:
         self.token = wait_for(lambda: self.leader.printed("Admin API token:"), 60, message=self.leader.log)
         join = self.leader.join_token(uses=count)
-        self.fellows = [FellowProcess(self.leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}").start()
+        self.fellows = [FellowProcess(self.leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}", env=fellow_env).start()
                         for i in range(count)]
         self.http = httpx.Client(base_url=self.leader.url, headers={"authorization": f"Bearer {self.token}"},
                                  timeout=120)
