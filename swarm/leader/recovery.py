@@ -371,6 +371,7 @@ class Recovery:
                                  quantization=kind, full_weight_bytes=full_weight_bytes(manifest, cpu,
                                                                                         [s.plan for s in stages]),
                                  pool_id=row.pool_id)
+            model.speculative = serving.settings.serve_speculative  # drafting ahead, as a load now would have it
             serving.models[name] = model
             serving.quantization_of[name] = kind
             log.info("%s was serving before the restart: waiting for its fellows", name)
