@@ -1,7 +1,8 @@
 """The planner's prediction (swarm.leader.planner) against the measured speed: the built-in model over 1 and 2
 stages. The goal is within 25 %.
 
-    .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--data-dir /tmp/swarm-bench]
+    .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--processes]
+        [--data-dir /tmp/swarm-bench]
 
 A leader and two fellows in one process (tests/harness.py) with the fellows' calibration on. For each ring: the plan
 before loading (from the fellows' own calibration at start, links assumed), then the load and a warm-up; then
@@ -9,7 +10,8 @@ before loading (from the fellows' own calibration at start, links assumed), then
 fellows, which report it in their next heartbeat) so that the plan and the measurement see the same load on a shared
 machine: the plan (links now measured), a greedy reply of --tokens tokens (steady decode tokens/s) and a reply to a
 ~1,000-token prompt (time to first token). Prints each round's predicted and measured figures and their ratio, and
-the median ratios.
+the median ratios. With --processes the leader and each fellow run in processes of their own (tests/fleet.py), as on
+real PCs, and the plan uses the calibration each fellow took when it started.
 """
 
 from __future__ import annotations
@@ -54,39 +56,84 @@ def parts(prediction: dict) -> str:
         f" + link {link['ms_per_token']:.1f}" for link in prediction["links"])
 
 
-async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
+def report(round_: int, calibrated: str, after: dict, decode: dict, long: dict, ratios: tuple[list, list]) -> None:
+    """One round's lines: the plan against the decode reply's and the long prompt's ``swarm.timing``."""
+    ttft = long["swarm"]["timing"]["ttft_ms"] / 1000
+    ratios[0].append(after["tokens_per_s"] / decode["tokens_per_s"])
+    ratios[1].append(after["time_to_first_token_s"] / ttft)
+    split = " + ".join(f"{s['compute_ms_per_token']:.1f}" for s in decode["stages"]) + (
+        f" + links {decode['link_ms_per_token']:.1f}" if decode.get("link_ms_per_token") else "")
+    print(f"  round {round_ + 1} ({calibrated})\n"
+          f"    predicted {after['tokens_per_s']:.1f} tok/s ({after['ms_per_token']:.1f} ms/token = "
+          f"{parts(after)}), TTFT {after['time_to_first_token_s']:.2f} s\n"
+          f"    measured  {decode['tokens_per_s']:.1f} tok/s ({decode['ms_per_token']:.1f} ms/token = "
+          f"{split}), TTFT {ttft:.2f} s for {long['usage']['prompt_tokens']} prompt tokens\n"
+          f"    predicted/measured: tokens/s {ratios[0][-1]:.2f}, TTFT {ratios[1][-1]:.2f}", flush=True)
+
+
+def fellow_env(args: argparse.Namespace) -> dict:
+    return {"SWARM_CALIBRATE": "1", **({"SWARM_THREADS": str(args.threads)} if args.threads else {})}
+
+
+async def in_one_process(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: int) -> tuple[list, list]:
     name = model_dir.name
+    ratios: tuple[list, list] = ([], [])
+    async with running_swarm(tmp / f"s{stages}", [model_dir], fellow_env=fellow_env(args)) as swarm:
+        before = await plan(swarm, name, stages)
+        await swarm.load(name, stages)
+        await swarm.chat(name, [{"role": "user", "content": "Hi"}], max_tokens=4)  # warm-up
+        print(f"{stages} stage(s): before loading (calibrated at the fellows' start, links assumed) "
+              f"{before['tokens_per_s']:.1f} tok/s, TTFT {before['time_to_first_token_s']:.2f} s", flush=True)
+        for round_ in range(args.rounds):
+            fresh = await calibrate_afresh(swarm)
+            after = await plan(swarm, name, stages)
+            decode = (await swarm.chat(name, COUNT, max_tokens=args.tokens, ignore_eos=True))["swarm"]["timing"]
+            long = await swarm.chat(name, LONG, max_tokens=2)
+            points = "; ".join(f"hidden {p['hidden']}: layer {p['decode_ms']:.2f} ms, head {p['head_ms']:.1f} ms"
+                               for p in fresh["points"])
+            report(round_, f"calibration: {points}", after, decode, long, ratios)
+    return ratios
+
+
+def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: int) -> tuple[list, list]:
+    """The leader and each fellow in a process of its own (tests/fleet.py), as on real PCs; each fellow's plan uses
+    the calibration it took when it started (another process cannot be handed a fresh one)."""
+    from fleet import Pool
+    from harness import wait_for
+
+    ratios: tuple[list, list] = ([], [])
+    pool = Pool(tmp / f"p{stages}", model_dir, fellow_env=fellow_env(args))
+    try:
+        def ask(path: str, body: dict | None = None) -> dict:
+            if body is None:
+                response = pool.http.get(path)
+            else:
+                response = pool.http.post(path, json={"model": pool.name, "temperature": 0, **body}, timeout=600)
+            return response.json() if response.status_code == 200 else None
+
+        path = f"/api/v1/models/{pool.name}/plan?num_stages={stages}"
+        wait_for(lambda: ask(path), 180, interval=0.5)  # the fellows' calibration
+        pool.load(stages)
+        ask("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        print(f"{stages} stage(s), separate processes:", flush=True)
+        for round_ in range(args.rounds):
+            after = ask(path)
+            decode = ask("/v1/chat/completions", {"messages": COUNT, "max_tokens": args.tokens, "ignore_eos": True})
+            long = ask("/v1/chat/completions", {"messages": LONG, "max_tokens": 2})
+            report(round_, "the fellows' calibration at start", after, decode["swarm"]["timing"], long, ratios)
+    finally:
+        pool.stop()
+    return ratios
+
+
+async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
     summary = []
     for stages in (1, 2):
-        fellow_env = {"SWARM_CALIBRATE": "1", **({"SWARM_THREADS": str(args.threads)} if args.threads else {})}
-        async with running_swarm(tmp / f"s{stages}", [model_dir], fellow_env=fellow_env) as swarm:
-            before = await plan(swarm, name, stages)
-            await swarm.load(name, stages)
-            await swarm.chat(name, [{"role": "user", "content": "Hi"}], max_tokens=4)  # warm-up
-            label = f"{stages} stage{'s' if stages > 1 else ''}"
-            print(f"{label}: before loading (calibrated at the fellows' start, links assumed) "
-                  f"{before['tokens_per_s']:.1f} tok/s, TTFT {before['time_to_first_token_s']:.2f} s", flush=True)
-            decode_ratios, ttft_ratios = [], []
-            for round_ in range(args.rounds):
-                fresh = await calibrate_afresh(swarm)
-                after = await plan(swarm, name, stages)
-                decode = (await swarm.chat(name, COUNT, max_tokens=args.tokens, ignore_eos=True))["swarm"]["timing"]
-                long = await swarm.chat(name, LONG, max_tokens=2)
-                ttft = long["swarm"]["timing"]["ttft_ms"] / 1000
-                decode_ratios.append(after["tokens_per_s"] / decode["tokens_per_s"])
-                ttft_ratios.append(after["time_to_first_token_s"] / ttft)
-                points = "; ".join(f"hidden {p['hidden']}: layer {p['decode_ms']:.2f} ms, head {p['head_ms']:.1f} ms"
-                                   for p in fresh["points"])
-                split = " + ".join(f"{s['compute_ms_per_token']:.1f}" for s in decode["stages"]) + (
-                    f" + links {decode['link_ms_per_token']:.1f}" if decode.get("link_ms_per_token") else "")
-                print(f"  round {round_ + 1} (calibration: {points})\n"
-                      f"    predicted {after['tokens_per_s']:.1f} tok/s ({after['ms_per_token']:.1f} ms/token = "
-                      f"{parts(after)}), TTFT {after['time_to_first_token_s']:.2f} s\n"
-                      f"    measured  {decode['tokens_per_s']:.1f} tok/s ({decode['ms_per_token']:.1f} ms/token = "
-                      f"{split}), TTFT {ttft:.2f} s for {long['usage']['prompt_tokens']} prompt tokens\n"
-                      f"    predicted/measured: tokens/s {decode_ratios[-1]:.2f}, TTFT {ttft_ratios[-1]:.2f}",
-                      flush=True)
-            summary.append((label, decode_ratios, ttft_ratios))
+        if args.processes:
+            ratios = await trio.to_thread.run_sync(in_processes, model_dir, tmp, args, stages)
+        else:
+            ratios = await in_one_process(model_dir, tmp, args, stages)
+        summary.append((f"{stages} stage{'s' if stages > 1 else ''}", *ratios))
     for label, decode_ratios, ttft_ratios in summary:
         print(f"{label}: predicted/measured tokens/s {' '.join(f'{r:.2f}' for r in decode_ratios)} "
               f"(median {statistics.median(decode_ratios):.2f}); TTFT {' '.join(f'{r:.2f}' for r in ttft_ratios)} "
@@ -97,6 +144,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="calibrate-then-measure rounds per ring")
     parser.add_argument("--threads", type=int, default=0,
                         help="SWARM_THREADS for the fellows (their calibration and their stages); 0: every core")
+    parser.add_argument("--processes", action="store_true",
+                        help="the leader and each fellow in a process of its own (the plan from each fellow's "
+                             "calibration at its start)")
 
 
 if __name__ == "__main__":
