@@ -87,3 +87,30 @@ async def test_nothing_reaches_a_fellow_before_its_welcome(tmp_path):
             assert len(posted) == 1  # it never had to join again
             stop.set()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_stall_of_the_process_itself_does_not_drop_the_link(tmp_path):
+    """A process whose own loop is held longer than the silence limit (a full collection over a big heap, swap) must
+    not blame the other side: what it sent meanwhile waits unread. Both ends used to give the link up (the leader
+    'went silent for 4 s', the fellow 'the leader went silent'), and the fellow rejoined -- a load in flight was lost."""
+    import time
+
+    settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "0.5"})
+    leader = Leader(tmp_path / "leader", settings)
+    join = leader.first_start.join_token
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            urls = await nursery.start(_serve, leader, 0, stop)
+            fellow = Fellow(leader_url=urls[0], data_dir=tmp_path / "fellow", settings=settings, name="pc-1",
+                            join_token=join)
+            nursery.start_soon(fellow.run)
+            await fellow.connected.wait()
+            await trio.sleep(1.5)
+            [conn] = leader.hub.online.values()
+            time.sleep(6)  # the one loop both run in is held: neither side reads or writes (SILENT_S is 4 s)
+            await trio.sleep(4)  # every watch has looked again
+            assert fellow.connected.is_set()
+            assert list(leader.hub.online.values()) == [conn]  # the same link: nobody was dropped or rejoined
+            stop.set()
+            nursery.cancel_scope.cancel()

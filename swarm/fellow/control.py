@@ -30,6 +30,7 @@ CONNECT_TIMEOUT_S = 10.0
 # and a check every second: noticed within about 5 s.
 ALIVE_S = 1.0
 SILENT_S = 4.0
+CATCH_UP_S = 1.0  # after a silence seems found, how long the reader gets to catch up with what waits unread
 
 
 def disk_free(folder) -> int | None:
@@ -71,11 +72,7 @@ class ControlLink:
                 nursery.start_soon(self._heartbeat, nursery)
                 nursery.start_soon(self._alive)
                 while True:
-                    try:
-                        with trio.fail_after(SILENT_S):
-                            data = await channel.receive()
-                    except trio.TooSlowError:
-                        raise LinkClosed(f"the leader went silent for {SILENT_S:.0f} s") from None
+                    data = await self._receive(channel)
                     try:
                         message = wire.unpack(data)
                     except ProtocolError as exc:  # a leader on another protocol: its update tells us what to do
@@ -85,6 +82,17 @@ class ControlLink:
             finally:
                 self._channel = None
                 nursery.cancel_scope.cancel()
+
+    @staticmethod
+    async def _receive(channel: NoiseChannel) -> bytes:
+        """The leader's next message; LinkClosed once it said nothing for SILENT_S. A deadline that passed while this
+        process's own loop was held (a long collection, swap) would blame the leader for our stall: what it sent
+        then waits unread, so the reader gets CATCH_UP_S more before the link is given up."""
+        with trio.move_on_after(SILENT_S):
+            return await channel.receive()
+        with trio.move_on_after(CATCH_UP_S):
+            return await channel.receive()
+        raise LinkClosed(f"the leader went silent for {SILENT_S:.0f} s")
 
     async def _enrol(self, channel: NoiseChannel) -> None:
         fellow = self.fellow

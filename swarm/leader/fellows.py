@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # never closed (a power cut, a pulled cable): its stages fail over. Checked every ALIVE_S: noticed within ~5 s.
 ALIVE_S = 1.0
 SILENT_S = 4.0
+CATCH_UP_S = 1.0  # after a silence seems found, how long the readers get to catch up with what waits unread
 
 # Before it is enrolled a connection is a stranger's: it must finish the Noise handshake and say hello within
 # HELLO_S (a fellow across two home NATs does both in well under a second) and its hello may be HELLO_MAX_BYTES
@@ -317,11 +318,15 @@ class FellowHub:
         """Say alive; drop a fellow that stopped saying anything."""
         while True:
             await trio.sleep(ALIVE_S)
-            if trio.current_time() - conn.last_seen > SILENT_S:
-                log.warning("fellow %s went silent for %.0f s: treating it as gone", conn.name, SILENT_S)
-                scope.cancel()
-                return
             conn.post({"t": "alive"})
+            if trio.current_time() - conn.last_seen > SILENT_S:
+                # What it said may still wait unread if this process's own loop was held (a long collection, swap):
+                # let the reader catch up before deciding.
+                await trio.sleep(CATCH_UP_S)
+                if trio.current_time() - conn.last_seen > SILENT_S + CATCH_UP_S:
+                    log.warning("fellow %s went silent for %.0f s: treating it as gone", conn.name, SILENT_S)
+                    scope.cancel()
+                    return
 
     async def _write(self, conn: FellowConn, scope: trio.CancelScope) -> None:
         try:
