@@ -132,10 +132,12 @@ class Serving:
             # start over as asked
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
+        config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
+        # From placement to the last load message nothing awaits: a fellow that went offline during an await here
+        # was still in the placement, and posting its stage failed (a KeyError under load, the model left 'loading').
         plans, size, kind, fellows, capacities = self.placement(name, manifest, num_stages, fellow_id, asked,
                                                                 row.pool_id)
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
-        config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
                                                                   for p in plans],
