@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.stage.quantize import fused_part, module_bytes, quantize_linear, quantize_linears
+from swarm.stage.quantize import (
+    fused_part,
+    module_bytes,
+    quantize_linear,
+    quantize_linears,
+)
 
 
 class _Projections(torch.nn.Module):
