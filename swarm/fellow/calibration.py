@@ -12,10 +12,12 @@ CPU, and is cached in the fellow's data dir keyed by the hardware it ran on, so 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -223,6 +225,29 @@ def measure(device: str = "cpu", threads: int | None = None) -> dict:
             "prefill_tokens": PREFILL_TOKENS, "points": points}
 
 
+LOCK_WAIT_S = 120.0  # past this, measure anyway: a stuck lock must not leave a fellow out of the planner
+
+
+@contextlib.contextmanager
+def _one_at_a_time():
+    """One calibration at a time on this machine: several fellows started together on one PC (the demo, a lab, a
+    bench) calibrating at once shared its cores and each measured itself up to 5x slower than it serves (their
+    stages take turns on a token), and the cache kept that figure."""
+    import filelock
+
+    lock = filelock.FileLock(str(Path(tempfile.gettempdir()) / "swarm-calibration.lock"))
+    try:
+        lock.acquire(timeout=LOCK_WAIT_S)
+    except (filelock.Timeout, OSError) as exc:
+        log.info("calibrating without waiting for the other fellows on this machine (%s)", exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads: int | None = None) -> dict | None:
     """The calibration for this hardware: from ``data_dir``/calibration.json when it was measured on the same
     hardware, else measured now and written there. None when torch cannot run it (logged)."""
@@ -236,7 +261,8 @@ def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads:
         pass
     try:
         t0 = time.perf_counter()
-        result = measure(device, threads)
+        with _one_at_a_time():
+            result = measure(device, threads)
         log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
                  ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms, {PREFILL_TOKENS}-token prefill "
                            f"{p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms" for p in result["points"]))
