@@ -13,7 +13,7 @@ import trio_websocket
 
 from swarm import __version__, messages, wire
 from swarm.errors import AuthError, LinkClosed, ProtocolError
-from swarm.fellow import calibration, hardware
+from swarm.fellow import calibration, compute, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -158,7 +158,7 @@ class ControlLink:
         the next heartbeat carries it."""
         fellow = self.fellow
         device = calibration.compute_device(fellow.settings.device)
-        fellow.calibration = await trio.to_thread.run_sync(
+        fellow.calibration = await compute.run(
             calibration.cached_or_measure, fellow.data_dir, device, hw_wire, fellow.threads_for(1))
         fellow.calibration_key = key
 

@@ -14,6 +14,7 @@ import httpx
 import trio
 
 from swarm.errors import ModelError, SwarmError, first_leaf
+from swarm.fellow import compute
 from swarm.fellow.downloads import fetch_with_retries
 from swarm.fellow.stages import LoadedStage
 from swarm.quantization import check_kind, kinds_on, needs
@@ -150,12 +151,12 @@ class StageLoader:
         if quantization not in kinds_on("cpu" if device == "cpu" else "cuda"):
             raise ModelError(f"this fellow cannot load {quantization} on {device}: it needs "
                              f"{needs(quantization, 'cpu' if device == 'cpu' else 'cuda')}")
-        stage_model = await trio.to_thread.run_sync(
+        stage_model = await compute.run(
             lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
                                     layer_devices=layer_devices, quantization=quantization)
         )
         stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
-        await trio.to_thread.run_sync(stage_model.warm_up)
+        await compute.run(stage_model.warm_up)
         await progress.report("load", 1.0)
         return stage_model
 

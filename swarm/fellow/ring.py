@@ -21,6 +21,7 @@ import trio
 
 from swarm import messages, wire
 from swarm.errors import ProtocolError, SwarmError
+from swarm.fellow import compute
 from swarm.mesh.hop import OutgoingHop
 from swarm.stage.protocol import PromptLogprobs, Release, Report, Send, StageProtocol, Stream
 from swarm.stage.timing import StageTimer
@@ -114,7 +115,7 @@ class StageDriver:
                 try:
                     threads = self.threads(len(protocol.requests))
                     began = time.perf_counter()
-                    output = await trio.to_thread.run_sync(run_batch, self.stage_model, batch, threads)
+                    output = await compute.run(run_batch, self.stage_model, batch, threads)
                     timer.computed(batch, time.perf_counter() - began)
                 except Exception as exc:  # a bug in one request must not take the stage down
                     if not isinstance(exc, SwarmError):
