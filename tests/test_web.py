@@ -505,6 +505,9 @@ def test_sending_while_not_loaded_loads_first(bg, browser, model):
     expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s", timeout=120_000)
     expect_ready(bg, page, model, 20_000)
     expect(page.locator("#load-button")).to_have_text("Unload")
+    assert api(bg, "GET", f"/api/v1/models/{model}").json()["status"] == "ready"  # sending loaded it
+    assert page.locator(".msg.assistant").count() == 1  # one reply, to the message sent while not loaded
+    assert not page.errors, page.errors
     page.context.close()
 
 
