@@ -17,10 +17,15 @@ async def _serve(leader: Leader, port: int, stop: trio.Event, task_status=trio.T
     await leader.serve("127.0.0.1", port, shutdown_trigger=stop.wait, task_status=task_status)
 
 
-async def test_fellow_rejoins_a_restarted_leader(tmp_path):
+def _leader(tmp_path) -> tuple[Leader, Settings, str]:
+    """A leader on its first start (port 0, heartbeats every 0.5 s), its settings and its printed join token."""
     settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "0.5"})
     leader = Leader(tmp_path / "leader", settings)
-    join = leader.first_start.join_token
+    return leader, settings, leader.first_start.join_token
+
+
+async def test_fellow_rejoins_a_restarted_leader(tmp_path):
+    leader, settings, join = _leader(tmp_path)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             stop = trio.Event()
@@ -51,9 +56,7 @@ async def test_nothing_reaches_a_fellow_before_its_welcome(tmp_path):
     """Once a fellow is online any task may post to it (a ring's link, an unlink); its welcome must still be the first
     message it reads. A leader whose enrolment awaited (the early checks) after putting the fellow online let another
     task's message go first, and the fellow dropped the link and rejoined over and over."""
-    settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "0.5"})
-    leader = Leader(tmp_path / "leader", settings)
-    join = leader.first_start.join_token
+    leader, settings, join = _leader(tmp_path)
     checks = leader.hub.checks
 
     async def slow_checks(conns):  # a slow catalogue read: the window in which other tasks run
@@ -95,9 +98,7 @@ async def test_a_stall_of_the_process_itself_does_not_drop_the_link(tmp_path):
     'went silent for 4 s', the fellow 'the leader went silent'), and the fellow rejoined -- a load in flight was lost."""
     import time
 
-    settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "0.5"})
-    leader = Leader(tmp_path / "leader", settings)
-    join = leader.first_start.join_token
+    leader, settings, join = _leader(tmp_path)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             stop = trio.Event()

@@ -12,7 +12,7 @@ import torch
 from swarm import messages, wire
 from swarm.stage.protocol import Output, Work
 from swarm.stage.grammar import constraint
-from swarm.stage.ragged import forward_batch
+from swarm.stage.ragged import forward_batch, forward_one
 from swarm.stage.sampling import (
     IMPOSSIBLE,
     SamplingParams,
@@ -129,13 +129,7 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
         else:
             if work.start:
                 stage.new_request(work.rid)
-            if work.ids is not None:
-                logits = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
-                                       all_logits=True)
-            else:
-                rows = work.rows
-                logits = stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n],
-                                       all_logits=True)
+            logits = forward_one(stage, work, all_logits=True)
             fan_out(stage, work)
             logits = logits.cpu()
             entries = prompt_entries(work, logits)

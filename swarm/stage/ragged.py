@@ -125,3 +125,12 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
         for row, i in enumerate(wanted):
             out[i] = logits[row]
         return out
+
+
+def forward_one(stage, work, **options):
+    """One request's work through ``stage`` alone (``stage.forward``): its token ids on the first stage, else its rows
+    of the hidden state received; ``options`` as ``StageModel.forward`` takes them (``all_logits``, ``final_states``)."""
+    if work.ids is not None:
+        return stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long), **options)
+    rows = work.rows
+    return stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n], **options)

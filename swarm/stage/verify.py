@@ -16,6 +16,7 @@ import torch
 
 from swarm import messages
 from swarm.stage.protocol import Output, Work
+from swarm.stage.ragged import forward_one
 from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, token_generator
 
 
@@ -60,13 +61,7 @@ def run(stage, batch: list[Work], run_rest) -> Output:
 def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
     """Compute ``work`` (a sampled token and the guesses after it) and keep what the model agrees with: the guesses
     kept, then the model's own next token."""
-    if work.ids is not None:
-        states = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
-                               final_states=True)
-    else:
-        rows = work.rows
-        states = stage.forward(work.rid, work.pos, hidden=rows.source.tensor()[:, rows.row : rows.row + rows.n],
-                               final_states=True)
+    states = forward_one(stage, work, final_states=True)
     request = work.request
     draft = request.draft
     sampling = request.sampling
