@@ -9,8 +9,10 @@ machine's swings fall on all of them alike; each greedy reply is checked to be t
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -56,6 +58,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="bench-drafting-"))
+    atexit.register(shutil.rmtree, root, True)  # the imported model, ~300 MB
     import_model("smollm2-135m-instruct", root)
     model_dir = root / "smollm2-135m-instruct"
     specs = stage_specs(load_manifest(model_dir).num_layers, args.stages)

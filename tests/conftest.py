@@ -8,6 +8,7 @@ Markers (pyproject.toml): unmarked tests are fast units; ``e2e``, ``lab`` and ``
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,25 @@ def smollm_model_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     import_model("smollm2-135m-instruct", root)
     return root / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    """Folders for a module's shared fixtures -- ``module_tmp("web")`` -- removed when the module's tests are done,
+    unless one of them failed. Each leader keeps its own copy of the model (~300 MB): kept to the end of the session,
+    as tmp_path_factory's folders are, a full run wrote 8-14 GB and a CI machine with less free disk failed with
+    ENOSPC. (pyproject's tmp_path_retention_policy = "failed" does the same for each test's tmp_path.)"""
+    made: list[Path] = []
+    failed_before = request.session.testsfailed
+
+    def make(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    if request.session.testsfailed == failed_before:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --- logs of the processes a test started, in its failure report --------------------------------------------------

@@ -30,10 +30,10 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
+def gemma_dir(module_tmp):
     from swarm.store.importer import import_model
 
-    root = tmp_path_factory.mktemp("gemma")
+    root = module_tmp("gemma")
     import_model("gemma3-270m", root)
     return root / "gemma3-270m"
 

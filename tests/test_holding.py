@@ -28,9 +28,9 @@ def prompts(smollm_model_dir):
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, smollm_model_dir):
+def pool(module_tmp, smollm_model_dir):
     """A leader and two fellows, the model not loaded yet."""
-    pool = Pool(tmp_path_factory.mktemp("holding"), smollm_model_dir)
+    pool = Pool(module_tmp("holding"), smollm_model_dir)
     yield pool
     pool.stop()
 

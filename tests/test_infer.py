@@ -20,8 +20,8 @@ SPEED = re.compile(r"^[\d.]+ tokens/s · (\d+) tokens · [\d.]+ s to first token
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, smollm_model_dir):
-    pool = Pool(tmp_path_factory.mktemp("infer"), smollm_model_dir)
+def pool(module_tmp, smollm_model_dir):
+    pool = Pool(module_tmp("infer"), smollm_model_dir)
     try:
         pool.load(2)
         yield pool

@@ -338,12 +338,12 @@ def results(session_summary):
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory, smollm_model_dir, results):
+def ring(module_tmp, smollm_model_dir, results):
     started = time.monotonic()
     # The leader on the internet; a home of every kind for the fellows (netlab.HOMES).
     with netlab.world(public=(netlab.LEADER,), delay_ms=DELAY_MS) as lab:
         results.lab = lab
-        ring = Ring(lab, tmp_path_factory.mktemp("labring"), smollm_model_dir)
+        ring = Ring(lab, module_tmp("labring"), smollm_model_dir)
         try:
             ring.start_leader()
             results.timings["lab + leader"] = time.monotonic() - started

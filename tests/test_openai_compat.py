@@ -25,8 +25,8 @@ ASK = [{"role": "user", "content": "Count"}]
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scripted")
+def scripted_dir(module_tmp):
+    root = module_tmp("scripted")
     build(root / "src", {"assistant\n": SCRIPT})
     import_model(str(root / "src"), root / "models", "counter")
     return root / "models" / "counter"
@@ -347,8 +347,8 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tools")
+def tool_model_dir(module_tmp):
+    root = module_tmp("tools")
     # the first turn calls the tool; after its result (and thinking off, so the prompt ends otherwise) it answers
     # (the call in pieces, as a model writes it: its arguments stream piece by piece)
     build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"],

@@ -23,11 +23,11 @@ SENTENCE = re.compile(r"^about [\d.]+ tokens/s, first token of a 1,000-token pro
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, smollm_model_dir):
+def pool(module_tmp, smollm_model_dir):
     old = os.environ.get("SWARM_CALIBRATE")
     os.environ["SWARM_CALIBRATE"] = "1"  # the fellows inherit it (conftest turns it off for the other tests)
     try:
-        pool = Pool(tmp_path_factory.mktemp("plan"), smollm_model_dir)
+        pool = Pool(module_tmp("plan"), smollm_model_dir)
     finally:
         os.environ["SWARM_CALIBRATE"] = old if old is not None else "0"
     try:

@@ -25,8 +25,8 @@ QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scripted")
+def scripted_dir(module_tmp):
+    root = module_tmp("scripted")
     build(root / "src", {"assistant\n": ["The", " answer", " is", " 4."]})
     import_model(str(root / "src"), root / "models", "qwen3-queue")
     return root / "models" / "qwen3-queue"

@@ -20,8 +20,8 @@ QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scripted")
+def scripted_dir(module_tmp):
+    root = module_tmp("scripted")
     build(root / "src", {"assistant\n": THINKING, "\n\n": ["Just 4."]})
     import_model(str(root / "src"), root / "models", "qwen3-scripted")
     return root / "models" / "qwen3-scripted"

@@ -79,11 +79,11 @@ def test_a_schema_the_built_in_model_must_follow(smollm_model_dir, session_summa
 
 
 @pytest.fixture(scope="module")
-def thinking_dir(tmp_path_factory):
+def thinking_dir(module_tmp):
     from scripted import build
     from swarm.store.importer import import_model
 
-    root = tmp_path_factory.mktemp("thinking")
+    root = module_tmp("thinking")
     build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
                          "\n\n": ["Just 4."]})
     import_model(str(root / "src"), root / "models", "qwen3-thinks")

@@ -24,8 +24,8 @@ expect = playwright_sync.expect
 
 
 @pytest.fixture(scope="module")
-def bg(tmp_path_factory, smollm_model_dir):
-    swarm = BackgroundSwarm(tmp_path_factory.mktemp("web"), [smollm_model_dir]).start()
+def bg(module_tmp, smollm_model_dir):
+    swarm = BackgroundSwarm(module_tmp("web"), [smollm_model_dir]).start()
     try:
         swarm.call(swarm.swarm.load, smollm_model_dir.name, 2)
         yield swarm
