@@ -55,6 +55,10 @@ class Settings:
     # SWARM_SERVE_SPECULATIVE: drafting ahead, up to N tokens guessed per pass by prompt lookup, for models loaded from
     # now on (0: off); only while a model has no more chats than stages, on rings whose fellows all support it
     serve_speculative: int = 0
+    # SWARM_SERVE_DRAFT_MODEL: with SWARM_SERVE_SPECULATIVE, the last stage of a model over several fellows also guesses
+    # with a small model of its family it holds whole: auto (the smallest imported model of the pool with the same
+    # tokenizer) or a model's name; unset: prompt lookup alone
+    serve_draft_model: str | None = None
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
     # SWARM_DATABASE_URL: the leader's store on PostgreSQL (postgresql://user:password@host/db); unset, a SQLite file
     # in its data dir (leader.db). `swarm admin migrate-db --to URL` copies a SQLite leader over.
@@ -98,6 +102,10 @@ class Settings:
         if not 0 <= self.serve_speculative <= 16:
             raise ConfigError(f"SWARM_SERVE_SPECULATIVE is {self.serve_speculative}; use 0 (off) to 16 tokens guessed "
                               "per pass (2 to 4 is typical).")
+        if self.serve_draft_model is not None and self.serve_speculative <= 0:
+            raise ConfigError(f"SWARM_SERVE_DRAFT_MODEL is {self.serve_draft_model!r}, but drafting ahead is off: the "
+                              "draft model guesses the tokens SWARM_SERVE_SPECULATIVE=N asks for. Set "
+                              "SWARM_SERVE_SPECULATIVE=2 (to 4) as well, or unset SWARM_SERVE_DRAFT_MODEL.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -100,6 +100,7 @@ class ControlLink:
             "t": "hello", "name": fellow.name, "version": __version__, "protocol": wire.PROTOCOL_VERSION,
             "updates": True,  # it installs the leader's version when told to (swarm.fellow.update)
             "drafting": True,  # its stages run guessed tokens and verify them (swarm.stage.drafting)
+            "draft_model": True,  # its last stage holds a draft model when sent one (swarm.stage.draft_model)
             "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
             "hardware": hardware.probe().to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},

@@ -98,29 +98,35 @@ class StageLoader:
             return
         await self._serve(message, stage_model)
 
-    async def _fetch(self, message: dict, progress: LoadProgress) -> dict[str, Path]:
+    async def _fetch(self, message: dict, progress: LoadProgress) -> tuple[dict[str, Path], dict[str, Path]]:
+        """The stage's files, and the draft model's (the last stage's, SWARM_SERVE_DRAFT_MODEL; {} without one): each
+        path to its local file."""
         fellow = self.fellow
-        files = message["files"]
-        total = sum(f["size"] for f in files) or 1
+        draft = _draft_part(message)
+        wanted = [(message["model"], f) for f in message["files"]] + \
+            [(draft["model"], f) for f in (draft["files"] if draft else [])]
+        total = sum(f["size"] for _, f in wanted) or 1
         done_before = 0
         local: dict[str, Path] = {}
+        draft_local: dict[str, Path] = {}
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=60.0),
                                      verify=context_for(fellow.leader_url) or True) as client, \
                 trio.open_nursery() as pump:
             pump.start_soon(progress.pump)
-            for f in files:
-                url = f"{fellow.leader_url}/api/v1/models/{message['model']}/files/{f['path']}"
+            for i, (model, f) in enumerate(wanted):
+                url = f"{fellow.leader_url}/api/v1/models/{model}/files/{f['path']}"
 
                 def on_bytes(done: int, _size: int, base: int = done_before) -> None:
                     progress.fraction = (base + done) / total
 
-                local[f["path"]] = await fetch_with_retries(
+                into = local if i < len(message["files"]) else draft_local
+                into[f["path"]] = await fetch_with_retries(
                     client, url, fellow.cache_dir, f["sha256"], f["size"], self._credential_headers, on_bytes,
                     renew_credential=self._renewed_credential,
                 )
                 done_before += f["size"]
             pump.cancel_scope.cancel()
-        return local
+        return local, draft_local
 
     def _credential_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.fellow.credential}"}
@@ -135,7 +141,7 @@ class StageLoader:
         from swarm.stage.slice import StageModel, StageSpec  # torch is heavy: import when a stage is placed here
         import torch
 
-        local = await self._fetch(message, progress)
+        local, draft_local = await self._fetch(message, progress)
         await progress.report("download", 1.0)
         await progress.report("extract", 1.0)  # shards are verified safetensors: nothing to unpack
         spec_msg = message["stage"]
@@ -156,6 +162,9 @@ class StageLoader:
                                     layer_devices=layer_devices, quantization=quantization)
         )
         stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
+        draft = _draft_part(message)
+        if draft is not None:  # the last stage's draft model, whole, in the stage's dtype on the stage's device
+            stage_model.drafter = await compute.run(lambda: _draft_model(draft, draft_local, message, dtype, device))
         await compute.run(stage_model.warm_up)
         await progress.report("load", 1.0)
         return stage_model
@@ -180,6 +189,24 @@ class StageLoader:
             if fellow.stages.get(stage.model) is stage:
                 del fellow.stages[stage.model]
             _free_memory(stage.driver.stage_model)
+
+
+def _draft_part(message: dict) -> dict | None:
+    """The draft model a last stage's load message sends (SWARM_SERVE_DRAFT_MODEL), None without one."""
+    draft = message.get("draft")
+    return draft if isinstance(draft, dict) and message["stage"]["is_last"] else None
+
+
+def _draft_model(draft: dict, local: dict[str, Path], message: dict, dtype, device: str):
+    """Build the draft model whole from its fetched files (swarm.stage.draft_model), warmed up."""
+    from swarm.stage.draft_model import DraftModel
+    from swarm.stage.slice import StageModel, StageSpec
+
+    layers = int(draft["num_layers"])
+    model = StageModel.load(draft["config"], local, StageSpec(0, layers, True, True), dtype=dtype, device=device)
+    drafter = DraftModel(model, vocab_size=int(message["config"].get("vocab_size") or 0) or None)
+    drafter.warm_up()
+    return drafter
 
 
 def _spread_over_cards(message: dict, spec, device: str, dtype) -> list[str] | None:
@@ -214,6 +241,9 @@ def _free_memory(stage_model) -> None:
     caching allocator's pool."""
     for rid in stage_model.requests():
         stage_model.drop(rid)
+    drafter, stage_model.drafter = getattr(stage_model, "drafter", None), None
+    if drafter is not None:  # the last stage's draft model goes with it
+        _free_memory(drafter.model)
     for part in stage_model.modules():
         for module in part.modules():
             module._parameters.clear()

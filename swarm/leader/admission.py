@@ -38,8 +38,9 @@ def budget(plans: list[StagePlan], free_bytes: dict[int, int], kv_bytes_per_toke
     """The budget of a model placed as ``plans`` on fellows with ``free_bytes`` free (before the load)."""
     tokens = None
     for plan in plans:
-        per_token = kv_bytes_per_token_layer * (plan.end_layer - plan.first_layer)
-        room = free_bytes.get(plan.fellow_id, 0) - plan.weight_bytes - OVERHEAD_BYTES
+        # the last stage's draft model (SWARM_SERVE_DRAFT_MODEL) keeps a cache of every conversation too
+        per_token = kv_bytes_per_token_layer * (plan.end_layer - plan.first_layer) + plan.draft_kv_per_token
+        room = free_bytes.get(plan.fellow_id, 0) - plan.weight_bytes - OVERHEAD_BYTES - plan.draft_bytes
         fits = room // per_token if per_token > 0 else 1 << 30
         tokens = fits if tokens is None else min(tokens, fits)
     tokens = max(int(tokens or 0), context_tokens)  # placement made sure one full context fits

@@ -300,8 +300,7 @@ class ApiRoutes:
         entry = next((f for f in (row.manifest["files"] if row else []) if f["path"] == path), None)
         if entry is None:  # only files the manifest names: no path tricks
             return problem(404, f"model {name} has no file {path}", "not_found")
-        serving = self.leader.serving.models.get(name)
-        if serving is None or path not in serving.files_for(fellow.id):
+        if not self.leader.serving.may_fetch(fellow.id, name, path):
             # A fellow gets the files of the stages placed on it, nothing else: a fellow that is compromised or
             # merely enrolled cannot walk off with a model it does not serve.
             return problem(403, f"fellow {fellow.name} serves no stage of {name} that needs {path}", "forbidden")

@@ -59,6 +59,7 @@ class FellowConn:
     protocol: int = wire.PROTOCOL_VERSION  # the wire protocol it speaks (its hello's "v")
     updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
     drafting: bool = False  # its stages run and verify guessed tokens (drafting ahead; its hello says so)
+    draft_model: bool = False  # its last stage can hold a draft model (SWARM_SERVE_DRAFT_MODEL; its hello says so)
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
     calibration: dict | None = None  # how fast it runs a decoder layer, as its heartbeat said (swarm.leader.planner)
@@ -370,6 +371,7 @@ class FellowHub:
             version=str(hello.get("version", "?"))[:64],
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
+            draft_model=hello.get("draft_model") is True,
             disk_free_bytes=_count(hello.get("disk_free_bytes")),
         )
         conn.credential = credential

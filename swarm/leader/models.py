@@ -46,6 +46,8 @@ class ModelServing:
     full_weight_bytes: int = 0  # what its weights would hold unquantized (the Settings panel's compression)
     speculative: int = 0  # drafting ahead: tokens guessed per pass (SWARM_SERVE_SPECULATIVE when it was loaded)
     pool_id: int | None = None  # its pool: only that pool's fellows take its stages, covers and failovers
+    # the draft model its last stage holds whole (SWARM_SERVE_DRAFT_MODEL): what load messages send, None without one
+    draft: dict | None = None
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def budget(self, settings) -> Budget:
@@ -69,6 +71,14 @@ class ModelServing:
         """The model files ``fellow_id`` may download: those of the stages (and hot covers) placed on it."""
         return {f["path"] for i, s in enumerate(self.stages) if fellow_id in (s.plan.fellow_id, s.cover)
                 for f in load_message(self, i)["files"]}
+
+    def draft_files_for(self, fellow_id: int) -> set[str]:
+        """The draft model's files ``fellow_id`` may download: all of them, where it holds the last stage (or its
+        hot cover)."""
+        last = self.stages[-1] if self.stages else None
+        if self.draft is None or last is None or fellow_id not in (last.plan.fellow_id, last.cover):
+            return set()
+        return {f["path"] for f in self.draft["files"]}
 
     def notify(self) -> None:
         self.changed.set()
@@ -133,7 +143,31 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
         "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
         "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
         "stored_dtype": dtype or "float32", "quantization": serving.quantization,
+        **({"draft": serving.draft} if serving.draft is not None and spec["is_last"] else {}),
     }
+
+
+def draft_message(chosen) -> dict:
+    """The ``draft`` part of the last stage's load message: the draft model (a swarm.leader.draft_model.Chosen) as a
+    fellow fetches and builds it -- every weight file (it is held whole), no tokenizer (the target's ids are its)."""
+    from swarm.model_format import stage_file_paths
+    from swarm.store.manifest import Manifest
+
+    manifest = Manifest.from_dict(chosen.manifest)
+    files = [manifest.file(p) for p in stage_file_paths(0, manifest.num_layers, True, True,
+                                                        manifest.tie_word_embeddings)]
+    return {"model": chosen.name, "config": chosen.config, "num_layers": manifest.num_layers,
+            "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
+            "stored_dtype": chosen.manifest.get("dtype") or "float32"}
+
+
+def draft_size(manifest: dict, cpu: bool):
+    """What the draft model of ``manifest`` takes held whole beside the last stage (swarm.leader.placement)."""
+    from swarm.leader.placement import DraftSize, stage_weight_bytes
+
+    size = model_size(manifest, cpu)
+    n = len(size.layer_bytes)
+    return DraftSize(stage_weight_bytes(size, 0, n, True, True), size.kv_bytes_per_token_per_layer * n)
 
 
 def link_message(serving: ModelServing, i: int, online: dict, transport: str) -> dict:

@@ -43,10 +43,22 @@ class StagePlan:
     end_layer: int  # exclusive
     weight_bytes: int
     kv_bytes: int
+    # the last stage's draft model (SWARM_SERVE_DRAFT_MODEL): its weights, and its KV cache per token of the
+    # conversations it guesses for (counted like the stage's own: its token budget gets smaller)
+    draft_bytes: int = 0
+    draft_kv_per_token: int = 0
 
     @property
     def need_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + OVERHEAD_BYTES
+        return self.weight_bytes + self.kv_bytes + OVERHEAD_BYTES + self.draft_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSize:
+    """What a draft model held whole beside the last stage takes: weights, and KV cache bytes per token."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
 
 
 def stage_weight_bytes(size: ModelSize, first: int, end: int, is_first: bool, is_last: bool) -> int:
@@ -92,8 +104,10 @@ def place(
     num_stages: int,
     context_tokens: int,
     fellow_id: int | None = None,
+    draft: DraftSize | None = None,
 ) -> list[StagePlan]:
-    """Choose ``num_stages`` fellows (most free memory first, then kept in a stable ring order) and their layers."""
+    """Choose ``num_stages`` fellows (most free memory first, then kept in a stable ring order) and their layers.
+    ``draft``: the last stage also holds a draft model (only over several stages): its fellow gets fewer layers."""
     if num_stages < 1:
         raise PlacementError("a model needs at least one stage.")
     if num_stages == 1:
@@ -108,18 +122,32 @@ def place(
         )
     chosen = sorted(fellows, key=lambda f: (-f.free_bytes, f.fellow_id))[:num_stages]
     chosen.sort(key=lambda f: f.fellow_id)
-    slices = split_layers(len(size.layer_bytes), [max(f.free_bytes, 0) for f in chosen])
+    draft = draft or DraftSize(0, 0)
+    room = [max(f.free_bytes, 0) for f in chosen]
+    room[-1] = max(room[-1] - draft.weight_bytes - draft.kv_bytes_per_token * context_tokens, 0)
+    slices = split_layers(len(size.layer_bytes), room)
     plans = []
     for index, (fellow, (first, end)) in enumerate(zip(chosen, slices)):
-        weight = stage_weight_bytes(size, first, end, index == 0, index == num_stages - 1)
+        last = index == num_stages - 1
+        weight = stage_weight_bytes(size, first, end, index == 0, last)
         kv = size.kv_bytes_per_token_per_layer * (end - first) * context_tokens
-        plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv))
+        if last and draft.weight_bytes:
+            kv += draft.kv_bytes_per_token * context_tokens
+            plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv, draft.weight_bytes,
+                                   draft.kv_bytes_per_token))
+        else:
+            plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv))
     for plan, fellow in zip(plans, chosen):
         if plan.need_bytes > fellow.free_bytes:
             raise PlacementError(
                 f"stage {plan.index} on {fellow.name} needs {plan.need_bytes / GB:.1f} GB "
                 f"({plan.weight_bytes / GB:.1f} GB weights + {plan.kv_bytes / GB:.1f} GB KV cache at "
-                f"{context_tokens} tokens), has {fellow.free_bytes / GB:.1f} GB free. Serve on a fellow with more "
-                f"free memory, use more stages, or lower SWARM_SERVE_CONTEXT_TOKENS."
+                f"{context_tokens} tokens{_with_draft(plan)}), has {fellow.free_bytes / GB:.1f} GB free. Serve on a "
+                f"fellow with more free memory, use more stages, or lower SWARM_SERVE_CONTEXT_TOKENS"
+                f"{' (or unset SWARM_SERVE_DRAFT_MODEL)' if plan.draft_bytes else ''}."
             )
     return plans
+
+
+def _with_draft(plan: StagePlan) -> str:
+    return f" + {plan.draft_bytes / GB:.1f} GB draft model" if plan.draft_bytes else ""

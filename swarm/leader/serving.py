@@ -21,8 +21,9 @@ from swarm.config import Settings
 from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout,
                           counted)
 from swarm.leader.drafting import with_drafting
-from swarm.leader.models import (ModelServing, StageState, check_quantization, full_weight_bytes, load_message,
-                                 model_size, quantized_fellows)
+from swarm.leader.draft_model import resolve
+from swarm.leader.models import (ModelServing, StageState, check_quantization, draft_message, draft_size,
+                                 full_weight_bytes, load_message, model_size, quantized_fellows)
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
@@ -61,6 +62,15 @@ class Serving:
         return [m.name for m in self.models.values()
                 if any(s.plan.fellow_id == fellow_id or s.cover == fellow_id for s in m.stages)]
 
+    def may_fetch(self, fellow_id: int, name: str, path: str) -> bool:
+        """Whether fellow ``fellow_id`` may download file ``path`` of model ``name``: a file of a stage placed on it,
+        or of the draft model its last stage holds."""
+        serving = self.models.get(name)
+        if serving is not None and path in serving.files_for(fellow_id):
+            return True
+        return any(m.draft is not None and m.draft["model"] == name and path in m.draft_files_for(fellow_id)
+                   for m in self.models.values())
+
     def status(self, name: str) -> str:
         serving = self.models.get(name)
         return serving.status if serving else "not_loaded"
@@ -78,10 +88,13 @@ class Serving:
     # --- load / unload --------------------------------------------------------------------------------------------
 
     def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str,
-                  pool_id: int | None = None):
+                  pool_id: int | None = None, draft_manifest: dict | None = None):
         """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now (swarm.leader.placement.place): the
         plans, the model's sizes, the quantization kind, the fellows it chose from and their capacities. Raises
-        PlacementError when nothing fits. The load and the planner (swarm.leader.planner) both use it."""
+        PlacementError when nothing fits. The load and the planner (swarm.leader.planner) both use it.
+        ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL), counted in
+        its fellow's memory where the ring has several stages and that fellow runs draft models (else left out: the
+        last plan's draft_bytes say which)."""
         # only the model's pool's fellows (swarm.store.fleet); standbys wait for failovers, unless one is asked for
         if pool_id is not None and fellow_id is not None and fellow_id in self.hub.online and \
                 self.hub.online[fellow_id].pool_id != pool_id:
@@ -107,6 +120,15 @@ class Serving:
         capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
         try:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
+            if draft_manifest is not None and len(plans) > 1:
+                with_draft = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id,
+                                   draft_size(draft_manifest, cpu))
+                last = self.hub.online[with_draft[-1].fellow_id]
+                if last.draft_model:
+                    plans = with_draft
+                else:
+                    log.info("%s drafts without its draft model: %s, which holds its last stage, runs a version "
+                             "without draft models", name, last.name)
         except PlacementError:
             if outdated:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
@@ -133,10 +155,14 @@ class Serving:
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
+        draft = None  # SWARM_SERVE_DRAFT_MODEL: checked before anything is placed (a wrong name refuses the load)
+        if self.settings.serve_draft_model and self.settings.serve_speculative > 0 and num_stages != 1:
+            draft = await trio.to_thread.run_sync(resolve, self.settings.serve_draft_model, name, row.pool_id,
+                                                  self.store, self.models_root)
         # From placement to the last load message nothing awaits: a fellow that went offline during an await here
         # was still in the placement, and posting its stage failed (a KeyError under load, the model left 'loading').
         plans, size, kind, fellows, capacities = self.placement(name, manifest, num_stages, fellow_id, asked,
-                                                                row.pool_id)
+                                                                row.pool_id, draft.manifest if draft else None)
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
@@ -144,6 +170,8 @@ class Serving:
                                manifest=manifest, config=config, size=size, quantization=kind,
                                full_weight_bytes=full_weight_bytes(manifest, cpu, plans), pool_id=row.pool_id)
         serving.speculative = self.settings.serve_speculative  # drafting ahead: the setting at this load
+        if draft is not None and plans[-1].draft_bytes:
+            serving.draft = draft_message(draft)
         self.models[name] = serving
         self.quantization_of[name] = asked
         self.reload_on_request.discard(name)

@@ -49,14 +49,16 @@ def eligible(start: messages.RequestStart) -> bool:
     return start.draft > 0 and start.context is not None and not sampling.penalised and sampling.grammar is None
 
 
-def draft_for(request, chats: int, num_stages: int) -> list[int]:
+def draft_for(request, chats: int, num_stages: int, guess: list[int] | None = None) -> list[int]:
     """What the last stage proposes for ``request`` (a swarm.stage.protocol.StageRequest that goes on) after the
     token it just sampled: nothing while the model has more chats than stages (every stage has work already;
-    guessing would only slow the others down) or when one token is all the reply has left."""
+    guessing would only slow the others down) or when one token is all the reply has left; else what prompt lookup
+    finds, or where it finds nothing ``guess``, the draft model's (swarm.stage.draft_model)."""
     start = request.start
     if not eligible(start) or chats > num_stages:
         return []
     left = start.max_tokens - request.generated - 1  # the next pass gives its drafted tokens and one more
     if left <= 0:
         return []
-    return propose(start.context + request.reply, min(start.draft, left))
+    n = min(start.draft, left)
+    return propose(start.context + request.reply, n) or list(guess or [])[:n]

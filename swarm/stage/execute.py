@@ -28,9 +28,16 @@ from swarm.stage import verify
 def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) -> Output:
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # in this worker thread: OpenMP keeps the count per calling thread
+    output = _run(stage, batch)
+    if stage.drafter is not None and stage.spec.is_last:  # a draft model beside the last stage guesses ahead
+        output = stage.drafter.guesses(batch, output)
+    return output
+
+
+def _run(stage: StageModel, batch: list[Work]) -> Output:
     verify.align(stage, batch)  # drafting ahead: rejected guesses leave the caches first
     if stage.spec.is_last and any(verify.verifying(work) for work in batch):
-        return verify.run(stage, batch, lambda rest: run_batch(stage, rest))
+        return verify.run(stage, batch, lambda rest: _run(stage, rest))
     if stage.spec.is_last and any(_wants_prompt_logprobs(work) for work in batch):
         return _with_prompt_logprobs(stage, batch)
     if len(batch) > 1:
@@ -117,7 +124,7 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
     """A last stage's batch where some prompt chunks want their prompt's logprobs: those are computed alone, with
     the logits of every row; the rest of the batch as usual."""
     rest = [work for work in batch if not _wants_prompt_logprobs(work)]
-    done = run_batch(stage, rest) if rest else Output(tokens=[])
+    done = _run(stage, rest) if rest else Output(tokens=[])
     results = dict(zip(map(id, rest), zip(done.tokens, done.logprobs or [None] * len(rest),
                                           done.fanned or [None] * len(rest))))
     picked, prompt_logprobs = [], []

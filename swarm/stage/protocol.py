@@ -106,6 +106,7 @@ class StageRequest:
     draft: list[int] = dataclasses.field(default_factory=list)  # last stage: the tokens guessed for the pass in flight
     spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])  # last stage: passes, tokens, drafted,
     # accepted (swarm.stage.drafting), for its StageTimes
+    crowded: bool = False  # last stage: the model had more chats than stages when its pass was taken (no guessing)
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
 
     @property
@@ -183,6 +184,8 @@ class Output:
     # last stage, a pass that verified drafted tokens (swarm.stage.verify): the (token, logprob) it gives, in order --
     # the drafted tokens kept, then the model's own next one
     verified: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
+    # last stage with a draft model (swarm.stage.draft_model): its guesses after each Work's token(s), where it guessed
+    drafts: list[list[int] | None] | None = None
 
 
 # --- the protocol ----------------------------------------------------------------------------------------------------
@@ -322,6 +325,10 @@ class StageProtocol:
                 again.append(rid)
         self._ready.extendleft(reversed(skipped))
         self._ready.extend(again)
+        if self.is_last:  # the draft model guesses in the compute, only while drafting is on (swarm.stage.drafting)
+            crowded = len(self.requests) > self.num_stages
+            for work in batch:
+                work.request.crowded = crowded
         return batch
 
     def batch_limit(self) -> int:
@@ -356,12 +363,13 @@ class StageProtocol:
                 actions.append(PromptLogprobs(work.rid, entries))
         fanned = output.fanned or [None] * len(batch)
         verified = output.verified or [None] * len(batch)
-        for work, token, logprob, group, kept in zip(batch, output.tokens or [None] * len(batch), logprobs, fanned,
-                                                     verified):
+        drafts = output.drafts or [None] * len(batch)
+        for work, token, logprob, group, kept, guess in zip(batch, output.tokens or [None] * len(batch), logprobs,
+                                                            fanned, verified, drafts):
             if self.is_first and not work.last:
                 self._queue_next_chunk(work.request)  # one stage: the next prompt chunk
             if kept is not None:
-                actions += self._took_several(work, kept, sampled)
+                actions += self._took_several(work, kept, sampled, guess)
                 continue
             if work.fans_out:
                 for member, (token, logprob) in zip(work.request.members, group or []):
@@ -371,7 +379,7 @@ class StageProtocol:
             if not work.last or token is None:
                 continue
             actions += self._took(work.request, work.pos + work.n, token, logprob, sampled)
-            self._draft(work.request, sampled)
+            self._draft(work.request, sampled, guess)
         if not sampled:
             return actions
         if self.is_first:  # one stage: the token goes straight into the next decode step
@@ -400,7 +408,7 @@ class StageProtocol:
         sampled.append(messages.SampledToken(request.rid, pos, token, finish is not None))
         return actions
 
-    def _took_several(self, work: Work, kept: list, sampled: list) -> list[Action]:
+    def _took_several(self, work: Work, kept: list, sampled: list, guess: list[int] | None = None) -> list[Action]:
         """A pass that verified drafted tokens gave ``kept`` (the drafted tokens its model agreed with, then its own
         next one): each streams, up to the eos/length rule; one SampledToken goes back, for the last of them."""
         request = work.request
@@ -414,12 +422,13 @@ class StageProtocol:
         request.spec[2] += drafted
         request.spec[3] += min(len(taken), len(kept) - 1)  # kept ends with the model's own token, never drafted
         sampled.append(taken[-1])
-        self._draft(request, sampled)
+        self._draft(request, sampled, guess)
         return actions
 
-    def _draft(self, request: StageRequest, sampled: list) -> None:
+    def _draft(self, request: StageRequest, sampled: list, guess: list[int] | None = None) -> None:
         """The last stage sampled ``sampled[-1]`` for ``request``: count the pass, and guess what follows
-        (swarm.stage.drafting) while the model has no more chats than stages."""
+        (swarm.stage.drafting: prompt lookup, else ``guess``, the draft model's) while the model has no more chats
+        than stages."""
         token = sampled[-1]
         if request.start.draft <= 0:
             return
@@ -427,7 +436,7 @@ class StageProtocol:
         request.spec[1] = request.generated
         if token.done:
             return
-        draft = drafting.draft_for(request, len(self.requests), self.num_stages)
+        draft = drafting.draft_for(request, len(self.requests), self.num_stages, guess)
         if draft:
             request.draft = draft
             sampled[-1] = dataclasses.replace(token, draft=draft)

@@ -109,6 +109,7 @@ class StageModel:
         self._caches: dict[str, DynamicCache] = {}
         self.quantization = "none"  # set by load (swarm.stage.quantize.KINDS)
         self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
+        self.drafter = None  # the last stage's draft model (swarm.stage.draft_model.DraftModel), when it has one
 
     # --- building ----------------------------------------------------------------------------------------------------
 
@@ -227,6 +228,8 @@ class StageModel:
 
     def drop(self, rid: str) -> None:
         self._caches.pop(rid, None)
+        if self.drafter is not None:
+            self.drafter.drop(rid)
 
     def fan_out(self, rid: str, to: list[str]) -> None:
         """Hand request ``rid``'s cache to the requests ``to`` (a group's prompt, prefilled once): a copy each, the

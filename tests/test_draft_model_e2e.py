@@ -1,0 +1,94 @@
+"""A draft model over a real ring (a leader with SWARM_SERVE_SPECULATIVE=3 and SWARM_SERVE_DRAFT_MODEL, two fellows
+on loopback, the built-in model over 2 stages): ``auto`` picks the smaller imported model with the built-in model's
+tokenizer, the last fellow fetches it from the leader and guesses with it, and the greedy reply to an ordinary chat is
+transformers' generate (near-tie rule) whatever it guesses; named as the draft model, the built-in model itself has
+nearly every guess kept; the draft model counts in the last stage's memory and goes with an unload; a draft model
+named wrong refuses the load before it starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+import trio
+
+from exactness import check_reply, reference
+from harness import install_model, running_swarm, wait_until
+from swarm.store.manifest import load_manifest
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(module_tmp, smollm_model_dir):
+    """A tiny random Llama with the built-in model's tokenizer (its vocabulary of 49152): a draft model auto finds,
+    whose guesses are nearly all wrong."""
+    import transformers
+
+    from swarm.store.importer import import_model
+
+    root = module_tmp("tiny-draft")
+    source = root / "src"
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
+                                      vocab_size=load_manifest(smollm_model_dir).vocab_size)
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_model_dir / name, source / name)
+    import_model(str(source), root / "models", "tiny-draft")
+    return root / "models" / "tiny-draft"
+
+
+async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draft):
+    from swarm.leader.chat_format import encode_chat
+    from swarm.stage.reference import load_reference_model
+
+    model = smollm_model_dir.name
+    ids = encode_chat(smollm_model_dir, CHAT, None)
+    eos = load_manifest(smollm_model_dir).eos_token_ids
+    want, margins = reference(load_reference_model(smollm_model_dir, dtype=torch.float32), ids, TOKENS, eos=eos)
+    env = {"SWARM_SERVE_SPECULATIVE": "3", "SWARM_SERVE_DRAFT_MODEL": "auto"}
+    with trio.fail_after(600):
+        async with running_swarm(tmp_path, [smollm_model_dir], leader_env=env) as swarm:
+            install_model(tmp_path / "leader", tiny_draft)
+            serving = swarm.leader.serving
+            await swarm.load(model, 2)
+            loaded = serving.models[model]
+            assert loaded.draft["model"] == "tiny-draft"  # auto: the smaller model with the same tokenizer
+            last = loaded.stages[-1].plan
+            assert last.draft_bytes > 0 and loaded.stages[0].plan.draft_bytes == 0
+            stage_model = swarm.stage(model, 1).driver.stage_model
+            assert stage_model.drafter is not None and swarm.stage(model, 0).driver.stage_model.drafter is None
+            data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
+            got = data["choices"][0]["token_ids"]
+            check_reply(got, want, margins)
+            timing = data["swarm"]["timing"]
+            assert timing["spec_tokens"] == timing["tokens"] == len(got)
+            assert timing["spec_drafted"] >= len(got), timing  # it guessed after nearly every token...
+            assert timing["spec_accepted"] < timing["spec_drafted"], timing  # ...and was mostly wrong
+            assert stage_model.drafter.requests() == []  # the request's draft cache went with it
+
+            # the built-in model named as its own draft model: nearly every guess kept, the reply the same
+            serving.settings = dataclasses.replace(serving.settings, serve_draft_model=model)
+            await serving.unload(model)
+            await wait_until(lambda: stage_model.drafter is None, 30, message="the draft model was not freed")
+            await swarm.load(model, 2)
+            assert serving.models[model].draft["model"] == model
+            data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
+            check_reply(data["choices"][0]["token_ids"], want, margins)
+            timing = data["swarm"]["timing"]
+            assert timing["spec_accepted"] > 0 and timing["spec_passes"] <= len(got) // 2, timing
+
+            # a named draft model that is not there: the load is refused before anything is placed
+            serving.settings = dataclasses.replace(serving.settings, serve_draft_model="nope")
+            await serving.unload(model)
+            response = await swarm.http.post(f"/api/v1/models/{model}/load", json={"num_stages": 2})
+            assert response.status_code == 409, response.text
+            assert "SWARM_SERVE_DRAFT_MODEL names nope, which is not in the catalogue" in response.text
+            assert model not in serving.models
