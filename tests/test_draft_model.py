@@ -192,3 +192,14 @@ def test_the_draft_model_counts_in_the_last_stage_memory():
     assert budget(with_draft, free, 10_000, 1024, 4096).tokens < budget(plain, free, 10_000, 1024, 4096).tokens
     with pytest.raises(PlacementError, match=r"GB draft model\).*unset SWARM_SERVE_DRAFT_MODEL"):
         place(size, fellows, 2, 4096, draft=DraftSize(4 * GB, 0))
+
+
+def test_the_draft_model_setting_needs_drafting_ahead():
+    from swarm.config import Settings
+    from swarm.errors import ConfigError
+
+    assert Settings.from_env({"SWARM_SERVE_SPECULATIVE": "3", "SWARM_SERVE_DRAFT_MODEL": "auto"}).serve_draft_model \
+        == "auto"
+    assert Settings.from_env({}).serve_draft_model is None
+    with pytest.raises(ConfigError, match="drafting ahead is off.*SWARM_SERVE_SPECULATIVE=2"):
+        Settings.from_env({"SWARM_SERVE_DRAFT_MODEL": "auto"})

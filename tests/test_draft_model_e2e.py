@@ -73,6 +73,11 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             assert timing["spec_drafted"] >= len(got), timing  # it guessed after nearly every token...
             assert timing["spec_accepted"] < timing["spec_drafted"], timing  # ...and was mostly wrong
             assert stage_model.drafter.requests() == []  # the request's draft cache went with it
+            # only the last stage's fellow may download the draft model's files
+            for fellow, status in zip(swarm.fellows, (403, 200)):
+                response = await swarm.http.get("/api/v1/models/tiny-draft/files/weights/layer_000.safetensors",
+                                                headers={"authorization": f"Bearer {fellow.credential}"})
+                assert response.status_code == status, (fellow.name, response.status_code)
 
             # the built-in model named as its own draft model: nearly every guess kept, the reply the same
             serving.settings = dataclasses.replace(serving.settings, serve_draft_model=model)
@@ -84,6 +89,15 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             check_reply(data["choices"][0]["token_ids"], want, margins)
             timing = data["swarm"]["timing"]
             assert timing["spec_accepted"] > 0 and timing["spec_passes"] <= len(got) // 2, timing
+
+            # a last fellow of an earlier version (its hello does not say draft_model): no draft model, lookup alone
+            await serving.unload(model)
+            serving.hub.online[swarm.fellows[1].fellow_id].draft_model = False
+            await swarm.load(model, 2)
+            assert serving.models[model].draft is None and serving.models[model].stages[-1].plan.draft_bytes == 0
+            assert swarm.stage(model, 1).driver.stage_model.drafter is None
+            data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
+            check_reply(data["choices"][0]["token_ids"], want, margins)
 
             # a named draft model that is not there: the load is refused before anything is placed
             serving.settings = dataclasses.replace(serving.settings, serve_draft_model="nope")
