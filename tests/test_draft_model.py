@@ -6,6 +6,8 @@ functions; the draft model's memory in placement and the token budget."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from exactness import check_reply, reference
@@ -203,3 +205,21 @@ def test_the_draft_model_setting_needs_drafting_ahead():
     assert Settings.from_env({}).serve_draft_model is None
     with pytest.raises(ConfigError, match="drafting ahead is off.*SWARM_SERVE_SPECULATIVE=2"):
         Settings.from_env({"SWARM_SERVE_DRAFT_MODEL": "auto"})
+
+
+def test_sampled_choices_of_one_prompt_draft_and_leave_nothing_behind(tiny_model_dirs):
+    """A group (sampled choices of one prompt, prefilled once): the prompt's carrier guesses nothing, each choice
+    guesses with the draft model once it has a token, and when they end no draft cache is left -- the carrier's
+    went when its cache was handed on."""
+    from swarm import messages
+
+    llama = tiny_model_dirs["llama"]
+    ring = ring_of(llama, 2, draft_dir=llama)
+    sampling = messages.Sampling(temperature=0.8, seed=5)
+    replies = ring.submit_group("carrier", [("c1", 1), ("c2", 2)], PROMPT, 12, sampling)
+    generate = ring.inboxes[0].pop()
+    ring.inboxes[0].append(dataclasses.replace(generate, draft=3))
+    ring.run()
+    assert all(len(r.tokens) == 12 and r.error is None for r in replies.values())
+    assert sum(ring.times[rid][1].spec_drafted for rid in replies) > 0
+    assert ring.stages[-1].drafter.requests() == [] and ring.holding() == [[], []]

@@ -114,6 +114,7 @@ class ModelServing:
             "status": self.status,
             "error": self.error,
             "quantization": self.quantization,
+            "draft_model": self.draft["model"] if self.draft else None,  # SWARM_SERVE_DRAFT_MODEL, where it runs
             "weight_bytes": weight,
             # unquantized weight bytes over quantized ones: 1.0 at none, ~3.6 at int8 from float32
             "compression": round(self.full_weight_bytes / weight, 2) if weight and self.full_weight_bytes else 1.0,

@@ -99,10 +99,12 @@ class DraftModel:
 
     # --- beside the last stage ---------------------------------------------------------------------------------------
 
-    def guesses(self, batch: list[Work], output: Output) -> Output:
-        """The last stage computed ``batch`` into ``output``: the small model's guesses for each request that will
-        draft and for which prompt lookup finds nothing (Output.drafts; the protocol decides, swarm.stage.drafting).
-        Prompt chunks before the last are fed to it as they pass."""
+    def guesses(self, stage: StageModel, batch: list[Work], output: Output) -> Output:
+        """The last stage (``stage``) computed ``batch`` into ``output``: the small model's guesses for each request
+        that will draft and for which prompt lookup finds nothing (Output.drafts; the protocol decides,
+        swarm.stage.drafting). Prompt chunks before the last are fed to it as they pass."""
+        for rid in [rid for rid in self._fed if not stage.has_request(rid)]:
+            self.drop(rid)  # a request the stage holds no cache of any more (a group's prompt, handed on) goes here too
         tokens = output.tokens or [None] * len(batch)
         verified = output.verified or [None] * len(batch)
         drafts: list[list[int] | None] = []
@@ -110,8 +112,8 @@ class DraftModel:
             drafts.append(None)
             request = work.request
             start = request.start
-            if not drafting.eligible(start) or work.fans_out:
-                continue
+            if not drafting.eligible(start) or request.members:
+                continue  # a group's prompt (its carrier) guesses nothing: its choices do, once they have a token
             if work.prefill and not work.last:  # a prompt chunk: the small model reads it too, unless it is busy
                 if not request.crowded:
                     self.follow(work.rid, start.context[: work.pos + work.n])

@@ -30,7 +30,7 @@ def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) 
         torch.set_num_threads(threads)  # in this worker thread: OpenMP keeps the count per calling thread
     output = _run(stage, batch)
     if stage.drafter is not None and stage.spec.is_last:  # a draft model beside the last stage guesses ahead
-        output = stage.drafter.guesses(batch, output)
+        output = stage.drafter.guesses(stage, batch, output)
     return output
 
 
