@@ -92,7 +92,9 @@ def test_another_draft_model_has_guesses_thrown_away_and_the_reply_exact(tiny_mo
         spec = ring.times["a"][1]
         assert spec.spec_tokens == STEPS and spec.spec_passes == spec.spec_tokens - spec.spec_accepted
         assert spec.spec_drafted > spec.spec_accepted, spec  # guesses thrown away
-        assert spec.spec_drafted >= STEPS, spec  # the draft model guessed where lookup found nothing
+        assert spec.spec_drafted >= spec.spec_passes - 2, spec  # it guessed in nearly every pass
+        if target == llama:  # lookup finds nothing there: the schedule took the draft model to one guess a pass
+            assert spec.spec_drafted <= spec.spec_passes + 3, spec
         assert fed[0] <= len(PROMPT) + STEPS + spec.spec_drafted, (fed[0], spec)
 
 

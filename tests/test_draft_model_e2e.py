@@ -70,7 +70,7 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             check_reply(got, want, margins)
             timing = data["swarm"]["timing"]
             assert timing["spec_tokens"] == timing["tokens"] == len(got)
-            assert timing["spec_drafted"] >= len(got), timing  # it guessed after nearly every token...
+            assert timing["spec_drafted"] >= timing["spec_passes"] - 2, timing  # it guessed in nearly every pass...
             assert timing["spec_accepted"] < timing["spec_drafted"], timing  # ...and was mostly wrong
             assert stage_model.drafter.requests() == []  # the request's draft cache went with it
             # only the last stage's fellow may download the draft model's files

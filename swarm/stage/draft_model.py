@@ -36,9 +36,13 @@ class DraftModel:
         # out there is a token the target does not have, so guessing stops before it.
         self.vocab_size = vocab_size or int(model.config.vocab_size)
         self._fed: dict[str, list[int]] = {}  # rid -> the tokens its cache holds, in order
+        self._last: dict[str, tuple[int, list[int]]] = {}  # rid -> where its last guesses went, and they
+        self._ahead_of: dict[str, int] = {}  # rid -> how many tokens it guesses next (:meth:`_ahead`)
 
     def drop(self, rid: str) -> None:
         self._fed.pop(rid, None)
+        self._last.pop(rid, None)
+        self._ahead_of.pop(rid, None)
         self.model.drop(rid)
 
     def requests(self) -> list[str]:
@@ -53,9 +57,11 @@ class DraftModel:
     # --- guessing ----------------------------------------------------------------------------------------------------
 
     def guess(self, rid: str, sequence: list[int], n: int) -> list[int]:
-        """Up to ``n`` tokens the small model expects after ``sequence`` (the conversation so far), greedily."""
+        """Up to ``n`` tokens the small model expects after ``sequence`` (the conversation so far), greedily -- fewer
+        while its recent guesses for the request were thrown away (:meth:`_ahead`)."""
         if n <= 0 or not sequence:
             return []
+        n = self._ahead(rid, sequence, n)
         logits = self._feed(rid, sequence, want_logits=True)
         fed = self._fed[rid]
         guesses: list[int] = []
@@ -68,7 +74,21 @@ class DraftModel:
                 break
             logits = self.model.forward(rid, len(fed), input_ids=torch.tensor([[token]], dtype=torch.long))
             fed.append(token)
+        self._last[rid] = (len(sequence), guesses)
         return guesses
+
+    def _ahead(self, rid: str, sequence: list[int], n: int) -> int:
+        """How many tokens to guess for ``rid`` now, at most ``n``: transformers' heuristic schedule for assisted
+        generation -- two more after a pass that kept every guess, one fewer after one that did not, never under one
+        -- so a draft model that guesses this conversation badly costs the ring one extra row a pass, not ``n``."""
+        ahead = self._ahead_of.get(rid, n)
+        last = self._last.pop(rid, None)
+        if last is not None:
+            start, guessed = last
+            kept = guessed == sequence[start : start + len(guessed)]
+            ahead = ahead + 2 if kept else ahead - 1
+        ahead = self._ahead_of[rid] = max(1, min(n, ahead))
+        return ahead
 
     def follow(self, rid: str, sequence: list[int]) -> None:
         """Feed what is new in ``sequence`` (a prompt chunk the last stage computed), guessing nothing."""
