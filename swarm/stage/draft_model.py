@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from swarm.errors import ModelError
 from swarm.stage import drafting
 from swarm.stage.protocol import Output, Work
 from swarm.stage.slice import StageModel
@@ -62,8 +63,7 @@ class DraftModel:
         if n <= 0 or not sequence:
             return []
         n = self._ahead(rid, sequence, n)
-        logits = self._feed(rid, sequence, want_logits=True)
-        fed = self._fed[rid]
+        logits, fed = self._feed(rid, sequence, want_logits=True)
         guesses: list[int] = []
         while True:
             token = int(torch.argmax(logits))
@@ -96,8 +96,9 @@ class DraftModel:
             self._feed(rid, sequence, want_logits=False)
 
     def _feed(self, rid: str, sequence: list[int], want_logits: bool):
-        """Bring request ``rid``'s cache to ``sequence``: crop it to the prefix it shares, feed the rest in chunks;
-        the logits after the last token when ``want_logits`` (at least that token is fed again for them)."""
+        """Bring request ``rid``'s cache to ``sequence``: crop it to the prefix it shares, feed the rest in chunks.
+        (The logits after the last token when ``want_logits`` -- at least that token is fed again for them -- else
+        None; and the tokens the cache holds.)"""
         fed = self._fed.get(rid)
         if fed is None or not self.model.has_request(rid):
             self.model.new_request(rid)
@@ -115,7 +116,7 @@ class DraftModel:
             logits = self.model.forward(rid, len(fed), input_ids=torch.tensor([chunk], dtype=torch.long),
                                         want_logits=want_logits and last)
             fed.extend(chunk)
-        return logits
+        return logits, fed
 
     # --- beside the last stage ---------------------------------------------------------------------------------------
 
@@ -123,7 +124,7 @@ class DraftModel:
         """The last stage (``stage``) computed ``batch`` into ``output``: the small model's guesses for each request
         that will draft and for which prompt lookup finds nothing (Output.drafts; the protocol decides,
         swarm.stage.drafting). Prompt chunks before the last are fed to it as they pass."""
-        for rid in [rid for rid in self._fed if not stage.has_request(rid)]:
+        for rid in [rid for rid in list(self._fed) if not stage.has_request(rid)]:
             self.drop(rid)  # a request the stage holds no cache of any more (a group's prompt, handed on) goes here too
         tokens = output.tokens or [None] * len(batch)
         verified = output.verified or [None] * len(batch)
@@ -136,7 +137,7 @@ class DraftModel:
                 continue  # a group's prompt (its carrier) guesses nothing: its choices do, once they have a token
             if work.prefill and not work.last:  # a prompt chunk: the small model reads it too, unless it is busy
                 if not request.crowded:
-                    self.follow(work.rid, start.context[: work.pos + work.n])
+                    self._quietly(self.follow, work.rid, start.context[: work.pos + work.n])
                 continue
             new = [t for t, _ in kept] if kept is not None else [token] if token is not None else []
             if not new or request.crowded:
@@ -147,10 +148,20 @@ class DraftModel:
             n = min(start.draft, start.max_tokens - request.generated - len(new) - 1)
             if n <= 0 or drafting.propose(sequence, n):
                 continue  # the reply's end is near, or prompt lookup proposes (it goes first: it costs nothing)
-            drafts[-1] = self.guess(work.rid, sequence, n)
+            drafts[-1] = self._quietly(self.guess, work.rid, sequence, n)
         if not any(drafts):
             return output
         return dataclasses.replace(output, drafts=drafts)
+
+
+    def _quietly(self, run, rid: str, *args):
+        """``run(rid, ...)``, or None where the request's cache went meanwhile (the event loop's Release of a
+        cancelled request while its pass computed): guessing is never worth failing a request for."""
+        try:
+            return run(rid, *args)
+        except ModelError:
+            self.drop(rid)
+            return None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
