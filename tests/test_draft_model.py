@@ -9,11 +9,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from exactness import check_reply, reference
+
 from swarm.errors import PlacementError
 from swarm.leader.admission import budget
-from swarm.leader.draft_model import Candidate, check_named, choose_auto, same_tokenizers, shares_vocabulary
+from swarm.leader.draft_model import (
+    Candidate,
+    check_named,
+    choose_auto,
+    same_tokenizers,
+    shares_vocabulary,
+)
 from swarm.leader.placement import DraftSize, FellowCapacity, ModelSize, place
 from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
 from swarm.stage.draft_model import DraftModel

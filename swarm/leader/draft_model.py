@@ -140,7 +140,7 @@ def resolve(setting: str, target_name: str, target_pool: int | None, store, mode
 
         try:
             return same_tokenizers(load_tokenizer(str(models_root / a)), load_tokenizer(str(models_root / b)))
-        except Exception as exc:  # a tokenizer that does not load shares nothing
+        except (OSError, ValueError, ImportError) as exc:  # a tokenizer that does not load shares nothing
             log.info("cannot compare the tokenizers of %s and %s: %s", a, b, exc)
             return False
 
