@@ -3,7 +3,7 @@ on loopback, the built-in model over 2 stages): ``auto`` picks the smaller impor
 tokenizer, the last fellow fetches it from the leader and guesses with it, and the greedy reply to an ordinary chat is
 transformers' generate (near-tie rule) whatever it guesses; named as the draft model, the built-in model itself has
 nearly every guess kept; the draft model counts in the last stage's memory and goes with an unload; a draft model
-named wrong refuses the load before it starts."""
+named wrong refuses the load before it starts; a restarted leader finds the draft model in the serving record."""
 
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             await wait_until(lambda: stage_model.drafter is None, 30, message="the draft model was not freed")
             await swarm.load(model, 2)
             assert serving.models[model].draft["model"] == model
+            # recorded for a restarted leader, which then knows the draft model its last fellow still holds
+            await wait_until(lambda: any(name == model and plans[-1].get("draft", {}).get("model") == model
+                                         for name, _, plans in swarm.leader.store.list_serving()), 30)
             data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
             check_reply(data["choices"][0]["token_ids"], want, margins)
             timing = data["swarm"]["timing"]

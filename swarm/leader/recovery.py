@@ -120,6 +120,8 @@ class Recovery:
         self.serving.resume(model.name)
         plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes, "quantization": model.quantization}
                  for s in model.stages]
+        if model.draft is not None:  # the last stage's draft model (SWARM_SERVE_DRAFT_MODEL), for a restarted leader
+            plans[-1]["draft"] = model.draft
         await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
         if len(model.stages) > 1 and self.serving.direct_links is not None:
             await self.serving.direct_links.start(model)
@@ -357,7 +359,8 @@ class Recovery:
                 manifest = row.manifest
                 config = await trio.to_thread.run_sync(
                     lambda: json.loads((serving.models_root / name / "config.json").read_text()))
-                stages = [StageState(StagePlan(**{k: v for k, v in p.items() if k not in ("free_bytes", "quantization")}),
+                stages = [StageState(StagePlan(**{k: v for k, v in p.items()
+                                                  if k not in ("free_bytes", "quantization", "draft")}),
                                      free_bytes=int(p.get("free_bytes", 0))) for p in plans]
                 kind = check_kind(plans[0].get("quantization") if plans else None)
             except Exception as exc:
@@ -372,6 +375,7 @@ class Recovery:
                                                                                         [s.plan for s in stages]),
                                  pool_id=row.pool_id)
             model.speculative = serving.settings.serve_speculative  # drafting ahead, as a load now would have it
+            model.draft = plans[-1].get("draft") if plans else None  # the draft model its last fellow still holds
             serving.models[name] = model
             serving.quantization_of[name] = kind
             log.info("%s was serving before the restart: waiting for its fellows", name)
