@@ -3,7 +3,13 @@
 repeats its input (a code edit) and on an ordinary chat. The variants take turns, round after round, so a shared
 machine's swings fall on all of them alike; each greedy reply is checked to be the same with and without drafting.
 
+With --draft-models, prompt lookup plus a draft model beside the last stage (SWARM_SERVE_DRAFT_MODEL) as well:
+``self`` is the built-in model as its own draft model (every guess right, but it costs the whole model per guessed
+token: the bound of what guessing saves in passes), ``tiny`` a random 2-layer model with its tokenizer (nearly every
+guess wrong: what a useless draft model costs). No smaller model of SmolLM2's tokenizer ships here.
+
     .venv/bin/python bench/drafting.py [--rounds 3] [--tokens 120] [--draft 4] [--stages 2] [--threads N]
+                                       [--draft-models self,tiny]
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from pathlib import Path
 import torch
 
 from swarm.leader.chat_format import encode_chat
-from swarm.stage import LocalRing, StageModel, stage_specs
+from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
+from swarm.stage.draft_model import DraftModel
 from swarm.store.importer import import_model
 from swarm.store.manifest import load_manifest
 
@@ -54,6 +61,7 @@ def main() -> None:
     parser.add_argument("--draft", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--draft-models", default="", help="comma-separated: self, tiny (see above); none by default")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,19 +74,22 @@ def main() -> None:
     for stage in stages:
         stage.warm_up()
     ring = LocalRing(stages, prefill_chunk=256)
+    drafters = {name: draft_model(name, model_dir, root) for name in filter(None, args.draft_models.split(","))}
+    variants = [(0, None), (args.draft, None)] + [(args.draft, name) for name in drafters]
     prompts = {name: encode_chat(model_dir, [{"role": "user", "content": text}], None) for name, text in CHATS.items()}
     eos = load_manifest(model_dir).eos_token_ids
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; built-in model float32 over {args.stages} stages in one process; "
           f"{args.tokens} tokens per reply, up to {args.draft} guessed per pass, {args.rounds} rounds taking turns",
           flush=True)
-    speeds: dict[tuple[str, int], list[float]] = {}
-    replies: dict[tuple[str, int], list[int]] = {}
-    spec: dict[tuple[str, int], tuple] = {}
+    speeds: dict[tuple, list[float]] = {}
+    replies: dict[tuple, list[int]] = {}
+    spec: dict[tuple, tuple] = {}
     n = 0
     for _ in range(args.rounds):
         for name, prompt in prompts.items():
-            for draft in (0, args.draft):
+            for draft, drafter in variants:
+                stages[-1].drafter = drafters.get(drafter)
                 n += 1
                 rid = f"r{n}"
                 reply = ring.submit(rid, prompt, args.tokens, eos=eos, draft=draft)
@@ -86,25 +97,56 @@ def main() -> None:
                 while ring.step():
                     if first is None and reply.tokens:
                         first = time.perf_counter()
+                if reply.error:
+                    raise SystemExit(f"{name}, {label(draft, drafter)}: {reply.error}")
                 seconds = time.perf_counter() - first
                 tokens = reply.tokens
-                speeds.setdefault((name, draft), []).append((len(tokens) - 1) / seconds)
-                replies.setdefault((name, draft), tokens)
+                key = (name, draft, drafter)
+                speeds.setdefault(key, []).append((len(tokens) - 1) / seconds)
+                replies.setdefault(key, tokens)
                 t = ring.times[rid][args.stages - 1]
-                spec[(name, draft)] = (t.spec_passes, t.spec_tokens, t.spec_drafted, t.spec_accepted)
-                print(f"  {name}, drafting {draft}: {len(tokens)} tokens, {seconds:.1f} s after the first", flush=True)
-    print(f"{'reply':<15} {'drafting':<9} {'tok/s (median)':>15} {'runs':>24}  passes/tokens/drafted/accepted")
+                spec[key] = (t.spec_passes, t.spec_tokens, t.spec_drafted, t.spec_accepted)
+                print(f"  {name}, {label(draft, drafter)}: {len(tokens)} tokens, {seconds:.1f} s after the first",
+                      flush=True)
+    stages[-1].drafter = None
+    print(f"{'reply':<15} {'drafting':<20} {'tok/s (median)':>15} {'runs':>24}  passes/tokens/drafted/accepted")
     for name in prompts:
-        base = statistics.median(speeds[(name, 0)])
-        for draft in (0, args.draft):
-            s = speeds[(name, draft)]
+        base = statistics.median(speeds[(name, 0, None)])
+        for draft, drafter in variants:
+            s = speeds[(name, draft, drafter)]
             runs = " ".join(f"{v:.1f}" for v in s)
             gain = "" if draft == 0 else f"  {statistics.median(s) / base:.2f}x"
-            counters = "" if draft == 0 else "  " + "/".join(map(str, spec[(name, draft)]))
-            print(f"{name:<15} {('off' if not draft else f'on ({draft})'):<9} {statistics.median(s):>15.1f} "
-                  f"{runs:>24}{gain}{counters}")
-        same = replies[(name, 0)] == replies[(name, args.draft)]
-        print(f"{'':<15} same reply with and without drafting: {same} ({len(replies[(name, 0)])} tokens)")
+            counters = "" if draft == 0 else "  " + "/".join(map(str, spec[(name, draft, drafter)]))
+            print(f"{name:<15} {label(draft, drafter):<20} {statistics.median(s):>15.1f} {runs:>24}{gain}{counters}")
+        same = all(replies[(name, d, m)] == replies[(name, 0, None)] for d, m in variants)
+        print(f"{'':<15} same reply with and without drafting: {same} ({len(replies[(name, 0, None)])} tokens)")
+
+
+def label(draft: int, drafter: str | None) -> str:
+    return "off" if not draft else f"on ({draft})" + (f" + {drafter}" if drafter else "")
+
+
+def draft_model(name: str, model_dir: Path, root: Path) -> DraftModel:
+    """The built-in model whole (``self``), or a random 2-layer Llama with its vocabulary and tokenizer (``tiny``)."""
+    if name == "tiny":
+        import transformers
+
+        source = root / "tiny-src"
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
+                                          vocab_size=load_manifest(model_dir).vocab_size)
+        torch.manual_seed(7)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(model_dir / file, source / file)
+        import_model(str(source), root, "tiny-draft")
+        model_dir = root / "tiny-draft"
+    elif name != "self":
+        raise SystemExit(f"--draft-models takes self and tiny, not {name!r}")
+    whole = StageModel.load_dir(model_dir, StageSpec(0, load_manifest(model_dir).num_layers, True, True))
+    drafter = DraftModel(whole)
+    drafter.warm_up()
+    return drafter
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from swarm import messages
 from swarm.config import Settings
 from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout,
                           counted)
-from swarm.leader.drafting import with_drafting
+from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.draft_model import resolve
 from swarm.leader.models import (ModelServing, StageState, check_quantization, draft_message, draft_size,
                                  full_weight_bytes, load_message, model_size, quantized_fellows)
@@ -156,7 +156,8 @@ class Serving:
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
         config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
         draft = None  # SWARM_SERVE_DRAFT_MODEL: checked before anything is placed (a wrong name refuses the load)
-        if self.settings.serve_draft_model and self.settings.serve_speculative > 0 and num_stages != 1:
+        if self.settings.serve_draft_model and self.settings.serve_speculative > 0 and num_stages != 1 \
+                and not sliding(config):  # a sliding model does not draft at all (swarm.leader.drafting)
             draft = await trio.to_thread.run_sync(resolve, self.settings.serve_draft_model, name, row.pool_id,
                                                   self.store, self.models_root)
         # From placement to the last load message nothing awaits: a fellow that went offline during an await here
