@@ -231,3 +231,30 @@ def test_sampled_choices_of_one_prompt_draft_and_leave_nothing_behind(tiny_model
     assert all(len(r.tokens) == 12 and r.error is None for r in replies.values())
     assert sum(ring.times[rid][1].spec_drafted for rid in replies) > 0
     assert ring.stages[-1].drafter.requests() == [] and ring.holding() == [[], []]
+
+
+def test_a_draft_model_that_does_not_fit_or_an_older_last_fellow_leaves_it_out_or_refuses():
+    """The leader's choice at placement (Serving._with_draft_model): counted on the last fellow when it fits and that
+    fellow runs draft models; left out, with a log line, where the fellow is of an earlier version or -- auto -- it
+    does not fit; a draft model named explicitly that does not fit refuses the load."""
+    from types import SimpleNamespace as NS
+
+    from swarm.config import Settings
+    from swarm.leader.serving import Serving
+
+    size = ModelSize(tuple([100_000_000] * 8), 50_000_000, 50_000_000, False, 10_000)
+    fellows = [FellowCapacity(1, "a", 4 * GB), FellowCapacity(2, "b", 4 * GB)]
+    plans = place(size, fellows, 2, 4096)
+
+    def leader(setting: str, draft_model: bool = True):
+        settings = Settings.from_env({"SWARM_SERVE_SPECULATIVE": "3", "SWARM_SERVE_DRAFT_MODEL": setting})
+        return NS(settings=settings, hub=NS(online={1: NS(name="a", draft_model=True),
+                                                    2: NS(name="b", draft_model=draft_model)}))
+
+    fits, too_big = DraftSize(GB, 40_000), DraftSize(4 * GB, 0)
+    chosen = Serving._with_draft_model(leader("auto"), "m", plans, size, fellows, 2, fits)
+    assert chosen[-1].draft_bytes == GB
+    assert Serving._with_draft_model(leader("auto", draft_model=False), "m", plans, size, fellows, 2, fits) is plans
+    assert Serving._with_draft_model(leader("auto"), "m", plans, size, fellows, 2, too_big) is plans
+    with pytest.raises(PlacementError, match="draft model"):
+        Serving._with_draft_model(leader("small"), "m", plans, size, fellows, 2, too_big)

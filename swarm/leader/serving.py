@@ -20,8 +20,8 @@ from swarm import messages
 from swarm.config import Settings
 from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout,
                           counted)
-from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.draft_model import resolve
+from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.models import (ModelServing, StageState, check_quantization, draft_message, draft_size,
                                  full_weight_bytes, load_message, model_size, quantized_fellows)
 from swarm.leader.performance import hop_rate
@@ -121,20 +121,33 @@ class Serving:
         try:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
             if draft_manifest is not None and len(plans) > 1:
-                with_draft = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id,
-                                   draft_size(draft_manifest, cpu))
-                last = self.hub.online[with_draft[-1].fellow_id]
-                if last.draft_model:
-                    plans = with_draft
-                else:
-                    log.info("%s drafts without its draft model: %s, which holds its last stage, runs a version "
-                             "without draft models", name, last.name)
+                plans = self._with_draft_model(name, plans, size, capacities, num_stages,
+                                               draft_size(draft_manifest, cpu))
         except PlacementError:
             if outdated:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
             raise
         check_quantization(kind, plans, {f.id: f for f in fellows}, self.settings.device)
         return plans, size, kind, fellows, capacities
+
+    def _with_draft_model(self, name: str, plans: list, size, capacities: list, num_stages: int, draft) -> list:
+        """``plans`` placed again with a draft model (a swarm.leader.placement.DraftSize) on the last stage's fellow;
+        ``plans`` as they are where that fellow runs a version without draft models or -- SWARM_SERVE_DRAFT_MODEL=auto
+        -- where the draft model does not fit (a named one: the PlacementError says what it needs)."""
+        try:
+            with_draft = place(size, capacities, num_stages, self.settings.serve_context_tokens, None, draft)
+        except PlacementError as exc:
+            if self.settings.serve_draft_model != "auto":
+                raise
+            log.warning("%s loads without a draft model (SWARM_SERVE_DRAFT_MODEL=auto): it does not fit. %s", name,
+                        exc)
+            return plans
+        last = self.hub.online[with_draft[-1].fellow_id]
+        if not last.draft_model:
+            log.info("%s drafts without its draft model: %s, which holds its last stage, runs a version without "
+                     "draft models", name, last.name)
+            return plans
+        return with_draft
 
     async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
                    quantization: str | None = None) -> ModelServing:
