@@ -65,6 +65,8 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             assert last.draft_bytes > 0 and loaded.stages[0].plan.draft_bytes == 0
             stage_model = swarm.stage(model, 1).driver.stage_model
             assert stage_model.drafter is not None and swarm.stage(model, 0).driver.stage_model.drafter is None
+            held = swarm.stage(model, 1).placement()["bytes"]  # the Performance view's memory: the draft model's too
+            assert held == stage_model.parameter_bytes() + stage_model.drafter.parameter_bytes()
             data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
             got = data["choices"][0]["token_ids"]
             check_reply(got, want, margins)

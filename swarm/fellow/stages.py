@@ -49,10 +49,12 @@ class LoadedStage:
                 "first_layer": self.first_layer, "end_layer": self.end_layer, "cover": self.cover}
 
     def placement(self) -> dict:
-        """Where this stage runs, for the leader's Performance view: its devices and the bytes its weights take."""
+        """Where this stage runs, for the leader's Performance view: its devices and the bytes its weights take (with
+        the last stage's draft model, SWARM_SERVE_DRAFT_MODEL)."""
         stage_model = self.driver.stage_model
         if self._weight_bytes is None:
-            self._weight_bytes = stage_model.parameter_bytes()
+            drafter = getattr(stage_model, "drafter", None)
+            self._weight_bytes = stage_model.parameter_bytes() + (drafter.parameter_bytes() if drafter else 0)
         devices = sorted({str(d) for d in getattr(stage_model, "layer_devices", None) or [stage_model.device]})
         return {"devices": devices, "bytes": self._weight_bytes}
 
