@@ -1,7 +1,7 @@
 """The planner's prediction (swarm.leader.planner) against the measured speed: the built-in model over 1 and 2
 stages. The goal is within 25 %.
 
-    .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--processes]
+    .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--processes [--pin]]
         [--data-dir /tmp/swarm-bench]
 
 A leader and two fellows in one process (tests/harness.py) with the fellows' calibration on. For each ring: the plan
@@ -11,12 +11,16 @@ fellows, which report it in their next heartbeat) so that the plan and the measu
 machine: the plan (links now measured), a greedy reply of --tokens tokens (steady decode tokens/s) and a reply to a
 ~1,000-token prompt (time to first token). Prints each round's predicted and measured figures and their ratio, and
 the median ratios. With --processes the leader and each fellow run in processes of their own (tests/fleet.py), as on
-real PCs, and the plan uses the calibration each fellow took when it started.
+real PCs, and the plan uses the calibration each fellow took when it started. --pin puts each fellow process on a
+core of its own with one thread (taskset; SWARM_THREADS=1), so that two fellows on one machine behave like two
+one-core PCs: unpinned, each one's stage computes 1.3-1.5x slower while serving than its calibration, as the other
+process's OpenMP threads, still spinning after their pass, and its caches share the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -102,7 +106,13 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
     from harness import wait_for
 
     ratios: tuple[list, list] = ([], [])
-    pool = Pool(tmp / f"p{stages}", model_dir, fellow_env=fellow_env(args))
+    env, cpus = fellow_env(args), None
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--pin needs two cores: one for each fellow")
+        env["SWARM_THREADS"] = "1"
+        cpus = [str(c) for c in sorted(os.sched_getaffinity(0))[:2]]
+    pool = Pool(tmp / f"p{stages}", model_dir, fellow_env=env, fellow_cpus=cpus)
     try:
         def ask(path: str, body: dict | None = None) -> dict:
             if body is None:
@@ -115,7 +125,8 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
         wait_for(lambda: ask(path), 180, interval=0.5)  # the fellows' calibration
         pool.load(stages)
         ask("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-        print(f"{stages} stage(s), separate processes:", flush=True)
+        print(f"{stages} stage(s), separate processes{' on a core each, one thread' if args.pin else ''}:",
+              flush=True)
         for round_ in range(args.rounds):
             after = ask(path)
             decode = ask("/v1/chat/completions", {"messages": COUNT, "max_tokens": args.tokens, "ignore_eos": True})
@@ -147,6 +158,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", action="store_true",
                         help="the leader and each fellow in a process of its own (the plan from each fellow's "
                              "calibration at its start)")
+    parser.add_argument("--pin", action="store_true",
+                        help="with --processes: each fellow on a core of its own with one thread, as a one-core PC")
 
 
 if __name__ == "__main__":

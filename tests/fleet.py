@@ -15,9 +15,10 @@ from harness import install_model, wait_for
 
 class FellowProcess:
     def __init__(self, url: str, join_token: str, data_dir: Path, name: str, *, standby: bool = False,
-                 env: dict | None = None):
+                 env: dict | None = None, cpus: str | None = None):
         self.url, self.join_token, self.data_dir, self.name = url, join_token, data_dir, name
         self.standby = standby
+        self.cpus = cpus  # taskset's list ("0", "1-3"): the process and every thread it starts run only there
         # ``env`` adds to (or, with None, takes out of) these
         env = {**os.environ, "SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.env = {k: v for k, v in env.items() if v is not None}
@@ -26,7 +27,8 @@ class FellowProcess:
 
     def start(self) -> FellowProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "swarm", "join", self.url, "--token", self.join_token, "--name", self.name,
+        args = ["taskset", "-c", self.cpus] if self.cpus else []
+        args += [sys.executable, "-m", "swarm", "join", self.url, "--token", self.join_token, "--name", self.name,
                 "--data-dir", str(self.data_dir)]
         if self.standby:
             args.append("--standby")
@@ -136,8 +138,9 @@ class Pool:
     fellows with torch's own thread count, ``{"OMP_NUM_THREADS": None}``)."""
 
     def __init__(self, tmp: Path, model_dir: Path, count: int = 2, *, leader_env: dict | None = None,
-                 fellow_env: dict | None = None):
+                 fellow_env: dict | None = None, fellow_cpus: list[str] | None = None):
         self.name = install_model(tmp / "leader", model_dir)
+        self.fellow_cpus = fellow_cpus  # fellow i runs on fellow_cpus[i] only (taskset): a PC of its own, emulated
         self.leader = LeaderProcess(tmp / "leader", free_port(), env=leader_env).start()
         self.fellows: list[FellowProcess] = []
         self.http = None
@@ -150,8 +153,9 @@ class Pool:
     def _start(self, tmp: Path, count: int, fellow_env: dict | None) -> None:
         self.token = wait_for(lambda: self.leader.printed("Admin API token:"), 60, message=self.leader.log)
         join = self.leader.join_token(uses=count)
-        self.fellows = [FellowProcess(self.leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}", env=fellow_env).start()
-                        for i in range(count)]
+        cpus = self.fellow_cpus or [None] * count
+        self.fellows = [FellowProcess(self.leader.url, join, tmp / f"fellow-{i}", f"fellow-{i}", env=fellow_env,
+                                      cpus=cpus[i]).start() for i in range(count)]
         self.http = httpx.Client(base_url=self.leader.url, headers={"authorization": f"Bearer {self.token}"},
                                  timeout=120)
         wait_for(lambda: len(self.online()) == count, 120, message=lambda: logs(self.fellows))

@@ -61,6 +61,27 @@ def test_a_stage_pays_its_pass_embedding_and_head_as_measured():
     assert SPEEDS[1].head_ms(10_000) == pytest.approx(0.01) and SPEEDS[1].pass_ms == 0.0
 
 
+def test_a_ring_of_several_stages_counts_its_layers_after_idle():
+    """A calibration that also timed the decode step after the core waited (swarm.fellow.calibration VERSION 4): a
+    ring of several stages counts each stage's layers at that speed (it waits for the others between its passes);
+    one stage holding the whole model decodes back to back, at the plain figure."""
+    cal = calibration(2, 4, 100, 300)
+    for point, idle in zip(cal["points"], (3, 7)):
+        point["decode_idle_ms"] = idle
+    speed = layer_speed(cal)
+    # after idle: 1 ms + 2e-6 ms/byte (3 ms per 1 MB layer)
+    assert (speed.idle_fixed_ms, speed.idle_per_byte_ms) == (pytest.approx(1.0), pytest.approx(2e-6))
+    two = predict(TWO, SIZE, {1: speed, 2: speed}, [Hop(2.0, False), Hop(2.0, False)], 2500, prefill_chunk=256)
+    # stage 0: 2 layers x 3 ms; stage 1: 2 x 3 ms + the head at 1e-6 ms/byte x 10,000 (the head is not idle-scaled)
+    assert [s["decode_ms"] for s in two["stages"]] == [pytest.approx(6.0), pytest.approx(6.01)]
+    one = predict([StagePlan(0, 1, "pc-1", 0, 4, 0, 0)], SIZE, {1: speed}, [], 2500, prefill_chunk=256)
+    assert one["stages"][0]["decode_ms"] == pytest.approx(4 * 2.0 + 0.01)  # back to back: the plain figure
+    # prefill is not idle-bound: the same in both
+    assert two["stages"][0]["prefill_ms"] == pytest.approx(200.0)
+    # an older calibration has no idle figure: the plain one counts everywhere
+    assert SPEEDS[1].idle_per_byte_ms is None and SPEEDS[1].decode_ms(1_000_000, after_idle=True) == pytest.approx(2.0)
+
+
 def test_two_stages_compute_bound_on_the_slower_fellow():
     hops = [Hop(10.0, True, "direct"), Hop(2.0, False)]
     p = predict(TWO, SIZE, SPEEDS, hops, hidden_bytes_per_token=2500, prefill_chunk=256)

@@ -6,7 +6,11 @@ as a stage calls it, is timed at two hidden sizes, for one decode step (one toke
 causal mask, the hidden state's copy for the wire), a first stage's embedding, and a last stage's final norm, head
 and greedy pick over a HEAD_VOCAB-token vocabulary. The leader fits a line through the two points (fixed cost per
 layer + cost per weight byte; the head's per head byte) and scales it by a model's sizes (swarm.leader.planner).
-Each figure is the median of its runs. It runs in a worker thread when the fellow starts, takes 5-10 s on a 2-core
+The decode step is timed twice: back to back, as a stage
+that holds the whole model runs (its next pass starts at once), and each run after the core waited IDLE_GAP_S, as a
+stage in a ring of several runs (it waits for the others between its passes; measured on a 2-core VM, a core that
+waited runs the next pass ~40 % slower, and a PC's power saving does the same). Each figure is the median of its
+runs. It runs in a worker thread when the fellow starts, takes 5-10 s on a 2-core
 CPU, and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
 """
 
@@ -23,11 +27,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # bump when what is measured changes: older cached results are then measured again
+VERSION = 4  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
 HEAD_VOCAB = 32768  # the timed head's vocabulary (the planner scales it by a model's head bytes)
+# How long the core waits before each run of the decode step timed "after idle": a stage of a ring waits about as long
+# for the other stages' passes and the links.
+IDLE_GAP_S = 0.02
 
 
 def hardware_key(device: str, hardware_wire: dict) -> str:
@@ -177,6 +184,24 @@ def _typical(fn, sync, repeats: int, budget_s: float) -> float:
     return statistics.median(times)
 
 
+def _after_idle(fn, sync, repeats: int, budget_s: float, gap_s: float = IDLE_GAP_S) -> float:
+    """The median of ``repeats`` runs (seconds), each after the calling thread slept ``gap_s``; fewer once
+    ``budget_s`` is spent (sleeps included)."""
+    fn()
+    sync()
+    times = []
+    start = time.perf_counter()
+    for _ in range(repeats):
+        time.sleep(gap_s)
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times)
+
+
 def _point(hidden: int, device: str, dtype, sync) -> dict:
     stack = _Stack(hidden, device, dtype)
     ends = _Ends(hidden, device, dtype)
@@ -194,19 +219,21 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
         stack.run(chunk, 0, stack.new_cache(0))
 
     decode = _typical(decode_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
+    decode_idle = _after_idle(decode_steps, sync, 12, 1.0) / (LAYERS * DECODE_STEPS)
     prefill = _typical(prefill_chunk, sync, 5, 0.5) / LAYERS
     per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2)
     embed = _typical(ends.embed_step, sync, 30, 0.1)
     head = _typical(lambda: ends.head_step(one), sync, 20, 0.5)
     return {"hidden": hidden, "weight_bytes": stack.weight_bytes(), "decode_ms": round(decode * 1e3, 4),
+            "decode_idle_ms": round(decode_idle * 1e3, 4),
             "prefill_ms": round(prefill * 1e3, 3), "pass_ms": round(per_pass * 1e3, 4),
             "embed_ms": round(embed * 1e3, 4), "head_bytes": ends.head_bytes(), "head_ms": round(head * 1e3, 4)}
 
 
 def measure(device: str = "cpu", threads: int | None = None) -> dict:
     """Time a stage's parts at each of HIDDEN_SIZES on ``device``: a list of points, each with one layer's weight
-    bytes, its decode step's ms (one token over a KV_TOKENS-token cache) and its PREFILL_TOKENS-token prefill
-    chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table, causal mask, the copy for the
+    bytes, its decode step's ms (one token over a KV_TOKENS-token cache; ``decode_idle_ms`` after the core waited
+    IDLE_GAP_S) and its PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table, causal mask, the copy for the
     wire); the first stage's embedding (``embed_ms``); and the last stage's final norm, head and greedy pick over
     HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``)."""
     import torch

@@ -9,7 +9,9 @@ embedding, the last its head and pick. Each hop between stages costs half its ro
 link, per pass.
 
 One token passes every stage in turn and every hop once (the ring), so the time per token is the sum of the stages'
-compute and the hops' transit; the bottleneck is the largest of those parts. A prompt goes through the ring in
+compute and the hops' transit. In a ring of several stages each stage waits for the others between its passes, and a
+core that waited computes slower (the calibration's decode step after idle: ~40 % on a 2-core VM), so their layers
+count at that speed; a single stage decodes back to back; the bottleneck is the largest of those parts. A prompt goes through the ring in
 chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
 """
 
@@ -44,8 +46,13 @@ class LayerSpeed:
     embed_ms: float = 0.0
     head_fixed_ms: float | None = None
     head_per_byte_ms: float | None = None
+    # The decode step after the core waited (a stage of a ring of several); None on an older calibration.
+    idle_fixed_ms: float | None = None
+    idle_per_byte_ms: float | None = None
 
-    def decode_ms(self, weight_bytes: int) -> float:
+    def decode_ms(self, weight_bytes: int, after_idle: bool = False) -> float:
+        if after_idle and self.idle_per_byte_ms is not None:
+            return (self.idle_fixed_ms or 0.0) + self.idle_per_byte_ms * weight_bytes
         return self.decode_fixed_ms + self.decode_per_byte_ms * weight_bytes
 
     def prefill_ms(self, weight_bytes: int, tokens: int = PROMPT_TOKENS) -> float:
@@ -87,8 +94,12 @@ def layer_speed(calibration: dict) -> LayerSpeed:
             raise ValueError(f"calibration {key} out of range")
         return sum(values) / len(values) if values else 0.0
 
+    idle = [(float(p["weight_bytes"]), float(p["decode_idle_ms"])) for p in points if "decode_idle_ms" in p]
+    if any(y < 0 or not math.isfinite(y) for _, y in idle):
+        raise ValueError("calibration decode_idle_ms out of range")
     head = _line(heads) if len(heads) == len(points) else (None, None)
-    return LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head)
+    after_idle = _line(idle) if len(idle) == len(points) else (None, None)
+    return LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +125,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     for plan in plans:
         speed = speeds[plan.fellow_id]
         layers = size.layer_bytes[plan.first_layer:plan.end_layer]
-        decode = speed.pass_ms + sum(speed.decode_ms(b) for b in layers)
+        decode = speed.pass_ms + sum(speed.decode_ms(b, after_idle=n > 1) for b in layers)
         prefill = chunks * speed.pass_ms + sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
         if plan.index == 0:
             decode += speed.embed_ms
