@@ -164,35 +164,20 @@ class _Ends:
         return int(torch.argmax(logits))
 
 
-def _typical(fn, sync, repeats: int, budget_s: float) -> float:
-    """The median of ``repeats`` runs (seconds), after warm-ups; fewer runs once ``budget_s`` is spent. (The first
-    calls of a new shape are far slower on CPU -- oneDNN picks its kernels -- so they do not count.) The median, not
-    the fastest: on a machine that other work shares, a stage meets the same contention as the typical run, and the
-    fastest run is the lucky moment nothing else ran; on an idle machine the two agree."""
+def _typical(fn, sync, repeats: int, budget_s: float, gap_s: float = 0.0) -> float:
+    """The median of ``repeats`` runs (seconds), after warm-ups; fewer runs once ``budget_s`` is spent (sleeps
+    included); with ``gap_s``, each run after the calling thread slept that long. (The first calls of a new shape are
+    far slower on CPU -- oneDNN picks its kernels -- so they do not count.) The median, not the fastest: on a machine
+    that other work shares, a stage meets the same contention as the typical run, and the fastest run is the lucky
+    moment nothing else ran; on an idle machine the two agree."""
     for _ in range(3):
         fn()
     sync()
     times = []
     start = time.perf_counter()
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times)
-
-
-def _after_idle(fn, sync, repeats: int, budget_s: float, gap_s: float = IDLE_GAP_S) -> float:
-    """The median of ``repeats`` runs (seconds), each after the calling thread slept ``gap_s``; fewer once
-    ``budget_s`` is spent (sleeps included)."""
-    fn()
-    sync()
-    times = []
-    start = time.perf_counter()
-    for _ in range(repeats):
-        time.sleep(gap_s)
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         fn()
         sync()
@@ -219,7 +204,7 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
         stack.run(chunk, 0, stack.new_cache(0))
 
     decode = _typical(decode_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
-    decode_idle = _after_idle(decode_steps, sync, 12, 1.0) / (LAYERS * DECODE_STEPS)
+    decode_idle = _typical(decode_steps, sync, 12, 1.0, gap_s=IDLE_GAP_S) / (LAYERS * DECODE_STEPS)
     prefill = _typical(prefill_chunk, sync, 5, 0.5) / LAYERS
     per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2)
     embed = _typical(ends.embed_step, sync, 30, 0.1)
