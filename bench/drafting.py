@@ -78,8 +78,7 @@ def main() -> None:
     variants = [(0, None), (args.draft, None)] + [(args.draft, name) for name in drafters]
     prompts = {name: encode_chat(model_dir, [{"role": "user", "content": text}], None) for name, text in CHATS.items()}
     eos = load_manifest(model_dir).eos_token_ids
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; built-in model float32 over {args.stages} stages in one process; "
+    print(f"{machine()}; built-in model float32 over {args.stages} stages in one process; "
           f"{args.tokens} tokens per reply, up to {args.draft} guessed per pass, {args.rounds} rounds taking turns",
           flush=True)
     speeds: dict[tuple, list[float]] = {}
@@ -120,6 +119,12 @@ def main() -> None:
             print(f"{name:<15} {label(draft, drafter):<20} {statistics.median(s):>15.1f} {runs:>24}{gain}{counters}")
         same = all(replies[(name, d, m)] == replies[(name, 0, None)] for d, m in variants)
         print(f"{'':<15} same reply with and without drafting: {same} ({len(replies[(name, 0, None)])} tokens)")
+
+
+def machine() -> str:
+    """The machine line: processor, cores, torch and its threads."""
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
 
 
 def label(draft: int, drafter: str | None) -> str:
