@@ -11,7 +11,9 @@ leader with its setting and loads the model afresh; the variants (off, and ``--d
 turns for ``--rounds`` rounds, each round asking both of bench/drafting.py's chats: a code edit whose reply repeats
 its input, and an ordinary chat. Printed per reply: the decode rate (``swarm.timing``'s tokens_per_s: the steady rate
 after the first token), the ring's passes per token (spec_passes / spec_tokens), the guesses made and kept, the
-speed-up of drafting, and whether each reply was token for token the same with and without it.
+speed-up of drafting, and whether each reply was token for token the same with and without it. Each reply's line
+also gives the stages' compute and the links' time per ring pass (``swarm.timing``'s compute_ms_per_token and
+link_ms_per_token: with drafting on they count passes, not tokens).
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def main() -> None:
                             replies.setdefault(key, []).append(data["choices"][0]["token_ids"])
                             print(f"  round {rnd + 1}, {name}, drafting {draft or 'off'}: {timing['tokens']} tokens, "
                                   f"{timing['tokens_per_s']:.1f} tok/s, passes/tokens/guessed/kept "
-                                  f"{'/'.join(map(str, counters[key][-1]))}, hops {ring.transports()}", flush=True)
+                                  f"{'/'.join(map(str, counters[key][-1]))}, per ring pass: stages' compute "
+                                  f"{sum(s['compute_ms_per_token'] or 0 for s in timing['stages']):.0f} ms, links "
+                                  f"{timing['link_ms_per_token'] or 0:.0f} ms; hops {ring.transports()}", flush=True)
             finally:
                 ring.close()
     finally:
