@@ -123,6 +123,9 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
 
         path = f"/api/v1/models/{pool.name}/plan?num_stages={stages}"
         wait_for(lambda: ask(path), 180, interval=0.5)  # the fellows' calibration
+        for fellow in pool.fellows:
+            lines = [line for line in fellow.log(200).splitlines() if "calibrated a decoder layer" in line]
+            print(f"  {fellow.name}: {lines[-1].split(': ', 1)[-1] if lines else 'no calibration logged'}", flush=True)
         pool.load(stages)
         ask("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         print(f"{stages} stage(s), separate processes{' on a core each, one thread' if args.pin else ''}:",

@@ -93,11 +93,13 @@ def test_two_stages_compute_bound_on_the_slower_fellow():
     assert [link["ms_per_token"] for link in p["links"]] == [pytest.approx(5.2), pytest.approx(1.00512)]
     assert p["ms_per_token"] == pytest.approx(4 + 8.02 + 5.2 + 1.00512)
     assert p["tokens_per_s"] == pytest.approx(1000 / 18.22512)
-    # prompt: 4 chunks of 256 -> hop 0 pays 4 x 5 ms + 2.5 MB (200 ms), hop 1 4 x 1 ms + 64 B
-    assert p["time_to_first_token_s"] == pytest.approx((200 + 400.02 + 220 + 4.00512) / 1000)
+    # prompt: 4 chunks of 256 through the ring as a pipeline: a chunk takes 50 ms on stage 0, 640 kB (51.2 ms) on
+    # hop 0 (plus its 5 ms latency once) and 100 ms on stage 1; then 3 more chunks at the slowest (100 ms); the head
+    assert p["time_to_first_token_s"] == pytest.approx((50 + 51.2 + 5 + 100 + 3 * 100 + 0.02) / 1000)
+    assert [link["prompt_ms"] for link in p["links"]] == [pytest.approx(220), pytest.approx(4.00512)]  # busy time
     assert p["bottleneck"] == {"kind": "compute", "stage": 1, "fellow": "pc-2", "ms_per_token": pytest.approx(8.02),
                                "text": "stage 1 on pc-2 (compute)"}
-    assert sentence(p) == ("about 55 tokens/s, first token of a 1,000-token prompt in 0.8 s over 2 stages; the "
+    assert sentence(p) == ("about 55 tokens/s, first token of a 1,000-token prompt in 0.5 s over 2 stages; the "
                            "slowest part is stage 1 on pc-2 (compute) (links not measured yet: assumed 2 ms round "
                            "trip)")
 

@@ -9,7 +9,9 @@ embedding, the last its head and pick. Each hop between stages costs half its ro
 link, per pass.
 
 One token passes every stage in turn and every hop once (the ring), so the time per token is the sum of the stages'
-compute and the hops' transit. In a ring of several stages each stage waits for the others between its passes, and a
+compute and the hops' transit. A prompt's chunks go through the ring as a pipeline (each stage computes the next
+chunk while the one after it computes this one), so its time to first token is one chunk's way through the ring plus
+the slowest part once per further chunk. In a ring of several stages each stage waits for the others between its passes, and a
 core that waited computes slower (the calibration's decode step after idle: ~40 % on a 2-core VM), so their layers
 count at that speed; a single stage decodes back to back; the bottleneck is the largest of those parts. A prompt goes through the ring in
 chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
@@ -130,12 +132,14 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
         if plan.index == 0:
             decode += speed.embed_ms
             prefill += chunks * speed.embed_ms
+        head = 0.0
         if plan.index == n - 1:  # the head: one token's logits, in decode and at the prompt's end alike
             head = speed.head_ms(head_bytes(size))
             decode += head
             prefill += head
         stages.append({"index": plan.index, "fellow_id": plan.fellow_id, "fellow": plan.fellow_name,
-                       "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill})
+                       "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill,
+                       "_chunk_ms": (prefill - head) / chunks, "_head_ms": head})
     links = []
     for i, hop in enumerate(hops[:n] if n > 1 else []):
         forward = i < n - 1  # hidden states forward; the last hop carries the token back
@@ -146,7 +150,9 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
                       "transport": hop.transport, "bytes_per_token": per_token_bytes, "ms_per_token": per_pass,
                       "prompt_ms": chunks * hop.rtt_ms / 2 + chunk_bytes / LINK_BYTES_PER_S * 1e3})
     per_token = sum(s["decode_ms"] for s in stages) + sum(link["ms_per_token"] for link in links)
-    ttft = sum(s["prefill_ms"] for s in stages) + sum(link["prompt_ms"] for link in links)
+    ttft = _pipelined_prompt_ms(stages, links[: n - 1], chunks, hidden_bytes_per_token * prefill_chunk)
+    for stage in stages:
+        del stage["_chunk_ms"], stage["_head_ms"]
     slowest = max(stages, key=lambda s: s["decode_ms"])
     link_ms = sum(link["ms_per_token"] for link in links)
     if links and link_ms > slowest["decode_ms"]:
@@ -158,6 +164,17 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     return {"num_stages": n, "tokens_per_s": 1000 / per_token if per_token > 0 else None,
             "ms_per_token": per_token, "prompt_tokens": prompt_tokens, "time_to_first_token_s": ttft / 1000,
             "stages": stages, "links": links, "bottleneck": bottleneck}
+
+
+def _pipelined_prompt_ms(stages: list[dict], forward_links: list[dict], chunks: int, chunk_bytes: int) -> float:
+    """The prompt's time to its first token: its chunks go through the ring as a pipeline -- stage 0 computes the
+    next chunk while stage 1 computes this one -- so it takes one chunk's way through every stage and forward link
+    (each link's latency once), then the slowest of them once per further chunk, then the head. (The token goes to
+    the leader from the last stage; the link back to stage 0 is not on this path.)"""
+    services = [s["_chunk_ms"] for s in stages] + [chunk_bytes / LINK_BYTES_PER_S * 1e3 for _ in forward_links]
+    latency = sum(link["rtt_ms"] / 2 for link in forward_links)
+    head = stages[-1]["_head_ms"] if stages else 0.0
+    return sum(services) + latency + (chunks - 1) * max(services, default=0.0) + head
 
 
 def sentence(prediction: dict) -> str:
