@@ -3,6 +3,7 @@ timing themselves, each measured itself several times slower than it serves, and
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -19,6 +20,7 @@ def test_two_fellows_on_one_machine_calibrate_one_after_the_other(tmp_path, monk
         return {"version": calibration.VERSION, "device": device, "points": []}
 
     monkeypatch.setattr(calibration, "measure", timed)
+    monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: 0.0)  # the machine is quiet here
     fellows = [threading.Thread(target=calibration.cached_or_measure, args=(tmp_path / f"f{i}", "cpu", {"cpu": i}))
                for i in range(2)]
     for thread in fellows:
@@ -29,3 +31,51 @@ def test_two_fellows_on_one_machine_calibrate_one_after_the_other(tmp_path, monk
     (a_start, a_end), (b_start, b_end) = sorted(spans)
     assert b_start >= a_end  # the second waited for the first
     assert (tmp_path / "f0" / "calibration.json").exists() and (tmp_path / "f1" / "calibration.json").exists()
+
+
+def test_a_fellow_waits_for_the_machine_to_quieten_before_timing_itself(tmp_path, monkeypatch):
+    """Started beside other processes (the demo's other fellow importing torch), a fellow measured itself up to 4x
+    slower than it served: it waits until others use under a quarter of the machine, and past QUIET_WAIT_S times
+    itself anyway."""
+    readings = iter([0.9, 0.6, 0.1])
+    measured_after: list[float] = []
+    monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: next(readings))
+    monkeypatch.setattr(calibration, "measure", lambda device, threads: measured_after.append(next(readings, None))
+                        or {"version": calibration.VERSION, "device": device, "points": []})
+    calibration.cached_or_measure(tmp_path / "f", "cpu", {"cpu": 1})
+    assert measured_after == [None]  # all three readings were taken (busy, busy, quiet) before it measured
+
+    monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: 0.95)  # never quiet
+    monkeypatch.setattr(calibration, "QUIET_WAIT_S", 0.2)
+    started = time.monotonic()
+    assert calibration.wait_until_quiet(0.2) == 0.95
+    assert time.monotonic() - started < 5
+
+
+CORES = os.cpu_count() or 1  # psutil.cpu_times counts every CPU of the machine
+
+
+def test_others_busy_sees_another_process_and_not_its_own_work():
+    import subprocess
+    import sys
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert calibration.others_busy(0.5) >= 0.6 / CORES  # one of the machine's cores spinning: 1 / CORES
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+    def spin_here():
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            pass
+
+    mine = threading.Thread(target=spin_here)
+    mine.start()
+    try:
+        share = calibration.others_busy(0.5)
+    finally:
+        mine.join()
+    assert share < 0.6 / CORES  # this process's own spinning thread (1 / CORES) is not "other work"

@@ -73,7 +73,10 @@ class _Stack:
     def __init__(self, hidden: int, device: str, dtype):
         import torch
         from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaRotaryEmbedding,
+        )
 
         heads = max(1, hidden // 64)
         config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=heads,
@@ -238,6 +241,12 @@ def measure(device: str = "cpu", threads: int | None = None) -> dict:
 
 
 LOCK_WAIT_S = 120.0  # past this, measure anyway: a stuck lock must not leave a fellow out of the planner
+# Before timing itself on the CPU a fellow waits (at most QUIET_WAIT_S) until other processes use less than
+# QUIET_SHARE of the machine: started beside others (the demo, a bench, a PC that has just booted) it met their
+# start-up and measured itself up to 1.5-4x slower than it then served.
+QUIET_SHARE = 0.25
+QUIET_WAIT_S = 20.0
+QUIET_SAMPLE_S = 0.5
 
 
 @contextlib.contextmanager
@@ -260,6 +269,34 @@ def _one_at_a_time():
         lock.release()
 
 
+def others_busy(sample_s: float = QUIET_SAMPLE_S) -> float:
+    """The share of the machine's CPU time (0-1) that processes other than this one used over ``sample_s``."""
+    import psutil
+
+    def busy_and_total():
+        times = psutil.cpu_times()._asdict()
+        total = sum(v for k, v in times.items() if k not in ("guest", "guest_nice"))  # counted in user already
+        return total - times["idle"] - times.get("iowait", 0.0), total
+
+    me = psutil.Process()
+    (busy0, total0), mine0 = busy_and_total(), me.cpu_times()
+    time.sleep(sample_s)
+    (busy1, total1), mine1 = busy_and_total(), me.cpu_times()
+    if total1 <= total0:
+        return 0.0
+    mine = (mine1.user + mine1.system) - (mine0.user + mine0.system)
+    return max(0.0, min(1.0, (busy1 - busy0 - mine) / (total1 - total0)))
+
+
+def wait_until_quiet(wait_s: float = QUIET_WAIT_S) -> float:
+    """Wait until other processes use less than QUIET_SHARE of the machine, at most ``wait_s``; their last share."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        share = others_busy()
+        if share < QUIET_SHARE or time.monotonic() >= deadline:
+            return share
+
+
 def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads: int | None = None) -> dict | None:
     """The calibration for this hardware: from ``data_dir``/calibration.json when it was measured on the same
     hardware, else measured now and written there. None when torch cannot run it (logged)."""
@@ -274,6 +311,11 @@ def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads:
     try:
         t0 = time.perf_counter()
         with _one_at_a_time():
+            if device == "cpu":
+                share = wait_until_quiet()
+                if share >= QUIET_SHARE:
+                    log.info("other work kept %.0f %% of this machine's CPU busy for %.0f s: calibrating anyway (the "
+                             "planner may count this fellow slower than it is)", share * 100, QUIET_WAIT_S)
             result = measure(device, threads)
         log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
                  ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms, {PREFILL_TOKENS}-token prefill "
