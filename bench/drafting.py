@@ -20,11 +20,14 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tiny_llama
 
 from swarm.leader.chat_format import encode_chat
 from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
@@ -134,18 +137,9 @@ def label(draft: int, drafter: str | None) -> str:
 def draft_model(name: str, model_dir: Path, root: Path) -> DraftModel:
     """The built-in model whole (``self``), or a random 2-layer Llama with its vocabulary and tokenizer (``tiny``)."""
     if name == "tiny":
-        import transformers
+        from tiny_llama import with_tokenizer_of
 
-        source = root / "tiny-src"
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                          num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
-                                          vocab_size=load_manifest(model_dir).vocab_size)
-        torch.manual_seed(7)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(model_dir / file, source / file)
-        import_model(str(source), root, "tiny-draft")
-        model_dir = root / "tiny-draft"
+        model_dir = with_tokenizer_of(model_dir, root, "tiny-draft")
     elif name != "self":
         raise SystemExit(f"--draft-models takes self and tiny, not {name!r}")
     whole = StageModel.load_dir(model_dir, StageSpec(0, load_manifest(model_dir).num_layers, True, True))

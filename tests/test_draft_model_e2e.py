@@ -8,7 +8,6 @@ named wrong refuses the load before it starts; a restarted leader finds the draf
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
@@ -28,21 +27,9 @@ TOKENS = 24
 def tiny_draft(module_tmp, smollm_model_dir):
     """A tiny random Llama with the built-in model's tokenizer (its vocabulary of 49152): a draft model auto finds,
     whose guesses are nearly all wrong."""
-    import transformers
+    from tiny_llama import with_tokenizer_of
 
-    from swarm.store.importer import import_model
-
-    root = module_tmp("tiny-draft")
-    source = root / "src"
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
-                                      vocab_size=load_manifest(smollm_model_dir).vocab_size)
-    torch.manual_seed(7)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_model_dir / name, source / name)
-    import_model(str(source), root / "models", "tiny-draft")
-    return root / "models" / "tiny-draft"
+    return with_tokenizer_of(smollm_model_dir, module_tmp("tiny-draft"), "tiny-draft")
 
 
 async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draft):
