@@ -12,8 +12,8 @@ turns for ``--rounds`` rounds, each round asking both of bench/drafting.py's cha
 its input, and an ordinary chat. Printed per reply: the decode rate (``swarm.timing``'s tokens_per_s: the steady rate
 after the first token), the ring's passes per token (spec_passes / spec_tokens), the guesses made and kept, the
 speed-up of drafting, and whether each reply was token for token the same with and without it. Each reply's line
-also gives the stages' compute and the links' time per ring pass (``swarm.timing``'s compute_ms_per_token and
-link_ms_per_token: with drafting on they count passes, not tokens).
+also gives the stages' compute and the links' time per token (``swarm.timing``'s compute_ms_per_token and
+link_ms_per_token).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
                             replies.setdefault(key, []).append(data["choices"][0]["token_ids"])
                             print(f"  round {rnd + 1}, {name}, drafting {draft or 'off'}: {timing['tokens']} tokens, "
                                   f"{timing['tokens_per_s']:.1f} tok/s, passes/tokens/guessed/kept "
-                                  f"{'/'.join(map(str, counters[key][-1]))}, per ring pass: stages' compute "
+                                  f"{'/'.join(map(str, counters[key][-1]))}, per token: stages' compute "
                                   f"{sum(s['compute_ms_per_token'] or 0 for s in timing['stages']):.0f} ms, links "
                                   f"{timing['link_ms_per_token'] or 0:.0f} ms; hops {ring.transports()}", flush=True)
             finally:

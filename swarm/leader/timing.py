@@ -17,6 +17,9 @@ The shape is stable (the serving history stores it as it is)::
     spec_passes, spec_tokens, spec_drafted, spec_accepted   drafting ahead, as the last stage counted (0 without it):
                       passes that gave tokens, the tokens they gave, tokens guessed, guesses kept
 
+With drafting ahead a pass gives several tokens: the stages measure per pass, and the split is told per token (each
+pass's figures times the decode passes per decode token), so that it still adds up to ms_per_token.
+
 Where the link's time comes from: the stages' clocks are not synchronised, so no stage can time a hop by itself.
 Stage 0 times each decode step's round trip on its own clock -- from the step's hidden state leaving (before it is
 encoded) to its token coming back -- and every stage times its own compute. The links' time is that round trip less
@@ -77,26 +80,33 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
     }
     reports: dict[int, messages.StageTimes] = request.stage_times
     n = len(fellows) or (max(reports) + 1 if reports else 0)
+    last = reports.get(n - 1) if n else None
+    per_pass = 1.0  # decode passes per decode token (the first token comes from the prompt's pass)
+    if last is not None and last.spec_passes:
+        out.update(spec_passes=last.spec_passes, spec_tokens=last.spec_tokens, spec_drafted=last.spec_drafted,
+                   spec_accepted=last.spec_accepted)
+        if last.spec_tokens > 1:
+            per_pass = max(0, last.spec_passes - 1) / (last.spec_tokens - 1)
     for i in sorted(reports):
         r = reports[i]
         out["stages"].append({
             "stage": i, "fellow": fellows[i] if i < len(fellows) else None,
-            "compute_ms_per_token": round(r.decode_s / r.decode_steps * 1000, 2) if r.decode_steps else None,
+            "compute_ms_per_token": round(r.decode_s / r.decode_steps * per_pass * 1000, 2) if r.decode_steps
+            else None,
             "prefill_ms": _ms(r.prefill_s),
         })
-    last = reports.get(n - 1) if n else None
-    if last is not None and last.spec_passes:
-        out.update(spec_passes=last.spec_passes, spec_tokens=last.spec_tokens, spec_drafted=last.spec_drafted,
-                   spec_accepted=last.spec_accepted)
     if n > 1:
-        out["bytes_per_token"] = {"forward": _per_token(reports.get(0)), "back": _per_token(reports.get(n - 1))}
+        out["bytes_per_token"] = {"forward": _per_token(reports.get(0), per_pass),
+                                  "back": _per_token(reports.get(n - 1), per_pass)}
         out["links"] = [{"from_stage": i, "to_stage": (i + 1) % n,
                          "transport": hops[i].get("transport") if i < len(hops) else None,
-                         "ms_per_token": None, "bytes_per_token": _per_token(reports.get(i))} for i in range(n)]
+                         "ms_per_token": None, "bytes_per_token": _per_token(reports.get(i), per_pass)}
+                        for i in range(n)]
         ring = reports.get(0)
         others = [reports.get(i) for i in range(1, n)]
         if ring is not None and ring.ring_steps and all(o is not None and o.decode_steps for o in others):
             link_s = max(0.0, ring.ring_s / ring.ring_steps - sum(o.decode_s / o.decode_steps for o in others))
+            link_s *= per_pass
             out["link_ms_per_token"] = round(link_s * 1000, 2)
             rtts = [hops[i].get("rtt_ms") if i < len(hops) else None for i in range(n)]
             known = all(isinstance(r, (int, float)) and r > 0 for r in rtts)
@@ -109,10 +119,11 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
     return out
 
 
-def _per_token(report: messages.StageTimes | None) -> int | None:
+def _per_token(report: messages.StageTimes | None, per_pass: float = 1.0) -> int | None:
+    """Bytes a stage sent per decode token: per decode step it sent (sent_tokens), times the passes per token."""
     if report is None or not report.sent_tokens:
         return None
-    return round(report.sent_bytes / report.sent_tokens)
+    return round(report.sent_bytes / report.sent_tokens * per_pass)
 
 
 def _ring(serving: Serving, model: str) -> tuple[list[str], list[dict]]:
