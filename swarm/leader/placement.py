@@ -129,14 +129,11 @@ def place(
     plans = []
     for index, (fellow, (first, end)) in enumerate(zip(chosen, slices)):
         last = index == num_stages - 1
+        held = draft if last else DraftSize(0, 0)  # only the last stage holds the draft model
         weight = stage_weight_bytes(size, first, end, index == 0, last)
-        kv = size.kv_bytes_per_token_per_layer * (end - first) * context_tokens
-        if last and draft.weight_bytes:
-            kv += draft.kv_bytes_per_token * context_tokens
-            plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv, draft.weight_bytes,
-                                   draft.kv_bytes_per_token))
-        else:
-            plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv))
+        kv = (size.kv_bytes_per_token_per_layer * (end - first) + held.kv_bytes_per_token) * context_tokens
+        plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv, held.weight_bytes,
+                               held.kv_bytes_per_token))
     for plan, fellow in zip(plans, chosen):
         if plan.need_bytes > fellow.free_bytes:
             raise PlacementError(

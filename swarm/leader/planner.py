@@ -123,6 +123,8 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     from stage i to stage i+1 (the last one back to stage 0); none with one stage. ``speeds``: fellow id -> speed."""
     n = len(plans)
     stages = []
+    chunk_ms: list[float] = []  # per stage, one prompt chunk's compute (the head apart: it runs once, at the end)
+    head = 0.0
     chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
     for plan in plans:
         speed = speeds[plan.fellow_id]
@@ -132,14 +134,13 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
         if plan.index == 0:
             decode += speed.embed_ms
             prefill += chunks * speed.embed_ms
-        head = 0.0
+        chunk_ms.append(prefill / chunks)
         if plan.index == n - 1:  # the head: one token's logits, in decode and at the prompt's end alike
             head = speed.head_ms(head_bytes(size))
             decode += head
             prefill += head
         stages.append({"index": plan.index, "fellow_id": plan.fellow_id, "fellow": plan.fellow_name,
-                       "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill,
-                       "_chunk_ms": (prefill - head) / chunks, "_head_ms": head})
+                       "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill})
     links = []
     for i, hop in enumerate(hops[:n] if n > 1 else []):
         forward = i < n - 1  # hidden states forward; the last hop carries the token back
@@ -150,9 +151,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
                       "transport": hop.transport, "bytes_per_token": per_token_bytes, "ms_per_token": per_pass,
                       "prompt_ms": chunks * hop.rtt_ms / 2 + chunk_bytes / LINK_BYTES_PER_S * 1e3})
     per_token = sum(s["decode_ms"] for s in stages) + sum(link["ms_per_token"] for link in links)
-    ttft = _pipelined_prompt_ms(stages, links[: n - 1], chunks, hidden_bytes_per_token * prefill_chunk)
-    for stage in stages:
-        del stage["_chunk_ms"], stage["_head_ms"]
+    ttft = _pipelined_prompt_ms(chunk_ms, head, links[: n - 1], chunks, hidden_bytes_per_token * prefill_chunk)
     slowest = max(stages, key=lambda s: s["decode_ms"])
     link_ms = sum(link["ms_per_token"] for link in links)
     if links and link_ms > slowest["decode_ms"]:
@@ -166,15 +165,15 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
             "stages": stages, "links": links, "bottleneck": bottleneck}
 
 
-def _pipelined_prompt_ms(stages: list[dict], forward_links: list[dict], chunks: int, chunk_bytes: int) -> float:
+def _pipelined_prompt_ms(chunk_ms: list[float], head_ms: float, forward_links: list[dict], chunks: int,
+                         chunk_bytes: int) -> float:
     """The prompt's time to its first token: its chunks go through the ring as a pipeline -- stage 0 computes the
     next chunk while stage 1 computes this one -- so it takes one chunk's way through every stage and forward link
     (each link's latency once), then the slowest of them once per further chunk, then the head. (The token goes to
     the leader from the last stage; the link back to stage 0 is not on this path.)"""
-    services = [s["_chunk_ms"] for s in stages] + [chunk_bytes / LINK_BYTES_PER_S * 1e3 for _ in forward_links]
+    services = chunk_ms + [chunk_bytes / LINK_BYTES_PER_S * 1e3 for _ in forward_links]
     latency = sum(link["rtt_ms"] / 2 for link in forward_links)
-    head = stages[-1]["_head_ms"] if stages else 0.0
-    return sum(services) + latency + (chunks - 1) * max(services, default=0.0) + head
+    return sum(services) + latency + (chunks - 1) * max(services, default=0.0) + head_ms
 
 
 def sentence(prediction: dict) -> str:

@@ -153,7 +153,6 @@ class DraftModel:
             return output
         return dataclasses.replace(output, drafts=drafts)
 
-
     def _quietly(self, run, rid: str, *args):
         """``run(rid, ...)``, or None where the request's cache went meanwhile (the event loop's Release of a
         cancelled request while its pass computed): guessing is never worth failing a request for."""
