@@ -113,16 +113,20 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
         env["SWARM_THREADS"] = "1"
         cpus = [str(c) for c in sorted(os.sched_getaffinity(0))[:2]]
     pool = Pool(tmp / f"p{stages}", model_dir, fellow_env=env, fellow_cpus=cpus)
+    refused = [""]  # the last refusal, told if a wait for an answer runs out
     try:
         def ask(path: str, body: dict | None = None) -> dict:
             if body is None:
                 response = pool.http.get(path)
             else:
                 response = pool.http.post(path, json={"model": pool.name, "temperature": 0, **body}, timeout=600)
-            return response.json() if response.status_code == 200 else None
+            if response.status_code != 200:
+                refused[0] = f"{path}: {response.status_code} {response.text[:300]}"
+                return None
+            return response.json()
 
         path = f"/api/v1/models/{pool.name}/plan?num_stages={stages}"
-        wait_for(lambda: ask(path), 180, interval=0.5)  # the fellows' calibration
+        wait_for(lambda: ask(path), 180, interval=0.5, message=lambda: refused[0])  # the fellows' calibration
         for fellow in pool.fellows:
             lines = [line for line in fellow.log(200).splitlines() if "calibrated a decoder layer" in line]
             print(f"  {fellow.name}: {lines[-1].split(': ', 1)[-1] if lines else 'no calibration logged'}", flush=True)
@@ -131,7 +135,8 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
         print(f"{stages} stage(s), separate processes{' on a core each, one thread' if args.pin else ''}:",
               flush=True)
         for round_ in range(args.rounds):
-            after = ask(path)
+            # Right after a load a fellow's heartbeat may not carry its calibration yet (409): ask again.
+            after = wait_for(lambda: ask(path), 60, interval=1, message=lambda: refused[0])
             decode = ask("/v1/chat/completions", {"messages": COUNT, "max_tokens": args.tokens, "ignore_eos": True})
             long = ask("/v1/chat/completions", {"messages": LONG, "max_tokens": 2})
             report(round_, "the fellows' calibration at start", after, decode["swarm"]["timing"], long, ratios)
