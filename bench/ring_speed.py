@@ -87,15 +87,16 @@ def bench_generate(model_dir: Path, tokens: int) -> float:
     return max(rates)
 
 
-def stream_once(url: str, token: str, content: str, max_tokens: int, timing: list | None = None) \
-        -> tuple[float, float, int]:
+def stream_once(url: str, token: str, content: str, max_tokens: int, timing: list | None = None,
+                text: list | None = None) -> tuple[float, float, int]:
     """-> (time to first token, decode tokens/s after the first, completion tokens); swarm.timing appended to
-    ``timing``."""
+    ``timing``, the reply's text to ``text``."""
     body = {"model": BUILTIN, "messages": [{"role": "user", "content": content}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True}
     t0 = time.perf_counter()
     first = last = None
     usage = None
+    pieces: list[str] = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600,
                       headers={"authorization": f"Bearer {token}"}) as response:
         for line in response.iter_lines():
@@ -105,10 +106,13 @@ def stream_once(url: str, token: str, content: str, max_tokens: int, timing: lis
             if data["choices"] and data["choices"][0]["delta"].get("content"):
                 last = time.perf_counter()
                 first = first or last
+                pieces.append(data["choices"][0]["delta"]["content"])
             usage = data.get("usage") or usage
             if timing is not None and data.get("swarm"):
                 timing.append(data["swarm"]["timing"])
     n = usage["completion_tokens"]
+    if text is not None:
+        text.append("".join(pieces))
     return first - t0, (n - 1) / (last - first) if last > first else float("nan"), n
 
 

@@ -3,6 +3,7 @@ swarm ring over 1 and 2 stages at each quantization, and llama.cpp's RPC ring on
 
     .venv/bin/python bench/side_by_side.py [--tokens 64] [--rounds 2] [--kinds none,int8,int4-fast,nf4]
                                            [--llama-cpp DIR] [--data-dir /tmp/swarm-bench]
+                                           [--no-drafting] [--draft 4] [--drafting-kind none]
 
 Prints the machine first, then one row per setting: decode tokens/s of a greedy reply after its first token (the
 best of --rounds; a row's rounds take turns with the other rows', so a swing in a shared machine's load falls on
@@ -22,7 +23,13 @@ all alike).
       nice -n 19 cmake --build build -j2 --target ggml-rpc-server llama-bench
 
   Without it the rows are skipped with a note.
-- Drafting ahead (SWARM_SERVE_SPECULATIVE, bench/drafting.py): its rows belong in :func:`drafting_rows`.
+- Drafting ahead (SWARM_SERVE_SPECULATIVE, bench/drafting.py's two chats): the same ring of 2 stages at
+  --drafting-kind (float32 by default) on a reply that repeats its input (a code edit) and on an ordinary chat, each
+  without drafting and with --draft tokens guessed per pass (4 by default), then the speed-up of each and the passes
+  the ring made per token. The setting is read when the leader starts, so the leader is restarted with it for the
+  drafting rows and again without it for the next round's other rows (the fellows stay; they rejoin). Each drafting
+  reply is checked to be word for word the reply without drafting (greedy): a WARNING line says where it is not.
+  --no-drafting leaves these rows out.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ import argparse
 import csv
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from drafting import CHATS
 from ring_speed import PROMPT, bench_generate, free_port, machine, stream_once
 
 from swarm.client import LeaderClient
@@ -48,15 +55,17 @@ from swarm.model_import import ensure_imported
 
 
 class Fleet:
-    """A leader and two fellows on loopback, kept for the whole run; the model is loaded and unloaded per row."""
+    """A leader and two fellows on loopback, kept for the whole run; the model is loaded and unloaded per row. The
+    leader runs with drafting ahead off, except while :meth:`replies` asks for it (it is restarted for that)."""
 
     def __init__(self, data: Path, threads: int | None):
         self.procs = Processes(data)
         fellow_env = {"SWARM_SERVE_PORT": "0"} | ({"SWARM_THREADS": str(threads)} if threads else {})
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir",
-                                    str(data / "leader")], env={"SWARM_PIPELINE_TRANSPORT": "direct"})
+        self.leader_args = ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data / "leader")]
+        self.speculative = 0
+        self.leader = self.procs.start("leader", self.leader_args, env=self.leader_env())
         _wait_http(self.url, self.procs)
         self.token, join, _ = _credentials(data / "leader")
         for i in range(2):
@@ -65,12 +74,43 @@ class Fleet:
         self.client = LeaderClient(self.url, self.token)
         _wait_fellows(self.client, self.procs, 2)
 
+    def leader_env(self) -> dict[str, str]:
+        return {"SWARM_PIPELINE_TRANSPORT": "direct", "SWARM_SERVE_SPECULATIVE": str(self.speculative)}
+
+    def drafting(self, speculative: int) -> None:
+        """The leader with SWARM_SERVE_SPECULATIVE=``speculative`` (read when it starts): restarted on the same port
+        and data dir if it runs with another; the fellows rejoin it (their reconnect backoff starts at 0.5 s)."""
+        if speculative == self.speculative:
+            return
+        self.leader.terminate()
+        self.leader.wait(30)
+        self.procs.children.remove(("leader", self.leader))  # stopped on purpose: not a failure for procs.check
+        self.speculative = speculative
+        self.leader = self.procs.start("leader", self.leader_args, env=self.leader_env())
+        _wait_http(self.url, self.procs)
+        _wait_fellows(self.client, self.procs, 2)
+
     def rate(self, stages: int, kind: str, tokens: int) -> float:
+        return self.replies(stages, kind, {"": PROMPT}, tokens)[""][0]
+
+    def replies(self, stages: int, kind: str, chats: dict[str, str], tokens: int, speculative: int = 0) \
+            -> dict[str, tuple[float, list[str], dict]]:
+        """Load the model, ask each chat three times; per chat: (the median decode tok/s, the replies' texts, the
+        median reply's swarm.timing)."""
+        self.drafting(speculative)
         self.client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": stages, "quantization": kind})
         try:
             self.client.wait_ready(BUILTIN)
             stream_once(self.url, self.token, "Hi", 4)  # the first chat after a load pays for what warm-up did not
-            return statistics.median(stream_once(self.url, self.token, PROMPT, tokens)[1] for _ in range(3))
+            out = {}
+            for name, content in chats.items():
+                texts: list[str] = []
+                timings: list[dict] = []
+                runs = sorted((stream_once(self.url, self.token, content, tokens, timings, texts)[1], i)
+                              for i in range(3))
+                rate, median = runs[1]
+                out[name] = rate, texts, timings[median] if timings else {}
+            return out
         finally:
             self.client.post(f"/api/v1/models/{BUILTIN}/unload", {})
 
@@ -133,10 +173,46 @@ class RpcRing:
             proc.wait(10)
 
 
-def drafting_rows(fleet: Fleet, tokens: int) -> list[tuple[str, float]]:
-    """Drafting ahead's rows (SWARM_SERVE_SPECULATIVE: a reply that repeats its input, an ordinary chat) -- added with
-    bench/drafting.py; none yet."""
-    return []
+class Drafting:
+    """Drafting ahead's rows: bench/drafting.py's chats over 2 stages at ``kind``, without drafting and with ``draft``
+    tokens guessed per pass (SWARM_SERVE_SPECULATIVE), one load each per round; the replies and the ring's counters
+    are kept for :meth:`report`."""
+
+    def __init__(self, kind: str, draft: int):
+        self.kind, self.draft = kind, draft
+        self.texts: dict[tuple[str, int], list[str]] = {}
+        self.counters: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
+
+    def label(self, chat: str, draft: int) -> str:
+        row = f"swarm, 2 stages, {self.kind if self.kind != 'none' else 'float32'}, {chat}"
+        return row + (f", drafting {draft} ahead" if draft else "")
+
+    def rows(self, fleet: Fleet, tokens: int) -> list[tuple[str, float]]:
+        rows = []
+        for draft in (0, self.draft):  # off first: the leader runs without it for the other rows
+            for chat, (rate, texts, timing) in fleet.replies(2, self.kind, CHATS, tokens, draft).items():
+                self.texts.setdefault((chat, draft), []).extend(texts)
+                self.counters.setdefault((chat, draft), []).append(tuple(timing.get(k) or 0 for k in (
+                    "spec_passes", "spec_tokens", "spec_drafted", "spec_accepted")))
+                rows.append((self.label(chat, draft), rate))
+        return rows
+
+    def report(self, rows: dict[str, list[float]]) -> None:
+        """The speed-up of drafting per chat (best against best, and per round), the ring's passes per token, and a
+        WARNING where a reply with drafting is not the one without."""
+        for chat in CHATS:
+            off, on = rows[self.label(chat, 0)], rows[self.label(chat, self.draft)]
+            passes, given, guessed, kept = (sum(c[i] for c in self.counters[(chat, self.draft)]) for i in range(4))
+            per_round = " ".join(f"{b / a:.2f}" for a, b in zip(off, on))
+            print(f"drafting {self.draft} ahead, {chat}: {max(on) / max(off):.2f}x the same chat without drafting "
+                  f"(per round {per_round}); {passes / given if given else float('nan'):.2f} ring passes per token, "
+                  f"{guessed} tokens guessed, {kept} kept (the median replies)", flush=True)
+            plain = self.texts[(chat, 0)]
+            differ = [t for t in self.texts[(chat, self.draft)] if t != plain[0]]
+            if differ or any(t != plain[0] for t in plain):
+                print(f"WARNING: {chat}: {len(differ)} of {len(self.texts[(chat, self.draft)])} replies with "
+                      f"drafting differ from the reply without it (greedy: they should be the same)\n"
+                      f"  without: {plain[0]!r}\n  with:    {(differ or plain)[0]!r}", flush=True)
 
 
 def main() -> None:
@@ -149,7 +225,14 @@ def main() -> None:
                         "and llama.cpp's; default: each one's own choice (the machine's cores)")
     parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp build directory (with bin/)")
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
+    parser.add_argument("--no-drafting", action="store_true", help="leave out drafting ahead's rows")
+    parser.add_argument("--draft", type=int, default=4, help="SWARM_SERVE_SPECULATIVE of the drafting rows")
+    parser.add_argument("--drafting-kind", default="none", help="the quantization of the drafting rows' 2 stages "
+                        "(none: float32)")
     args = parser.parse_args()
+    if not args.no_drafting and not 1 <= args.draft <= 16:
+        parser.error(f"--draft is {args.draft}; SWARM_SERVE_SPECULATIVE takes 1 to 16 (or leave the rows out with "
+                     "--no-drafting)")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     data = args.data_dir
     (data / "leader").mkdir(parents=True, exist_ok=True)
@@ -170,6 +253,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)  # generate's, in this process
     threads = args.threads or os.cpu_count() or 1
     print(f"threads: {args.threads or 'each one its own choice'}", flush=True)
+    drafting = None if args.no_drafting else Drafting(args.drafting_kind, args.draft)
     fleet = Fleet(data, args.threads)
     try:
         for _ in range(args.rounds):
@@ -178,7 +262,7 @@ def main() -> None:
             for stages, kind in settings:
                 label = f"swarm, {stages} stage{'s' if stages > 1 else ''}, {kind if kind != 'none' else 'float32'}"
                 rows.setdefault(label, []).append(fleet.rate(stages, kind, args.tokens))
-            for label, rate in drafting_rows(fleet, args.tokens):
+            for label, rate in drafting.rows(fleet, args.tokens) if drafting else ():
                 rows.setdefault(label, []).append(rate)
             if isinstance(llama, tuple):
                 server, bench = llama
@@ -199,6 +283,8 @@ def main() -> None:
     for label, rates in rows.items():
         best = max(rates)
         print(f"{label:62s} {best:7.1f} tok/s  {best / base:5.2f}x generate", flush=True)
+    if drafting:
+        drafting.report(rows)
     if not isinstance(llama, tuple):
         print(f"llama.cpp rows skipped: {llama}")
 
