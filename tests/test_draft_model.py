@@ -21,7 +21,7 @@ from swarm.leader.draft_model import (
     shares_vocabulary,
 )
 from swarm.leader.placement import DraftSize, FellowCapacity, ModelSize, place
-from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
+from swarm.stage import LocalRing, StageModel, StageSpec, drafting, stage_specs
 from swarm.stage.draft_model import DraftModel
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
@@ -83,17 +83,28 @@ def test_draft_model_that_is_the_target_has_every_guess_kept(tiny_model_dirs, st
     assert drafter.requests() == [] and ring.stages[-1].requests() == []  # its cache went with the request
 
 
-def test_another_draft_model_has_guesses_thrown_away_and_the_reply_exact(tiny_model_dirs):
+def test_another_draft_model_has_guesses_thrown_away_and_the_reply_exact(tiny_model_dirs, monkeypatch):
     """A different tiny model (same vocabulary, other weights) guesses: nearly all are rejected, its cache is cropped
     back each time, and the reply is still generate's. The other way round with the Qwen3, whose reply repeats:
-    prompt lookup's guesses and the draft model's together, the reply generate's."""
+    prompt lookup's guesses and the draft model's together, the reply generate's, and prompt lookup runs once a
+    pass (the draft model's side hands its proposal on)."""
     llama, qwen3 = tiny_model_dirs["llama"], tiny_model_dirs["qwen3"]
+    lookups = [0]
+    propose = drafting.propose
+
+    def counted(*args, **kwargs):
+        lookups[0] += 1
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(drafting, "propose", counted)
     for target, draft in ((llama, qwen3), (qwen3, llama)):
         want, margins = reference(load_reference_model(target), PROMPT, STEPS)
         ring = ring_of(target, 2, draft_dir=draft)
         fed = counting(ring.stages[-1].drafter)
+        lookups[0] = 0
         reply = ring.submit("a", PROMPT, STEPS, draft=3)
         ring.run()
+        assert 0 < lookups[0] <= ring.times["a"][1].spec_passes, lookups
         check_reply(reply.tokens, want, margins)
         spec = ring.times["a"][1]
         assert spec.spec_tokens == STEPS and spec.spec_passes == spec.spec_tokens - spec.spec_accepted

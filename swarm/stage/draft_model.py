@@ -121,9 +121,10 @@ class DraftModel:
     # --- beside the last stage ---------------------------------------------------------------------------------------
 
     def guesses(self, stage: StageModel, batch: list[Work], output: Output) -> Output:
-        """The last stage (``stage``) computed ``batch`` into ``output``: the small model's guesses for each request
-        that will draft and for which prompt lookup finds nothing (Output.drafts; the protocol decides,
-        swarm.stage.drafting). Prompt chunks before the last are fed to it as they pass."""
+        """The last stage (``stage``) computed ``batch`` into ``output``: for each request that will draft, what prompt
+        lookup proposes, else the small model's guesses (Output.drafts; None where it did not look, and the protocol
+        looks then; the protocol decides whether to draft at all, swarm.stage.drafting). Prompt chunks before the last
+        are fed to it as they pass."""
         for rid in [rid for rid in list(self._fed) if not stage.has_request(rid)]:
             self.drop(rid)  # a request the stage holds no cache of any more (a group's prompt, handed on) goes here too
         tokens = output.tokens or [None] * len(batch)
@@ -146,9 +147,10 @@ class DraftModel:
                 continue  # the reply ends in this pass: nothing to guess
             sequence = start.context + request.reply + new
             n = min(start.draft, start.max_tokens - request.generated - len(new) - 1)
-            if n <= 0 or drafting.propose(sequence, n):
-                continue  # the reply's end is near, or prompt lookup proposes (it goes first: it costs nothing)
-            drafts[-1] = self._quietly(self.guess, work.rid, sequence, n)
+            if n <= 0:
+                continue  # the reply's end is near
+            # Prompt lookup goes first (it costs nothing); its proposal is handed on too, not looked up again.
+            drafts[-1] = drafting.propose(sequence, n) or self._quietly(self.guess, work.rid, sequence, n)
         if not any(drafts):
             return output
         return dataclasses.replace(output, drafts=drafts)

@@ -52,8 +52,9 @@ def eligible(start: messages.RequestStart) -> bool:
 def draft_for(request, chats: int, num_stages: int, guess: list[int] | None = None) -> list[int]:
     """What the last stage proposes for ``request`` (a swarm.stage.protocol.StageRequest that goes on) after the
     token it just sampled: nothing while the model has more chats than stages (every stage has work already;
-    guessing would only slow the others down) or when one token is all the reply has left; else what prompt lookup
-    finds, or where it finds nothing ``guess``, the draft model's (swarm.stage.draft_model)."""
+    guessing would only slow the others down) or when one token is all the reply has left; else ``guess`` where the
+    draft model's side (swarm.stage.draft_model) already proposed -- prompt lookup's tokens or its own -- or what
+    prompt lookup finds."""
     start = request.start
     if not eligible(start) or chats > num_stages:
         return []
@@ -61,4 +62,6 @@ def draft_for(request, chats: int, num_stages: int, guess: list[int] | None = No
     if left <= 0:
         return []
     n = min(start.draft, left)
-    return propose(start.context + request.reply, n) or list(guess or [])[:n]
+    if guess is not None:
+        return list(guess)[:n]
+    return propose(start.context + request.reply, n)

@@ -184,7 +184,8 @@ class Output:
     # last stage, a pass that verified drafted tokens (swarm.stage.verify): the (token, logprob) it gives, in order --
     # the drafted tokens kept, then the model's own next one
     verified: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
-    # last stage with a draft model (swarm.stage.draft_model): its guesses after each Work's token(s), where it guessed
+    # last stage with a draft model (swarm.stage.draft_model): what it proposes after each Work's token(s) -- prompt
+    # lookup's tokens, else its own guesses; None where it did not look
     drafts: list[list[int] | None] | None = None
 
 
