@@ -7,10 +7,10 @@ causal mask, the hidden state's copy for the wire), a first stage's embedding, a
 and greedy pick over a HEAD_VOCAB-token vocabulary. The leader fits a line through the two points (fixed cost per
 layer + cost per weight byte; the head's per head byte) and scales it by a model's sizes (swarm.leader.planner).
 The decode step is timed twice: back to back, as a stage
-that holds the whole model runs (its next pass starts at once), and each run after the core waited IDLE_GAP_S, as a
-stage in a ring of several runs (it waits for the others between its passes; measured on a 2-core VM, a core that
-waited runs the next pass ~40 % slower, and a PC's power saving does the same). Each figure is the median of its
-runs. It runs in a worker thread when the fellow starts, takes 5-10 s on a 2-core
+that holds the whole model runs (its next pass starts at once), and in short runs each after the core waited
+IDLE_GAP_S, as a stage in a ring of several runs (it waits for the others between its passes; measured on a 2-core
+VM, a core that waited runs the next 20-30 ms ~20-40 % slower, and a PC's power saving does the same). Each figure
+is the median of its runs. It runs in a worker thread when the fellow starts, takes 5-10 s on a 2-core
 CPU, and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
 """
 
@@ -27,14 +27,19 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-VERSION = 4  # bump when what is measured changes: older cached results are then measured again
+VERSION = 5  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
 HEAD_VOCAB = 32768  # the timed head's vocabulary (the planner scales it by a model's head bytes)
 # How long the core waits before each run of the decode step timed "after idle": a stage of a ring waits about as long
-# for the other stages' passes and the links.
-IDLE_GAP_S = 0.02
+# for the other stages' passes and the links (the built-in model's other stage: 25-35 ms on this repository's VM).
+IDLE_GAP_S = 0.03
+# Decode steps per run timed after idle: 8 layers' worth, about a small model's stage pass (15 layers at half this
+# width). A core that waited runs slow for a while after it wakes, not for a fixed share of what follows: measured on
+# a 2-core VM, one 4-layer step after 20 ms ran +1.5-2.3 ms slower, two steps +1-5 ms, eight (a 32-layer pass)
+# +3-17 ms, so a run as long as DECODE_STEPS' dilutes it to a few percent where a ring's stages paid 20-45 %.
+IDLE_DECODE_STEPS = 2
 
 
 def hardware_key(device: str, hardware_wire: dict) -> str:
@@ -198,8 +203,8 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
     chunk = stack.states(PREFILL_TOKENS)
     rotary = stack.pass_ends(one, KV_TOKENS, cache)
 
-    def decode_steps():
-        for _ in range(DECODE_STEPS):
+    def decode_steps(steps: int = DECODE_STEPS):
+        for _ in range(steps):
             stack.run(one, KV_TOKENS, cache, rotary)
             cache.crop(-1)  # the next step sees the same cache (transformers 5: a count to remove)
 
@@ -207,7 +212,8 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
         stack.run(chunk, 0, stack.new_cache(0))
 
     decode = _typical(decode_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
-    decode_idle = _typical(decode_steps, sync, 12, 1.0, gap_s=IDLE_GAP_S) / (LAYERS * DECODE_STEPS)
+    decode_idle = _typical(lambda: decode_steps(IDLE_DECODE_STEPS), sync, 24, 1.5,
+                           gap_s=IDLE_GAP_S) / (LAYERS * IDLE_DECODE_STEPS)
     prefill = _typical(prefill_chunk, sync, 5, 0.5) / LAYERS
     per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2)
     embed = _typical(ends.embed_step, sync, 30, 0.1)
@@ -318,7 +324,8 @@ def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads:
                              "planner may count this fellow slower than it is)", share * 100, QUIET_WAIT_S)
             result = measure(device, threads)
         log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
-                 ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms, {PREFILL_TOKENS}-token prefill "
+                 ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms ({p['decode_idle_ms']:.2f} after a "
+                           f"wait), {PREFILL_TOKENS}-token prefill "
                            f"{p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms" for p in result["points"]))
     except Exception as exc:  # noqa: BLE001 -- a planner without this fellow's speed is better than no fellow
         log.warning("could not calibrate this fellow's speed on %s (%s): the planner will not count it", device, exc)

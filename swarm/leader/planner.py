@@ -12,7 +12,7 @@ One token passes every stage in turn and every hop once (the ring), so the time 
 compute and the hops' transit. A prompt's chunks go through the ring as a pipeline (each stage computes the next
 chunk while the one after it computes this one), so its time to first token is one chunk's way through the ring plus
 the slowest part once per further chunk. In a ring of several stages each stage waits for the others between its passes, and a
-core that waited computes slower (the calibration's decode step after idle: ~40 % on a 2-core VM), so their layers
+core that waited computes slower (the calibration's decode step after idle: 15-40 % on a 2-core VM), so their layers
 count at that speed; a single stage decodes back to back; the bottleneck is the largest of those parts. A prompt goes through the ring in
 chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
 """
