@@ -8,6 +8,7 @@ named wrong refuses the load before it starts; a restarted leader finds the draf
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ import trio
 from exactness import check_reply, reference
 from harness import install_model, running_swarm, wait_until
 
+from swarm.model_format import MANIFEST_FILE
 from swarm.store.manifest import load_manifest
 
 pytestmark = pytest.mark.e2e
 
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}]
 TOKENS = 24
+BF16_TIE = 0.26  # two top logits within two bfloat16 steps (0.125 each between 16 and 32) are a near-tie
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,8 @@ def tiny_draft(module_tmp, smollm_model_dir):
 
 async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draft):
     from swarm.leader.chat_format import encode_chat
+    from swarm.leader.models import draft_size
+    from swarm.stage.quantize import quantize_model
     from swarm.stage.reference import load_reference_model
 
     model = smollm_model_dir.name
@@ -82,10 +87,33 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             timing = data["swarm"]["timing"]
             assert timing["spec_accepted"] > 0 and timing["spec_passes"] <= len(got) // 2, timing
 
+            # a quantized load: the draft model is held at the same kind, counted so, and guesses as the ring computes
+            await serving.unload(model)
+            response = await swarm.http.post(f"/api/v1/models/{model}/load",
+                                             json={"num_stages": 2, "quantization": "int8"})
+            assert response.status_code == 202, response.text
+            await serving.wait_ready(model, 120)
+            drafter = swarm.stage(model, 1).driver.stage_model.drafter
+            assert drafter.model.quantization == "int8"
+            manifest = json.loads((smollm_model_dir / MANIFEST_FILE).read_text())
+            plan = serving.models[model].stages[-1].plan
+            assert plan.draft_bytes == draft_size(manifest, True, "int8").weight_bytes < draft_size(manifest, True).weight_bytes
+            want8, margins8 = reference(quantize_model(load_reference_model(smollm_model_dir), "int8"), ids, TOKENS,
+                                        eos=eos)
+            data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
+            # int8's kernel takes bfloat16 activations and gives bfloat16 logits (0.125 apart at this model's
+            # magnitudes): a verifying pass of several rows may break a tie one bfloat16 step wide the other way
+            check_reply(data["choices"][0]["token_ids"], want8, margins8, tol=BF16_TIE)
+            timing = data["swarm"]["timing"]
+            assert timing["spec_accepted"] > 0 and timing["spec_passes"] <= len(want8) // 2, timing
+
             # a last fellow of an earlier version (its hello does not say draft_model): no draft model, lookup alone
             await serving.unload(model)
             serving.hub.online[swarm.fellows[1].fellow_id].draft_model = False
-            await swarm.load(model, 2)
+            response = await swarm.http.post(f"/api/v1/models/{model}/load",
+                                             json={"num_stages": 2, "quantization": "none"})  # not int8 again
+            assert response.status_code == 202, response.text
+            await serving.wait_ready(model, 120)
             assert serving.models[model].draft is None and serving.models[model].stages[-1].plan.draft_bytes == 0
             assert swarm.stage(model, 1).driver.stage_model.drafter is None
             data = await swarm.chat(model, CHAT, max_tokens=TOKENS)

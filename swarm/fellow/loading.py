@@ -163,8 +163,9 @@ class StageLoader:
         )
         stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
         draft = _draft_part(message)
-        if draft is not None:  # the last stage's draft model, whole, in the stage's dtype on the stage's device
-            stage_model.drafter = await compute.run(lambda: _draft_model(draft, draft_local, message, dtype, device))
+        if draft is not None:  # the last stage's draft model, whole, as the stage: dtype, device, quantization
+            stage_model.drafter = await compute.run(
+                lambda: _draft_model(draft, draft_local, message, dtype, device, quantization))
         await compute.run(stage_model.warm_up)
         await progress.report("load", 1.0)
         return stage_model
@@ -197,13 +198,16 @@ def _draft_part(message: dict) -> dict | None:
     return draft if isinstance(draft, dict) and message["stage"]["is_last"] else None
 
 
-def _draft_model(draft: dict, local: dict[str, Path], message: dict, dtype, device: str):
-    """Build the draft model whole from its fetched files (swarm.stage.draft_model), warmed up."""
+def _draft_model(draft: dict, local: dict[str, Path], message: dict, dtype, device: str, quantization: str):
+    """Build the draft model whole from its fetched files (swarm.stage.draft_model) at the stage's ``quantization``
+    (its guesses are checked by the ring, so a 4-bit draft model costs no exactness, only a few guesses), warmed
+    up."""
     from swarm.stage.draft_model import DraftModel
     from swarm.stage.slice import StageModel, StageSpec
 
     layers = int(draft["num_layers"])
-    model = StageModel.load(draft["config"], local, StageSpec(0, layers, True, True), dtype=dtype, device=device)
+    model = StageModel.load(draft["config"], local, StageSpec(0, layers, True, True), dtype=dtype, device=device,
+                            quantization=quantization)
     drafter = DraftModel(model, vocab_size=int(message["config"].get("vocab_size") or 0) or None)
     drafter.warm_up()
     return drafter

@@ -162,11 +162,12 @@ def draft_message(chosen) -> dict:
             "stored_dtype": chosen.manifest.get("dtype") or "float32"}
 
 
-def draft_size(manifest: dict, cpu: bool):
-    """What the draft model of ``manifest`` takes held whole beside the last stage (swarm.leader.placement)."""
+def draft_size(manifest: dict, cpu: bool, quantization: str = "none"):
+    """What the draft model of ``manifest`` takes held whole beside the last stage (swarm.leader.placement), at the
+    target's ``quantization`` (a fellow quantizes it as it quantizes its stage)."""
     from swarm.leader.placement import DraftSize, stage_weight_bytes
 
-    size = model_size(manifest, cpu)
+    size = model_size(manifest, cpu, quantization)
     n = len(size.layer_bytes)
     return DraftSize(stage_weight_bytes(size, 0, n, True, True), size.kv_bytes_per_token_per_layer * n)
 

@@ -215,8 +215,10 @@ class Recovery:
             conn = serving.hub.online[slot.cover]
             log.info("stage %d of %s moves to its hot cover on %s", index, model.name, conn.name)
             slot.plan = _moved(slot.plan, conn)
-            # its free memory already counts the cover's weights, which the budget subtracts again
-            slot.free_bytes = conn.hardware.serving_free_bytes(serving.settings.device) + slot.plan.weight_bytes
+            # its free memory already counts the cover's weights (and a last stage's draft model, which a cover loads
+            # too), which the budget subtracts again
+            slot.free_bytes = (conn.hardware.serving_free_bytes(serving.settings.device) + slot.plan.weight_bytes
+                               + slot.plan.draft_bytes)
             slot.cover, slot.cover_ready, slot.ready, slot.phase = None, False, True, "ready"
             self._link_when_loaded(model)
             model.notify()

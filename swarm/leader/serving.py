@@ -122,7 +122,7 @@ class Serving:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
             if draft_manifest is not None and len(plans) > 1:
                 plans = self._with_draft_model(name, plans, size, capacities, num_stages,
-                                               draft_size(draft_manifest, cpu))
+                                               draft_size(draft_manifest, cpu, kind))
         except PlacementError:
             if outdated:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
