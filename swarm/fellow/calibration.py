@@ -35,8 +35,8 @@ HEAD_VOCAB = 32768  # the timed head's vocabulary (the planner scales it by a mo
 # How long the core waits before each run of the decode step timed "after idle": a stage of a ring waits about as long
 # for the other stages' passes and the links (the built-in model's other stage: 25-35 ms on this repository's VM).
 IDLE_GAP_S = 0.03
-# Decode steps per run timed after idle: 8 layers' worth, about a small model's stage pass (15 layers at half this
-# width). A core that waited runs slow for a while after it wakes, not for a fixed share of what follows: measured on
+# Decode steps per run timed after idle: 8 layers' worth, about as long as a small model's stage pass (the built-in
+# model's 15 layers at hidden 576). A core that waited runs slow for a while after it wakes, not for a fixed share of what follows: measured on
 # a 2-core VM, one 4-layer step after 20 ms ran +1.5-2.3 ms slower, two steps +1-5 ms, eight (a 32-layer pass)
 # +3-17 ms, so a run as long as DECODE_STEPS' dilutes it to a few percent where a ring's stages paid 20-45 %.
 IDLE_DECODE_STEPS = 2
