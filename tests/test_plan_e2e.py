@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from fleet import Pool
@@ -99,3 +100,21 @@ def test_plan_errors_are_the_apis(pool):
     assert result.returncode == 1
     assert result.stderr.strip().startswith("error: ") and "'no-such-model'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_restarted_leader_plans_as_soon_as_the_fellows_are_back(pool):
+    """A fellow's hello carries its calibration: a leader that restarted plans the moment the fellows have rejoined,
+    not a heartbeat later (between the two it answered 409 "has not reported its speed yet")."""
+    wait_for(lambda: plan(pool, "?num_stages=2").status_code == 200, 90, interval=0.5)  # both calibrated
+    pool.leader.stop()
+    pool.leader.start()
+    wait_for(lambda: _online(pool) == 2, 60, message=pool.leader.log)
+    response = plan(pool, "?num_stages=2")
+    assert response.status_code == 200, response.text
+
+
+def _online(pool) -> int:
+    try:
+        return len(pool.online())
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0  # the leader is still starting

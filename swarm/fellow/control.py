@@ -107,6 +107,8 @@ class ControlLink:
             "stages": [stage.summary() for stage in fellow.stages.values()],
             "standby": fellow.standby,
         }
+        if fellow.calibration is not None:  # a restarted leader plans with it at once, not after the next heartbeat
+            hello["calibration"] = fellow.calibration
         if fellow.join_secret:
             hello["join_token"] = fellow.join_secret
         await channel.send(wire.encode(hello))

@@ -62,7 +62,7 @@ class FellowConn:
     draft_model: bool = False  # its last stage can hold a draft model (SWARM_SERVE_DRAFT_MODEL; its hello says so)
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
-    calibration: dict | None = None  # how fast it runs a decoder layer, as its heartbeat said (swarm.leader.planner)
+    calibration: dict | None = None  # how fast it runs a decoder layer, as its hello or heartbeat said (planner)
     held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
     last_seen: float = 0.0  # when anything last arrived from it
     credential: str = ""  # this connection's node credential (file downloads, relay); never logged
@@ -373,6 +373,7 @@ class FellowHub:
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
             draft_model=hello.get("draft_model") is True,
             disk_free_bytes=_count(hello.get("disk_free_bytes")),
+            calibration=hello["calibration"] if isinstance(hello.get("calibration"), dict) else None,
         )
         conn.credential = credential
         return conn
