@@ -72,10 +72,11 @@ def test_others_busy_sees_another_process_and_not_its_own_work():
         while time.monotonic() < end:
             pass
 
+    before = calibration.others_busy(0.5)  # what the rest of the machine does meanwhile (another test run, say)
     mine = threading.Thread(target=spin_here)
     mine.start()
     try:
         share = calibration.others_busy(0.5)
     finally:
         mine.join()
-    assert share < 0.6 / CORES  # this process's own spinning thread (1 / CORES) is not "other work"
+    assert share < before + 0.6 / CORES  # this process's own spinning thread (1 / CORES) is not "other work"
