@@ -83,17 +83,21 @@ class Punchers:
         for role in "ab":
             self._hear(role, 30)
 
-    def attempt(self, concurrent: int = 1) -> list[dict]:
+    def attempt(self, concurrent: int = 1, b_late_s: float = 0.0) -> list[dict]:
         """``concurrent`` punches at once (fresh sockets each; what each end learned so far carries over). Returns
         one outcome per punch: ok, seconds (the common start to both locked), total (asking both ends to prepare to
-        both locked: rendezvous, trace, START_IN_S and the punch), low_ttl of each end and how, messages."""
+        both locked: rendezvous, trace, START_IN_S and the punch), low_ttl of each end and how, messages.
+
+        ``b_late_s`` starts the second end that much later, as two PCs whose start messages crossed the internet in
+        different times do (the first end's opening probes then reach the far NAT before its own mapping exists)."""
         started = time.monotonic()
         for role in "ab":
             self._say(role, {"t": "prepare", "n": concurrent})
         plans = {role: self._hear(role, 30)["plans"] for role in "ab"}
         secret = [secrets.token_hex(32) for _ in range(concurrent)]
         for role, other in (("a", "b"), ("b", "a")):
-            self._say(role, {"t": "start", "start_in_s": START_IN_S, "secret": secret,
+            self._say(role, {"t": "start", "start_in_s": START_IN_S + (b_late_s if role == "b" else 0.0),
+                             "secret": secret,
                              "peer_candidates": [p["candidates"] for p in plans[other]]})
         results = {role: self._hear(role, 60)["results"] for role in "ab"}
         total = time.monotonic() - started
