@@ -34,6 +34,7 @@ from swarm.leader.serving import Serving
 from swarm.leader.install import InstallRoutes
 from swarm.leader.updates import SelfWheel, UpdateRoutes
 from swarm.leader.headers import SecurityHeaders
+from swarm.leader.hypercorn_close import guard_close_race
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
 from swarm.leader.signin import HashPool, SignInThrottle
@@ -205,6 +206,7 @@ class Leader:
 
     async def serve(self, host: str, port: int, *, shutdown_trigger=None, task_status=trio.TASK_STATUS_IGNORED):
         """Serve HTTP on host:port and the UDP rendezvous (on SWARM_RENDEZVOUS_PORT, by default the same number)."""
+        guard_close_race()
         config = HypercornConfig()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
