@@ -102,20 +102,12 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
             states = torch.cat([x.to(device=device, dtype=stage.dtype) for _, _, x, _ in items], dim=1)
         position_ids = torch.cat([torch.arange(p, p + n, device=device) for (_, p, _, _), n in zip(items, sizes)])
         position_ids = position_ids.unsqueeze(0)
-        position_embeddings = stage.position_embeddings(states, position_ids)  # by layer type
-        cache = RaggedCache(caches, sizes)
-        before = stage.config._attn_implementation
-        stage.config._attn_implementation = ATTENTION
-        copies = {states.device: position_embeddings}
-        try:
-            for layer, kind, layer_device in zip(stage.layers, stage._mask_types, stage.layer_devices):
-                states = states.to(layer_device)  # a no-op unless the layers spread over several cards
-                pe = copies.setdefault(layer_device, {k: tuple(t.to(layer_device) for t in v)
-                                                      for k, v in position_embeddings.items()})
-                states = layer(states, attention_mask=None, position_ids=position_ids, cache=cache, use_cache=True,
-                               position_embeddings=pe[kind])
-        finally:
-            stage.config._attn_implementation = before
+        lean = stage.lean
+        if lean is not None and all(n == 1 for n in sizes) and lean.usable(caches):  # swarm.stage.lean_decode
+            cos, sin = stage.position_embeddings(states, position_ids)["full_attention"]
+            states = lean.forward(states, cos, sin, caches)
+        else:
+            states = ragged_layers(stage, states, position_ids, caches, sizes)
         if not stage.spec.is_last:
             return states
         ends = torch.tensor(sizes, device=states.device).cumsum(0) - 1
@@ -125,6 +117,26 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
         for row, i in enumerate(wanted):
             out[i] = logits[row]
         return out
+
+
+def ragged_layers(stage, states: torch.Tensor, position_ids: torch.Tensor, caches: list, sizes: list[int]):
+    """The library's layers of ``stage`` over the rows of several requests (``sizes`` rows each, in order, at
+    ``position_ids``), each request's rows attending to its own cache in ``caches``."""
+    position_embeddings = stage.position_embeddings(states, position_ids)  # by layer type
+    cache = RaggedCache(caches, sizes)
+    before = stage.config._attn_implementation
+    stage.config._attn_implementation = ATTENTION
+    copies = {states.device: position_embeddings}
+    try:
+        for layer, kind, layer_device in zip(stage.layers, stage._mask_types, stage.layer_devices):
+            states = states.to(layer_device)  # a no-op unless the layers spread over several cards
+            pe = copies.setdefault(layer_device, {k: tuple(t.to(layer_device) for t in v)
+                                                  for k, v in position_embeddings.items()})
+            states = layer(states, attention_mask=None, position_ids=position_ids, cache=cache, use_cache=True,
+                           position_embeddings=pe[kind])
+    finally:
+        stage.config._attn_implementation = before
+    return states
 
 
 def forward_one(stage, work, **options):

@@ -109,6 +109,8 @@ class StageModel:
         self._caches: dict[str, DynamicCache] = {}
         self.quantization = "none"  # set by load (swarm.stage.quantize.KINDS)
         self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
+        # The lean decode step (swarm.stage.lean_decode): set by warm_up once it computes exactly the library's step.
+        self.lean = None
         self.drafter = None  # the last stage's draft model (swarm.stage.draft_model.DraftModel), when it has one
 
     # --- building ----------------------------------------------------------------------------------------------------
@@ -313,24 +315,11 @@ class StageModel:
                 if hidden is None:
                     raise ModelError("a stage after the first takes hidden states")
                 states = hidden.to(device=self.device, dtype=self.dtype)
-            n = states.shape[1]
-            position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
-            mask_args = dict(
-                config=self.config, inputs_embeds=states, attention_mask=None, cache=cache, position_ids=position_ids
-            )
-            masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
-            on = _OnDevices(self.position_embeddings(states, position_ids), masks)
-            for layer, kind, device in zip(self.layers, self._mask_types, self.layer_devices):
-                states = states.to(device)  # a no-op unless the layers spread over several cards
-                pe, layer_masks = on.device(device)
-                states = layer(
-                    states,
-                    attention_mask=layer_masks[kind],
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=True,
-                    position_embeddings=pe[kind],
-                )
+            if states.shape[1] == 1 and self.lean is not None and self.lean.usable([cache]):  # swarm.stage.lean_decode
+                cos, sin = self.position_embeddings(states, _one_position(position, self.device))["full_attention"]
+                states = self.lean.forward(states, cos, sin, [cache])
+            else:
+                states = self.run_layers(states, position, cache)
             if not self.spec.is_last or final_states:
                 return states
             if not want_logits:
@@ -339,6 +328,29 @@ class StageModel:
                 return self.logits(states)[0].float()
             # The norm is per position, so normalising the last one alone equals the library's full-sequence norm.
             return self.logits(states[:, -1:, :])[0, -1].float()
+
+    def run_layers(self, states: torch.Tensor, position: int, cache: DynamicCache) -> torch.Tensor:
+        """The library's layers over ``states`` (1, n, hidden) at positions ``position``..: hidden states out, the
+        cache n rows longer."""
+        n = states.shape[1]
+        position_ids = torch.arange(position, position + n, device=self.device).unsqueeze(0)
+        mask_args = dict(
+            config=self.config, inputs_embeds=states, attention_mask=None, cache=cache, position_ids=position_ids
+        )
+        masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
+        on = _OnDevices(self.position_embeddings(states, position_ids), masks)
+        for layer, kind, device in zip(self.layers, self._mask_types, self.layer_devices):
+            states = states.to(device)  # a no-op unless the layers spread over several cards
+            pe, layer_masks = on.device(device)
+            states = layer(
+                states,
+                attention_mask=layer_masks[kind],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=pe[kind],
+            )
+        return states
 
     def position_embeddings(self, states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
         """Each layer type's rotary (cos, sin) at ``position_ids``: one table for all but Gemma 3's."""
@@ -358,6 +370,10 @@ class StageModel:
     def warm_up(self) -> None:
         """Dummy passes of the shapes serving uses -- a prompt chunk, then a decode step -- so the first real request
         does not pay for kernel selection and the allocator's set-up."""
+        from swarm.stage.lean_decode import verified
+
+        self.lean = None
+        self.lean = verified(self)
         rid = "__warm_up__"
         self.drop(rid)
         self.new_request(rid)
@@ -370,6 +386,10 @@ class StageModel:
                     self.forward(rid, position, hidden=hidden)
         finally:
             self.drop(rid)
+
+
+def _one_position(position: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([[position]], device=device)
 
 
 def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device) -> tuple:

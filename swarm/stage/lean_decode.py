@@ -1,0 +1,164 @@
+"""A lean decode step: one new row of one request through a stage's Llama-shaped layers, computed with the same torch
+operations as transformers' own layers and nothing around them.
+
+Why: at 4 bits half of a decode step of a small model is not arithmetic but the per-operation cost of the library's
+layers -- module calls, keyword plumbing, the attention dispatch, the mask and cache bookkeeping (bench/RESULTS.md,
+"a lean decode path"). For one new row none of that is needed: the row attends to everything cached (no mask), the
+rotary tables are the stage's, the keys and values append to the request's own DynamicCache layer.
+
+What it does differently from transformers' LlamaDecoderLayer, none of which changes a bit of the result:
+
+- the norms are ``F.rms_norm`` (the same float32 computation as the families' RMSNorm);
+- where the quantized layers hold q/k/v (and gate/up) as one stacked matrix (swarm.stage.quantize), it calls that
+  matrix once and takes views, and it rotates the queries and keys as one tensor (rotary is per element);
+- it calls torch's SDPA directly with what transformers' SDPA path passes it for one query row;
+- it appends to the cache's layer directly.
+
+Every stage checks this at warm-up (:func:`verified`): a decode step of random rows through both paths must agree
+bit for bit -- outputs and cached keys and values -- or the stage keeps the library's path. Only the families whose
+layers have exactly this shape take it (Llama, Mistral and Qwen2 without sliding windows); everything else, every pass
+of more than one row, batched passes and layers spread over several cards keep the library's path.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+class LeanDecode:
+    def __init__(self, stage: Any):
+        config = stage.config
+        self.layers = list(stage.layers)
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.half = self.head_dim // 2
+        # transformers' SDPA path asks the kernel for grouped-query attention when there are groups (and no mask)
+        self.gqa = self.heads != self.kv_heads
+        self.hidden = config.hidden_size
+
+    def forward(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[DynamicCache]) \
+            -> torch.Tensor:
+        """``states`` (1, n, hidden), one new row of each of n requests, after the stage's layers; ``caches`` the
+        requests' caches in the rows' order, each one row longer afterwards; ``cos`` and ``sin`` the stage's rotary
+        tables at the rows' positions, (1, n, head_dim)."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        heads, kv_heads, head_dim, half, hidden = self.heads, self.kv_heads, self.head_dim, self.half, self.hidden
+        rms_norm, cat = F.rms_norm, torch.cat
+        n = states.shape[1]
+        x = states
+        for index, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            h = rms_norm(x, (hidden,), norm.weight, norm.variance_epsilon)
+            fused = getattr(attn.q_proj, "fused", None)
+            if fused is not None:  # q, k and v stacked in one matrix: one call, then views
+                qkv = fused(h).view(1, n, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+                qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
+                qk = qk * cos + cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = attn.q_proj(h).view(1, n, heads, head_dim).transpose(1, 2)
+                k = attn.k_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+                v = attn.v_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+                q = q * cos + cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+                k = k * cos + cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            if n == 1:
+                out = self._attend(attn, q, k, v, caches[0].layers[index])
+            else:  # each request's row attends to its own cache only
+                out = cat([self._attend(attn, q[:, :, row : row + 1], k[:, :, row : row + 1], v[:, :, row : row + 1],
+                                        cache.layers[index]) for row, cache in enumerate(caches)], dim=2)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            norm = layer.post_attention_layernorm
+            h = rms_norm(x, (hidden,), norm.weight, norm.variance_epsilon)
+            fused = getattr(mlp.gate_proj, "fused", None)
+            if fused is not None:
+                gate, up = fused(h).split(mlp.gate_proj.sizes, dim=-1)
+            else:
+                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        return x
+
+    def _attend(self, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: Any) -> torch.Tensor:
+        keys, values = cached.update(k, v)
+        if self.gqa:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0, scale=attn.scaling,
+                                                  is_causal=False, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0, scale=attn.scaling,
+                                              is_causal=False)
+
+    def usable(self, caches: list[DynamicCache]) -> bool:
+        return all(len(cache.layers) == len(self.layers) for cache in caches)
+
+
+def shaped_for(stage: Any) -> bool:
+    """Whether ``stage``'s layers have the shape :class:`LeanDecode` computes (checked at warm-up to the bit)."""
+    config = stage.config
+    if config.model_type not in FAMILIES or stage._rotary_per_type:
+        return False
+    if set(stage._mask_types) != {"full_attention"}:  # a sliding window needs a mask even for one row
+        return False
+    if any(device != stage.device for device in stage.layer_devices) or not len(stage.layers):
+        return False
+    attn = stage.layers[0].self_attn
+    return attn.head_dim <= 256 and attn.head_dim % 2 == 0
+
+
+def verified(stage: Any) -> LeanDecode | None:
+    """A LeanDecode for ``stage`` when its layers have the shape and its steps equal, bit for bit, the library's on the
+    same random rows -- outputs and cached keys and values: one request's two decode steps after a prompt of 8 rows,
+    then one step of three requests of different lengths batched; else None."""
+    from swarm.stage.ragged import ragged_layers
+
+    if not shaped_for(stage):
+        return None
+    lean = LeanDecode(stage)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    device = stage.device
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.randn((1, n, stage.config.hidden_size), generator=generator).to(device=device, dtype=stage.dtype)
+
+    def positions(*at: int) -> torch.Tensor:
+        return torch.tensor([at], device=device)
+
+    with torch.inference_mode():
+        library = []
+        for length in (8, 3, 5):
+            library.append(DynamicCache(config=stage.config))
+            stage.run_layers(rows(length), 0, library[-1])
+        ours = copy.deepcopy(library)
+        for position in (8, 9):  # one request
+            x = rows(1)
+            cos, sin = stage.position_embeddings(x, positions(position))["full_attention"]
+            if not _same(stage, stage.run_layers(x, position, library[0]), lean.forward(x, cos, sin, ours[:1]),
+                         library, ours):
+                return None
+        x = rows(3)  # three requests batched, a row each
+        at = positions(10, 3, 5)
+        cos, sin = stage.position_embeddings(x, at)["full_attention"]
+        if not _same(stage, ragged_layers(stage, x, at, library, [1, 1, 1]), lean.forward(x, cos, sin, ours),
+                     library, ours):
+            return None
+    return lean
+
+
+def _same(stage: Any, expected: torch.Tensor, got: torch.Tensor, library: list, ours: list) -> bool:
+    same = torch.equal(expected, got) and all(
+        torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        for cache, mine in zip(library, ours) for a, b in zip(cache.layers, mine.layers))
+    if not same:
+        log.info("stage %s keeps the library's decode step: the lean one differs from it (max %.3g)",
+                 stage.spec, (expected.float() - got.float()).abs().max().item())
+    return same
