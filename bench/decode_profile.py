@@ -8,8 +8,9 @@ kind. Every round times, for each kind in turn (the machine is shared: the kinds
 falls on all alike):
 
 - ``step``: one decode step of a request through each stage as the fellow's driver computes it (``run_batch``: the
-  forward pass, the wire tensor off stage 0, sampling on the last stage), plain -- no instrumentation;
-- the same steps with every part of a decoder layer timed by wrappers (exclusive wall time of each part: the linear
+  forward pass, the wire tensor off stage 0, sampling on the last stage), plain -- no instrumentation -- with the
+  lean decode step where the stages took it (swarm.stage.lean_decode), and again through the library's layers;
+- the same steps through the library's layers with every part of a decoder layer timed by wrappers (exclusive wall time of each part: the linear
   layers, the attention kernel, rotary, the KV cache's update, the norms, the MLP's activation and product, and
   what remains in the layer's and attention's own Python), the stage's masks and rotary tables, the head;
 - the protocol's per-pass work (receive, next_batch, computed) and the wire (encoding and decoding a Hidden message
@@ -229,11 +230,18 @@ def main() -> None:
     parts = {k: [] for k in kinds}
     overhead = {k: [] for k in kinds}
     rings = {k: [] for k in kinds}
+    library = {k: [] for k in kinds}
+    leans = {k: [stage.lean for stage in stages[k]] for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             plain[kind].append(decode_steps(stages[kind], prompt, args.steps))
+            for stage in stages[kind]:  # the library's layers: the parts below are theirs
+                stage.lean = None
+            library[kind].append(decode_steps(stages[kind], prompt, args.steps))
             clock.reset()
             instrumented = decode_steps(stages[kind], prompt, args.steps, clock)
+            for stage, lean in zip(stages[kind], leans[kind]):
+                stage.lean = lean
             parts[kind].append((sum(instrumented), {k: v / args.steps for k, v in clock.exclusive.items()}))
             overhead[kind].append(protocol_and_wire(stages[kind], prompt, args.steps))
             rings[kind].append(ring_rate(stages[kind], prompt, args.steps))
@@ -245,7 +253,12 @@ def main() -> None:
         print(f"\n== {kind}: decode step {sum(per_stage) * 1e3:.2f} ms over both stages (stage 0 "
               f"{per_stage[0] * 1e3:.2f}, stage 1 {per_stage[1] * 1e3:.2f}); in-process ring "
               f"{max(rings[kind]):.1f} tok/s (median {statistics.median(rings[kind]):.1f})")
-        print(f"   instrumented: {total * 1e3:.2f} ms; exclusive time per token, both stages:")
+        lean_on = [lean is not None for lean in leans[kind]]
+        print(f"   lean decode step (swarm.stage.lean_decode) on the stages: {lean_on}; the library's layers instead: "
+              f"{min(sum(r) for r in library[kind]) * 1e3:.2f} ms (median "
+              f"{statistics.median(sum(r) for r in library[kind]) * 1e3:.2f}, lean median "
+              f"{statistics.median(sum(r) for r in plain[kind]) * 1e3:.2f})")
+        print(f"   instrumented (the library's layers): {total * 1e3:.2f} ms; exclusive time per token, both stages:")
         for name, seconds in sorted(split.items(), key=lambda kv: -kv[1]):
             print(f"   {name:56s} {seconds * 1e3:7.3f} ms {100 * seconds / total:5.1f} %")
         for name, seconds in extra.items():

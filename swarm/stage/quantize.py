@@ -256,6 +256,10 @@ def _make_cpu_modules():
     # Both kernels take their activations in bfloat16 on CPU: measured here with float32 ones they ran 5-40x slower
     # than with bfloat16 (a generic loop instead of the AVX-512 one), slower than float32 itself.
     ACTIVATIONS = torch.bfloat16
+    # The kernels through torch's own bindings: the same kernels as torch.ops.aten's, ~1.5 us less per call (121 calls
+    # per token for the built-in model).
+    int8_mm = getattr(torch, "_weight_int8pack_mm", torch.ops.aten._weight_int8pack_mm)
+    int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", torch.ops.aten._weight_int4pack_mm_for_cpu)
 
     class Int8Linear(nn.Module):
         """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
@@ -279,7 +283,7 @@ def _make_cpu_modules():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
             flat = x.reshape(-1, shape[-1]).to(ACTIVATIONS)
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+            y = int8_mm(flat, self.qweight, self.scales)
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
 
@@ -319,7 +323,7 @@ def _make_cpu_modules():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
             flat = x.reshape(-1, shape[-1]).to(ACTIVATIONS)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scale_zeros)
+            y = int4_mm(flat, self.packed, self.group, self.scale_zeros)
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
 
