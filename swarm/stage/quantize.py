@@ -281,10 +281,11 @@ def _make_cpu_modules():
             return cls(q.contiguous(), scales, bias)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            shape = x.shape
-            flat = x.reshape(-1, shape[-1]).to(ACTIVATIONS)
-            y = int8_mm(flat, self.qweight, self.scales)
-            y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return self.rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+
+        def rows(self, flat: torch.Tensor) -> torch.Tensor:
+            """The layer over a 2-D input (rows, in_features), in the input's dtype."""
+            y = int8_mm(flat.to(ACTIVATIONS), self.qweight, self.scales).to(flat.dtype)
             return y + self.bias if self.bias is not None else y
 
         def dequantized(self) -> torch.Tensor:
@@ -321,10 +322,11 @@ def _make_cpu_modules():
             return cls(packed, scale_zeros, group, k, n, bias)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            shape = x.shape
-            flat = x.reshape(-1, shape[-1]).to(ACTIVATIONS)
-            y = int4_mm(flat, self.packed, self.group, self.scale_zeros)
-            y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return self.rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+
+        def rows(self, flat: torch.Tensor) -> torch.Tensor:
+            """The layer over a 2-D input (rows, in_features), in the input's dtype."""
+            y = int4_mm(flat.to(ACTIVATIONS), self.packed, self.group, self.scale_zeros).to(flat.dtype)
             return y + self.bias if self.bias is not None else y
 
         def extra_repr(self) -> str:
