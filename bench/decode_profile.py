@@ -10,9 +10,10 @@ falls on all alike):
 - ``step``: one decode step of a request through each stage as the fellow's driver computes it (``run_batch``: the
   forward pass, the wire tensor off stage 0, sampling on the last stage), plain -- no instrumentation -- with the
   lean decode step where the stages took it (swarm.stage.lean_decode), and again through the library's layers;
-- the same steps through the library's layers with every part of a decoder layer timed by wrappers (exclusive wall time of each part: the linear
-  layers, the attention kernel, rotary, the KV cache's update, the norms, the MLP's activation and product, and
-  what remains in the layer's and attention's own Python), the stage's masks and rotary tables, the head;
+- the same steps through the library's layers with every part of a decoder layer timed by wrappers (exclusive wall
+  time of each part: the linear layers, the attention kernel, rotary, the KV cache's update, the norms, the MLP's
+  activation and product, and what remains in the layer's and attention's own Python), the stage's masks and rotary
+  tables, the head;
 - the protocol's per-pass work (receive, next_batch, computed) and the wire (encoding and decoding a Hidden message
   of one row, and a Sampled message);
 - ``ring``: tokens/s of one request over the 2 stages in one process (swarm.stage.LocalRing, no sockets).

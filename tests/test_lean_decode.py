@@ -13,10 +13,10 @@ from swarm.stage import lean_decode
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
-# Llama (the built-in model's family) and the DeepSeek-R1 distills' bodies: Llama 3 (rope scaling) and Qwen2 (biases
-# on q/k/v) without sliding windows. The others have windows, q/k norms, fused projections of their own or Gemma's
-# norms: they keep the library's step.
-LEAN = {"llama", "r1-llama", "r1-qwen"}
+# Llama (the built-in model's family), Qwen3 (per-head query and key norms) and the DeepSeek-R1 distills' bodies:
+# Llama 3 (rope scaling) and Qwen2 (biases on q/k/v), without sliding windows. The others have a window on every layer,
+# fused projections of their own or Gemma's norms: they keep the library's step.
+LEAN = {"llama", "qwen3", "r1-llama", "r1-qwen"}
 # Which of 2 stages take it, where that is not "both" or "neither": the tiny Qwen2's first 3 layers (stage 0) attend
 # to everything; its sliding window starts on layer 4 (stage 1).
 LEAN_STAGES = {"qwen2": [True, False]}

@@ -1,5 +1,5 @@
-"""A lean decode step: one new row of one request through a stage's Llama-shaped layers, computed with the same torch
-operations as transformers' own layers and nothing around them.
+"""A lean decode step: one new row of each request (alone or batched) through a stage's Llama-shaped layers,
+computed with the same torch operations as transformers' own layers and nothing around them.
 
 Why: at 4 bits half of a decode step of a small model is not arithmetic but the per-operation cost of the library's
 layers -- module calls, keyword plumbing, the attention dispatch, the mask and cache bookkeeping (bench/RESULTS.md,
@@ -18,8 +18,9 @@ What it does differently from transformers' LlamaDecoderLayer, none of which cha
 
 Every stage checks this at warm-up (:func:`verified`): a decode step of random rows through both paths must agree
 bit for bit -- outputs and cached keys and values -- or the stage keeps the library's path. Only the families whose
-layers have exactly this shape take it (Llama, Mistral and Qwen2 without sliding windows); everything else, every pass
-of more than one row, batched passes and layers spread over several cards keep the library's path.
+layers have exactly this shape take it (Llama, Mistral, Qwen2 and Qwen3 -- with its per-head query and key norms --
+without sliding windows); everything else, prompt chunks of more than one row and layers spread over several cards
+keep the library's path.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from transformers.cache_utils import DynamicCache
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class LeanDecode:
@@ -49,6 +50,7 @@ class LeanDecode:
         # transformers' SDPA path asks the kernel for grouped-query attention when there are groups (and no mask)
         self.gqa = self.heads != self.kv_heads
         self.hidden = config.hidden_size
+        self.qk_norms = hasattr(attn, "q_norm")  # Qwen3
 
     def forward(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[DynamicCache]) \
             -> torch.Tensor:
@@ -70,13 +72,21 @@ class LeanDecode:
             h = rms_norm(x, (hidden,), norm.weight, norm.variance_epsilon)
             fused = getattr(attn.q_proj, "fused", None)
             if fused is not None:  # q, k and v stacked in one matrix: one call, then views
-                qkv = _rows(fused, h, n).view(1, n, heads + 2 * kv_heads, head_dim).transpose(1, 2)
-                qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
+                qkv = _rows(fused, h, n).view(1, n, heads + 2 * kv_heads, head_dim)
+                if self.qk_norms:  # Qwen3: each head's query and key normalised before the rotation
+                    qk = cat((_head_norm(attn.q_norm, qkv[:, :, :heads]),
+                              _head_norm(attn.k_norm, qkv[:, :, heads : heads + kv_heads])), dim=2).transpose(1, 2)
+                else:
+                    qk = qkv[:, :, : heads + kv_heads].transpose(1, 2)
+                v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
                 qk = qk * cos + roll(qk, half, -1) * sin
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
-                q = _rows(attn.q_proj, h, n).view(1, n, heads, head_dim).transpose(1, 2)
-                k = _rows(attn.k_proj, h, n).view(1, n, kv_heads, head_dim).transpose(1, 2)
+                q = _rows(attn.q_proj, h, n).view(1, n, heads, head_dim)
+                k = _rows(attn.k_proj, h, n).view(1, n, kv_heads, head_dim)
+                if self.qk_norms:
+                    q, k = _head_norm(attn.q_norm, q), _head_norm(attn.k_norm, k)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
                 v = _rows(attn.v_proj, h, n).view(1, n, kv_heads, head_dim).transpose(1, 2)
                 q = q * cos + roll(q, half, -1) * sin
                 k = k * cos + roll(k, half, -1) * sin
@@ -106,6 +116,11 @@ class LeanDecode:
 
     def usable(self, caches: list[DynamicCache]) -> bool:
         return all(len(cache.layers) == len(self.layers) for cache in caches)
+
+
+def _head_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's RMSNorm over each head's features."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
 def _rows(module: Any, x: torch.Tensor, n: int) -> torch.Tensor:
