@@ -101,8 +101,8 @@ def test_a_lean_step_that_differs_is_not_taken(tiny_model_dirs, monkeypatch):
     library's."""
     forward = lean_decode.LeanDecode.forward
 
-    def off(self, states, cos, sin, cache):
-        out = forward(self, states, cos, sin, cache)
+    def off(self, states, position_ids, caches):
+        out = forward(self, states, position_ids, caches)
         return torch.nextafter(out, torch.full_like(out, float("inf")))
 
     monkeypatch.setattr(lean_decode.LeanDecode, "forward", off)
@@ -123,9 +123,9 @@ def test_chats_batched_through_the_lean_step_get_the_replies_they_get_alone(tiny
     for stage in stages:
         forward = stage.lean.forward
 
-        def seen(states, cos, sin, caches, forward=forward):
+        def seen(states, position_ids, caches, forward=forward):
             rows.append(len(caches))
-            return forward(states, cos, sin, caches)
+            return forward(states, position_ids, caches)
 
         stage.lean.forward = seen
     chain = LocalRing(stages, prefill_chunk=PREFILL_CHUNK)

@@ -51,12 +51,17 @@ class LeanDecode:
         self.gqa = self.heads != self.kv_heads
         self.hidden = config.hidden_size
         self.qk_norms = hasattr(attn, "q_norm")  # Qwen3
+        self._tables = stage.position_embeddings  # the stage's rotary (cos, sin) by layer type
 
-    def forward(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[DynamicCache]) \
-            -> torch.Tensor:
-        """``states`` (1, n, hidden), one new row of each of n requests, after the stage's layers; ``caches`` the
-        requests' caches in the rows' order, each one row longer afterwards; ``cos`` and ``sin`` the stage's rotary
-        tables at the rows' positions, (1, n, head_dim)."""
+    def takes(self, sizes: list[int], caches: list[DynamicCache]) -> bool:
+        """Whether a pass of ``sizes`` rows per request, on these requests' caches, is one this step computes: one
+        new row of each."""
+        return all(n == 1 for n in sizes) and all(len(cache.layers) == len(self.layers) for cache in caches)
+
+    def forward(self, states: torch.Tensor, position_ids: torch.Tensor, caches: list[DynamicCache]) -> torch.Tensor:
+        """``states`` (1, n, hidden), one new row of each of n requests at ``position_ids`` (1, n), after the stage's
+        layers; ``caches`` the requests' caches in the rows' order, each one row longer afterwards."""
+        cos, sin = self._tables(states, position_ids)["full_attention"]
         half = self.half
         cos = cos.unsqueeze(1)
         # rotate_half(x) * sin is x rolled by half a head times sin with its first half negated: (-a) * b == a * (-b)
@@ -114,9 +119,6 @@ class LeanDecode:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0, scale=attn.scaling,
                                               is_causal=False)
 
-    def usable(self, caches: list[DynamicCache]) -> bool:
-        return all(len(cache.layers) == len(self.layers) for cache in caches)
-
 
 def _head_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """Qwen3's RMSNorm over each head's features."""
@@ -169,14 +171,12 @@ def verified(stage: Any) -> LeanDecode | None:
         ours = copy.deepcopy(library)
         for position in (8, 9):  # one request
             x = rows(1)
-            cos, sin = stage.position_embeddings(x, positions(position))["full_attention"]
-            if not _same(stage, stage.run_layers(x, position, library[0]), lean.forward(x, cos, sin, ours[:1]),
-                         library, ours):
+            expected = stage.run_layers(x, position, library[0])
+            if not _same(stage, expected, lean.forward(x, positions(position), ours[:1]), library, ours):
                 return None
         x = rows(3)  # three requests batched, a row each
         at = positions(10, 3, 5)
-        cos, sin = stage.position_embeddings(x, at)["full_attention"]
-        if not _same(stage, ragged_layers(stage, x, at, library, [1, 1, 1]), lean.forward(x, cos, sin, ours),
+        if not _same(stage, ragged_layers(stage, x, at, library, [1, 1, 1]), lean.forward(x, at, ours),
                      library, ours):
             return None
     return lean

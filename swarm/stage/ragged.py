@@ -103,9 +103,8 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
         position_ids = torch.cat([torch.arange(p, p + n, device=device) for (_, p, _, _), n in zip(items, sizes)])
         position_ids = position_ids.unsqueeze(0)
         lean = stage.lean
-        if lean is not None and all(n == 1 for n in sizes) and lean.usable(caches):  # swarm.stage.lean_decode
-            cos, sin = stage.position_embeddings(states, position_ids)["full_attention"]
-            states = lean.forward(states, cos, sin, caches)
+        if lean is not None and lean.takes(sizes, caches):  # swarm.stage.lean_decode
+            states = lean.forward(states, position_ids, caches)
         else:
             states = ragged_layers(stage, states, position_ids, caches, sizes)
         if not stage.spec.is_last:

@@ -315,9 +315,8 @@ class StageModel:
                 if hidden is None:
                     raise ModelError("a stage after the first takes hidden states")
                 states = hidden.to(device=self.device, dtype=self.dtype)
-            if states.shape[1] == 1 and self.lean is not None and self.lean.usable([cache]):  # swarm.stage.lean_decode
-                cos, sin = self.position_embeddings(states, _one_position(position, self.device))["full_attention"]
-                states = self.lean.forward(states, cos, sin, [cache])
+            if self.lean is not None and self.lean.takes([states.shape[1]], [cache]):  # swarm.stage.lean_decode
+                states = self.lean.forward(states, torch.tensor([[position]], device=self.device), [cache])
             else:
                 states = self.run_layers(states, position, cache)
             if not self.spec.is_last or final_states:
@@ -369,10 +368,10 @@ class StageModel:
 
     def warm_up(self) -> None:
         """Dummy passes of the shapes serving uses -- a prompt chunk, then a decode step -- so the first real request
-        does not pay for kernel selection and the allocator's set-up."""
+        does not pay for kernel selection and the allocator's set-up; first, the lean decode step is checked against
+        the library's layers and taken where it computes exactly what they compute (swarm.stage.lean_decode)."""
         from swarm.stage.lean_decode import verified
 
-        self.lean = None
         self.lean = verified(self)
         rid = "__warm_up__"
         self.drop(rid)
@@ -386,10 +385,6 @@ class StageModel:
                     self.forward(rid, position, hidden=hidden)
         finally:
             self.drop(rid)
-
-
-def _one_position(position: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([[position]], device=device)
 
 
 def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device) -> tuple:
