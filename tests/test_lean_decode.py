@@ -3,6 +3,8 @@ bit for bit the library's step at every quantization, and the replies still tran
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import TINY_MODELS
@@ -62,16 +64,18 @@ def test_replies_through_the_lean_step_match_generate(tiny_model_dirs, kind):
         want = reference_reply(model, prompt)
         assert len(set(want)) > 3, "the random model is degenerate; the comparison would prove little"
         assert chain.generate(prompt, NEW_TOKENS) == want
-    # every one-row pass went through the lean step on both stages: each reply's decode steps (its first token comes
-    # from the prompt) and a prompt's last chunk where it is one token long (21 tokens in chunks of 5)
-    one_row_chunks = sum(len(p) % PREFILL_CHUNK == 1 for p in PROMPTS)
-    assert one_row_chunks == 1
-    assert counts == [len(PROMPTS) * (NEW_TOKENS - 1) + one_row_chunks] * 2
+    # every pass went through the lean step on both stages: each reply's decode steps (its first token comes from the
+    # prompt) and each prompt's chunks (7, 13 and 21 tokens in chunks of 5: the first from an empty cache, the others
+    # masked against what is cached, the last of 21 one row)
+    chunks = sum(math.ceil(len(p) / PREFILL_CHUNK) for p in PROMPTS)
+    assert chunks == 10
+    assert counts == [len(PROMPTS) * (NEW_TOKENS - 1) + chunks] * 2
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4-fast"])
 def test_the_lean_step_is_the_library_step_to_the_bit(tiny_model_dirs, quantization):
-    """The same stage with and without the lean step: every decode step's logits and hidden states are equal."""
+    """The same stage with and without the lean step: every decode step's logits and hidden states are equal, and so
+    are those of a pass of several rows after them (drafting ahead's verifying pass: every row's logits)."""
     model_dir = tiny_model_dirs["llama"]
     lean, library = warmed_stages(model_dir, 2, quantization), warmed_stages(model_dir, 2, quantization)
     for stage in library:
@@ -90,6 +94,10 @@ def test_the_lean_step_is_the_library_step_to_the_bit(tiny_model_dirs, quantizat
             hidden = stages[0].forward("r", position, input_ids=torch.tensor([[token]]))
             logits = stages[1].forward("r", position, hidden=hidden)
             steps.append((hidden, logits))
+        guesses = torch.tensor([[int(logits.argmax()), 5, 17, 5, 9]])  # the pick and 4 guesses, one pass
+        position += 1
+        hidden = stages[0].forward("r", position, input_ids=guesses)
+        steps.append((hidden, stages[1].forward("r", position, hidden=hidden, all_logits=True)))
         outputs.append(steps)
     for (lean_hidden, lean_logits), (hidden, logits) in zip(*outputs):
         assert torch.equal(lean_hidden, hidden)

@@ -1,10 +1,12 @@
-"""A lean decode step: one new row of each request (alone or batched) through a stage's Llama-shaped layers,
-computed with the same torch operations as transformers' own layers and nothing around them.
+"""A lean decode step: one new row of each request (alone or batched), or one request's new rows (drafting ahead's
+verifying pass, a prompt's chunk), through a stage's Llama-shaped layers, computed with the same torch operations as
+transformers' own layers and nothing around them.
 
 Why: at 4 bits half of a decode step of a small model is not arithmetic but the per-operation cost of the library's
 layers -- module calls, keyword plumbing, the attention dispatch, the mask and cache bookkeeping (bench/RESULTS.md,
 "a lean decode path"). For one new row none of that is needed: the row attends to everything cached (no mask), the
-rotary tables are the stage's, the keys and values append to the request's own DynamicCache layer.
+rotary tables are the stage's, the keys and values append to the request's own DynamicCache layer. One request's
+several rows take the library's causal mask, made once per pass, and the attention call the library makes with it.
 
 What it does differently from transformers' LlamaDecoderLayer, none of which changes a bit of the result:
 
@@ -13,34 +15,39 @@ What it does differently from transformers' LlamaDecoderLayer, none of which cha
   matrix once and takes views, and it rotates the queries and keys as one tensor (rotary is per element), as a roll
   by half a head against a sine table with its first half negated (the same products);
 - it hands the quantized layers their rows as a matrix (no reshapes around the kernel);
-- it calls torch's SDPA directly with what transformers' SDPA path passes it for one query row;
+- it calls torch's SDPA directly with what transformers' SDPA path passes it (for one query row: no mask; for several:
+  the library's causal mask with the keys and values repeated per query group, or, for a prompt's first chunk, a causal
+  call);
 - it appends to the cache's layer directly.
 
 Every stage checks this at warm-up (:func:`verified`): a decode step of random rows through both paths must agree
 bit for bit -- outputs and cached keys and values -- or the stage keeps the library's path. Only the families whose
 layers have exactly this shape take it (Llama, Mistral, Qwen2 and Qwen3 -- with its per-head query and key norms --
-without sliding windows); everything else, prompt chunks of more than one row and layers spread over several cards
-keep the library's path.
+without sliding windows); everything else, several requests with several rows each (batched drafting, batched prompt
+chunks) and layers spread over several cards keep the library's path.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from swarm.model_format import LEAN_DECODE_FAMILIES
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = LEAN_DECODE_FAMILIES
 
 
 class LeanDecode:
     def __init__(self, stage: Any):
-        config = stage.config
+        config = self.config = stage.config
         self.layers = list(stage.layers)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -49,18 +56,26 @@ class LeanDecode:
         self.half = self.head_dim // 2
         # transformers' SDPA path asks the kernel for grouped-query attention when there are groups (and no mask)
         self.gqa = self.heads != self.kv_heads
+        self.groups = self.heads // self.kv_heads
         self.hidden = config.hidden_size
         self.qk_norms = hasattr(attn, "q_norm")  # Qwen3
         self._tables = stage.position_embeddings  # the stage's rotary (cos, sin) by layer type
 
     def takes(self, sizes: list[int], caches: list[DynamicCache]) -> bool:
         """Whether a pass of ``sizes`` rows per request, on these requests' caches, is one this step computes: one
-        new row of each."""
-        return all(n == 1 for n in sizes) and all(len(cache.layers) == len(self.layers) for cache in caches)
+        new row of each request, or one request's rows."""
+        return (len(sizes) == 1 or all(n == 1 for n in sizes)) and \
+            all(len(cache.layers) == len(self.layers) for cache in caches)
 
     def forward(self, states: torch.Tensor, position_ids: torch.Tensor, caches: list[DynamicCache]) -> torch.Tensor:
-        """``states`` (1, n, hidden), one new row of each of n requests at ``position_ids`` (1, n), after the stage's
-        layers; ``caches`` the requests' caches in the rows' order, each one row longer afterwards."""
+        """``states`` (1, n, hidden) at ``position_ids`` (1, n) after the stage's layers: one new row of each of n
+        requests, ``caches`` theirs in the rows' order, each one row longer afterwards; or one request's n rows,
+        ``caches`` its one cache, n rows longer afterwards."""
+        n = states.shape[1]
+        mask = None
+        if n > 1 and len(caches) == 1:  # one request's rows: causal among themselves, masked as the library masks them
+            mask = create_causal_mask(config=self.config, inputs_embeds=states, attention_mask=None, cache=caches[0],
+                                      position_ids=position_ids)
         cos, sin = self._tables(states, position_ids)["full_attention"]
         half = self.half
         cos = cos.unsqueeze(1)
@@ -69,7 +84,6 @@ class LeanDecode:
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
         heads, kv_heads, head_dim, hidden = self.heads, self.kv_heads, self.head_dim, self.hidden
         rms_norm, cat, roll = F.rms_norm, torch.cat, torch.roll
-        n = states.shape[1]
         x = states
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -95,8 +109,8 @@ class LeanDecode:
                 v = _rows(attn.v_proj, h, n).view(1, n, kv_heads, head_dim).transpose(1, 2)
                 q = q * cos + roll(q, half, -1) * sin
                 k = k * cos + roll(k, half, -1) * sin
-            if n == 1:
-                out = self._attend(attn, q, k, v, caches[0].layers[index])
+            if len(caches) == 1:
+                out = self._attend(attn, q, k, v, caches[0].layers[index], mask)
             else:  # each request's row attends to its own cache only
                 out = cat([self._attend(attn, q[:, :, row : row + 1], k[:, :, row : row + 1], v[:, :, row : row + 1],
                                         cache.layers[index]) for row, cache in enumerate(caches)], dim=2)
@@ -111,8 +125,25 @@ class LeanDecode:
             x = x + _rows(mlp.down_proj, mlp.act_fn(gate) * up, n)
         return x
 
-    def _attend(self, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: Any) -> torch.Tensor:
+    def _attend(self, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: Any,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One request's new rows (q, k, v) against its cached layer, appended to it first: SDPA called as
+        transformers' SDPA path calls it for these shapes."""
         keys, values = cached.update(k, v)
+        rows = q.shape[2]
+        if rows > 1:
+            if mask is not None:  # the library repeats keys and values per group where there is a mask
+                if self.gqa:
+                    keys, values = repeat_kv(keys, self.groups), repeat_kv(values, self.groups)
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0,
+                                                      scale=attn.scaling, is_causal=False)
+            if keys.shape[2] > rows:  # as the library does (only a static cache gets here)
+                keys, values = keys[:, :, :rows], values[:, :, :rows]
+            if self.gqa:  # a prompt's first rows: causal by position, no mask
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0,
+                                                      scale=attn.scaling, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0, scale=attn.scaling,
+                                                  is_causal=True)
         if self.gqa:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=None, dropout_p=0.0, scale=attn.scaling,
                                                   is_causal=False, enable_gqa=True)
@@ -147,8 +178,8 @@ def shaped_for(stage: Any) -> bool:
 
 def verified(stage: Any) -> LeanDecode | None:
     """A LeanDecode for ``stage`` when its layers have the shape and its steps equal, bit for bit, the library's on the
-    same random rows -- outputs and cached keys and values: one request's two decode steps after a prompt of 8 rows,
-    then one step of three requests of different lengths batched; else None."""
+    same random rows -- outputs and cached keys and values: three requests' prompts, one request's two decode steps
+    and a pass of 4 rows (drafting's verifying pass), then one step of the three requests batched; else None."""
     from swarm.stage.ragged import ragged_layers
 
     if not shaped_for(stage):
@@ -164,18 +195,18 @@ def verified(stage: Any) -> LeanDecode | None:
         return torch.tensor([at], device=device)
 
     with torch.inference_mode():
-        library = []
-        for length in (8, 3, 5):
-            library.append(DynamicCache(config=stage.config))
-            stage.run_layers(rows(length), 0, library[-1])
-        ours = copy.deepcopy(library)
-        for position in (8, 9):  # one request
-            x = rows(1)
-            expected = stage.run_layers(x, position, library[0])
-            if not _same(stage, expected, lean.forward(x, positions(position), ours[:1]), library, ours):
+        library = [DynamicCache(config=stage.config) for _ in range(3)]
+        ours = [DynamicCache(config=stage.config) for _ in range(3)]
+        # (request, rows, first position): three prompts, then request 0's two decode steps and a verifying pass of 4
+        for request, n, position in ((0, 8, 0), (1, 3, 0), (2, 5, 0), (0, 1, 8), (0, 1, 9), (0, 4, 10)):
+            x = rows(n)
+            expected = stage.run_layers(x, position, library[request])
+            at = torch.arange(position, position + n, device=device).unsqueeze(0)
+            got = lean.forward(x, at, [ours[request]])
+            if not _same(stage, expected, got, library[request : request + 1], ours[request : request + 1]):
                 return None
         x = rows(3)  # three requests batched, a row each
-        at = positions(10, 3, 5)
+        at = positions(14, 3, 5)
         if not _same(stage, ragged_layers(stage, x, at, library, [1, 1, 1]), lean.forward(x, at, ours),
                      library, ours):
             return None

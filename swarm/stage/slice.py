@@ -316,7 +316,8 @@ class StageModel:
                     raise ModelError("a stage after the first takes hidden states")
                 states = hidden.to(device=self.device, dtype=self.dtype)
             if self.lean is not None and self.lean.takes([states.shape[1]], [cache]):  # swarm.stage.lean_decode
-                states = self.lean.forward(states, torch.tensor([[position]], device=self.device), [cache])
+                at = torch.arange(position, position + states.shape[1], device=self.device).unsqueeze(0)
+                states = self.lean.forward(states, at, [cache])
             else:
                 states = self.run_layers(states, position, cache)
             if not self.spec.is_last or final_states:
