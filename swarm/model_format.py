@@ -33,6 +33,9 @@ FINAL_FILE = f"{WEIGHTS_DIR}/final.safetensors"
 # its building blocks).
 # The DeepSeek-R1 distills are qwen2 and llama models; Gemma 3's text model is gemma3_text.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+# The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
+# planner (swarm.leader.planner) counts their calibrated lean speed.
+LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Bytes of one element, by the dtype names torch prints without the "torch." prefix.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

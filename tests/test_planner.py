@@ -6,7 +6,7 @@ import pytest
 
 from swarm.errors import PlacementError
 from swarm.leader.placement import FellowCapacity, ModelSize, StagePlan, place
-from swarm.leader.planner import Hop, hop_round_trips, layer_speed, missing_speeds, predict, sentence
+from swarm.leader.planner import Hop, hop_round_trips, layer_speed, missing_speeds, predict, sentence, takes_lean_step
 
 # Four layers of 1 MB, an untied head of 10 kB.
 SIZE = ModelSize(layer_bytes=(1_000_000,) * 4, embed_bytes=500_000, final_bytes=10_000, tied_embeddings=False,
@@ -80,6 +80,27 @@ def test_a_ring_of_several_stages_counts_its_layers_after_idle():
     assert two["stages"][0]["prefill_ms"] == pytest.approx(200.0)
     # an older calibration has no idle figure: the plain one counts everywhere
     assert SPEEDS[1].idle_per_byte_ms is None and SPEEDS[1].decode_ms(1_000_000, after_idle=True) == pytest.approx(2.0)
+
+
+def test_a_family_that_takes_the_lean_step_counts_its_calibrated_speed():
+    """A calibration that also timed the lean decode step (swarm.fellow.calibration VERSION 6): a Llama-shaped model
+    without sliding windows counts it, back to back and after idle; others, and older calibrations, the library's."""
+    cal = calibration(2, 4, 100, 300)
+    for point, (idle, lean, lean_idle) in zip(cal["points"], [(3, 1.5, 2), (7, 2.5, 5)]):
+        point.update(decode_idle_ms=idle, lean_decode_ms=lean, lean_decode_idle_ms=lean_idle)
+    library, lean = layer_speed(cal), layer_speed(cal, lean=True)
+    # lean: 1 ms + 0.5e-6 ms/byte back to back, 0.5 ms + 1.5e-6 ms/byte after idle; the prefill is the library's
+    assert (lean.decode_fixed_ms, lean.decode_per_byte_ms) == (pytest.approx(1.0), pytest.approx(0.5e-6))
+    assert (lean.idle_fixed_ms, lean.idle_per_byte_ms) == (pytest.approx(0.5), pytest.approx(1.5e-6))
+    assert lean.prefill_ms(1_000_000) == library.prefill_ms(1_000_000) == pytest.approx(100.0)
+    assert library.decode_ms(1_000_000) == pytest.approx(2.0) and lean.decode_ms(1_000_000) == pytest.approx(1.5)
+    # a calibration from before the lean step was timed: the library's figures
+    assert layer_speed(calibration(2, 4, 100, 300), lean=True) == layer_speed(calibration(2, 4, 100, 300))
+    # which models count it: the families the lean step computes, without sliding windows
+    assert takes_lean_step("llama", {}) and takes_lean_step("qwen3", {"sliding_window": None})
+    assert takes_lean_step("mistral", {"sliding_window": 4096, "use_sliding_window": False})
+    assert not takes_lean_step("mistral", {"sliding_window": 4096})
+    assert not takes_lean_step("gemma3_text", {}) and not takes_lean_step("phi3", {})
 
 
 def test_two_stages_compute_bound_on_the_slower_fellow():

@@ -6,11 +6,12 @@ as a stage calls it, is timed at two hidden sizes, for one decode step (one toke
 causal mask, the hidden state's copy for the wire), a first stage's embedding, and a last stage's final norm, head
 and greedy pick over a HEAD_VOCAB-token vocabulary. The leader fits a line through the two points (fixed cost per
 layer + cost per weight byte; the head's per head byte) and scales it by a model's sizes (swarm.leader.planner).
-The decode step is timed twice: back to back, as a stage
+The decode step is timed through the library's layers and through the stage's lean decode step
+(swarm.stage.lean_decode, which Llama-shaped families take for one new row), each twice: back to back, as a stage
 that holds the whole model runs (its next pass starts at once), and in short runs each after the core waited
 IDLE_GAP_S, as a stage in a ring of several runs (it waits for the others between its passes; measured on a 2-core
 VM, a core that waited runs the next 20-30 ms ~20-40 % slower, and a PC's power saving does the same). Each figure
-is the median of its runs. It runs in a worker thread when the fellow starts, takes 5-10 s on a 2-core
+is the median of its runs. It runs in a worker thread when the fellow starts, takes ~10 s on a 2-core
 CPU, and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-VERSION = 5  # bump when what is measured changes: older cached results are then measured again
+VERSION = 6  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
@@ -142,6 +143,18 @@ class _Stack:
         wire.tensor_to_wire(states)
         return embeddings
 
+    def lean(self):
+        """The lean decode step (swarm.stage.lean_decode) over these layers, as a Llama stage takes it for one new
+        row: its own rotary table, no mask."""
+        from types import SimpleNamespace
+
+        from swarm.stage.lean_decode import LeanDecode
+
+        def tables(states, position_ids):
+            return {"full_attention": self.rotary(states, position_ids)}
+
+        return LeanDecode(SimpleNamespace(config=self.config, layers=self.layers, position_embeddings=tables))
+
 
 class _Ends:
     """A first stage's embedding and a last stage's final norm, head and greedy pick, at HEAD_VOCAB tokens, as
@@ -196,6 +209,8 @@ def _typical(fn, sync, repeats: int, budget_s: float, gap_s: float = 0.0) -> flo
 
 
 def _point(hidden: int, device: str, dtype, sync) -> dict:
+    import torch
+
     stack = _Stack(hidden, device, dtype)
     ends = _Ends(hidden, device, dtype)
     cache = stack.new_cache(KV_TOKENS)
@@ -208,18 +223,29 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
             stack.run(one, KV_TOKENS, cache, rotary)
             cache.crop(-1)  # the next step sees the same cache (transformers 5: a count to remove)
 
+    lean, at = stack.lean(), torch.tensor([[KV_TOKENS]], device=device)
+
+    def lean_steps(steps: int = DECODE_STEPS):  # its rotary table inside, as a stage's lean step computes it
+        for _ in range(steps):
+            lean.forward(one, at, [cache])
+            cache.crop(-1)
+
     def prefill_chunk():
         stack.run(chunk, 0, stack.new_cache(0))
 
     decode = _typical(decode_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
     decode_idle = _typical(lambda: decode_steps(IDLE_DECODE_STEPS), sync, 24, 1.5,
                            gap_s=IDLE_GAP_S) / (LAYERS * IDLE_DECODE_STEPS)
+    lean_decode = _typical(lean_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
+    lean_idle = _typical(lambda: lean_steps(IDLE_DECODE_STEPS), sync, 24, 1.5,
+                         gap_s=IDLE_GAP_S) / (LAYERS * IDLE_DECODE_STEPS)
     prefill = _typical(prefill_chunk, sync, 5, 0.5) / LAYERS
     per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2)
     embed = _typical(ends.embed_step, sync, 30, 0.1)
     head = _typical(lambda: ends.head_step(one), sync, 20, 0.5)
     return {"hidden": hidden, "weight_bytes": stack.weight_bytes(), "decode_ms": round(decode * 1e3, 4),
-            "decode_idle_ms": round(decode_idle * 1e3, 4),
+            "decode_idle_ms": round(decode_idle * 1e3, 4), "lean_decode_ms": round(lean_decode * 1e3, 4),
+            "lean_decode_idle_ms": round(lean_idle * 1e3, 4),
             "prefill_ms": round(prefill * 1e3, 3), "pass_ms": round(per_pass * 1e3, 4),
             "embed_ms": round(embed * 1e3, 4), "head_bytes": ends.head_bytes(), "head_ms": round(head * 1e3, 4)}
 
@@ -227,7 +253,8 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
 def measure(device: str = "cpu", threads: int | None = None) -> dict:
     """Time a stage's parts at each of HIDDEN_SIZES on ``device``: a list of points, each with one layer's weight
     bytes, its decode step's ms (one token over a KV_TOKENS-token cache; ``decode_idle_ms`` after the core waited
-    IDLE_GAP_S) and its PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table, causal mask, the copy for the
+    IDLE_GAP_S), the same two through the lean decode step (``lean_decode_ms``, ``lean_decode_idle_ms``), and its
+    PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table, causal mask, the copy for the
     wire); the first stage's embedding (``embed_ms``); and the last stage's final norm, head and greedy pick over
     HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``)."""
     import torch

@@ -4,7 +4,8 @@ Plain functions over made-up or real inputs. The placement is the one a load wou
 swarm.leader.serving.ServingHub.placement); each fellow's speed is its calibration (swarm.fellow.calibration:
 transformers' decoder layer timed at two widths, a decode step and a prefill chunk; a pass's own costs; the
 embedding; the head), fitted with a line -- a fixed cost per layer plus a cost per weight byte, the head's per head
-byte -- and scaled by the model's sizes at the dtype its stages compute in. Each stage pays its pass, the first its
+byte -- and scaled by the model's sizes at the dtype its stages compute in; a family whose stages decode through the
+lean step (swarm.stage.lean_decode) counts the lean step's calibrated speed. Each stage pays its pass, the first its
 embedding, the last its head and pick. Each hop between stages costs half its round trip plus its bytes over the
 link, per pass.
 
@@ -20,10 +21,15 @@ chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
+import trio
+
 from swarm.errors import PlacementError
+from swarm.leader.drafting import sliding
 from swarm.leader.placement import ModelSize, StagePlan
+from swarm.model_format import CONFIG_FILE, LEAN_DECODE_FAMILIES
 
 PROMPT_TOKENS = 1000  # the time to first token is told for a prompt of this many tokens
 # A hop's round trip before any stage has used it: two fellows on one LAN through the leader's relay (measured
@@ -78,11 +84,15 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 0.0, y1 / x1 if x1 else 0.0
 
 
-def layer_speed(calibration: dict) -> LayerSpeed:
-    """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed."""
+def layer_speed(calibration: dict, lean: bool = False) -> LayerSpeed:
+    """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed.
+    ``lean``: the model's stages decode through the lean step (:func:`takes_lean_step`), so its figures count where
+    the calibration has them (swarm.fellow.calibration VERSION 6)."""
     points = calibration.get("points") if isinstance(calibration, dict) else None
     if not isinstance(points, list) or not points:
         raise ValueError("no calibration points")
+    if lean and all(isinstance(p, dict) and "lean_decode_ms" in p and "lean_decode_idle_ms" in p for p in points):
+        points = [{**p, "decode_ms": p["lean_decode_ms"], "decode_idle_ms": p["lean_decode_idle_ms"]} for p in points]
     tokens = float(calibration.get("prefill_tokens") or PROMPT_TOKENS)
     decode = [(float(p["weight_bytes"]), float(p["decode_ms"])) for p in points]
     prefill = [(float(p["weight_bytes"]), float(p["prefill_ms"]) * PROMPT_TOKENS / tokens) for p in points]
@@ -102,6 +112,13 @@ def layer_speed(calibration: dict) -> LayerSpeed:
     head = _line(heads) if len(heads) == len(points) else (None, None)
     after_idle = _line(idle) if len(idle) == len(points) else (None, None)
     return LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
+
+
+def takes_lean_step(architecture: str, config: dict) -> bool:
+    """Whether a model's stages decode through the lean step (swarm.stage.lean_decode): a family it computes, without
+    sliding windows (``config``: the model's config.json). Each stage still checks the step at warm-up and keeps the
+    library's layers where it differs; the planner counts the lean speed all the same."""
+    return architecture in LEAN_DECODE_FAMILIES and not sliding(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,10 +240,15 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     manifest = row.manifest
     kind = serving.quantization_of.get(name, "none")
     plans, size, kind, fellows, _ = serving.placement(name, manifest, num_stages, None, kind, row.pool_id)
+    try:
+        config = await trio.to_thread.run_sync(lambda: json.loads((serving.models_root / name / CONFIG_FILE).read_text()))
+    except (OSError, ValueError):
+        config = {}  # a load says what is wrong with the model's files; the plan counts the library's layers
+    lean = isinstance(config, dict) and takes_lean_step(manifest.get("architecture", ""), config)
     speeds = {}
     for fellow in fellows:
         try:
-            speeds[fellow.id] = layer_speed(fellow.calibration)
+            speeds[fellow.id] = layer_speed(fellow.calibration, lean=lean)
         except (ValueError, KeyError, TypeError):
             continue
     missing_speeds(plans, speeds)
