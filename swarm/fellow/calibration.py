@@ -352,8 +352,9 @@ def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads:
             result = measure(device, threads)
         log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
                  ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms ({p['decode_idle_ms']:.2f} after a "
-                           f"wait), {PREFILL_TOKENS}-token prefill "
-                           f"{p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms" for p in result["points"]))
+                           f"wait; lean {p['lean_decode_ms']:.2f}, {p['lean_decode_idle_ms']:.2f}), "
+                           f"{PREFILL_TOKENS}-token prefill {p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms"
+                           for p in result["points"]))
     except Exception as exc:  # noqa: BLE001 -- a planner without this fellow's speed is better than no fellow
         log.warning("could not calibrate this fellow's speed on %s (%s): the planner will not count it", device, exc)
         return None
