@@ -20,8 +20,9 @@ What it does differently from transformers' LlamaDecoderLayer, none of which cha
   call);
 - it appends to the cache's layer directly.
 
-Every stage checks this at warm-up (:func:`verified`): a decode step of random rows through both paths must agree
-bit for bit -- outputs and cached keys and values -- or the stage keeps the library's path. Only the families whose
+Every stage checks this at warm-up (:func:`verified`): passes of random rows through both paths -- prompts, decode
+steps, a verifying pass, a batch -- must agree bit for bit, outputs and cached keys and values, or the stage keeps
+the library's path. Only the families whose
 layers have exactly this shape take it (Llama, Mistral, Qwen2 and Qwen3 -- with its per-head query and key norms --
 without sliding windows); everything else, several requests with several rows each (batched drafting, batched prompt
 chunks) and layers spread over several cards keep the library's path.
@@ -42,8 +43,6 @@ from swarm.model_format import LEAN_DECODE_FAMILIES
 
 log = logging.getLogger(__name__)
 
-FAMILIES = LEAN_DECODE_FAMILIES
-
 
 class LeanDecode:
     def __init__(self, stage: Any):
@@ -59,6 +58,9 @@ class LeanDecode:
         self.groups = self.heads // self.kv_heads
         self.hidden = config.hidden_size
         self.qk_norms = hasattr(attn, "q_norm")  # Qwen3
+        # per layer: its attention, its MLP, and their stacked quantized matrices where there are (swarm.stage.quantize)
+        self._parts = [(layer, layer.self_attn, layer.mlp, getattr(layer.self_attn.q_proj, "fused", None),
+                        getattr(layer.mlp.gate_proj, "fused", None)) for layer in self.layers]
         self._tables = stage.position_embeddings  # the stage's rotary (cos, sin) by layer type
 
     def takes(self, sizes: list[int], caches: list[DynamicCache]) -> bool:
@@ -85,13 +87,11 @@ class LeanDecode:
         heads, kv_heads, head_dim, hidden = self.heads, self.kv_heads, self.head_dim, self.hidden
         rms_norm, cat, roll = F.rms_norm, torch.cat, torch.roll
         x = states
-        for index, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for index, (layer, attn, mlp, qkv_fused, mlp_fused) in enumerate(self._parts):
             norm = layer.input_layernorm
             h = rms_norm(x, (hidden,), norm.weight, norm.variance_epsilon)
-            fused = getattr(attn.q_proj, "fused", None)
-            if fused is not None:  # q, k and v stacked in one matrix: one call, then views
-                qkv = _rows(fused, h, n).view(1, n, heads + 2 * kv_heads, head_dim)
+            if qkv_fused is not None:  # q, k and v stacked in one matrix: one call, then views
+                qkv = _rows(qkv_fused, h, n).view(1, n, heads + 2 * kv_heads, head_dim)
                 if self.qk_norms:  # Qwen3: each head's query and key normalised before the rotation
                     qk = cat((_head_norm(attn.q_norm, qkv[:, :, :heads]),
                               _head_norm(attn.k_norm, qkv[:, :, heads : heads + kv_heads])), dim=2).transpose(1, 2)
@@ -117,9 +117,8 @@ class LeanDecode:
             x = x + _rows(attn.o_proj, out.transpose(1, 2).reshape(1, n, -1), n)
             norm = layer.post_attention_layernorm
             h = rms_norm(x, (hidden,), norm.weight, norm.variance_epsilon)
-            fused = getattr(mlp.gate_proj, "fused", None)
-            if fused is not None:
-                gate, up = _rows(fused, h, n).split(mlp.gate_proj.sizes, dim=-1)
+            if mlp_fused is not None:
+                gate, up = _rows(mlp_fused, h, n).split(mlp.gate_proj.sizes, dim=-1)
             else:
                 gate, up = _rows(mlp.gate_proj, h, n), _rows(mlp.up_proj, h, n)
             x = x + _rows(mlp.down_proj, mlp.act_fn(gate) * up, n)
@@ -166,7 +165,7 @@ def _rows(module: Any, x: torch.Tensor, n: int) -> torch.Tensor:
 def shaped_for(stage: Any) -> bool:
     """Whether ``stage``'s layers have the shape :class:`LeanDecode` computes (checked at warm-up to the bit)."""
     config = stage.config
-    if config.model_type not in FAMILIES or stage._rotary_per_type:
+    if config.model_type not in LEAN_DECODE_FAMILIES or stage._rotary_per_type:
         return False
     if set(stage._mask_types) != {"full_attention"}:  # a sliding window needs a mask even for one row
         return False
