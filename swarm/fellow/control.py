@@ -158,24 +158,29 @@ class ControlLink:
 
     async def _calibrate(self, key: str, hw_wire: dict) -> None:
         """Time a decoder layer on this fellow's device (once per hardware: cached in its data dir) for the planner;
-        the next heartbeat carries it."""
+        the next heartbeat carries it. It runs in the fellow's own nursery, not the link's: the compute thread
+        cannot be interrupted, and a link that drops must not wait for it (the fellow would notice a lost leader
+        only once the calibration ended)."""
         fellow = self.fellow
-        device = calibration.compute_device(fellow.settings.device)
-        fellow.calibration = await compute.run(
-            calibration.cached_or_measure, fellow.data_dir, device, hw_wire, fellow.threads_for(1))
-        fellow.calibration_key = key
+        try:
+            device = calibration.compute_device(fellow.settings.device)
+            fellow.calibration = await compute.run(
+                calibration.cached_or_measure, fellow.data_dir, device, hw_wire, fellow.threads_for(1))
+            fellow.calibration_key = key
+        finally:
+            if fellow.calibrating_key == key:
+                fellow.calibrating_key = None
 
     async def _heartbeat(self, nursery: trio.Nursery) -> None:
         fellow = self.fellow
         trimmer = IdleTrimmer()
-        calibrating: str | None = None
         hw = await trio.to_thread.run_sync(hardware.probe)
         while True:
             if fellow.settings.calibrate:  # when it joins, and again when its hardware changes
                 key = calibration.hardware_key(fellow.settings.device, hw.to_wire())
-                if key != fellow.calibration_key and key != calibrating:
-                    calibrating = key
-                    nursery.start_soon(self._calibrate, key, hw.to_wire())
+                if key != fellow.calibration_key and key != fellow.calibrating_key:
+                    fellow.calibrating_key = key
+                    (getattr(fellow, "nursery", None) or nursery).start_soon(self._calibrate, key, hw.to_wire())
             await trio.sleep(fellow.settings.heartbeat_s)
             hw = await trio.to_thread.run_sync(hardware.probe)
             if trimmer.due(any(s.driver.busy for s in fellow.stages.values())):

@@ -88,6 +88,7 @@ class Fellow:
         # how fast this PC runs a decoder layer (swarm.fellow.calibration), and the hardware it was measured on
         self.calibration: dict | None = None
         self.calibration_key: str | None = None
+        self.calibrating_key: str | None = None  # the hardware a calibration under way is for
 
     @property
     def serve_port(self) -> int | None:
