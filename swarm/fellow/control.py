@@ -180,7 +180,7 @@ class ControlLink:
                 key = calibration.hardware_key(fellow.settings.device, hw.to_wire())
                 if key != fellow.calibration_key and key != fellow.calibrating_key:
                     fellow.calibrating_key = key
-                    (getattr(fellow, "nursery", None) or nursery).start_soon(self._calibrate, key, hw.to_wire())
+                    (fellow.nursery or nursery).start_soon(self._calibrate, key, hw.to_wire())
             await trio.sleep(fellow.settings.heartbeat_s)
             hw = await trio.to_thread.run_sync(hardware.probe)
             if trimmer.due(any(s.driver.busy for s in fellow.stages.values())):
