@@ -126,6 +126,18 @@ def other_paths(base):
     }
 
 
+def torch_int4(base, kind: str):
+    """``base`` quantized to ``kind`` with its 4-bit layers on torch's int4 kernel instead of swarm's."""
+    from swarm.stage import int4_kernel
+    from swarm.stage.quantize import quantize_model
+
+    int4_kernel.use(False)
+    try:
+        return quantize_model(copy.deepcopy(base), kind)
+    finally:
+        int4_kernel.use(True)
+
+
 def _nf4_module():
     import torch
     from torch import nn
@@ -173,6 +185,7 @@ def main() -> None:
 
     from swarm.leader.chat_format import encode_chat
     from swarm.model_import import ensure_imported
+    from swarm.stage import int4_kernel
     from swarm.stage.quantize import KINDS, quantize_model
     from swarm.stage.reference import load_reference_model
 
@@ -187,6 +200,9 @@ def main() -> None:
     print(f"{'path':42s} {'tok/s':>7s} {'vs f32':>7s} {'weights MB':>11s} {'perplexity':>11s}", flush=True)
     rows = [(f"kind {kind}" if kind != "none" else "kind none (float32)",
              lambda kind=kind: quantize_model(copy.deepcopy(base), kind)) for kind in KINDS]
+    if int4_kernel.kernel() is not None:  # the 4-bit kinds again on torch's int4 kernel (SWARM_INT4_KERNEL=0)
+        rows += [(f"kind {kind}, torch's int4 kernel", lambda kind=kind: torch_int4(base, kind))
+                 for kind in ("nf4", "int4-fast")]
     if args.paths == "all":
         rows += list(other_paths(base).items())
     # Every model is built first and the rounds go over all of them in turn, so a swing in the shared VM's load

@@ -39,6 +39,9 @@ class Settings:
     serve_max_batch: int = 16  # SWARM_SERVE_MAX_BATCH: requests one pass of a stage takes at most (1: no batching)
     threads: int = 0  # SWARM_THREADS: torch threads of a fellow (0: torch's choice, the machine's cores)
     calibrate: bool = True  # SWARM_CALIBRATE: time a decoder layer on this fellow's device for the planner (0: off)
+    # SWARM_INT4_KERNEL: int4-fast layers on CPU computed by swarm's own kernel, compiled for this CPU on first use
+    # (needs a C compiler); 0: torch's int4 kernel, as nf4
+    int4_kernel: bool = True
 
     # --- serving (leader side) ---
     pipeline_transport: str = "auto"  # SWARM_PIPELINE_TRANSPORT: auto (direct, relay on failure), direct, relay

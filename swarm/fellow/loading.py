@@ -138,6 +138,7 @@ class StageLoader:
             await self.fellow.connected.wait()
 
     async def _fetch_and_build(self, message: dict, progress: LoadProgress):
+        from swarm.stage import int4_kernel
         from swarm.stage.slice import StageModel, StageSpec  # torch is heavy: import when a stage is placed here
         import torch
 
@@ -157,6 +158,7 @@ class StageLoader:
         if quantization not in kinds_on("cpu" if device == "cpu" else "cuda"):
             raise ModelError(f"this fellow cannot load {quantization} on {device}: it needs "
                              f"{needs(quantization, 'cpu' if device == 'cpu' else 'cuda')}")
+        int4_kernel.use(self.fellow.settings.int4_kernel)
         stage_model = await compute.run(
             lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
                                     layer_devices=layer_devices, quantization=quantization)

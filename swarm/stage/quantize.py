@@ -11,10 +11,16 @@ On CPU, measured on this repository's machines (bench/quantized.py, bench/RESULT
 kernels with bfloat16 activations are the fastest paths that keep every row of a batch independent:
 
 - int8: ``aten._weight_int8pack_mm`` -- int8 weights with one scale per output row.
-- nf4 and int4-fast: ``aten._weight_int4pack_mm_for_cpu`` -- 4-bit weights in groups of 32 along the input, each group
-  with its own scale and offset (the layout of torchao's and gpt-fast's int4). The NF4 code book (non-uniform levels)
-  has no CPU kernel: dequantizing it for every pass runs slower than float32, so both 4-bit kinds take the int4 kernel
-  on CPU.
+- nf4: ``aten._weight_int4pack_mm_for_cpu`` -- 4-bit weights in groups of 32 along the input, each group with its
+  own scale and offset (the layout of torchao's and gpt-fast's int4). The NF4 code book (non-uniform levels) has no
+  CPU kernel: dequantizing it for every pass runs slower than float32, so both 4-bit kinds hold this grid on CPU.
+- int4-fast: the same grid, computed by swarm's own kernel (swarm.stage.int4_kernel, compiled for the CPU on first
+  use) with the activations quantized to 8 bits per group of 32 as they come in, as llama.cpp computes its Q4 x Q8
+  dot products: a byte dot product does 64 multiply-adds in one VNNI instruction and the kernel takes the float32 rows
+  without the casts around torch's kernel. Measured here it is the faster path (1.1-1.45x a matrix for one row) at a
+  quality cost -- 1.6 % perplexity for the built-in model -- which is the "fast" in the kind's name; nf4, the quality
+  choice, keeps torch's kernel. Where the kernel cannot be built (no C compiler) or SWARM_INT4_KERNEL=0, int4-fast
+  takes torch's kernel too.
 
 torch.ao's dynamic int8 (``quantize_dynamic``) ran the small matrices faster still, but it quantizes the activations
 with one scale over all the rows it is given: a chat's reply would then depend on the other chats batched with it
@@ -190,7 +196,7 @@ def _cpu_linear(linear: Any, kind: str) -> Any:
     if linear.in_features % INT4_GROUP:
         # The int4 kernel needs whole groups along the input; such a layer (no real model has one) keeps 8 bits.
         return int8.from_linear(linear)
-    return int4.from_linear(linear, INT4_GROUP)
+    return int4.from_linear(linear, INT4_GROUP, fast=kind == "int4-fast")
 
 
 def _cuda_linear(linear: Any, kind: str) -> Any:
@@ -253,6 +259,8 @@ def _make_cpu_modules():
     import torch
     from torch import nn
 
+    from swarm.stage import int4_kernel
+
     # Both kernels take their activations in bfloat16 on CPU: measured here with float32 ones they ran 5-40x slower
     # than with bfloat16 (a generic loop instead of the AVX-512 one), slower than float32 itself.
     ACTIVATIONS = torch.bfloat16
@@ -299,15 +307,18 @@ def _make_cpu_modules():
         q in 0..15 (the int4 layout of torch's CPU kernel, torchao's Int4CPULayout)."""
 
         def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
-                     out_features: int, bias: torch.Tensor | None):
+                     out_features: int, bias: torch.Tensor | None, kernel: Any = None):
             super().__init__()
             self.in_features, self.out_features, self.group = in_features, out_features, group
+            self.kernel = kernel  # swarm's int4 kernel (its layout), or None: torch's
             self.register_buffer("packed", packed)
-            self.register_buffer("scale_zeros", scale_zeros)  # (in / group, out, 2)
+            # torch's layout: (in / group, out, 2); swarm's kernel's: (out, 2, in / group) -- see int4_kernel.pack
+            self.register_buffer("scale_zeros", scale_zeros)
             self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
         @classmethod
-        def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP) -> nn.Module:
+        def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP, fast: bool = False) -> nn.Module:
+            """``fast``: computed by swarm's int4 kernel where it runs here (int4-fast), else by torch's."""
             w = linear.weight.detach().float()
             n, k = w.shape
             groups = w.reshape(n, k // group, group)
@@ -316,9 +327,13 @@ def _make_cpu_modules():
             scale = ((high - low) / 15).clamp(min=1e-30).to(ACTIVATIONS)
             zero = (low + 8 * scale.float()).to(ACTIVATIONS)
             q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+            bias = linear.bias.detach() if linear.bias is not None else None
+            kernel = int4_kernel.kernel() if fast and group == int4_kernel.GROUP and int4_kernel.takes(k) else None
+            if kernel is not None:
+                packed, scale_zeros = kernel.pack(q.reshape(n, k), scale, zero)
+                return cls(packed, scale_zeros, group, k, n, bias, kernel)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k).contiguous(), 1)
             scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-            bias = linear.bias.detach() if linear.bias is not None else None
             return cls(packed, scale_zeros, group, k, n, bias)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -326,11 +341,15 @@ def _make_cpu_modules():
 
         def rows(self, flat: torch.Tensor) -> torch.Tensor:
             """The layer over a 2-D input (rows, in_features), in the input's dtype."""
+            if self.kernel is not None:
+                y = self.kernel.matmul(flat, self.packed, self.scale_zeros, self.out_features, self.bias)
+                return y if flat.dtype == torch.float32 else y.to(flat.dtype)
             y = int4_mm(flat.to(ACTIVATIONS), self.packed, self.group, self.scale_zeros).to(flat.dtype)
             return y + self.bias if self.bias is not None else y
 
         def extra_repr(self) -> str:
-            return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+            kernel = f", swarm's {self.kernel.simd} kernel" if self.kernel is not None else ""
+            return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}{kernel}"
 
     return Int8Linear, Int4Linear
 

@@ -1,0 +1,317 @@
+/* swarm's int4 matrix kernel for CPUs: y = x W^T (+ b), with W in 4 bits and x quantized to 8 bits as it comes in,
+ * the scheme of llama.cpp's Q4 x Q8 dot products (swarm/stage/int4_kernel.py builds and loads this file).
+ *
+ * W (n outputs x k inputs): groups of 32 inputs, each with a bfloat16 scale s and offset z (w = (q - 8) s + z, q in
+ * 0..15 -- the grid of swarm.stage.quantize's Int4Linear). Two neighbouring groups (64 inputs) share 32 bytes: byte j
+ * holds q[j] in its low nibble and q[j + 32] in its high one; an output's scales are stored before its offsets.
+ *
+ * x (rows x k, float32): each row's groups of 32 quantized alone, d = max|x| / 127, xq = round(x / d), so a row's
+ * result never depends on the other rows of the call (a batch computes each chat's row as it would alone).
+ *
+ *   y = sum over groups of  s d (q . xq)  +  (z - 8 s) sum(x)
+ *
+ * q . xq is an unsigned-by-signed byte dot product: one VNNI instruction per 64 weights where the CPU has AVX512-VNNI,
+ * AVX2's multiply-adds elsewhere on x86-64, plain C on other processors. Each output is summed by one thread in a
+ * fixed order: the same inputs give the same bits, whatever the thread count. Outputs are split over OpenMP threads
+ * (torch's own runtime: libgomp is loaded once per process).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define PATH_512 1
+#define PATH_NAME "avx512-vnni"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PATH_256 1
+#if defined(__AVXVNNI__)
+#define PATH_NAME "avx2-vnni"
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PATH_NAME "avx2-vnni512"
+#else
+#define PATH_NAME "avx2"
+#endif
+#else
+#define PATH_NAME "generic"
+#endif
+
+#define OUT_BLOCK 16 /* outputs a thread takes at a time */
+#define ROW_TILE 4   /* rows that share one unpacking of the weights */
+#define MAX_GROUPS 1024 /* k up to 32768 */
+
+const char *swarm_int4_path(void) { return PATH_NAME; }
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* The byte of a pair's 64 quantized activations that meets weight j (0..31) of its first group (second: + 4): the
+ * packed bytes widen four at a time into alternate 32-bit lanes, the first group's low nibbles then the second's high
+ * ones, so the activations are laid out four of the first group, four of the second, and so on. */
+static inline int lane_of(int j) { return 8 * (j / 4) + j % 4; }
+
+/* One row: xq (k bytes, in the order lane_of gives), d and sum(x) per group of 32 (k / 32 floats each). */
+#if defined(PATH_512)
+static inline void quantize_group(const float *v, __m512i *q, float *d, float *sum) {
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    *d = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(*d > 0.0f ? 1.0f / *d : 0.0f);
+    /* rounded to the nearest (even) integer, as rintf; |x / d| <= 127 */
+    const __m128i lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+    const __m128i hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+    *q = _mm512_castsi256_si512(_mm256_set_m128i(hi, lo));
+}
+
+static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx) {
+    /* four bytes of the first group, four of the second, ...: dwords 0..7 of each group interleaved */
+    const __m512i order = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int p = 0; p < k / 64; p++) {
+        __m512i a, b;
+        quantize_group(x + 64 * p, &a, dx + 2 * p, sx + 2 * p);
+        quantize_group(x + 64 * p + 32, &b, dx + 2 * p + 1, sx + 2 * p + 1);
+        _mm512_storeu_si512((void *)(xq + 64 * p), _mm512_permutex2var_epi32(a, order, b));
+    }
+}
+#else
+static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx) {
+    for (int g = 0; g < k / 32; g++) {
+        const float *v = x + 32 * g;
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+            sum += v[i];
+        }
+        float d = amax / 127.0f;
+        float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *out = xq + 64 * (g / 2) + 4 * (g % 2);
+        for (int i = 0; i < 32; i++) {
+            float r = rintf(v[i] * inv);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            out[lane_of(i)] = (int8_t)r;
+        }
+        dx[g] = d;
+        sx[g] = sum;
+    }
+}
+#endif
+
+/* w: one output's k / 2 packed bytes; sz: its k / 32 scales then its k / 32 offsets, in bfloat16; xq, dx, sx: `rows`
+ * rows of quantized activations (k, k / 32 and k / 32 apart); sf, mf: scratch for k / 32 floats each; out: a result
+ * per row. Each output first widens its scales to floats and sums its offsets' term, (z - 8 s) sum(x) over the groups,
+ * so the loop over the weights has only the dot products and their scales left. */
+#if defined(PATH_512)
+static inline __m512 two_floats(const float *ab) {
+    double both;
+    memcpy(&both, ab, 8);
+    return _mm512_castpd_ps(_mm512_set1_pd(both));
+}
+
+/* groups g.. (those in `some`) of one output: their scales as floats into sf, and z - 8 s returned */
+static inline __m512 widen_scales(const uint16_t *sz, int groups, int g, __mmask16 some, float *sf) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(some, sz + g)), 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(some, sz + groups + g)), 16));
+    _mm512_mask_storeu_ps(sf + g, some, s);
+    return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+}
+
+static inline __m512i unpack_pair(const uint8_t *w) {
+    const __m512i v = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)w));
+    return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi64(v, 28)), _mm512_set1_epi8(0x0F));
+}
+
+/* One row against four outputs at once (a decode step's case): each pair's activations and their scale are loaded
+ * once for the four. w, sz: the first output's; the others follow at k / 2 bytes and k / 16 scales apart. */
+#define FOUR 4
+static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
+                            const float *sx, float *sf, float *out) {
+    const int pairs = k / 64, groups = k / 32;
+    __m512 acc[FOUR], offsets[FOUR];
+    for (int o = 0; o < FOUR; o++) {
+        offsets[o] = _mm512_setzero_ps();
+        for (int g = 0; g < groups; g += 16) {
+            const __mmask16 some = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, g, some, sf + o * MAX_GROUPS);
+            offsets[o] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sx + g), offsets[o]);
+        }
+        acc[o] = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < pairs; p++) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * p));
+        const __m512 d = two_floats(dx + 2 * p);
+        for (int o = 0; o < FOUR; o++) {
+            const __m512i q = unpack_pair(w + (size_t)o * (k / 2) + 32 * p);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(two_floats(sf + o * MAX_GROUPS + 2 * p), d),
+                                     acc[o]);
+        }
+    }
+    for (int o = 0; o < FOUR; o++) out[o] = _mm512_reduce_add_ps(acc[o]) + _mm512_reduce_add_ps(offsets[o]);
+}
+
+static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k,
+                                                           const int8_t *xq, const float *dx, const float *sx,
+                                                           float *sf, float *out) {
+    const int pairs = k / 64, groups = k / 32;
+    __m512 acc[ROW_TILE], offsets[ROW_TILE];
+    for (int r = 0; r < rows; r++) offsets[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g += 16) {
+        const __mmask16 some = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        const __m512 m = widen_scales(sz, groups, g, some, sf);
+        for (int r = 0; r < rows; r++)
+            offsets[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sx + (size_t)r * groups + g), offsets[r]);
+    }
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const __m512i q = unpack_pair(w + 32 * p);
+        const __m512 s = two_floats(sf + 2 * p);
+        for (int r = 0; r < rows; r++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)r * k + 64 * p));
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, two_floats(dx + (size_t)r * groups + 2 * p)),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(offsets[r]);
+}
+#elif defined(PATH_256)
+static inline __m256i dot_bytes(__m256i q, __m256i xv) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, xv);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv);
+#else
+    /* q <= 15, |xq| <= 127: a pair's sum fits 16 bits without saturating */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256 two_floats(const float *ab) {
+    double both;
+    memcpy(&both, ab, 8);
+    return _mm256_castpd_ps(_mm256_set1_pd(both));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k,
+                                                           const int8_t *xq, const float *dx, const float *sx,
+                                                           float *sf, float *out) {
+    const int pairs = k / 64, groups = k / 32;
+    float offsets[ROW_TILE] = {0.0f};
+    for (int g = 0; g < groups; g++) {
+        const float scale = bf16_to_float(sz[g]), m = bf16_to_float(sz[groups + g]) - 8.0f * scale;
+        sf[g] = scale;
+        for (int r = 0; r < rows; r++) offsets[r] += m * sx[(size_t)r * groups + g];
+    }
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const __m256 s = two_floats(sf + 2 * p);
+        for (int half = 0; half < 2; half++) {
+            const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(w + 32 * p + 16 * half)));
+            const __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble);
+            for (int r = 0; r < rows; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + 64 * p + 32 * half));
+                const __m256 d = two_floats(dx + (size_t)r * groups + 2 * p);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), _mm256_mul_ps(s, d), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + offsets[r];
+}
+#else
+static inline void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
+                            const float *sx, float *sf, float *out) {
+    const int groups = k / 32;
+    (void)sf;
+    for (int r = 0; r < rows; r++) {
+        float acc = 0.0f, offsets = 0.0f;
+        for (int g = 0; g < groups; g++) {
+            const int p = g / 2, second = g % 2;
+            const uint8_t *b = w + 32 * p;
+            const int8_t *v = xq + (size_t)r * k + 64 * p + 4 * second;
+            int32_t dot = 0;
+            for (int j = 0; j < 32; j++) dot += ((b[j] >> (4 * second)) & 0x0F) * v[lane_of(j)];
+            const float scale = bf16_to_float(sz[g]);
+            acc += (float)dot * (scale * dx[(size_t)r * groups + g]);
+            offsets += (bf16_to_float(sz[groups + g]) - 8.0f * scale) * sx[(size_t)r * groups + g];
+        }
+        out[r] = acc + offsets;
+    }
+}
+#endif
+
+/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k/2 bytes; sz: n x k/32 x 2 bfloat16 (scale, offset).
+ * k must be a multiple of 64; threads: how many OpenMP threads share the outputs (the stage's torch threads). Returns 0, or -1 where scratch memory could not be had (y untouched). */
+int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, const uint16_t *sz, const float *bias,
+                  float *y, int threads) {
+    if (threads < 1) threads = 1;
+    if (k % 64 || k / 32 > MAX_GROUPS) return -2;
+    const int groups = k / 32;
+    /* the activations' scratch: kept per calling thread, grown as needed */
+    static __thread void *scratch = NULL;
+    static __thread size_t held = 0;
+    const size_t need = (size_t)rows * k + 2 * sizeof(float) * (size_t)rows * groups;
+    if (need > held) {
+        void *grown = realloc(scratch, need);
+        if (!grown) return -1;
+        scratch = grown;
+        held = need;
+    }
+    float *dx = scratch, *sx = dx + (size_t)rows * groups;
+    int8_t *xq = (int8_t *)(sx + (size_t)rows * groups);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 8)
+    for (int r = 0; r < rows; r++)
+        quantize_row(x + (size_t)r * k, k, xq + (size_t)r * k, dx + (size_t)r * groups, sx + (size_t)r * groups);
+
+    const int blocks = (n + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int block = 0; block < blocks; block++) {
+        const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
+        float out[ROW_TILE > 4 ? ROW_TILE : 4], sf[4 * MAX_GROUPS];
+        for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            const int8_t *xt = xq + (size_t)r0 * k;
+            const float *dt = dx + (size_t)r0 * groups, *st = sx + (size_t)r0 * groups;
+            int j = first;
+#if defined(PATH_512)
+            if (tile == 1)
+                for (; j + FOUR <= last; j += FOUR) {
+                    dot_four(w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, sf, out);
+                    for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
+                }
+#endif
+            for (; j < last; j++) {
+                const uint8_t *wj = w + (size_t)j * (k / 2);
+                const uint16_t *szj = sz + (size_t)j * (k / 16);
+                switch (tile) { /* a constant row count, so each case's loops unroll */
+                    case 4: dot_rows(4, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 3: dot_rows(3, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 2: dot_rows(2, wj, szj, k, xt, dt, st, sf, out); break;
+                    default: dot_rows(1, wj, szj, k, xt, dt, st, sf, out); break;
+                }
+                const float b = bias ? bias[j] : 0.0f;
+                for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;
+            }
+        }
+    }
+    return 0;
+}

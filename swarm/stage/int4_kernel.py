@@ -1,0 +1,168 @@
+"""swarm's int4 kernel for CPUs (int4_kernel.c), which int4-fast layers compute with: 4-bit weights against
+activations quantized to 8 bits per group of 32 as they come in, as llama.cpp computes its Q4 x Q8 dot products.
+
+Why: torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) takes bfloat16 activations, so every call is wrapped in two
+casts, and widens each weight to multiply in floating point; a byte dot product does 64 multiply-adds in one VNNI
+instruction. Measured on this repository's machine (bench/RESULTS.md, "swarm's int4 kernel"): 1.1-1.45x torch's for
+one row, on a par for 4 rows, 1.1-1.4x for 5; in a whole model, where each token streams every weight from memory,
+the gain is smaller. The cost is the activations' 8 bits: 1.6 % perplexity on the built-in model -- so nf4, the
+quality choice, keeps torch's kernel.
+
+The C file is compiled once per CPU and source with the machine's C compiler (``cc -O3 -march=native -fopenmp``,
+~1 s) into the user's cache folder and loaded with ctypes (which lets go of the GIL while it computes). Where there is
+no compiler, or it fails, int4-fast runs on torch's kernel and the log says why, once.
+
+Every row is computed alone and every output by one thread in a fixed order, so a chat's tokens depend neither on the
+chats batched with it nor on the thread count -- what the ring's exact-match tests rely on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import platformdirs
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int4_kernel.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+GROUP = 32  # inputs per scale and offset
+PAIR = 64  # inputs two groups share in the packed layout: a layer's in_features must be a multiple of it
+MAX_INPUTS = 32768  # the C file's MAX_GROUPS groups
+_COMPILE_TIMEOUT_S = 120
+
+
+class Int4Kernel:
+    """The compiled kernel: :meth:`pack` lays out a quantized matrix for it, :meth:`matmul` computes with it."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._mm = lib.swarm_int4_mm
+        self._mm.restype = ctypes.c_int
+        self._mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.swarm_int4_path.restype = ctypes.c_char_p
+        self.simd = lib.swarm_int4_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
+
+    @staticmethod
+    def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scale_zeros) for levels ``q`` (out, in; 0..15) with a bfloat16 ``scale`` and ``zero`` per group
+        of 32 inputs (out, in / 32): byte j of each 64 inputs holds level j low and level j + 32 high; each output's
+        scales then its offsets, (out, 2, in / 32)."""
+        n, k = q.shape
+        pairs = q.to(torch.uint8).reshape(n, k // PAIR, 2, PAIR // 2)
+        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        return packed, torch.stack([scale, zero], dim=1).to(torch.bfloat16).contiguous()
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x (rows, in) @ W.T (+ bias) in float32: x is taken as float32 rows, the bias where it is float32 (else
+        added after)."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows, k = x.shape
+        y = torch.empty((rows, out_features), dtype=torch.float32)
+        fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+        if rows and self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scale_zeros.data_ptr(),
+                             bias.data_ptr() if fused_bias else None, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"the int4 kernel could not allocate scratch for {rows} rows of {k} inputs")
+        if bias is not None and not fused_bias:
+            y = y + bias
+        return y
+
+
+def takes(in_features: int) -> bool:
+    """Whether a layer with this many inputs has the kernel's shape (whole pairs of groups)."""
+    return in_features % PAIR == 0 and in_features <= MAX_INPUTS
+
+
+_lock = threading.Lock()
+_enabled = True
+
+
+def use(enabled: bool) -> None:
+    """Whether 4-bit layers quantized from now on take this kernel (SWARM_INT4_KERNEL; the fellow sets it)."""
+    global _enabled
+    _enabled = bool(enabled)
+_built: dict[tuple[str, ...], Int4Kernel | None] = {}
+
+
+def kernel(flags: tuple[str, ...] = FLAGS) -> Int4Kernel | None:
+    """The kernel built for this CPU (once per process; ``flags`` for other builds, as the tests compile the AVX2 and
+    plain-C paths), or None where it cannot be built here."""
+    if not _enabled:
+        return None
+    with _lock:
+        if flags not in _built:
+            _built[flags] = _build(flags)
+        return _built[flags]
+
+
+def _build(flags: tuple[str, ...]) -> Int4Kernel | None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("4-bit layers run on torch's int4 kernel: no C compiler (cc) on this machine to build swarm's "
+                    "(install gcc for faster int4 and nf4 loads on CPU)")
+        return None
+    try:
+        source = SOURCE.read_bytes()
+        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+        key = hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), _cpu_identity()])).hexdigest()
+        folder = Path(platformdirs.user_cache_dir("swarm")) / "kernels"
+        target = folder / f"int4_kernel-{key[:16]}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            # built under another name, then renamed: processes building at once each get a whole file
+            handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
+            os.close(handle)
+            try:
+                done = subprocess.run([compiler, *flags, "-o", temporary, str(SOURCE)], capture_output=True,
+                                      text=True, timeout=_COMPILE_TIMEOUT_S)
+                if done.returncode:
+                    raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-400:]}")
+                os.replace(temporary, target)
+            finally:
+                if os.path.exists(temporary):
+                    os.unlink(temporary)
+        built = Int4Kernel(ctypes.CDLL(str(target)), target)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's kernel, said once
+        log.warning("4-bit layers run on torch's int4 kernel: swarm's could not be built here (%s: %s)",
+                    type(exc).__name__, exc)
+        return None
+    log.info("int4 kernel: %s path, %s", built.simd, built.path)
+    return built
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(lines)).encode()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64 with torch: ``x`` (rows, in) quantized per group of 32 as the C file
+    quantizes it, against levels ``q`` (out, in) with ``scale`` and ``zero`` per group (out, in / 32). For tests and
+    the bench: the kernel must agree with it to float32 rounding."""
+    rows, k = x.shape
+    groups = x.float().reshape(rows, k // 32, 32)
+    d = groups.abs().amax(-1) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    xq = torch.round(groups * inverse[..., None]).clamp(-127, 127)
+    dot = torch.einsum("rgi,ngi->rng", xq.double(), q.double().reshape(q.shape[0], k // 32, 32))
+    scale, zero = scale.double(), zero.double()
+    return (dot * scale[None] * d.double()[:, None]
+            + (zero - 8 * scale)[None] * groups.double().sum(-1)[:, None]).sum(-1)
