@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
@@ -313,5 +314,147 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
             }
         }
     }
+    return 0;
+}
+
+/* --- a decoder layer's step for rows that are each one request's next token ---------------------------------------
+ *
+ * The int4-fast layers of the Llama family (Llama, Mistral without windows, Qwen2, Qwen3) for rows that attend to
+ * their own request's cached keys and values: the step a decode pass makes, in two calls around the cache's update
+ * (swarm/stage/compiled_decode.py) instead of some thirty torch operations. */
+
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter;
+    float eps, scaling;
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: Qwen3's per-head norms, else NULL */
+    const uint8_t *w_qkv;
+    const uint16_t *s_qkv;
+    const float *b_qkv;
+    const uint8_t *w_o;
+    const uint16_t *s_o;
+    const float *b_o;
+    const uint8_t *w_gate_up; /* the gate's rows, then the up projection's */
+    const uint16_t *s_gate_up;
+    const uint8_t *w_down;
+    const uint16_t *s_down;
+} swarm_layer;
+
+static float *layer_scratch(size_t floats) {
+    static __thread float *held = NULL;
+    static __thread size_t size = 0;
+    if (floats > size) {
+        float *grown = realloc(held, floats * sizeof(float));
+        if (!grown) return NULL;
+        held = grown;
+        size = floats;
+    }
+    return held;
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, over n values */
+static void rms_norm(const float *x, int n, const float *weight, float eps, float *out) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    const float r = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * weight[i];
+}
+
+/* rotary embedding of one head in place: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) */
+static void rotate(float *x, const float *cos, const float *sin, int head_dim) {
+    const int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* x: rows x hidden; cos, sin: rows x head_dim; q: rows x heads*head_dim, k and v: rows x kv_heads*head_dim. */
+int swarm_layer_qkv(const swarm_layer *L, const float *x, int rows, const float *cos, const float *sin, float *q,
+                    float *k, float *v, int threads) {
+    const int hd = L->head_dim, nq = L->heads * hd, nkv = L->kv_heads * hd, width = nq + 2 * nkv;
+    float *h = layer_scratch((size_t)rows * (L->hidden + width));
+    if (!h) return -1;
+    float *qkv = h + (size_t)rows * L->hidden;
+    for (int r = 0; r < rows; r++) rms_norm(x + (size_t)r * L->hidden, L->hidden, L->in_norm, L->eps, h + (size_t)r * L->hidden);
+    int status = swarm_int4_mm(h, rows, L->hidden, width, L->w_qkv, L->s_qkv, L->b_qkv, qkv, threads);
+    if (status) return status;
+    for (int r = 0; r < rows; r++) {
+        const float *row = qkv + (size_t)r * width;
+        float *qr = q + (size_t)r * nq, *kr = k + (size_t)r * nkv;
+        memcpy(qr, row, sizeof(float) * nq);
+        memcpy(kr, row + nq, sizeof(float) * nkv);
+        memcpy(v + (size_t)r * nkv, row + nq + nkv, sizeof(float) * nkv);
+        for (int head = 0; head < L->heads; head++) {
+            if (L->q_norm) rms_norm(qr + head * hd, hd, L->q_norm, L->eps, qr + head * hd);
+            rotate(qr + head * hd, cos + (size_t)r * hd, sin + (size_t)r * hd, hd);
+        }
+        for (int head = 0; head < L->kv_heads; head++) {
+            if (L->k_norm) rms_norm(kr + head * hd, hd, L->k_norm, L->eps, kr + head * hd);
+            rotate(kr + head * hd, cos + (size_t)r * hd, sin + (size_t)r * hd, hd);
+        }
+    }
+    return 0;
+}
+
+/* x (rows x hidden), updated in place: each row's attention -- q (rows x heads*head_dim) against its request's keys
+ * and values (kv_heads x lengths[r] x head_dim each, the new row's included) -- through the output projection, then
+ * the MLP, each with its residual. */
+int swarm_layer_rest(const swarm_layer *L, float *x, int rows, const float *q, const float *const *keys,
+                     const float *const *values, const int *lengths, int threads) {
+    if (threads < 1) threads = 1;
+    const int hd = L->head_dim, nq = L->heads * hd, groups = L->heads / L->kv_heads, hidden = L->hidden;
+    int longest = 1;
+    for (int r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    const size_t attn = (size_t)rows * nq, scores = (size_t)threads * longest, normed = (size_t)rows * hidden;
+    const size_t gate_up = (size_t)rows * 2 * L->inter, act = (size_t)rows * L->inter, out = (size_t)rows * hidden;
+    float *a = layer_scratch(attn + scores + normed + gate_up + act + out);
+    if (!a) return -1;
+    float *s = a + attn, *h = s + scores, *gu = h + normed, *m = gu + gate_up, *o = m + act;
+    const int tasks = rows * L->heads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int task = 0; task < tasks; task++) {
+        const int r = task / L->heads, head = task % L->heads, n = lengths[r];
+        const float *qh = q + (size_t)r * nq + (size_t)head * hd;
+        const float *kh = keys[r] + (size_t)(head / groups) * n * hd, *vh = values[r] + (size_t)(head / groups) * n * hd;
+        float *p = s + (size_t)omp_get_thread_num() * longest, *out_h = a + (size_t)r * nq + (size_t)head * hd;
+        float top = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int i = 0; i < hd; i++) dot += qh[i] * kh[(size_t)t * hd + i];
+            p[t] = dot * L->scaling;
+            top = p[t] > top ? p[t] : top;
+        }
+        float total = 0.0f;
+        for (int t = 0; t < n; t++) {
+            p[t] = expf(p[t] - top);
+            total += p[t];
+        }
+        const float inv = 1.0f / total;
+        for (int i = 0; i < hd; i++) out_h[i] = 0.0f;
+        for (int t = 0; t < n; t++) {
+            const float weight = p[t] * inv;
+#pragma omp simd
+            for (int i = 0; i < hd; i++) out_h[i] += weight * vh[(size_t)t * hd + i];
+        }
+    }
+    int status = swarm_int4_mm(a, rows, nq, hidden, L->w_o, L->s_o, L->b_o, o, threads);
+    if (status) return status;
+    for (size_t i = 0; i < out; i++) x[i] += o[i];
+    for (int r = 0; r < rows; r++) rms_norm(x + (size_t)r * hidden, hidden, L->post_norm, L->eps, h + (size_t)r * hidden);
+    status = swarm_int4_mm(h, rows, hidden, 2 * L->inter, L->w_gate_up, L->s_gate_up, NULL, gu, threads);
+    if (status) return status;
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < L->inter; i++) {
+            const float g = gu[(size_t)r * 2 * L->inter + i], u = gu[(size_t)r * 2 * L->inter + L->inter + i];
+            m[(size_t)r * L->inter + i] = g / (1.0f + expf(-g)) * u;
+        }
+    status = swarm_int4_mm(m, rows, L->inter, hidden, L->w_down, L->s_down, NULL, o, threads);
+    if (status) return status;
+    for (size_t i = 0; i < out; i++) x[i] += o[i];
     return 0;
 }

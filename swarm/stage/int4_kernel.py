@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import torch
@@ -47,12 +48,23 @@ class Int4Kernel:
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
+        self._lib = lib
         self._mm = lib.swarm_int4_mm
         self._mm.restype = ctypes.c_int
         self._mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.swarm_int4_path.restype = ctypes.c_char_p
         self.simd = lib.swarm_int4_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
+
+    def layer_calls(self) -> tuple[Any, Any]:
+        """The C file's decoder-layer step (swarm.stage.compiled_decode): swarm_layer_qkv and swarm_layer_rest."""
+        qkv, rest = self._lib.swarm_layer_qkv, self._lib.swarm_layer_rest
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        qkv.restype = rest.restype = ctypes.c_int
+        qkv.argtypes = [pointer, pointer, number, pointer, pointer, pointer, pointer, pointer, number]
+        rest.argtypes = [pointer, pointer, number, pointer, ctypes.POINTER(pointer), ctypes.POINTER(pointer),
+                         ctypes.POINTER(number), number]
+        return qkv, rest
 
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +138,7 @@ def _build(flags: tuple[str, ...]) -> Int4Kernel | None:
             handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
             os.close(handle)
             try:
-                done = subprocess.run([compiler, *flags, "-o", temporary, str(SOURCE)], capture_output=True,
+                done = subprocess.run([compiler, *flags, "-o", temporary, str(SOURCE), "-lm"], capture_output=True,
                                       text=True, timeout=_COMPILE_TIMEOUT_S)
                 if done.returncode:
                     raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-400:]}")

@@ -40,6 +40,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from swarm.model_format import LEAN_DECODE_FAMILIES
+from swarm.stage.compiled_decode import compiled
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class LeanDecode:
         self._parts = [(layer, layer.self_attn, layer.mlp, getattr(layer.self_attn.q_proj, "fused", None),
                         getattr(layer.mlp.gate_proj, "fused", None)) for layer in self.layers]
         self._tables = stage.position_embeddings  # the stage's rotary (cos, sin) by layer type
+        # int4-fast on CPU: the layers' C step for one new row of each request (swarm.stage.compiled_decode)
+        self._steps = [layer.compiled_step for layer in self.layers] if compiled(self.layers) else None
 
     def takes(self, sizes: list[int], caches: list[DynamicCache]) -> bool:
         """Whether a pass of ``sizes`` rows per request, on these requests' caches, is one this step computes: one
@@ -74,6 +77,13 @@ class LeanDecode:
         requests, ``caches`` theirs in the rows' order, each one row longer afterwards; or one request's n rows,
         ``caches`` its one cache, n rows longer afterwards."""
         n = states.shape[1]
+        if self._steps is not None and len(caches) == n:  # one new row of each request: the layers' C step
+            cos, sin = self._tables(states, position_ids)["full_attention"]
+            cos, sin = cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous()
+            x = states.reshape(n, -1).clone()
+            for step in self._steps:
+                x = step.step(x, cos, sin, caches)
+            return x.view(1, n, -1)
         mask = None
         if n > 1 and len(caches) == 1:  # one request's rows: causal among themselves, masked as the library masks them
             mask = create_causal_mask(config=self.config, inputs_embeds=states, attention_mask=None, cache=caches[0],

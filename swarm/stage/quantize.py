@@ -169,6 +169,9 @@ def quantize_model(model: Any, kind: str) -> Any:
         return model
     for layer in model.model.layers:
         quantize_linears(layer, kind)
+    from swarm.stage.compiled_decode import install
+
+    install(model.model.layers, model.config)  # int4-fast on CPU: the stages' C step for single-row passes
     head = model.lm_head
     quantized = quantize_head(head, kind)
     if quantized is not head:

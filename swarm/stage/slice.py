@@ -28,6 +28,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
+from swarm.stage.compiled_decode import install as install_compiled_step
 from swarm.stage.quantize import quantize_head, quantize_linears
 
 _MASK_FUNCTIONS = {
@@ -167,6 +168,8 @@ class StageModel:
             _assign(layers[local], read(layer_file(index), devices[local]), f"layer {index}")
             quantize_linears(layers[local], quantization)
 
+        # int4-fast on CPU: single-row passes through the C step (swarm.stage.compiled_decode) where it takes them
+        install_compiled_step(layers, stage_config)
         embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1])
         if lm_head is not None:
             lm_head = quantize_head(lm_head, quantization)

@@ -1,0 +1,241 @@
+"""The decode step of int4-fast decoder layers in C: for rows that are each one request's next token, a layer is two
+calls into swarm's int4 kernel library (int4_kernel.c) around the cache's update, instead of some thirty torch
+operations.
+
+Why: at int4-fast on CPU, once the matrices run on swarm's kernel, most of a decode step is the fixed cost of the
+small torch operations between them -- norms, views, the rotation, the attention call, the activation, the residuals
+-- each a few microseconds for a row of a few hundred numbers (bench/RESULTS.md). The first call normalises the row,
+computes q, k and v with the stacked matrix and rotates q and k (Qwen3: each head's norm first); the cache takes the
+new keys and values as it takes the library's (``DynamicCache.update``); the second call attends each row to its own
+request's keys and values, then runs the output projection, the MLP and both residuals.
+
+Where it computes: :func:`install` gives each eligible layer a forward that takes this path for one new row of a
+request, or one new row of each of several (a batched decode pass: each row attends to its own cache), and the
+library's layer for everything else (prompts, drafting's verifying passes). Every caller of the layers -- the stage's
+passes, the lean step (swarm.stage.lean_decode), transformers' ``generate`` on a model quantized whole
+(swarm.stage.quantize.quantize_model) -- goes through that forward, so a ring and one process compute the same bits.
+Each row is computed alone (its own norm, its own activations' 8 bits, its own attention), so a chat's tokens do not
+depend on the chats batched with it.
+
+What it is checked against: at install, each layer's step on random rows against the library's step on the same
+rows and cache (it sums in another order, so not to the bit: see _TOLERANCE); a layer that differs keeps the
+library's forward and the log says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from swarm.model_format import LEAN_DECODE_FAMILIES
+
+log = logging.getLogger(__name__)
+
+# of the largest output. Summing in another order moves a value by ~1e-7 -- but the kernel rounds each row's activations
+# to 8 bits, and a value on a rounding boundary then moves a whole level: up to ~2 % of a layer's output here. A wrong
+# step (rotation, attention, a norm) is off by the output's own size.
+_TOLERANCE = 0.05
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("eps", ctypes.c_float),
+                ("scaling", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
+                    "in_norm", "post_norm", "q_norm", "k_norm", "w_qkv", "s_qkv", "b_qkv", "w_o", "s_o", "b_o",
+                    "w_gate_up", "s_gate_up", "w_down", "s_down")]
+
+
+class CompiledStep:
+    """One decoder layer's C step (the pointers into its tensors, which it keeps alive)."""
+
+    def __init__(self, layer: Any, config: Any, kernel: Any):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
+        self.index = attn.layer_idx
+        self.hidden = config.hidden_size
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self._keep = [t.detach().float().contiguous() for t in (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            q_norm.weight if q_norm is not None else torch.zeros(0), k_norm.weight if k_norm is not None else torch.zeros(0),
+            qkv.bias if qkv.bias is not None else torch.zeros(0), attn.o_proj.bias if attn.o_proj.bias is not None
+            else torch.zeros(0))]
+        norms = self._keep
+        pointer = (lambda t: t.data_ptr() if t.numel() else None)
+        self.struct = _Layer(
+            hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            inter=mlp.gate_proj.out_features, eps=float(layer.input_layernorm.variance_epsilon),
+            scaling=float(attn.scaling), in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
+            q_norm=pointer(norms[2]), k_norm=pointer(norms[3]), w_qkv=qkv.packed.data_ptr(),
+            s_qkv=qkv.scale_zeros.data_ptr(), b_qkv=pointer(norms[4]), w_o=attn.o_proj.packed.data_ptr(),
+            s_o=attn.o_proj.scale_zeros.data_ptr(), b_o=pointer(norms[5]), w_gate_up=gate_up.packed.data_ptr(),
+            s_gate_up=gate_up.scale_zeros.data_ptr(), w_down=mlp.down_proj.packed.data_ptr(),
+            s_down=mlp.down_proj.scale_zeros.data_ptr())
+        self._tensors = (qkv, attn.o_proj, gate_up, mlp.down_proj)  # the buffers the pointers point into
+        self._qkv_call, self._rest_call = kernel.layer_calls()
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list) -> torch.Tensor:
+        """``x`` (rows, hidden) float32, contiguous, one row per cache in ``caches`` at the positions of ``cos`` and
+        ``sin`` (rows, head_dim): the layer's output, written over ``x``; each cache one row longer."""
+        rows = x.shape[0]
+        hd = self.head_dim
+        q = torch.empty((rows, self.heads * hd))
+        k = torch.empty((rows, self.kv_heads * hd))
+        v = torch.empty((rows, self.kv_heads * hd))
+        threads = torch.get_num_threads()
+        if self._qkv_call(ctypes.byref(self.struct), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                          k.data_ptr(), v.data_ptr(), threads):
+            raise MemoryError("the compiled decode step could not allocate its scratch")
+        keys, values, lengths = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)(), (ctypes.c_int * rows)()
+        held = []
+        for row, cache in enumerate(caches):
+            new_k = k[row].view(1, 1, self.kv_heads, hd).transpose(1, 2)
+            new_v = v[row].view(1, 1, self.kv_heads, hd).transpose(1, 2)
+            all_k, all_v = cache.update(new_k, new_v, self.index)
+            all_k, all_v = all_k.contiguous(), all_v.contiguous()
+            held.append((all_k, all_v))
+            keys[row], values[row], lengths[row] = all_k.data_ptr(), all_v.data_ptr(), all_k.shape[2]
+        if self._rest_call(ctypes.byref(self.struct), x.data_ptr(), rows, q.data_ptr(), keys, values, lengths,
+                           threads):
+            raise MemoryError("the compiled decode step could not allocate its scratch")
+        return x
+
+
+def _eligible(hidden: torch.Tensor) -> bool:
+    return hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+
+
+def _layer_forward(library: Any, step: CompiledStep):
+    """The forward :func:`install` gives a layer: single rows through ``step``, the rest through ``library``."""
+    from swarm.stage.ragged import RaggedCache
+
+    def forward(hidden_states, *args, **kwargs):
+        cache, position_embeddings = kwargs.get("cache"), kwargs.get("position_embeddings")
+        if args or position_embeddings is None or not _eligible(hidden_states):
+            return library(hidden_states, *args, **kwargs)
+        cos, sin = position_embeddings
+        if isinstance(cache, DynamicCache) and hidden_states.shape[1] == 1:
+            return _rows(step, hidden_states[0], cos[0], sin[0], [cache]).unsqueeze(0)
+        if not isinstance(cache, RaggedCache) or 1 not in cache.sizes:
+            return library(hidden_states, *args, **kwargs)
+        if all(n == 1 for n in cache.sizes):
+            return _rows(step, hidden_states[0], cos[0], sin[0], cache.caches).unsqueeze(0)
+        # a batch of single rows and longer chunks: each request's rows as they would go alone -- the single rows
+        # through the step, the chunks through the library's layer as a batch of their own
+        starts = [0]
+        for n in cache.sizes:
+            starts.append(starts[-1] + n)
+        single = [i for i, n in enumerate(cache.sizes) if n == 1]
+        longer = [i for i, n in enumerate(cache.sizes) if n > 1]
+        at = torch.tensor([starts[i] for i in single])
+        rest = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in longer])
+        out = torch.empty_like(hidden_states)
+        out[0, at] = _rows(step, hidden_states[0, at], cos[0, at], sin[0, at], [cache.caches[i] for i in single])
+        position_ids = kwargs.get("position_ids")
+        kwargs = dict(kwargs, cache=RaggedCache([cache.caches[i] for i in longer], [cache.sizes[i] for i in longer]),
+                      position_embeddings=(cos[:, rest], sin[:, rest]))
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[:, rest]
+        out[:, rest] = library(hidden_states[:, rest], **kwargs)
+        return out
+
+    return forward
+
+
+def _rows(step: CompiledStep, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list) -> torch.Tensor:
+    """(rows, hidden) through the step, one row per cache; the input is left as it was."""
+    return step.step(rows.clone().contiguous(), cos.float().contiguous(), sin.float().contiguous(), caches)
+
+
+def _takes_layer(layer: Any, config: Any) -> bool:
+    """Whether ``layer`` has the shape the C step computes: the family's layer, on CPU, its matrices on the kernel."""
+    if config.model_type not in LEAN_DECODE_FAMILIES or getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list):  # a sliding window needs a mask even for one row
+        if "sliding_attention" in layer_types:
+            return False
+    elif getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    qkv, gate_up = getattr(getattr(attn, "q_proj", None), "fused", None), getattr(getattr(mlp, "gate_proj", None),
+                                                                                   "fused", None)
+    parts = (qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None))
+    if any(getattr(p, "kernel", None) is None for p in parts) or gate_up.bias is not None or \
+            mlp.down_proj.bias is not None:
+        return False
+    if attn.head_dim % 2 or config.num_attention_heads % config.num_key_value_heads:
+        return False
+    return mlp.gate_proj.sizes == [mlp.gate_proj.out_features, mlp.up_proj.out_features] and \
+        attn.q_proj.sizes == [config.num_attention_heads * attn.head_dim] + [config.num_key_value_heads *
+                                                                               attn.head_dim] * 2
+
+
+def install(layers: Any, config: Any) -> int:
+    """Give each eligible layer of ``layers`` the compiled step for single-row passes, once it computes the library's
+    step to float32 rounding; the number of layers that took it."""
+    from swarm.stage import int4_kernel
+
+    kernel = int4_kernel.kernel()
+    if kernel is None:
+        return 0
+    taken = 0
+    for layer in layers:
+        if getattr(layer, "compiled_step", None) is not None or not _takes_layer(layer, config):
+            continue
+        step = CompiledStep(layer, config, kernel)
+        if not _agrees(layer, step, config):
+            continue
+        layer.compiled_step = step
+        layer.forward = _layer_forward(layer.forward, step)
+        taken += 1
+    return taken
+
+
+def _agrees(layer: Any, step: CompiledStep, config: Any) -> bool:
+    """The step against the library's on random rows: a prompt of 5 through the library, then two decode steps each
+    way on copies of its cache."""
+    import copy
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = config.hidden_size
+    dim = step.head_dim
+    with torch.inference_mode():
+        cache = DynamicCache(config=config)
+        prompt = torch.randn((1, 5, hidden), generator=generator)
+        layer(prompt, cache=cache, position_embeddings=_rotary(5, 0, dim), use_cache=True)
+        ours = copy.deepcopy(cache)
+        worst = 0.0
+        for position in (5, 6):
+            x = torch.randn((1, 1, hidden), generator=generator)
+            cos, sin = _rotary(1, position, dim)
+            want = layer(x, cache=cache, position_embeddings=(cos, sin), use_cache=True)
+            got = step.step(x.reshape(1, -1).clone(), cos.reshape(1, -1).contiguous(), sin.reshape(1, -1).contiguous(),
+                            [ours]).view(1, 1, -1)
+            scale = want.abs().max().item() or 1.0
+            worst = max(worst, (want - got).abs().max().item() / scale,
+                        (cache.layers[step.index].keys - ours.layers[step.index].keys).abs().max().item() /
+                        (cache.layers[step.index].keys.abs().max().item() or 1.0))
+    if worst > _TOLERANCE or worst != worst:
+        log.warning("layer %d keeps the library's decode step: the compiled one differs from it by %.3g of its "
+                    "largest output", step.index, worst)
+        return False
+    return True
+
+
+def _rotary(n: int, first: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary table of the default kind for positions first..first + n - 1 (1, n, dim)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.arange(first, first + n, dtype=torch.float32)[:, None] * inv[None]
+    emb = torch.cat((angles, angles), dim=-1)[None]
+    return emb.cos(), emb.sin()
+
+
+def compiled(layers: Any) -> bool:
+    """Whether every one of ``layers`` computes its single-row passes with the C step."""
+    return len(layers) > 0 and all(getattr(layer, "compiled_step", None) is not None for layer in layers)
+
