@@ -2,6 +2,7 @@
 work, the protocol and the wire.
 
     .venv/bin/python bench/decode_profile.py [--kinds none,int8,int4-fast] [--steps 48] [--rounds 3] [--threads N]
+                                             [--torch-int4]
 
 The model is split over 2 in-process stages (swarm.stage.StageModel, as a fellow loads them) for each quantization
 kind. Every round times, for each kind in turn (the machine is shared: the kinds take turns so a swing in its load
@@ -207,6 +208,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--torch-int4", action="store_true",
+                        help="int4-fast on torch's int4 kernel and the library's layers (SWARM_INT4_KERNEL=0), "
+                             "not swarm's kernel and compiled decode step")
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
     args = parser.parse_args()
 
@@ -214,6 +218,10 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.torch_int4:
+        from swarm.stage import int4_kernel
+
+        int4_kernel.use(False)
     from swarm.leader.chat_format import encode_chat
     from swarm.model_import import ensure_imported
 
