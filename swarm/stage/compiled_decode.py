@@ -146,9 +146,19 @@ def _layer_forward(library: Any, step: CompiledStep):
     return forward
 
 
+def run_steps(steps: list[CompiledStep], rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              caches: list) -> torch.Tensor:
+    """(rows, hidden) through ``steps`` in turn, one row per cache, at the rotary tables ``cos`` and ``sin`` (rows,
+    head_dim); the input is left as it was."""
+    x = rows.clone().contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    for step in steps:
+        x = step.step(x, cos, sin, caches)
+    return x
+
+
 def _rows(step: CompiledStep, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list) -> torch.Tensor:
-    """(rows, hidden) through the step, one row per cache; the input is left as it was."""
-    return step.step(rows.clone().contiguous(), cos.float().contiguous(), sin.float().contiguous(), caches)
+    return run_steps([step], rows, cos, sin, caches)
 
 
 def _takes_layer(layer: Any, config: Any) -> bool:

@@ -123,8 +123,8 @@ def kernel(flags: tuple[str, ...] = FLAGS) -> Int4Kernel | None:
 def _build(flags: tuple[str, ...]) -> Int4Kernel | None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("4-bit layers run on torch's int4 kernel: no C compiler (cc) on this machine to build swarm's "
-                    "(install gcc for faster int4 and nf4 loads on CPU)")
+        log.warning("int4-fast layers run on torch's int4 kernel: this machine has no C compiler (cc) to build "
+                    "swarm's faster one; install gcc (apt-get install gcc) and load the model again")
         return None
     try:
         source = SOURCE.read_bytes()
@@ -148,8 +148,8 @@ def _build(flags: tuple[str, ...]) -> Int4Kernel | None:
                     os.unlink(temporary)
         built = Int4Kernel(ctypes.CDLL(str(target)), target)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's kernel, said once
-        log.warning("4-bit layers run on torch's int4 kernel: swarm's could not be built here (%s: %s)",
-                    type(exc).__name__, exc)
+        log.warning("int4-fast layers run on torch's int4 kernel: swarm's could not be built here (%s: %s); "
+                    "SWARM_INT4_KERNEL=0 silences this", type(exc).__name__, exc)
         return None
     log.info("int4 kernel: %s path, %s", built.simd, built.path)
     return built

@@ -40,7 +40,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from swarm.model_format import LEAN_DECODE_FAMILIES
-from swarm.stage.compiled_decode import compiled
+from swarm.stage.compiled_decode import compiled, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,8 @@ class LeanDecode:
         n = states.shape[1]
         if self._steps is not None and len(caches) == n:  # one new row of each request: the layers' C step
             cos, sin = self._tables(states, position_ids)["full_attention"]
-            cos, sin = cos.reshape(n, -1).float().contiguous(), sin.reshape(n, -1).float().contiguous()
-            x = states.reshape(n, -1).clone()
-            for step in self._steps:
-                x = step.step(x, cos, sin, caches)
-            return x.view(1, n, -1)
+            return run_steps(self._steps, states.reshape(n, -1), cos.reshape(n, -1), sin.reshape(n, -1),
+                             caches).view(1, n, -1)
         mask = None
         if n > 1 and len(caches) == 1:  # one request's rows: causal among themselves, masked as the library masks them
             mask = create_causal_mask(config=self.config, inputs_embeds=states, attention_mask=None, cache=caches[0],
