@@ -9,7 +9,7 @@ token: the bound of what guessing saves in passes), ``tiny`` a random 2-layer mo
 guess wrong: what a useless draft model costs). No smaller model of SmolLM2's tokenizer ships here.
 
     .venv/bin/python bench/drafting.py [--rounds 3] [--tokens 120] [--draft 4] [--stages 2] [--threads N]
-                                       [--draft-models self,tiny]
+                                       [--quantization int4-fast] [--draft-models self,tiny]
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--draft", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--quantization", default="none", help="the stages' quantization (none: float32)")
     parser.add_argument("--draft-models", default="", help="comma-separated: self, tiny (see above); none by default")
     args = parser.parse_args()
     if args.threads:
@@ -73,7 +74,7 @@ def main() -> None:
     import_model("smollm2-135m-instruct", root)
     model_dir = root / "smollm2-135m-instruct"
     specs = stage_specs(load_manifest(model_dir).num_layers, args.stages)
-    stages = [StageModel.load_dir(model_dir, s) for s in specs]
+    stages = [StageModel.load_dir(model_dir, s, quantization=args.quantization) for s in specs]
     for stage in stages:
         stage.warm_up()
     ring = LocalRing(stages, prefill_chunk=256)
@@ -81,7 +82,8 @@ def main() -> None:
     variants = [(0, None), (args.draft, None)] + [(args.draft, name) for name in drafters]
     prompts = {name: encode_chat(model_dir, [{"role": "user", "content": text}], None) for name, text in CHATS.items()}
     eos = load_manifest(model_dir).eos_token_ids
-    print(f"{machine()}; built-in model float32 over {args.stages} stages in one process; "
+    kind = "float32" if args.quantization == "none" else args.quantization
+    print(f"{machine()}; built-in model {kind} over {args.stages} stages in one process; "
           f"{args.tokens} tokens per reply, up to {args.draft} guessed per pass, {args.rounds} rounds taking turns",
           flush=True)
     speeds: dict[tuple, list[float]] = {}

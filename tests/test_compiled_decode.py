@@ -101,3 +101,94 @@ def test_a_step_that_differs_from_the_librarys_is_not_taken(tiny_model_dirs, mon
     stages = stages_of(tiny_model_dirs["llama"])
     assert not any(getattr(layer, "compiled_step", None) for s in stages for layer in s.layers)
     assert "keeps the library's decode step" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_decode_pass_of_several_rows_computes_each_as_its_own_decode_step(tiny_model_dirs, family):
+    """Drafting ahead's verifying pass (one request's rows, ``alone``): each row through the C step attends to the
+    keys up to its own, so the pass computes, to the bit, what the same rows give as decode steps one by one."""
+    stage = stages_of(tiny_model_dirs[family], count=1)[0]
+    stage.warm_up()
+    assert stage.lean is not None
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, stage.config.vocab_size, (1, 9), generator=generator)
+    rows = torch.randint(0, stage.config.vocab_size, (1, 5), generator=generator)
+    for rid in ("pass", "steps", "library"):
+        stage.new_request(rid)
+        stage.forward(rid, 0, input_ids=prompt, want_logits=False)
+    together = stage.forward("pass", 9, input_ids=rows, final_states=True, alone=True)
+    one_by_one = torch.cat([stage.forward("steps", 9 + i, input_ids=rows[:, i : i + 1], final_states=True)
+                            for i in range(5)], dim=1)
+    assert torch.equal(together, one_by_one)
+    for mine, theirs in zip(stage._caches["pass"].layers, stage._caches["steps"].layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    # a prompt's chunk (not alone) keeps the library's computation: close to the steps, not the same path
+    library = stage.forward("library", 9, input_ids=rows, final_states=True)
+    assert torch.allclose(library, one_by_one, atol=0.1 * one_by_one.abs().max().item())
+
+
+def test_a_batch_of_decode_passes_and_a_prompt_chunk_computes_each_request_as_alone(tiny_model_dirs):
+    model_dir = tiny_model_dirs["llama"]
+    stage = stages_of(model_dir, count=3)[1]
+    stage.warm_up()
+    hidden = stage.config.hidden_size
+    generator = torch.Generator().manual_seed(11)
+    prompts = {rid: torch.randn((1, n, hidden), generator=generator) for rid, n in (("a", 4), ("b", 6), ("c", 3))}
+    rows = {"a": torch.randn((1, 3, hidden), generator=generator), "b": torch.randn((1, 5, hidden), generator=generator),
+            "c": torch.randn((1, 1, hidden), generator=generator)}
+    flags = {"a": True, "b": False, "c": True}  # a: a verifying pass, b: the prompt's next chunk, c: a decode step
+    alone = {}
+    for rid in prompts:
+        stage.new_request(rid)
+        stage.forward(rid, 0, hidden=prompts[rid], final_states=True)
+        alone[rid] = stage.forward(rid, prompts[rid].shape[1], hidden=rows[rid], final_states=True, alone=flags[rid])
+        stage.drop(rid)
+    for lean in (stage.lean, None):  # the lean step (decode passes only) and the library's batched pass
+        stage.lean = lean
+        for members in (("a", "b", "c"), ("a", "c")):
+            for rid in members:
+                stage.new_request(rid)
+                stage.forward(rid, 0, hidden=prompts[rid], final_states=True)
+            items = [(rid, prompts[rid].shape[1], rows[rid], False) for rid in members]
+            states = forward_batch(stage, items, [flags[rid] for rid in members])
+            at = 0
+            for rid in members:
+                n = rows[rid].shape[1]
+                assert torch.equal(states[:, at : at + n], alone[rid]), (lean, members, rid)
+                at += n
+                stage.drop(rid)
+
+
+def test_drafting_at_int4_fast_keeps_the_reply_without_drafting_to_the_bit(tiny_model_dirs, monkeypatch):
+    """The verifying passes take the C step, so their rows compute what the decode steps compute and the reply is the
+    one without drafting, token for token -- no near-tie exception. The target as its own draft model (int4-fast too)
+    guesses nearly every token right (it feeds its cache the prompt and kept guesses in chunks, which the library's
+    layers compute: not quite its decode steps' bits)."""
+    from swarm.stage import LocalRing, StageSpec
+    from swarm.stage.draft_model import DraftModel
+
+    model_dir = tiny_model_dirs["llama"]
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11]
+    plain = LocalRing(stages_of(model_dir), prefill_chunk=4).generate(prompt, 40)
+    stages = stages_of(model_dir)
+    for stage in stages:
+        stage.warm_up()
+    target = StageModel.load_dir(model_dir, StageSpec(0, load_manifest(model_dir).num_layers, True, True),
+                                 quantization="int4-fast")
+    stages[-1].drafter = DraftModel(target)
+    passes = []
+    step = compiled_decode.CompiledStep.step
+
+    def counted(self, x, cos, sin, caches, sizes=None):
+        passes.append(max(sizes or [1]))
+        return step(self, x, cos, sin, caches, sizes)
+
+    monkeypatch.setattr(compiled_decode.CompiledStep, "step", counted)
+    ring = LocalRing(stages, prefill_chunk=4)
+    reply = ring.submit("a", prompt, 40, draft=3)
+    ring.run()
+    assert reply.tokens == plain
+    spec = ring.times["a"][1]
+    assert spec.spec_drafted > 0 and spec.spec_accepted >= 0.8 * spec.spec_drafted, spec
+    assert spec.spec_passes <= 40 // 2, spec
+    assert max(passes) == 4  # verifying passes of 4 rows went through the C step

@@ -109,8 +109,8 @@ def test_a_lean_step_that_differs_is_not_taken(tiny_model_dirs, monkeypatch):
     library's."""
     forward = lean_decode.LeanDecode.forward
 
-    def off(self, states, position_ids, caches):
-        out = forward(self, states, position_ids, caches)
+    def off(self, states, position_ids, caches, *more):
+        out = forward(self, states, position_ids, caches, *more)
         return torch.nextafter(out, torch.full_like(out, float("inf")))
 
     monkeypatch.setattr(lean_decode.LeanDecode, "forward", off)
@@ -131,9 +131,9 @@ def test_chats_batched_through_the_lean_step_get_the_replies_they_get_alone(tiny
     for stage in stages:
         forward = stage.lean.forward
 
-        def seen(states, position_ids, caches, forward=forward):
+        def seen(states, position_ids, caches, *more, forward=forward):
             rows.append(len(caches))
-            return forward(states, position_ids, caches)
+            return forward(states, position_ids, caches, *more)
 
         stage.lean.forward = seen
     chain = LocalRing(stages, prefill_chunk=PREFILL_CHUNK)

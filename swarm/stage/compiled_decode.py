@@ -11,7 +11,10 @@ request's keys and values, then runs the output projection, the MLP and both res
 
 Where it computes: :func:`install` gives each eligible layer a forward that takes this path for one new row of a
 request, or one new row of each of several (a batched decode pass: each row attends to its own cache), and the
-library's layer for everything else (prompts, drafting's verifying passes). Every caller of the layers -- the stage's
+library's layer for everything else (prompts). Drafting ahead's verifying pass -- a request's sampled token and the
+guesses after it -- is a decode pass too: the stage flags it (``alone``) and each of its rows attends to the keys up
+to its own, so it computes, to the bit, what the same tokens would as decode steps one by one; the guesses kept are
+the reply without drafting, with no near-tie exception. Every caller of the layers -- the stage's
 passes, the lean step (swarm.stage.lean_decode), transformers' ``generate`` on a model quantized whole
 (swarm.stage.quantize.quantize_model) -- goes through that forward, so a ring and one process compute the same bits.
 Each row is computed alone (its own norm, its own activations' 8 bits, its own attention), so a chat's tokens do not
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 # to 8 bits, and a value on a rounding boundary then moves a whole level: up to ~2 % of a layer's output here. A wrong
 # step (rotation, attention, a norm) is off by the output's own size.
 _TOLERANCE = 0.05
+# The most rows of one request a pass computes row by row (:func:`alone`): a verifying pass of SWARM_SERVE_SPECULATIVE's
+# 16 guesses and the sampled token.
+MAX_ALONE = 17
 
 
 class _Layer(ctypes.Structure):
@@ -78,9 +84,12 @@ class CompiledStep:
         self._tensors = (qkv, attn.o_proj, gate_up, mlp.down_proj)  # the buffers the pointers point into
         self._qkv_call, self._rest_call = kernel.layer_calls()
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list) -> torch.Tensor:
-        """``x`` (rows, hidden) float32, contiguous, one row per cache in ``caches`` at the positions of ``cos`` and
-        ``sin`` (rows, head_dim): the layer's output, written over ``x``; each cache one row longer."""
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
+             sizes: list[int] | None = None) -> torch.Tensor:
+        """``x`` (rows, hidden) float32, contiguous, at the positions of ``cos`` and ``sin`` (rows, head_dim): the
+        layer's output, written over ``x``. The rows are ``sizes[i]`` new rows of the request whose cache is
+        ``caches[i]``, in order (one each without ``sizes``); each cache that many rows longer. A request's rows each
+        attend to its keys up to their own, so every row computes what it would as a decode step of its own."""
         rows = x.shape[0]
         hd = self.head_dim
         q = torch.empty((rows, self.heads * hd))
@@ -90,16 +99,22 @@ class CompiledStep:
         if self._qkv_call(ctypes.byref(self.struct), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                           k.data_ptr(), v.data_ptr(), threads):
             raise MemoryError("the compiled decode step could not allocate its scratch")
-        keys, values, lengths = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)(), (ctypes.c_int * rows)()
+        keys, values = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)()
+        lengths, spans = (ctypes.c_int * rows)(), (ctypes.c_int * rows)()
         held = []
-        for row, cache in enumerate(caches):
-            new_k = k[row].view(1, 1, self.kv_heads, hd).transpose(1, 2)
-            new_v = v[row].view(1, 1, self.kv_heads, hd).transpose(1, 2)
+        row = 0
+        for cache, n in zip(caches, sizes or [1] * len(caches)):
+            new_k = k[row : row + n].view(n, self.kv_heads, hd).transpose(0, 1).unsqueeze(0)
+            new_v = v[row : row + n].view(n, self.kv_heads, hd).transpose(0, 1).unsqueeze(0)
             all_k, all_v = cache.update(new_k, new_v, self.index)
             all_k, all_v = all_k.contiguous(), all_v.contiguous()
             held.append((all_k, all_v))
-            keys[row], values[row], lengths[row] = all_k.data_ptr(), all_v.data_ptr(), all_k.shape[2]
-        if self._rest_call(ctypes.byref(self.struct), x.data_ptr(), rows, q.data_ptr(), keys, values, lengths,
+            total = all_k.shape[2]
+            for j in range(n):
+                keys[row], values[row] = all_k.data_ptr(), all_v.data_ptr()
+                lengths[row], spans[row] = total - n + 1 + j, total
+                row += 1
+        if self._rest_call(ctypes.byref(self.struct), x.data_ptr(), rows, q.data_ptr(), keys, values, lengths, spans,
                            threads):
             raise MemoryError("the compiled decode step could not allocate its scratch")
         return x
@@ -109,8 +124,16 @@ def _eligible(hidden: torch.Tensor) -> bool:
     return hidden.dim() == 3 and hidden.shape[0] == 1 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
 
 
+def alone(sizes: list[int], flags: list[bool] | None) -> list[bool]:
+    """Which requests of a pass (``sizes`` rows each) the C step computes row by row: one new row, or up to
+    MAX_ALONE rows of a request flagged in ``flags`` (decode passes: drafting's verifying pass, whose rows must compute
+    what they would as decode steps of their own -- so the guesses kept are the reply without drafting, to the bit)."""
+    return [n == 1 or (flags is not None and flags[i] and n <= MAX_ALONE) for i, n in enumerate(sizes)]
+
+
 def _layer_forward(library: Any, step: CompiledStep):
-    """The forward :func:`install` gives a layer: single rows through ``step``, the rest through ``library``."""
+    """The forward :func:`install` gives a layer: single rows (and flagged decode passes) through ``step``, the rest
+    through ``library``."""
     from swarm.stage.ragged import RaggedCache
 
     def forward(hidden_states, *args, **kwargs):
@@ -120,21 +143,25 @@ def _layer_forward(library: Any, step: CompiledStep):
         cos, sin = position_embeddings
         if isinstance(cache, DynamicCache) and hidden_states.shape[1] == 1:
             return _rows(step, hidden_states[0], cos[0], sin[0], [cache]).unsqueeze(0)
-        if not isinstance(cache, RaggedCache) or 1 not in cache.sizes:
+        if not isinstance(cache, RaggedCache):
             return library(hidden_states, *args, **kwargs)
-        if all(n == 1 for n in cache.sizes):
-            return _rows(step, hidden_states[0], cos[0], sin[0], cache.caches).unsqueeze(0)
-        # a batch of single rows and longer chunks: each request's rows as they would go alone -- the single rows
+        takes = alone(cache.sizes, cache.alone)
+        if all(takes):
+            return _rows(step, hidden_states[0], cos[0], sin[0], cache.caches, cache.sizes).unsqueeze(0)
+        if not any(takes):
+            return library(hidden_states, *args, **kwargs)
+        # a batch of rows the step takes and longer chunks: each request's rows as they would go alone -- those
         # through the step, the chunks through the library's layer as a batch of their own
         starts = [0]
         for n in cache.sizes:
             starts.append(starts[-1] + n)
-        single = [i for i, n in enumerate(cache.sizes) if n == 1]
-        longer = [i for i, n in enumerate(cache.sizes) if n > 1]
-        at = torch.tensor([starts[i] for i in single])
+        ours = [i for i, t in enumerate(takes) if t]
+        longer = [i for i, t in enumerate(takes) if not t]
+        at = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in ours])
         rest = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in longer])
         out = torch.empty_like(hidden_states)
-        out[0, at] = _rows(step, hidden_states[0, at], cos[0, at], sin[0, at], [cache.caches[i] for i in single])
+        out[0, at] = _rows(step, hidden_states[0, at], cos[0, at], sin[0, at], [cache.caches[i] for i in ours],
+                           [cache.sizes[i] for i in ours])
         position_ids = kwargs.get("position_ids")
         kwargs = dict(kwargs, cache=RaggedCache([cache.caches[i] for i in longer], [cache.sizes[i] for i in longer]),
                       position_embeddings=(cos[:, rest], sin[:, rest]))
@@ -147,18 +174,19 @@ def _layer_forward(library: Any, step: CompiledStep):
 
 
 def run_steps(steps: list[CompiledStep], rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              caches: list) -> torch.Tensor:
-    """(rows, hidden) through ``steps`` in turn, one row per cache, at the rotary tables ``cos`` and ``sin`` (rows,
-    head_dim); the input is left as it was."""
+              caches: list, sizes: list[int] | None = None) -> torch.Tensor:
+    """(rows, hidden) through ``steps`` in turn, ``sizes[i]`` rows for ``caches[i]`` (one each without ``sizes``:
+    see CompiledStep.step), at the rotary tables ``cos`` and ``sin`` (rows, head_dim); the input is left as it was."""
     x = rows.clone().contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     for step in steps:
-        x = step.step(x, cos, sin, caches)
+        x = step.step(x, cos, sin, caches, sizes)
     return x
 
 
-def _rows(step: CompiledStep, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list) -> torch.Tensor:
-    return run_steps([step], rows, cos, sin, caches)
+def _rows(step: CompiledStep, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
+          sizes: list[int] | None = None) -> torch.Tensor:
+    return run_steps([step], rows, cos, sin, caches, sizes)
 
 
 def _takes_layer(layer: Any, config: Any) -> bool:

@@ -49,11 +49,11 @@ def _run(stage: StageModel, batch: list[Work]) -> Output:
             stage.new_request(work.rid)  # a first chunk starts a fresh cache (a replayed request starts over)
         if work.ids is not None:
             out = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
-                                want_logits=work.last)
+                                want_logits=work.last, alone=not work.prefill)
         else:
             rows = work.rows
             hidden = rows.source.tensor()[:, rows.row : rows.row + rows.n]
-            out = stage.forward(work.rid, work.pos, hidden=hidden, want_logits=work.last)
+            out = stage.forward(work.rid, work.pos, hidden=hidden, want_logits=work.last, alone=not work.prefill)
         fan_out(stage, work)
         if stage.spec.is_last:
             tokens.append(_pick(stage, work, out))
@@ -187,7 +187,7 @@ def _run_together(stage: StageModel, batch: list[Work]) -> Output:
             rows = work.rows
             x = rows.source.tensor()[:, rows.row : rows.row + rows.n]
         items.append((work.rid, work.pos, x, work.last))
-    out = forward_batch(stage, items)
+    out = forward_batch(stage, items, [not work.prefill for work in batch])
     for work in batch:
         fan_out(stage, work)
     if not stage.spec.is_last:

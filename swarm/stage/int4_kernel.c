@@ -400,11 +400,12 @@ int swarm_layer_qkv(const swarm_layer *L, const float *x, int rows, const float 
     return 0;
 }
 
-/* x (rows x hidden), updated in place: each row's attention -- q (rows x heads*head_dim) against its request's keys
- * and values (kv_heads x lengths[r] x head_dim each, the new row's included) -- through the output projection, then
+/* x (rows x hidden), updated in place: each row's attention -- q (rows x heads*head_dim) against the first
+ * lengths[r] of its request's keys and values (kv_heads x spans[r] x head_dim each, the new rows included: several
+ * rows of one request share its cache, each seeing the keys up to its own) -- through the output projection, then
  * the MLP, each with its residual. */
 int swarm_layer_rest(const swarm_layer *L, float *x, int rows, const float *q, const float *const *keys,
-                     const float *const *values, const int *lengths, int threads) {
+                     const float *const *values, const int *lengths, const int *spans, int threads) {
     if (threads < 1) threads = 1;
     const int hd = L->head_dim, nq = L->heads * hd, groups = L->heads / L->kv_heads, hidden = L->hidden;
     int longest = 1;
@@ -418,8 +419,10 @@ int swarm_layer_rest(const swarm_layer *L, float *x, int rows, const float *q, c
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < tasks; task++) {
         const int r = task / L->heads, head = task % L->heads, n = lengths[r];
+        const size_t span = (size_t)spans[r];
         const float *qh = q + (size_t)r * nq + (size_t)head * hd;
-        const float *kh = keys[r] + (size_t)(head / groups) * n * hd, *vh = values[r] + (size_t)(head / groups) * n * hd;
+        const float *kh = keys[r] + (size_t)(head / groups) * span * hd;
+        const float *vh = values[r] + (size_t)(head / groups) * span * hd;
         float *p = s + (size_t)omp_get_thread_num() * longest, *out_h = a + (size_t)r * nq + (size_t)head * hd;
         float top = -INFINITY;
         for (int t = 0; t < n; t++) {

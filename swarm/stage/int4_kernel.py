@@ -63,7 +63,7 @@ class Int4Kernel:
         qkv.restype = rest.restype = ctypes.c_int
         qkv.argtypes = [pointer, pointer, number, pointer, pointer, pointer, pointer, pointer, number]
         rest.argtypes = [pointer, pointer, number, pointer, ctypes.POINTER(pointer), ctypes.POINTER(pointer),
-                         ctypes.POINTER(number), number]
+                         ctypes.POINTER(number), ctypes.POINTER(number), number]
         return qkv, rest
 
     @staticmethod

@@ -40,7 +40,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from swarm.model_format import LEAN_DECODE_FAMILIES
-from swarm.stage.compiled_decode import compiled, run_steps
+from swarm.stage.compiled_decode import alone, compiled, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +66,28 @@ class LeanDecode:
         # int4-fast on CPU: the layers' C step for one new row of each request (swarm.stage.compiled_decode)
         self._steps = [layer.compiled_step for layer in self.layers] if compiled(self.layers) else None
 
-    def takes(self, sizes: list[int], caches: list[DynamicCache]) -> bool:
+    def takes(self, sizes: list[int], caches: list[DynamicCache], flags: list[bool] | None = None) -> bool:
         """Whether a pass of ``sizes`` rows per request, on these requests' caches, is one this step computes: one
-        new row of each request, or one request's rows."""
-        return (len(sizes) == 1 or all(n == 1 for n in sizes)) and \
-            all(len(cache.layers) == len(self.layers) for cache in caches)
+        new row of each request, or one request's rows -- or, on the layers' C step, decode passes of several
+        requests (``flags``: which requests' rows compute alone, swarm.stage.compiled_decode.alone)."""
+        shaped = len(sizes) == 1 or all(n == 1 for n in sizes) or self._alone(sizes, flags)
+        return shaped and all(len(cache.layers) == len(self.layers) for cache in caches)
 
-    def forward(self, states: torch.Tensor, position_ids: torch.Tensor, caches: list[DynamicCache]) -> torch.Tensor:
+    def _alone(self, sizes: list[int], flags: list[bool] | None) -> bool:
+        return self._steps is not None and all(alone(sizes, flags))
+
+    def forward(self, states: torch.Tensor, position_ids: torch.Tensor, caches: list[DynamicCache],
+                sizes: list[int] | None = None, flags: list[bool] | None = None) -> torch.Tensor:
         """``states`` (1, n, hidden) at ``position_ids`` (1, n) after the stage's layers: one new row of each of n
         requests, ``caches`` theirs in the rows' order, each one row longer afterwards; or one request's n rows,
-        ``caches`` its one cache, n rows longer afterwards."""
+        ``caches`` its one cache, n rows longer afterwards; or ``sizes[i]`` rows of request i (``flags``: which
+        requests' rows compute as decode steps of their own -- see :meth:`takes`)."""
         n = states.shape[1]
-        if self._steps is not None and len(caches) == n:  # one new row of each request: the layers' C step
+        sizes = sizes or ([1] * n if len(caches) == n else [n])
+        if self._steps is not None and (len(caches) == n or self._alone(sizes, flags)):  # the layers' C step
             cos, sin = self._tables(states, position_ids)["full_attention"]
             return run_steps(self._steps, states.reshape(n, -1), cos.reshape(n, -1), sin.reshape(n, -1),
-                             caches).view(1, n, -1)
+                             caches, sizes).view(1, n, -1)
         mask = None
         if n > 1 and len(caches) == 1:  # one request's rows: causal among themselves, masked as the library masks them
             mask = create_causal_mask(config=self.config, inputs_embeds=states, attention_mask=None, cache=caches[0],

@@ -33,9 +33,11 @@ class RaggedKV:
 class RaggedCache:
     """The cache a batched pass gives the decoder layers: one DynamicCache per request, rows split by ``sizes``."""
 
-    def __init__(self, caches: list, sizes: list[int]):
+    def __init__(self, caches: list, sizes: list[int], alone: list[bool] | None = None):
         self.caches = caches
         self.sizes = sizes
+        # which requests' rows are decode steps to compute row by row where the layers can (swarm.stage.compiled_decode)
+        self.alone = alone
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys = key_states.split(self.sizes, dim=-2)
@@ -77,11 +79,12 @@ AttentionInterface.register(ATTENTION, ragged_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
+def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]], alone: list[bool] | None = None):
     """Run several requests' chunks through ``stage`` (a StageModel) in one pass.
 
     ``items``: (request id, start position, input -- token ids (1, n) on the first stage, hidden states (1, n, h)
-    after it --, want_logits). Returns the hidden states of every row, in order (1, sum of n, h); on the last stage
+    after it --, want_logits); ``alone``: which of them are decode passes, whose rows compute as decode steps of their
+    own where the layers can (swarm.stage.compiled_decode.alone). Returns the hidden states of every row, in order (1, sum of n, h); on the last stage
     a list with each item's float32 logits (vocab,) of its last row, or None where it wants none.
     """
     from swarm.errors import ModelError
@@ -103,10 +106,10 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
         position_ids = torch.cat([torch.arange(p, p + n, device=device) for (_, p, _, _), n in zip(items, sizes)])
         position_ids = position_ids.unsqueeze(0)
         lean = stage.lean
-        if lean is not None and lean.takes(sizes, caches):  # swarm.stage.lean_decode
-            states = lean.forward(states, position_ids, caches)
+        if lean is not None and lean.takes(sizes, caches, alone):  # swarm.stage.lean_decode
+            states = lean.forward(states, position_ids, caches, sizes, alone)
         else:
-            states = ragged_layers(stage, states, position_ids, caches, sizes)
+            states = ragged_layers(stage, states, position_ids, caches, sizes, alone)
         if not stage.spec.is_last:
             return states
         ends = torch.tensor(sizes, device=states.device).cumsum(0) - 1
@@ -118,11 +121,12 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]]):
         return out
 
 
-def ragged_layers(stage, states: torch.Tensor, position_ids: torch.Tensor, caches: list, sizes: list[int]):
+def ragged_layers(stage, states: torch.Tensor, position_ids: torch.Tensor, caches: list, sizes: list[int],
+                  alone: list[bool] | None = None):
     """The library's layers of ``stage`` over the rows of several requests (``sizes`` rows each, in order, at
-    ``position_ids``), each request's rows attending to its own cache in ``caches``."""
+    ``position_ids``), each request's rows attending to its own cache in ``caches`` (``alone``: see forward_batch)."""
     position_embeddings = stage.position_embeddings(states, position_ids)  # by layer type
-    cache = RaggedCache(caches, sizes)
+    cache = RaggedCache(caches, sizes, alone)
     before = stage.config._attn_implementation
     stage.config._attn_implementation = ATTENTION
     copies = {states.device: position_embeddings}

@@ -296,6 +296,7 @@ class StageModel:
         want_logits: bool = True,
         all_logits: bool = False,
         final_states: bool = False,
+        alone: bool = False,
     ) -> torch.Tensor | None:
         """Run one chunk of a request through this stage's layers, starting at token ``position``.
 
@@ -304,6 +305,8 @@ class StageModel:
         last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last); with
         ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs); with
         ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` row by row).
+        ``alone``: a decode pass (drafting's verifying pass), whose rows compute what each would as a decode step of
+        its own where the layers can (swarm.stage.compiled_decode.alone).
         """
         cache = self._cache(rid)
         cached = cache.get_seq_length()
@@ -318,9 +321,10 @@ class StageModel:
                 if hidden is None:
                     raise ModelError("a stage after the first takes hidden states")
                 states = hidden.to(device=self.device, dtype=self.dtype)
-            if self.lean is not None and self.lean.takes([states.shape[1]], [cache]):  # swarm.stage.lean_decode
+            sizes, flags = [states.shape[1]], [alone]
+            if self.lean is not None and self.lean.takes(sizes, [cache], flags):  # swarm.stage.lean_decode
                 at = torch.arange(position, position + states.shape[1], device=self.device).unsqueeze(0)
-                states = self.lean.forward(states, at, [cache])
+                states = self.lean.forward(states, at, [cache], sizes, flags)
             else:
                 states = self.run_layers(states, position, cache)
             if not self.spec.is_last or final_states:

@@ -3,7 +3,8 @@ it (swarm.stage.drafting) computes every row's logits, and keeps the guesses its
 
 Greedy: a guess is kept while it is the row before's argmax; the first row that disagrees gives its own argmax (or,
 all kept, the last row gives one more). So the reply is the one without drafting, token for token -- up to the
-order floats are summed in over several rows (a near-tie may tip). Sampled: each guess is kept by speculative
+order floats are summed in over several rows (a near-tie may tip) -- except at int4-fast on CPU, where each row of the
+pass computes exactly its decode step's bits (swarm.stage.compiled_decode). Sampled: each guess is kept by speculative
 sampling's acceptance rule (swarm.stage.sampling.accept_drafted), which keeps the model's distribution.
 
 Every stage (this one too) holds the rejected rows in its KV cache after the pass; :func:`align` forgets them when
@@ -18,6 +19,12 @@ from swarm import messages
 from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_one
 from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, token_generator
+
+
+# Rows of the head computed in one call. On CPU torch's float32 matrix product costs about what one row costs for up to
+# 3 rows and twice that from 4 (bench/RESULTS.md); swarm's int4 kernel computes each row alone, at a lower cost a row
+# the more rows share a call.
+HEAD_ROWS = 3
 
 
 def align(stage, batch: list[Work]) -> None:
@@ -61,7 +68,7 @@ def run(stage, batch: list[Work], run_rest) -> Output:
 def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
     """Compute ``work`` (a sampled token and the guesses after it) and keep what the model agrees with: the guesses
     kept, then the model's own next token."""
-    states = forward_one(stage, work, final_states=True)
+    states = forward_one(stage, work, final_states=True, alone=True)
     request = work.request
     draft = request.draft
     sampling = request.sampling
@@ -70,10 +77,13 @@ def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
     bias = (torch.tensor(sampling.bias_ids, dtype=torch.long), torch.tensor(sampling.bias_values)) \
         if sampling.bias_ids else None
     kept: list[tuple[int, messages.TokenLogprob | None]] = []
+    rows = None
     for i in range(work.n):
-        # the head row by row, as far as the guesses are kept: a rejected guess's later rows never pay for it
-        with torch.inference_mode():
-            logits = stage.logits(states[:, i : i + 1, :])[0, -1].float().cpu()
+        # the head HEAD_ROWS rows at a time, as far as the guesses are kept: a rejected guess's later rows never pay
+        if i % HEAD_ROWS == 0:
+            with torch.inference_mode():
+                rows = stage.logits(states[:, i : i + HEAD_ROWS, :])[0].float().cpu()
+        logits = rows[i % HEAD_ROWS]
         if bias is not None:  # logit_bias, before everything else (OpenAI's order)
             logits = logits.clone()
             logits[bias[0]] += bias[1]
