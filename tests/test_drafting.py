@@ -54,6 +54,10 @@ def test_propose_takes_the_longest_latest_match():
     # a 2-gram only: (2, 3) last occurred at 4, followed by 4 5 6 (not 9 from position 1)
     assert propose([7, 2, 3, 9, 2, 3, 4, 5, 6, 8, 2, 3], 2) == [4, 5]
     assert propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert propose([1, 2, 3, 4, 2], 3) == []  # one token is not a match
+    # the occurrence that shares the most with the end wins over a later, shorter one: (7, 8, 1, 2, 3) at 0
+    # (followed by 50), not (1, 2, 3) at 7 (followed by 60) -- which line of a copy the reply is on
+    assert propose([7, 8, 1, 2, 3, 50, 9, 1, 2, 3, 60, 7, 8, 1, 2, 3], 2) == [50, 9]
     assert propose([5, 6, 5, 6], 4) == [5, 6]  # up to the end of what is known
     assert propose(seq, 0) == []
 

@@ -1,13 +1,17 @@
 """Drafting ahead by prompt lookup, as plain logic (no torch): what the last stage guesses, and when it guesses.
 
-After sampling a token the last stage looks for the conversation's last few tokens (its prompt and the reply so far)
-earlier in it -- the longest n-gram first, its most recent earlier occurrence first -- and proposes the tokens that
-followed there, up to the request's ``draft`` count (SWARM_SERVE_SPECULATIVE). The proposal travels back to stage 0
-with the sampled token (SampledToken.draft); the next pass runs them all through the ring at once, and the last stage
-keeps the longest prefix its model agrees with (swarm.stage.verify), so the reply is what it would have been.
+After sampling a token the last stage looks for the conversation's last tokens (its prompt and the reply so far)
+earlier in it -- the occurrence that shares the longest run of tokens with the conversation's end, the most recent of
+those -- and proposes the tokens that followed there, up to the request's ``draft`` count (SWARM_SERVE_SPECULATIVE).
+The proposal travels back to stage 0 with the sampled token (SampledToken.draft); the next pass runs them all
+through the ring at once, and the last stage keeps the longest prefix its model agrees with (swarm.stage.verify), so
+the reply is what it would have been.
 
-It is transformers' prompt lookup (``prompt_lookup_num_tokens``) and vLLM's n-gram proposer, with the most recent
-match preferred: in an edit of code or text the latest occurrence is the one being rewritten.
+It is transformers' prompt lookup (``prompt_lookup_num_tokens``) and vLLM's n-gram proposer, with two choices of
+which earlier occurrence to follow. The longest shared run first: in a copy of code, ``self.items`` occurs many
+times, and ``value):\n        self.items`` says which line is being copied (a fixed 3-gram follows whichever came
+last, often the wrong line). Then the most recent: in an edit of code or text, the latest occurrence is the one
+being rewritten.
 """
 
 from __future__ import annotations
@@ -16,30 +20,40 @@ from collections.abc import Sequence
 
 from swarm import messages
 
-# n-gram sizes looked up, longest first. A 1-gram match is mostly chance in ordinary text (each wrong guess costs a
-# row of compute on every stage), so two tokens must match.
-MAX_NGRAM = 3
+# The shortest run of tokens a match must share with the conversation's end: one token alone is mostly chance in
+# ordinary text (each wrong guess costs a row of compute on every stage). The longest compared: enough to tell a
+# copied line from its look-alikes.
 MIN_NGRAM = 2
-# How far back the lookup searches (tokens): keeps a long conversation's lookup well under a millisecond.
+MAX_NGRAM = 32
+# How far back the lookup searches (tokens): keeps a long conversation's lookup around a millisecond.
 LOOKBACK = 8192
 
 
 def propose(sequence: Sequence[int], n: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM,
             lookback: int = LOOKBACK) -> list[int]:
-    """Up to ``n`` tokens that followed the latest earlier occurrence of ``sequence``'s last ``max_ngram`` tokens (or
-    fewer, down to ``min_ngram``); [] when none occurs."""
+    """Up to ``n`` tokens that followed the earlier occurrence of ``sequence``'s end that shares the most of its last
+    tokens with it (at least ``min_ngram``, compared up to ``max_ngram``), the latest such; [] when none does."""
     if n <= 0:
         return []
     seq = list(sequence[-lookback:])
     length = len(seq)
-    for size in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        tail = seq[length - size :]
-        first = tail[0]
-        # a match starting at i is followed by seq[i + size]: it must end before the tail itself starts
-        for i in range(length - size - 1, -1, -1):
-            if seq[i] == first and seq[i : i + size] == tail:
-                return seq[i + size : i + size + n]
-    return []
+    if length < 2:
+        return []
+    last = seq[-1]
+    best, end = 0, -1
+    for i in range(length - 2, -1, -1):  # the latest first; each occurrence followed by a token before the end
+        if seq[i] != last:
+            continue
+        shared = 1
+        while shared < max_ngram and shared <= i and seq[i - shared] == seq[length - 1 - shared]:
+            shared += 1
+        if shared > best:
+            best, end = shared, i
+            if shared == max_ngram:
+                break
+    if best < min_ngram:
+        return []
+    return seq[end + 1 : end + 1 + n]
 
 
 def eligible(start: messages.RequestStart) -> bool:
