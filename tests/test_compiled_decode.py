@@ -192,3 +192,50 @@ def test_drafting_at_int4_fast_keeps_the_reply_without_drafting_to_the_bit(tiny_
     assert spec.spec_drafted > 0 and spec.spec_accepted >= 0.8 * spec.spec_drafted, spec
     assert spec.spec_passes <= 40 // 2, spec
     assert max(passes) == 4  # verifying passes of 4 rows went through the C step
+
+
+def test_decode_steps_write_the_cache_in_place_and_it_stays_the_librarys(tiny_model_dirs):
+    """The C step writes each new row's keys and values into room kept at the end of the cache's buffers (no copy of
+    the whole cache per step); the library's own passes, a rollback and a copy of the cache (a group's fan-out) work on
+    it as on any cache, and every result equals the same requests' with the cache copied afresh after every pass."""
+    stage = stages_of(tiny_model_dirs["qwen3"], count=1)[0]
+    stage.warm_up()
+    generator = torch.Generator().manual_seed(9)
+
+    def ids(n):
+        return torch.randint(0, stage.config.vocab_size, (1, n), generator=generator)
+
+    plan = [("prompt", ids(7)), ("step", ids(1)), ("step", ids(1)), ("step", ids(1)), ("rollback", 8),
+            ("step", ids(1)), ("chunk", ids(4)), ("step", ids(1)), ("pass", ids(3)), ("step", ids(1))]
+
+    def run(fresh: bool):
+        rid = f"fresh{fresh}"
+        stage.new_request(rid)
+        outs, ptrs = [], []
+        for what, arg in plan:
+            at = stage.cached_length(rid)
+            if what == "rollback":
+                stage.rollback(rid, arg)
+                continue
+            outs.append(stage.forward(rid, at, input_ids=arg, final_states=True, alone=what in ("step", "pass")))
+            layer = stage._caches[rid].layers[0]
+            ptrs.append((what, layer.keys.data_ptr()))
+            if fresh:  # the library's own cache: plain tensors, so the next step moves it to new room
+                for layer in stage._caches[rid].layers:
+                    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        stage.fan_out(rid, [rid + "-a", rid + "-b"])
+        for copy_rid in (rid + "-a", rid + "-b"):
+            outs.append(stage.forward(copy_rid, stage.cached_length(copy_rid), input_ids=plan[-1][1],
+                                      final_states=True, alone=True))
+        caches = [stage._caches[r] for r in (rid + "-a", rid + "-b")]
+        return outs, ptrs, caches
+
+    ours, pointers, caches = run(False)
+    theirs, _, expected = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    for mine, want in zip(caches, expected):
+        for a, b in zip(mine.layers, want.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # consecutive decode steps kept the same buffer: written in place, not copied
+    assert pointers[1] == pointers[2] == pointers[3] == ("step", pointers[1][1])
+    assert stage._caches["freshFalse-a"].layers[0].keys.data_ptr() != stage._caches["freshFalse-b"].layers[0].keys.data_ptr()

@@ -1,13 +1,14 @@
 """The decode step of int4-fast decoder layers in C: for rows that are each one request's next token, a layer is two
-calls into swarm's int4 kernel library (int4_kernel.c) around the cache's update, instead of some thirty torch
+calls into swarm's int4 kernel library (int4_kernel.c) writing the cache in place, instead of some thirty torch
 operations.
 
 Why: at int4-fast on CPU, once the matrices run on swarm's kernel, most of a decode step is the fixed cost of the
 small torch operations between them -- norms, views, the rotation, the attention call, the activation, the residuals
 -- each a few microseconds for a row of a few hundred numbers (bench/RESULTS.md). The first call normalises the row,
-computes q, k and v with the stacked matrix and rotates q and k (Qwen3: each head's norm first); the cache takes the
-new keys and values as it takes the library's (``DynamicCache.update``); the second call attends each row to its own
-request's keys and values, then runs the output projection, the MLP and both residuals.
+computes q, k and v with the stacked matrix and rotates q and k (Qwen3: each head's norm first), writing the new keys
+and values straight into room at the end of the cache's buffers (:func:`_room`: the library's update copies the whole
+cache at every step, ~6 ms a token at 1000 tokens of context on the built-in model); the second call attends each row
+to its own request's keys and values, then runs the output projection, the MLP and both residuals.
 
 Where it computes: :func:`install` gives each eligible layer a forward that takes this path for one new row of a
 request, or one new row of each of several (a batched decode pass: each row attends to its own cache), and the
@@ -65,20 +66,24 @@ class CompiledStep:
         self.hidden = config.hidden_size
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self._keep = [t.detach().float().contiguous() for t in (
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            q_norm.weight if q_norm is not None else torch.zeros(0), k_norm.weight if k_norm is not None else torch.zeros(0),
-            qkv.bias if qkv.bias is not None else torch.zeros(0), attn.o_proj.bias if attn.o_proj.bias is not None
-            else torch.zeros(0))]
-        norms = self._keep
-        pointer = (lambda t: t.data_ptr() if t.numel() else None)
+
+        def kept(t: torch.Tensor | None) -> torch.Tensor | None:  # float32 copies the step reads (kept alive here)
+            return None if t is None else t.detach().float().contiguous()
+
+        def pointer(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self._in_norm, self._post_norm = kept(layer.input_layernorm.weight), kept(layer.post_attention_layernorm.weight)
+        self._q_norm = kept(q_norm.weight if q_norm is not None else None)  # Qwen3's per-head norms, else None
+        self._k_norm = kept(k_norm.weight if k_norm is not None else None)
+        self._qkv_bias, self._o_bias = kept(qkv.bias), kept(attn.o_proj.bias)
         self.struct = _Layer(
             hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
             inter=mlp.gate_proj.out_features, eps=float(layer.input_layernorm.variance_epsilon),
-            scaling=float(attn.scaling), in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
-            q_norm=pointer(norms[2]), k_norm=pointer(norms[3]), w_qkv=qkv.packed.data_ptr(),
-            s_qkv=qkv.scale_zeros.data_ptr(), b_qkv=pointer(norms[4]), w_o=attn.o_proj.packed.data_ptr(),
-            s_o=attn.o_proj.scale_zeros.data_ptr(), b_o=pointer(norms[5]), w_gate_up=gate_up.packed.data_ptr(),
+            scaling=float(attn.scaling), in_norm=pointer(self._in_norm), post_norm=pointer(self._post_norm),
+            q_norm=pointer(self._q_norm), k_norm=pointer(self._k_norm), w_qkv=qkv.packed.data_ptr(),
+            s_qkv=qkv.scale_zeros.data_ptr(), b_qkv=pointer(self._qkv_bias), w_o=attn.o_proj.packed.data_ptr(),
+            s_o=attn.o_proj.scale_zeros.data_ptr(), b_o=pointer(self._o_bias), w_gate_up=gate_up.packed.data_ptr(),
             s_gate_up=gate_up.scale_zeros.data_ptr(), w_down=mlp.down_proj.packed.data_ptr(),
             s_down=mlp.down_proj.scale_zeros.data_ptr())
         self._tensors = (qkv, attn.o_proj, gate_up, mlp.down_proj)  # the buffers the pointers point into
@@ -93,31 +98,58 @@ class CompiledStep:
         rows = x.shape[0]
         hd = self.head_dim
         q = torch.empty((rows, self.heads * hd))
-        k = torch.empty((rows, self.kv_heads * hd))
-        v = torch.empty((rows, self.kv_heads * hd))
-        threads = torch.get_num_threads()
-        if self._qkv_call(ctypes.byref(self.struct), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                          k.data_ptr(), v.data_ptr(), threads):
-            raise MemoryError("the compiled decode step could not allocate its scratch")
+        k_rows, v_rows = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)()
         keys, values = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)()
         lengths, spans = (ctypes.c_int * rows)(), (ctypes.c_int * rows)()
-        held = []
+        grown = []
         row = 0
         for cache, n in zip(caches, sizes or [1] * len(caches)):
-            new_k = k[row : row + n].view(n, self.kv_heads, hd).transpose(0, 1).unsqueeze(0)
-            new_v = v[row : row + n].view(n, self.kv_heads, hd).transpose(0, 1).unsqueeze(0)
-            all_k, all_v = cache.update(new_k, new_v, self.index)
-            all_k, all_v = all_k.contiguous(), all_v.contiguous()
-            held.append((all_k, all_v))
-            total = all_k.shape[2]
-            for j in range(n):
-                keys[row], values[row] = all_k.data_ptr(), all_v.data_ptr()
-                lengths[row], spans[row] = total - n + 1 + j, total
+            layer = cache.layers[self.index]
+            (k_room, v_room), length = _room(layer, n, self.kv_heads, hd)
+            span, k_at, v_at = k_room.shape[2], k_room.data_ptr(), v_room.data_ptr()
+            for j in range(n):  # the new keys and values go into the cache's buffer at their positions
+                keys[row], values[row] = k_at, v_at
+                k_rows[row], v_rows[row] = k_at + 4 * hd * (length + j), v_at + 4 * hd * (length + j)
+                lengths[row], spans[row] = length + j + 1, span
                 row += 1
+            grown.append((layer, k_room, v_room, length + n))
+        threads = torch.get_num_threads()
+        if self._qkv_call(ctypes.byref(self.struct), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                          k_rows, v_rows, spans, threads):
+            raise MemoryError("the compiled decode step could not allocate its scratch")
+        for layer, k_room, v_room, length in grown:  # the cache's layer: the first ``length`` positions of its buffer
+            layer.keys, layer.values = k_room[:, :, :length], v_room[:, :, :length]
         if self._rest_call(ctypes.byref(self.struct), x.data_ptr(), rows, q.data_ptr(), keys, values, lengths, spans,
                            threads):
             raise MemoryError("the compiled decode step could not allocate its scratch")
         return x
+
+
+def _room(layer: Any, n: int, kv_heads: int, head_dim: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """A cache layer's buffers with room for ``n`` more positions, and how many it holds: the step writes its keys and
+    values there in place, instead of the library's concatenation (which copies the whole cache at every step).
+
+    The layer's keys and values stay what the library expects -- (1, kv_heads, length, head_dim), now views of the
+    first ``length`` positions of the buffers -- so the library's own passes, cropping a rejected guess and copying a
+    cache work on it unchanged. Where they replaced the tensors (the library's update concatenates), or the buffer is
+    full, the cache moves to new buffers with an eighth more room (at least 64 positions): a copy every so often
+    instead of at every step, for at most an eighth more memory."""
+    keys = layer.keys if layer.is_initialized else None
+    length = 0 if keys is None or keys.numel() == 0 else keys.shape[2]
+    room = getattr(layer, "_room", None)
+    if room is not None and length + n <= room[0].shape[2] and (length == 0 or (
+            keys.data_ptr() == room[0].data_ptr() and keys.stride() == room[0].stride()
+            and layer.values.data_ptr() == room[1].data_ptr())):
+        return room, length
+    span = length + n + max(64, (length + n) // 8)
+    room = (torch.empty((1, kv_heads, span, head_dim)), torch.empty((1, kv_heads, span, head_dim)))
+    if length:
+        room[0][:, :, :length] = keys
+        room[1][:, :, :length] = layer.values
+    if not layer.is_initialized:
+        layer.lazy_initialization(room[0], room[1])
+    layer._room = room
+    return room, length
 
 
 def _eligible(hidden: torch.Tensor) -> bool:

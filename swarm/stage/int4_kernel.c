@@ -320,8 +320,8 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
 /* --- a decoder layer's step for rows that are each one request's next token ---------------------------------------
  *
  * The int4-fast layers of the Llama family (Llama, Mistral without windows, Qwen2, Qwen3) for rows that attend to
- * their own request's cached keys and values: the step a decode pass makes, in two calls around the cache's update
- * (swarm/stage/compiled_decode.py) instead of some thirty torch operations. */
+ * their own request's cached keys and values: the step a decode pass makes, in two calls (swarm/stage/compiled_decode.py)
+ * instead of some thirty torch operations; the first writes the new keys and values into the cache's buffers. */
 
 
 typedef struct {
@@ -372,9 +372,11 @@ static void rotate(float *x, const float *cos, const float *sin, int head_dim) {
     }
 }
 
-/* x: rows x hidden; cos, sin: rows x head_dim; q: rows x heads*head_dim, k and v: rows x kv_heads*head_dim. */
+/* x: rows x hidden; cos, sin: rows x head_dim; q: rows x heads*head_dim. Row r's keys and values go straight into its
+ * request's cache: head h at k_rows[r] + h * spans[r] * head_dim (and v_rows[r] alike) -- the cache's row for that
+ * position in a buffer of spans[r] positions per head. */
 int swarm_layer_qkv(const swarm_layer *L, const float *x, int rows, const float *cos, const float *sin, float *q,
-                    float *k, float *v, int threads) {
+                    float *const *k_rows, float *const *v_rows, const int *spans, int threads) {
     const int hd = L->head_dim, nq = L->heads * hd, nkv = L->kv_heads * hd, width = nq + 2 * nkv;
     float *h = layer_scratch((size_t)rows * (L->hidden + width));
     if (!h) return -1;
@@ -383,11 +385,10 @@ int swarm_layer_qkv(const swarm_layer *L, const float *x, int rows, const float 
     int status = swarm_int4_mm(h, rows, L->hidden, width, L->w_qkv, L->s_qkv, L->b_qkv, qkv, threads);
     if (status) return status;
     for (int r = 0; r < rows; r++) {
-        const float *row = qkv + (size_t)r * width;
-        float *qr = q + (size_t)r * nq, *kr = k + (size_t)r * nkv;
+        float *row = qkv + (size_t)r * width;
+        float *qr = q + (size_t)r * nq, *kr = row + nq, *vr = row + nq + nkv;
+        const size_t stride = (size_t)spans[r] * hd;
         memcpy(qr, row, sizeof(float) * nq);
-        memcpy(kr, row + nq, sizeof(float) * nkv);
-        memcpy(v + (size_t)r * nkv, row + nq + nkv, sizeof(float) * nkv);
         for (int head = 0; head < L->heads; head++) {
             if (L->q_norm) rms_norm(qr + head * hd, hd, L->q_norm, L->eps, qr + head * hd);
             rotate(qr + head * hd, cos + (size_t)r * hd, sin + (size_t)r * hd, hd);
@@ -395,6 +396,8 @@ int swarm_layer_qkv(const swarm_layer *L, const float *x, int rows, const float 
         for (int head = 0; head < L->kv_heads; head++) {
             if (L->k_norm) rms_norm(kr + head * hd, hd, L->k_norm, L->eps, kr + head * hd);
             rotate(kr + head * hd, cos + (size_t)r * hd, sin + (size_t)r * hd, hd);
+            memcpy(k_rows[r] + head * stride, kr + head * hd, sizeof(float) * hd);
+            memcpy(v_rows[r] + head * stride, vr + head * hd, sizeof(float) * hd);
         }
     }
     return 0;

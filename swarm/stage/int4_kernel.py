@@ -55,16 +55,18 @@ class Int4Kernel:
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.swarm_int4_path.restype = ctypes.c_char_p
         self.simd = lib.swarm_int4_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
+        qkv, rest = lib.swarm_layer_qkv, lib.swarm_layer_rest
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        qkv.restype = rest.restype = ctypes.c_int
+        qkv.argtypes = [pointer, pointer, number, pointer, pointer, pointer, ctypes.POINTER(pointer),
+                        ctypes.POINTER(pointer), ctypes.POINTER(number), number]
+        rest.argtypes = [pointer, pointer, number, pointer, ctypes.POINTER(pointer), ctypes.POINTER(pointer),
+                         ctypes.POINTER(number), ctypes.POINTER(number), number]
+        self._layer = (qkv, rest)
 
     def layer_calls(self) -> tuple[Any, Any]:
         """The C file's decoder-layer step (swarm.stage.compiled_decode): swarm_layer_qkv and swarm_layer_rest."""
-        qkv, rest = self._lib.swarm_layer_qkv, self._lib.swarm_layer_rest
-        pointer, number = ctypes.c_void_p, ctypes.c_int
-        qkv.restype = rest.restype = ctypes.c_int
-        qkv.argtypes = [pointer, pointer, number, pointer, pointer, pointer, pointer, pointer, number]
-        rest.argtypes = [pointer, pointer, number, pointer, ctypes.POINTER(pointer), ctypes.POINTER(pointer),
-                         ctypes.POINTER(number), ctypes.POINTER(number), number]
-        return qkv, rest
+        return self._layer
 
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
