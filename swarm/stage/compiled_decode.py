@@ -88,6 +88,7 @@ class CompiledStep:
             s_down=mlp.down_proj.scale_zeros.data_ptr())
         self._tensors = (qkv, attn.o_proj, gate_up, mlp.down_proj)  # the buffers the pointers point into
         self._qkv_call, self._rest_call = kernel.layer_calls()
+        self._queries: dict[int, torch.Tensor] = {}
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
              sizes: list[int] | None = None) -> torch.Tensor:
@@ -97,7 +98,9 @@ class CompiledStep:
         attend to its keys up to their own, so every row computes what it would as a decode step of its own."""
         rows = x.shape[0]
         hd = self.head_dim
-        q = torch.empty((rows, self.heads * hd))
+        q = self._queries.get(rows)  # scratch the first call fills and the second reads, kept per row count
+        if q is None:
+            q = self._queries[rows] = torch.empty((rows, self.heads * hd))
         k_rows, v_rows = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)()
         keys, values = (ctypes.c_void_p * rows)(), (ctypes.c_void_p * rows)()
         lengths, spans = (ctypes.c_int * rows)(), (ctypes.c_int * rows)()
@@ -118,7 +121,7 @@ class CompiledStep:
                           k_rows, v_rows, spans, threads):
             raise MemoryError("the compiled decode step could not allocate its scratch")
         for layer, k_room, v_room, length in grown:  # the cache's layer: the first ``length`` positions of its buffer
-            layer.keys, layer.values = k_room[:, :, :length], v_room[:, :, :length]
+            layer.keys, layer.values = k_room.narrow(2, 0, length), v_room.narrow(2, 0, length)
         if self._rest_call(ctypes.byref(self.struct), x.data_ptr(), rows, q.data_ptr(), keys, values, lengths, spans,
                            threads):
             raise MemoryError("the compiled decode step could not allocate its scratch")
@@ -135,8 +138,8 @@ def _room(layer: Any, n: int, kv_heads: int, head_dim: int) -> tuple[tuple[torch
     full, the cache moves to new buffers with an eighth more room (at least 64 positions): a copy every so often
     instead of at every step, for at most an eighth more memory."""
     keys = layer.keys if layer.is_initialized else None
-    length = 0 if keys is None or keys.numel() == 0 else keys.shape[2]
-    room = getattr(layer, "_room", None)
+    length = 0 if keys is None or keys.dim() < 4 else keys.shape[2]
+    room = layer.__dict__.get("_room")
     if room is not None and length + n <= room[0].shape[2] and (length == 0 or (
             keys.data_ptr() == room[0].data_ptr() and keys.stride() == room[0].stride()
             and layer.values.data_ptr() == room[1].data_ptr())):
