@@ -128,7 +128,19 @@ class CompiledStep:
         return x
 
 
-def _room(layer: Any, n: int, kv_heads: int, head_dim: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+def append(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DynamicLayer.update`` without copying the cache: the new ``keys`` and ``values`` (1, kv_heads, n, head_dim)
+    written into the layer's room (:func:`_room`); the layer's keys and values, now n positions longer, returned."""
+    n = keys.shape[2]
+    (k_room, v_room), length = _room(layer, n, keys.shape[1], keys.shape[3], keys.dtype, keys.device)
+    k_room.narrow(2, length, n).copy_(keys)
+    v_room.narrow(2, length, n).copy_(values)
+    layer.keys, layer.values = k_room.narrow(2, 0, length + n), v_room.narrow(2, 0, length + n)
+    return layer.keys, layer.values
+
+
+def _room(layer: Any, n: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+          device: Any = "cpu") -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
     """A cache layer's buffers with room for ``n`` more positions, and how many it holds: the step writes its keys and
     values there in place, instead of the library's concatenation (which copies the whole cache at every step).
 
@@ -145,7 +157,7 @@ def _room(layer: Any, n: int, kv_heads: int, head_dim: int) -> tuple[tuple[torch
             and layer.values.data_ptr() == room[1].data_ptr())):
         return room, length
     span = length + n + max(64, (length + n) // 8)
-    room = (torch.empty((1, kv_heads, span, head_dim)), torch.empty((1, kv_heads, span, head_dim)))
+    room = tuple(torch.empty((1, kv_heads, span, head_dim), dtype=dtype, device=device) for _ in range(2))
     if length:
         room[0][:, :, :length] = keys
         room[1][:, :, :length] = layer.values

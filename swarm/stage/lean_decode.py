@@ -40,7 +40,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from swarm.model_format import LEAN_DECODE_FAMILIES
-from swarm.stage.compiled_decode import alone, compiled, run_steps
+from swarm.stage.compiled_decode import alone, append, compiled, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class LeanDecode:
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """One request's new rows (q, k, v) against its cached layer, appended to it first: SDPA called as
         transformers' SDPA path calls it for these shapes."""
-        keys, values = cached.update(k, v)
+        keys, values = append(cached, k, v)  # the cache's update, written in place (swarm.stage.compiled_decode)
         rows = q.shape[2]
         if rows > 1:
             if mask is not None:  # the library repeats keys and values per group where there is a mask
