@@ -320,8 +320,9 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
 /* --- a decoder layer's step for rows that are each one request's next token ---------------------------------------
  *
  * The int4-fast layers of the Llama family (Llama, Mistral without windows, Qwen2, Qwen3) for rows that attend to
- * their own request's cached keys and values: the step a decode pass makes, in two calls (swarm/stage/compiled_decode.py)
- * instead of some thirty torch operations; the first writes the new keys and values into the cache's buffers. */
+ * their own request's cached keys and values: the step a decode pass makes, in two calls
+ * (swarm/stage/compiled_decode.py) instead of some thirty torch operations; the first writes the new keys and values
+ * into the cache's buffers. */
 
 
 typedef struct {

@@ -63,7 +63,8 @@ class LeanDecode:
         self._parts = [(layer, layer.self_attn, layer.mlp, getattr(layer.self_attn.q_proj, "fused", None),
                         getattr(layer.mlp.gate_proj, "fused", None)) for layer in self.layers]
         self._tables = stage.position_embeddings  # the stage's rotary (cos, sin) by layer type
-        # int4-fast on CPU: the layers' C step for one new row of each request (swarm.stage.compiled_decode)
+        # int4-fast on CPU: the layers' C step for one new row of each request and for drafting's verifying passes
+        # (swarm.stage.compiled_decode)
         self._steps = [layer.compiled_step for layer in self.layers] if compiled(self.layers) else None
 
     def takes(self, sizes: list[int], caches: list[DynamicCache], flags: list[bool] | None = None) -> bool:
@@ -84,7 +85,7 @@ class LeanDecode:
         requests' rows compute as decode steps of their own -- see :meth:`takes`)."""
         n = states.shape[1]
         sizes = sizes or ([1] * n if len(caches) == n else [n])
-        if self._steps is not None and (len(caches) == n or self._alone(sizes, flags)):  # the layers' C step
+        if self._alone(sizes, flags):  # the layers' C step: single rows, or decode passes flagged to compute alone
             cos, sin = self._tables(states, position_ids)["full_attention"]
             return run_steps(self._steps, states.reshape(n, -1), cos.reshape(n, -1), sin.reshape(n, -1),
                              caches, sizes).view(1, n, -1)

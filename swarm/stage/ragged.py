@@ -84,8 +84,9 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]], alone
 
     ``items``: (request id, start position, input -- token ids (1, n) on the first stage, hidden states (1, n, h)
     after it --, want_logits); ``alone``: which of them are decode passes, whose rows compute as decode steps of their
-    own where the layers can (swarm.stage.compiled_decode.alone). Returns the hidden states of every row, in order (1, sum of n, h); on the last stage
-    a list with each item's float32 logits (vocab,) of its last row, or None where it wants none.
+    own where the layers can (swarm.stage.compiled_decode.alone). Returns the hidden states of every row, in order
+    (1, sum of n, h); on the last stage a list with each item's float32 logits (vocab,) of its last row, or None where
+    it wants none.
     """
     from swarm.errors import ModelError
 

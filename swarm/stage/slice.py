@@ -304,7 +304,7 @@ class StageModel:
         Returns hidden states (1, n, hidden_size), or on the last stage the float32 logits (vocab,) of the chunk's
         last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last); with
         ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs); with
-        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` row by row).
+        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` a few rows at a time).
         ``alone``: a decode pass (drafting's verifying pass), whose rows compute what each would as a decode step of
         its own where the layers can (swarm.stage.compiled_decode.alone).
         """
