@@ -37,3 +37,35 @@ async def test_calls_take_turns_and_a_cancelled_caller_waits_for_its_call():
     with trio.move_on_after(0.05):
         await compute.run(work)  # torch cannot stop mid-pass: the caller waits for the call to end
     assert len(spans) == 3
+
+
+async def test_a_caller_cancelled_before_its_turn_gives_up_and_its_call_never_runs():
+    ran = []
+
+    def work(name):
+        time.sleep(0.2)
+        ran.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(compute.run, work, "first")
+        await trio.sleep(0.05)  # the first call is running
+        with trio.move_on_after(0.05):
+            await compute.run(work, "second")  # still waiting for its turn when cancelled
+    await compute.run(work, "third")
+    assert ran == ["first", "third"]
+
+
+def test_each_trio_run_gets_its_own_way_back_and_closes_it():
+    import os
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def calls():
+        assert [await compute.run(pow, 2, n) for n in range(3)] == [1, 2, 4]
+
+    trio.run(calls)
+    before = open_files()
+    for _ in range(20):
+        trio.run(calls)
+    assert open_files() == before  # the socket pair of each run closed with it
