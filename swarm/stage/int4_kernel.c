@@ -132,6 +132,16 @@ static inline __m512i unpack_pair(const uint8_t *w) {
     return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi64(v, 28)), _mm512_set1_epi8(0x0F));
 }
 
+/* The sums of four vectors' lanes, at once: halves added, then pairwise sums across the four */
+static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
 /* One row against four outputs at once (a decode step's case): each pair's activations and their scale are loaded
  * once for the four. w, sz: the first output's; the others follow at k / 2 bytes and k / 16 scales apart. */
 #define FOUR 4
@@ -158,7 +168,8 @@ static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const i
                                      acc[o]);
         }
     }
-    for (int o = 0; o < FOUR; o++) out[o] = _mm512_reduce_add_ps(acc[o]) + _mm512_reduce_add_ps(offsets[o]);
+    _mm_storeu_ps(out, sum_four(_mm512_add_ps(acc[0], offsets[0]), _mm512_add_ps(acc[1], offsets[1]),
+                                _mm512_add_ps(acc[2], offsets[2]), _mm512_add_ps(acc[3], offsets[3])));
 }
 
 static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k,
@@ -184,7 +195,11 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
                                      acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(offsets[r]);
+    __m512 v[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int r = 0; r < rows; r++) v[r] = _mm512_add_ps(acc[r], offsets[r]);
+    float sums[4];
+    _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3])); /* dot_four's order: a row's bits whatever the tile */
+    for (int r = 0; r < rows; r++) out[r] = sums[r];
 }
 #elif defined(PATH_256)
 static inline __m256i dot_bytes(__m256i q, __m256i xv) {
