@@ -84,7 +84,10 @@ async def run(fn: Callable[..., T], *args: Any) -> T:
 
         def job() -> None:
             box.append(outcome.capture(fn, *args))
-            waker.writer.send(b"\0")
+            try:
+                waker.writer.send(b"\0")
+            except OSError:  # the caller's run ended meanwhile (its pair closed): nobody waits for the result
+                pass
 
         _queue().put(job)
         with trio.CancelScope(shield=True):
