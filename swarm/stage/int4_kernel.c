@@ -43,6 +43,7 @@
 
 #define OUT_BLOCK 16 /* outputs a thread takes at a time */
 #define ROW_TILE 4   /* rows that share one unpacking of the weights */
+_Static_assert(ROW_TILE <= 4, "a tile's rows are summed four at a time (sum_four) and dispatched by a switch of 1-4");
 #define MAX_GROUPS 1024 /* k up to 32768 */
 
 const char *swarm_int4_path(void) { return PATH_NAME; }
