@@ -108,9 +108,10 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx
 #endif
 
 /* w: one output's k / 2 packed bytes; sz: its k / 32 scales then its k / 32 offsets, in bfloat16; xq, dx, sx: `rows`
- * rows of quantized activations (k, k / 32 and k / 32 apart); sf, mf: scratch for k / 32 floats each; out: a result
- * per row. Each output first widens its scales to floats and sums its offsets' term, (z - 8 s) sum(x) over the groups,
- * so the loop over the weights has only the dot products and their scales left. */
+ * rows of quantized activations (k, k / 32 and k / 32 apart); sf: scratch for k / 32 floats per row, MAX_GROUPS
+ * apart; out: a result per row. Each output first multiplies its scales by each row's, s d, and sums its offsets'
+ * term, (z - 8 s) sum(x) over the groups, so the loop over the weights has only the dot products and one multiply-add
+ * left (s d is the same float product the loop would make: the same bits). */
 #if defined(PATH_512)
 static inline __m512 two_floats(const float *ab) {
     double both;
@@ -118,14 +119,13 @@ static inline __m512 two_floats(const float *ab) {
     return _mm512_castpd_ps(_mm512_set1_pd(both));
 }
 
-/* groups g.. (those in `some`) of one output: their scales as floats into sf, and z - 8 s returned */
-static inline __m512 widen_scales(const uint16_t *sz, int groups, int g, __mmask16 some, float *sf) {
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+/* groups g.. (those in `some`) of one output: their scales s as floats into *scales, and z - 8 s returned */
+static inline __m512 widen_scales(const uint16_t *sz, int groups, int g, __mmask16 some, __m512 *scales) {
+    *scales = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(some, sz + g)), 16));
     const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(some, sz + groups + g)), 16));
-    _mm512_mask_storeu_ps(sf + g, some, s);
-    return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+    return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), *scales, z);
 }
 
 static inline __m512i unpack_pair(const uint8_t *w) {
@@ -143,7 +143,7 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-/* One row against four outputs at once (a decode step's case): each pair's activations and their scale are loaded
+/* One row against four outputs at once (a decode step's case): each pair's activations are loaded
  * once for the four. w, sz: the first output's; the others follow at k / 2 bytes and k / 16 scales apart. */
 #define FOUR 4
 static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
@@ -154,19 +154,19 @@ static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const i
         offsets[o] = _mm512_setzero_ps();
         for (int g = 0; g < groups; g += 16) {
             const __mmask16 some = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, g, some, sf + o * MAX_GROUPS);
+            __m512 scales;
+            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, g, some, &scales);
+            _mm512_storeu_ps(sf + o * MAX_GROUPS + g, _mm512_mul_ps(scales, _mm512_maskz_loadu_ps(some, dx + g)));
             offsets[o] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sx + g), offsets[o]);
         }
         acc[o] = _mm512_setzero_ps();
     }
     for (int p = 0; p < pairs; p++) {
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * p));
-        const __m512 d = two_floats(dx + 2 * p);
         for (int o = 0; o < FOUR; o++) {
             const __m512i q = unpack_pair(w + (size_t)o * (k / 2) + 32 * p);
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(two_floats(sf + o * MAX_GROUPS + 2 * p), d),
-                                     acc[o]);
+            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sf + o * MAX_GROUPS + 2 * p), acc[o]);
         }
     }
     _mm_storeu_ps(out, sum_four(_mm512_add_ps(acc[0], offsets[0]), _mm512_add_ps(acc[1], offsets[1]),
@@ -181,19 +181,21 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
     for (int r = 0; r < rows; r++) offsets[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g += 16) {
         const __mmask16 some = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-        const __m512 m = widen_scales(sz, groups, g, some, sf);
-        for (int r = 0; r < rows; r++)
+        __m512 scales;
+        const __m512 m = widen_scales(sz, groups, g, some, &scales);
+        for (int r = 0; r < rows; r++) {
+            const __m512 d = _mm512_maskz_loadu_ps(some, dx + (size_t)r * groups + g);
+            _mm512_storeu_ps(sf + r * MAX_GROUPS + g, _mm512_mul_ps(scales, d));
             offsets[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sx + (size_t)r * groups + g), offsets[r]);
+        }
     }
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
         const __m512i q = unpack_pair(w + 32 * p);
-        const __m512 s = two_floats(sf + 2 * p);
         for (int r = 0; r < rows; r++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)r * k + 64 * p));
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, two_floats(dx + (size_t)r * groups + 2 * p)),
-                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
         }
     }
     __m512 v[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -234,21 +236,21 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
     float offsets[ROW_TILE] = {0.0f};
     for (int g = 0; g < groups; g++) {
         const float scale = bf16_to_float(sz[g]), m = bf16_to_float(sz[groups + g]) - 8.0f * scale;
-        sf[g] = scale;
-        for (int r = 0; r < rows; r++) offsets[r] += m * sx[(size_t)r * groups + g];
+        for (int r = 0; r < rows; r++) {
+            sf[r * MAX_GROUPS + g] = scale * dx[(size_t)r * groups + g];
+            offsets[r] += m * sx[(size_t)r * groups + g];
+        }
     }
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int p = 0; p < pairs; p++) {
-        const __m256 s = two_floats(sf + 2 * p);
         for (int half = 0; half < 2; half++) {
             const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(w + 32 * p + 16 * half)));
             const __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble);
             for (int r = 0; r < rows; r++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + 64 * p + 32 * half));
-                const __m256 d = two_floats(dx + (size_t)r * groups + 2 * p);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), _mm256_mul_ps(s, d), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
             }
         }
     }
@@ -275,6 +277,18 @@ static inline void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int 
     }
 }
 #endif
+
+/* Asks for the weights, scales and offsets of outputs [j, j + count) to be brought toward the caches: the processor's
+ * own prefetcher starts too late for the short rows of a decode step's matrices (bench/RESULTS.md, "prefetching": a
+ * one-row step's matrices ~25 % faster on this repository's machine). Past the last output it asks for bytes beyond
+ * the matrix, which a prefetch may: it never faults (the addresses are made as integers, not pointers, for C's sake).
+ * No bounds test here: GCC deletes prefetch loops behind one (12.2, -O1 and up). */
+#define PREFETCH 8 /* outputs ahead */
+static inline void prefetch_outputs(const uint8_t *w, const uint16_t *sz, int k, int j, int count) {
+    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * (k / 2), szj = (uintptr_t)sz + (uintptr_t)j * (k / 8);
+    for (int b = 0; b < count * (k / 2); b += 64) __builtin_prefetch((const void *)(wj + b));
+    for (int b = 0; b < count * (k / 8); b += 64) __builtin_prefetch((const void *)(szj + b));
+}
 
 /* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k/2 bytes; sz: n x k/32 x 2 bfloat16 (scale, offset).
  * k must be a multiple of 64; threads: how many OpenMP threads share the outputs (the stage's torch threads). Returns 0, or -1 where scratch memory could not be had (y untouched). */
@@ -303,7 +317,7 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int block = 0; block < blocks; block++) {
         const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
-        float out[ROW_TILE > 4 ? ROW_TILE : 4], sf[4 * MAX_GROUPS];
+        float out[ROW_TILE > 4 ? ROW_TILE : 4], sf[ROW_TILE * MAX_GROUPS + 16]; /* + 16: whole-vector stores */
         for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             const int8_t *xt = xq + (size_t)r0 * k;
@@ -312,11 +326,13 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
 #if defined(PATH_512)
             if (tile == 1)
                 for (; j + FOUR <= last; j += FOUR) {
+                    prefetch_outputs(w, sz, k, j + PREFETCH, FOUR);
                     dot_four(w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, sf, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
             for (; j < last; j++) {
+                if (r0 == 0) prefetch_outputs(w, sz, k, j + PREFETCH, 1);
                 const uint8_t *wj = w + (size_t)j * (k / 2);
                 const uint16_t *szj = sz + (size_t)j * (k / 16);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
