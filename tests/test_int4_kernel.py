@@ -23,7 +23,7 @@ def levels(n: int, k: int, seed: int = 0):
     return q, scale, zero
 
 
-@pytest.mark.parametrize("n,k", [(70, 64), (96, 576), (21, 1536)])
+@pytest.mark.parametrize("n,k", [(70, 64), (33, 192), (96, 576), (21, 1536)])  # a lone pair; odd n: both its places
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_the_kernel_computes_the_4_bit_weights_against_the_rows_quantized_to_8_bits(n, k, rows):
     kernel = int4_kernel.kernel()
@@ -63,13 +63,14 @@ def test_each_row_is_computed_alone_whatever_the_batch_and_the_thread_count():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the other builds are x86-64's")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 (AMD before Zen 4, older Intel); plain C
-def test_the_kernels_other_builds_compute_the_same(march):
+@pytest.mark.parametrize("k", [576, 1536])  # with a lone pair and without
+def test_the_kernels_other_builds_compute_the_same(march, k):
     flags = tuple("-march=" + march if f == "-march=native" else f for f in int4_kernel.FLAGS)
     other = int4_kernel.kernel(flags)
     assert other is not None and other.simd == ("avx2" if march == "x86-64-v3" else "generic")
-    q, scale, zero = levels(37, 1536, seed=5)
+    q, scale, zero = levels(37, k, seed=5)
     packed, scale_zeros = other.pack(q, scale, zero)
-    x = torch.randn(6, 1536, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
     got = other.matmul(x, packed, scale_zeros, 37, None)
     assert torch.allclose(got.double(), int4_kernel.reference(x, q, scale, zero), rtol=1e-5, atol=1e-4)
 

@@ -2,8 +2,13 @@
  * the scheme of llama.cpp's Q4 x Q8 dot products (swarm/stage/int4_kernel.py builds and loads this file).
  *
  * W (n outputs x k inputs): groups of 32 inputs, each with a bfloat16 scale s and offset z (w = (q - 8) s + z, q in
- * 0..15 -- the grid of swarm.stage.quantize's Int4Linear). Two neighbouring groups (64 inputs) share 32 bytes: byte j
- * holds q[j] in its low nibble and q[j + 32] in its high one; an output's scales are stored before its offsets.
+ * 0..15 -- the grid of swarm.stage.quantize's Int4Linear). Two neighbouring groups make a pair (64 inputs), and an
+ * output's pairs are stored two at a time: 64 bytes hold pair 2c in their low nibbles and pair 2c + 1 in their high
+ * ones, byte b holding the weight that meets byte b of the pair's quantized activations (the order lane_of gives), so
+ * one load and a mask or a shift unpack 64 weights. An odd last pair is stored alone in 32 bytes (byte j: q[j] low,
+ * q[j + 32] high), after the others for even outputs and before them for odd ones: an output then takes k / 2 bytes
+ * and, from 64-byte aligned memory, its two-pair blocks never straddle a cache line. An output's scales are stored
+ * before its offsets.
  *
  * x (rows x k, float32): each row's groups of 32 quantized alone, d = max|x| / 127, xq = round(x / d), so a row's
  * result never depends on the other rows of the call (a batch computes each chat's row as it would alone).
@@ -58,6 +63,10 @@ static inline float bf16_to_float(uint16_t h) {
  * packed bytes widen four at a time into alternate 32-bit lanes, the first group's low nibbles then the second's high
  * ones, so the activations are laid out four of the first group, four of the second, and so on. */
 static inline int lane_of(int j) { return 8 * (j / 4) + j % 4; }
+
+/* Output j's weights (its k / 2 bytes at wj): the two-pair blocks start at body, an odd last pair is at lone */
+static inline const uint8_t *body(const uint8_t *wj, int j, int pairs) { return wj + ((pairs & j & 1) ? 32 : 0); }
+static inline const uint8_t *lone(const uint8_t *wj, int j, int pairs) { return wj + ((j & 1) ? 0 : 32 * (pairs - 1)); }
 
 /* One row: xq (k bytes, in the order lane_of gives), d and sum(x) per group of 32 (k / 32 floats each). */
 #if defined(PATH_512)
@@ -128,6 +137,14 @@ static inline __m512 widen_scales(const uint16_t *sz, int groups, int g, __mmask
     return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), *scales, z);
 }
 
+/* two pairs' 128 weights from a 64-byte block: the first pair's in the low nibbles, the second's in the high ones */
+static inline void unpack_two_pairs(const uint8_t *block, __m512i *first, __m512i *second) {
+    const __m512i v = _mm512_loadu_si512((const void *)block), nibble = _mm512_set1_epi8(0x0F);
+    *first = _mm512_and_si512(v, nibble);
+    *second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+}
+
+/* a lone pair's 64 weights from its 32 bytes, widened into the activations' order */
 static inline __m512i unpack_pair(const uint8_t *w) {
     const __m512i v = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)w));
     return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi64(v, 28)), _mm512_set1_epi8(0x0F));
@@ -143,10 +160,10 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-/* One row against four outputs at once (a decode step's case): each pair's activations are loaded
- * once for the four. w, sz: the first output's; the others follow at k / 2 bytes and k / 16 scales apart. */
+/* One row against four outputs at once (a decode step's case): each pair's activations are loaded once for the four.
+ * w, sz: output j's (j even); the others follow at k / 2 bytes and k / 16 scales apart. */
 #define FOUR 4
-static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
+static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
                             const float *sx, float *sf, float *out) {
     const int pairs = k / 64, groups = k / 32;
     __m512 acc[FOUR], offsets[FOUR];
@@ -161,10 +178,24 @@ static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const i
         }
         acc[o] = _mm512_setzero_ps();
     }
-    for (int p = 0; p < pairs; p++) {
+    int p = 0;
+    for (; p + 2 <= pairs; p += 2) {
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + 64 * p));
+        const __m512i x1 = _mm512_loadu_si512((const void *)(xq + 64 * p + 64));
+        for (int o = 0; o < FOUR; o++) {
+            __m512i q0, q1;
+            unpack_two_pairs(body(w + (size_t)o * (k / 2), j + o, pairs) + 32 * p, &q0, &q1);
+            const float *so = sf + o * MAX_GROUPS + 2 * p;
+            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, x0)),
+                                     two_floats(so), acc[o]);
+            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, x1)),
+                                     two_floats(so + 2), acc[o]);
+        }
+    }
+    if (p < pairs) {
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * p));
         for (int o = 0; o < FOUR; o++) {
-            const __m512i q = unpack_pair(w + (size_t)o * (k / 2) + 32 * p);
+            const __m512i q = unpack_pair(lone(w + (size_t)o * (k / 2), j + o, pairs));
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
             acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sf + o * MAX_GROUPS + 2 * p), acc[o]);
         }
@@ -173,8 +204,8 @@ static inline void dot_four(const uint8_t *w, const uint16_t *sz, int k, const i
                                 _mm512_add_ps(acc[2], offsets[2]), _mm512_add_ps(acc[3], offsets[3])));
 }
 
-static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k,
-                                                           const int8_t *xq, const float *dx, const float *sx,
+static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
+                                                           int k, const int8_t *xq, const float *dx, const float *sx,
                                                            float *sf, float *out) {
     const int pairs = k / 64, groups = k / 32;
     __m512 acc[ROW_TILE], offsets[ROW_TILE];
@@ -190,8 +221,22 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
         }
     }
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int p = 0; p < pairs; p++) {
-        const __m512i q = unpack_pair(w + 32 * p);
+    int p = 0;
+    for (; p + 2 <= pairs; p += 2) {
+        __m512i q0, q1;
+        unpack_two_pairs(body(w, j, pairs) + 32 * p, &q0, &q1);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xr = xq + (size_t)r * k + 64 * p;
+            const float *sr = sf + r * MAX_GROUPS + 2 * p;
+            const __m512i x0 = _mm512_loadu_si512((const void *)xr), x1 = _mm512_loadu_si512((const void *)(xr + 64));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, x0)),
+                                     two_floats(sr), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, x1)),
+                                     two_floats(sr + 2), acc[r]);
+        }
+    }
+    if (p < pairs) {
+        const __m512i q = unpack_pair(lone(w, j, pairs));
         for (int r = 0; r < rows; r++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)r * k + 64 * p));
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
@@ -229,8 +274,17 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k,
-                                                           const int8_t *xq, const float *dx, const float *sx,
+/* one pair's half (32 weights of each group, 4 and 4 in turn) against each row's: acc[r] += s d (q . xq) */
+static inline __attribute__((always_inline)) void dot_half(int rows, __m256i q, const int8_t *xq, int k, int p, int half,
+                                                           const float *sf, __m256 *acc) {
+    for (int r = 0; r < rows; r++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + 64 * p + 32 * half));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
+                                                           int k, const int8_t *xq, const float *dx, const float *sx,
                                                            float *sf, float *out) {
     const int pairs = k / 64, groups = k / 32;
     float offsets[ROW_TILE] = {0.0f};
@@ -244,31 +298,40 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int p = 0; p < pairs; p++) {
-        for (int half = 0; half < 2; half++) {
-            const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(w + 32 * p + 16 * half)));
-            const __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble);
-            for (int r = 0; r < rows; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + 64 * p + 32 * half));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
-            }
-        }
+    int p = 0;
+    for (; p + 2 <= pairs; p += 2) { /* a two-pair block: each 32 bytes hold a half of both pairs */
+        const uint8_t *block = body(w, j, pairs) + 32 * p;
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)block), v1 = _mm256_loadu_si256((const __m256i *)(block + 32));
+        dot_half(rows, _mm256_and_si256(v0, nibble), xq, k, p, 0, sf, acc);
+        dot_half(rows, _mm256_and_si256(v1, nibble), xq, k, p, 1, sf, acc);
+        dot_half(rows, _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), xq, k, p + 1, 0, sf, acc);
+        dot_half(rows, _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble), xq, k, p + 1, 1, sf, acc);
     }
+    if (p < pairs) /* a lone pair: 16 bytes per half, widened into the activations' order */
+        for (int half = 0; half < 2; half++) {
+            const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(lone(w, j, pairs) + 16 * half)));
+            dot_half(rows, _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble), xq, k, p, half, sf, acc);
+        }
     for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + offsets[r];
 }
 #else
-static inline void dot_rows(int rows, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
-                            const float *sx, float *sf, float *out) {
-    const int groups = k / 32;
+static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq,
+                            const float *dx, const float *sx, float *sf, float *out) {
+    const int pairs = k / 64, groups = k / 32;
     (void)sf;
     for (int r = 0; r < rows; r++) {
         float acc = 0.0f, offsets = 0.0f;
         for (int g = 0; g < groups; g++) {
             const int p = g / 2, second = g % 2;
-            const uint8_t *b = w + 32 * p;
             const int8_t *v = xq + (size_t)r * k + 64 * p + 4 * second;
             int32_t dot = 0;
-            for (int j = 0; j < 32; j++) dot += ((b[j] >> (4 * second)) & 0x0F) * v[lane_of(j)];
+            if (p < (pairs & ~1)) { /* in a two-pair block: at its activation's byte, in the pair's nibble */
+                const uint8_t *b = body(w, j, pairs) + 64 * (p / 2) + 4 * second;
+                for (int i = 0; i < 32; i++) dot += ((b[lane_of(i)] >> (4 * (p % 2))) & 0x0F) * v[lane_of(i)];
+            } else { /* the lone pair: byte i holds weights i and i + 32 */
+                const uint8_t *b = lone(w, j, pairs);
+                for (int i = 0; i < 32; i++) dot += ((b[i] >> (4 * second)) & 0x0F) * v[lane_of(i)];
+            }
             const float scale = bf16_to_float(sz[g]);
             acc += (float)dot * (scale * dx[(size_t)r * groups + g]);
             offsets += (bf16_to_float(sz[groups + g]) - 8.0f * scale) * sx[(size_t)r * groups + g];
@@ -327,7 +390,7 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
             if (tile == 1)
                 for (; j + FOUR <= last; j += FOUR) {
                     prefetch_outputs(w, sz, k, j + PREFETCH, FOUR);
-                    dot_four(w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, sf, out);
+                    dot_four(j, w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, sf, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
@@ -336,10 +399,10 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
                 const uint8_t *wj = w + (size_t)j * (k / 2);
                 const uint16_t *szj = sz + (size_t)j * (k / 16);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
-                    case 4: dot_rows(4, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 3: dot_rows(3, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 2: dot_rows(2, wj, szj, k, xt, dt, st, sf, out); break;
-                    default: dot_rows(1, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 4: dot_rows(4, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 3: dot_rows(3, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 2: dot_rows(2, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    default: dot_rows(1, j, wj, szj, k, xt, dt, st, sf, out); break;
                 }
                 const float b = bias ? bias[j] : 0.0f;
                 for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;

@@ -40,6 +40,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 GROUP = 32  # inputs per scale and offset
 PAIR = 64  # inputs two groups share in the packed layout: a layer's in_features must be a multiple of it
 MAX_INPUTS = 32768  # the C file's MAX_GROUPS groups
+# which of a pair's 64 inputs meets byte b of its quantized activations: four of the first group, four of the second,
+# and so on (the C file's lane_of)
+_ACTIVATION_ORDER = torch.tensor([GROUP * (b // 4 % 2) + 4 * (b // 8) + b % 4 for b in range(PAIR)])
 _COMPILE_TIMEOUT_S = 120
 
 
@@ -71,12 +74,23 @@ class Int4Kernel:
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed, scale_zeros) for levels ``q`` (out, in; 0..15) with a bfloat16 ``scale`` and ``zero`` per group
-        of 32 inputs (out, in / 32): byte j of each 64 inputs holds level j low and level j + 32 high; each output's
-        scales then its offsets, (out, 2, in / 32)."""
+        of 32 inputs (out, in / 32), in the C file's layout: each output's pairs of groups two at a time, 64 bytes with
+        the first pair's levels in the low nibbles and the second's in the high ones, byte b holding the level that
+        meets byte b of the pair's activations (_ACTIVATION_ORDER); an odd last pair alone in 32 bytes (byte j: level
+        j low, j + 32 high), after the others for even outputs and before them for odd ones. Each output's scales then
+        its offsets, (out, 2, in / 32)."""
         n, k = q.shape
-        pairs = q.to(torch.uint8).reshape(n, k // PAIR, 2, PAIR // 2)
-        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        return packed, torch.stack([scale, zero], dim=1).to(torch.bfloat16).contiguous()
+        pairs = k // PAIR
+        blocked = pairs // 2 * 2
+        levels = q.to(torch.uint8).reshape(n, pairs, PAIR)
+        two = levels[:, :blocked, _ACTIVATION_ORDER].reshape(n, blocked // 2, 2, PAIR)
+        packed = (two[:, :, 0] | (two[:, :, 1] << 4)).reshape(n, blocked * PAIR // 2)
+        if pairs % 2:
+            last = levels[:, -1]
+            alone = last[:, : PAIR // 2] | (last[:, PAIR // 2 :] << 4)
+            odd = (torch.arange(n) % 2 == 1)[:, None]
+            packed = torch.where(odd, torch.cat([alone, packed], 1), torch.cat([packed, alone], 1))
+        return packed.contiguous(), torch.stack([scale, zero], dim=1).to(torch.bfloat16).contiguous()
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
                bias: torch.Tensor | None) -> torch.Tensor:
