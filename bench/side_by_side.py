@@ -7,7 +7,8 @@ swarm ring over 1 and 2 stages at each quantization, and llama.cpp's RPC ring on
 
 Prints the machine first, then one row per setting: decode tokens/s of a greedy reply after its first token (the
 best of --rounds; a row's rounds take turns with the other rows', so a swing in a shared machine's load falls on
-all alike).
+all alike). On a virtual machine each round's figure comes with the share of the CPUs' time the hypervisor took
+while it was measured (steal, from /proc/stat): a round with much of it measured the neighbours as much as the row.
 
 - ``generate``: transformers in one process, float32 -- the reference every ring reply equals.
 - ``swarm``: a real leader and two fellow processes on loopback (direct TCP links between the stages, as
@@ -52,6 +53,40 @@ from ring_speed import PROMPT, bench_generate, free_port, machine, stream_once
 from swarm.client import LeaderClient
 from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http
 from swarm.model_import import ensure_imported
+
+
+class Steal:
+    """The share of the CPUs' time the hypervisor gave to other guests (steal) from this object's making to
+    :meth:`share`, from /proc/stat's first line; None where there is no such file or field."""
+
+    def __init__(self):
+        self.before = self._ticks()
+
+    @staticmethod
+    def _ticks() -> tuple[int, int] | None:
+        try:
+            fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return (fields[7], sum(fields[:8])) if len(fields) >= 8 else None
+
+    def share(self) -> float | None:
+        after = self._ticks()
+        if self.before is None or after is None or after[1] == self.before[1]:
+            return None
+        return (after[0] - self.before[0]) / (after[1] - self.before[1])
+
+
+def measured(rows: dict[str, list[float]], steals: dict[str, list[float | None]], results) -> None:
+    """The rows ``results`` yields, a list of (label, tokens/s) per measurement, into ``rows``, and the hypervisor's
+    share of the time each measurement took into ``steals``."""
+    steal = Steal()
+    for batch in results:
+        share = steal.share()
+        for label, rate in batch:
+            rows.setdefault(label, []).append(rate)
+            steals.setdefault(label, []).append(share)
+        steal = Steal()
 
 
 class Fleet:
@@ -215,6 +250,26 @@ class Drafting:
                       f"  without: {plain[0]!r}\n  with:    {(differ or plain)[0]!r}", flush=True)
 
 
+def rounds_rows(args, settings, fleet, drafting, llama, gguf, model_dir: Path, threads: int):
+    """One round's rows as they are measured: a list of (label, tokens/s) per measurement (the drafting rows are
+    one)."""
+    yield [("transformers generate, float32, one process", bench_generate(model_dir, args.tokens))]
+    for stages, kind in settings:
+        label = f"swarm, {stages} stage{'s' if stages > 1 else ''}, {kind if kind != 'none' else 'float32'}"
+        yield [(label, fleet.rate(stages, kind, args.tokens))]
+    if drafting:
+        yield drafting.rows(fleet, args.tokens)
+    if isinstance(llama, tuple):
+        server, bench = llama
+        yield [(f"llama.cpp, {gguf.name}, one process", llama_bench(bench, gguf, args.tokens, threads, None))]
+        ring = RpcRing(server, threads)
+        try:
+            yield [(f"llama.cpp RPC ring, 2 rpc-servers, {gguf.name}",
+                    llama_bench(bench, gguf, args.tokens, threads, ring.address))]
+        finally:
+            ring.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
@@ -242,6 +297,7 @@ def main() -> None:
     print(f"model: {BUILTIN}, greedy, {args.tokens} tokens, best of {args.rounds} rounds taking turns", flush=True)
 
     rows: dict[str, list[float]] = {}
+    steals: dict[str, list[float | None]] = {}
     settings = [(s, k) for s in map(int, args.stages.split(",")) for k in args.kinds.split(",")]
     llama = llama_cpp_programs(args.llama_cpp)
     gguf = builtin_gguf()
@@ -257,25 +313,11 @@ def main() -> None:
     fleet = Fleet(data, args.threads)
     try:
         for _ in range(args.rounds):
-            rows.setdefault("transformers generate, float32, one process", []).append(
-                bench_generate(model_dir, args.tokens))
-            for stages, kind in settings:
-                label = f"swarm, {stages} stage{'s' if stages > 1 else ''}, {kind if kind != 'none' else 'float32'}"
-                rows.setdefault(label, []).append(fleet.rate(stages, kind, args.tokens))
-            for label, rate in drafting.rows(fleet, args.tokens) if drafting else ():
-                rows.setdefault(label, []).append(rate)
-            if isinstance(llama, tuple):
-                server, bench = llama
-                rows.setdefault(f"llama.cpp, {gguf.name}, one process", []).append(
-                    llama_bench(bench, gguf, args.tokens, threads, None))
-                ring = RpcRing(server, threads)
-                try:
-                    rows.setdefault(f"llama.cpp RPC ring, 2 rpc-servers, {gguf.name}", []).append(
-                        llama_bench(bench, gguf, args.tokens, threads, ring.address))
-                finally:
-                    ring.stop()
+            measured(rows, steals, rounds_rows(args, settings, fleet, drafting, llama, gguf, model_dir, threads))
             for label, rates in rows.items():  # each round as it ends: a long run shows something early
-                print(f"  round {len(rates)}: {label:58s} {rates[-1]:7.1f} tok/s", flush=True)
+                share = steals[label][-1]
+                print(f"  round {len(rates)}: {label:58s} {rates[-1]:7.1f} tok/s"
+                      + (f"   steal {share:4.0%}" if share is not None else ""), flush=True)
     finally:
         fleet.stop()
     base = max(rows["transformers generate, float32, one process"])
