@@ -161,7 +161,7 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 /* One row against four outputs at once (a decode step's case): each pair's activations are loaded once for the four.
- * w, sz: output j's (j even); the others follow at k / 2 bytes and k / 16 scales apart. */
+ * w, sz: output j's; the others follow at k / 2 bytes and k / 16 scales apart. */
 #define FOUR 4
 static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
                             const float *sx, float *sf, float *out) {
@@ -275,8 +275,8 @@ static inline float hsum256(__m256 v) {
 }
 
 /* one pair's half (32 weights of each group, 4 and 4 in turn) against each row's: acc[r] += s d (q . xq) */
-static inline __attribute__((always_inline)) void dot_half(int rows, __m256i q, const int8_t *xq, int k, int p, int half,
-                                                           const float *sf, __m256 *acc) {
+static inline __attribute__((always_inline)) void dot_half(int rows, __m256i q, const int8_t *xq, int k, int p,
+                                                           int half, const float *sf, __m256 *acc) {
     for (int r = 0; r < rows; r++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + 64 * p + 32 * half));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
@@ -301,7 +301,8 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
     int p = 0;
     for (; p + 2 <= pairs; p += 2) { /* a two-pair block: each 32 bytes hold a half of both pairs */
         const uint8_t *block = body(w, j, pairs) + 32 * p;
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)block), v1 = _mm256_loadu_si256((const __m256i *)(block + 32));
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)block);
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(block + 32));
         dot_half(rows, _mm256_and_si256(v0, nibble), xq, k, p, 0, sf, acc);
         dot_half(rows, _mm256_and_si256(v1, nibble), xq, k, p, 1, sf, acc);
         dot_half(rows, _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), xq, k, p + 1, 0, sf, acc);
@@ -310,7 +311,8 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
     if (p < pairs) /* a lone pair: 16 bytes per half, widened into the activations' order */
         for (int half = 0; half < 2; half++) {
             const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(lone(w, j, pairs) + 16 * half)));
-            dot_half(rows, _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble), xq, k, p, half, sf, acc);
+            const __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble);
+            dot_half(rows, q, xq, k, p, half, sf, acc);
         }
     for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + offsets[r];
 }
@@ -342,9 +344,10 @@ static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *s
 #endif
 
 /* Asks for the weights, scales and offsets of outputs [j, j + count) to be brought toward the caches: the processor's
- * own prefetcher starts too late for the short rows of a decode step's matrices (bench/RESULTS.md, "prefetching": a
- * one-row step's matrices ~25 % faster on this repository's machine). Past the last output it asks for bytes beyond
- * the matrix, which a prefetch may: it never faults (the addresses are made as integers, not pointers, for C's sake).
+ * own prefetcher starts too late for the short rows of a decode step's matrices (bench/RESULTS.md, "the int4 kernel
+ * waited on memory": the built-in model's one-row step's matrices in 8.4 against 10.3 ms). Past the last output it
+ * asks for bytes beyond the matrix, which a prefetch may: it never faults (the addresses are made as integers, not
+ * pointers, for C's sake).
  * No bounds test here: GCC deletes prefetch loops behind one (12.2, -O1 and up). */
 #define PREFETCH 8 /* outputs ahead */
 static inline void prefetch_outputs(const uint8_t *w, const uint16_t *sz, int k, int j, int count) {
