@@ -47,8 +47,9 @@
 #endif
 
 #define OUT_BLOCK 16 /* outputs a thread takes at a time */
-#define ROW_TILE 4   /* rows that share one unpacking of the weights */
-_Static_assert(ROW_TILE <= 4, "a tile's rows are summed four at a time (sum_four) and dispatched by a switch of 1-4");
+#define ROW_TILE 8   /* rows that share one unpacking of the weights: drafting's verifying pass of 4 guesses in one */
+_Static_assert(ROW_TILE <= 8, "a tile's rows are summed four at a time (sum_four, twice) and dispatched by a switch "
+                              "of 1-8");
 #define MAX_GROUPS 1024 /* k up to 32768 */
 
 const char *swarm_int4_path(void) { return PATH_NAME; }
@@ -243,10 +244,11 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
         }
     }
-    __m512 v[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int r = 0; r < rows; r++) v[r] = _mm512_add_ps(acc[r], offsets[r]);
-    float sums[4];
-    _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3])); /* dot_four's order: a row's bits whatever the tile */
+    __m512 v[8];
+    for (int r = 0; r < 8; r++) v[r] = r < rows ? _mm512_add_ps(acc[r], offsets[r]) : _mm512_setzero_ps();
+    float sums[8]; /* dot_four's order, four rows at a time: a row's bits whatever the tile */
+    _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3]));
+    if (rows > 4) _mm_storeu_ps(sums + 4, sum_four(v[4], v[5], v[6], v[7]));
     for (int r = 0; r < rows; r++) out[r] = sums[r];
 }
 #elif defined(PATH_256)
@@ -402,6 +404,10 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
                 const uint8_t *wj = w + (size_t)j * (k / 2);
                 const uint16_t *szj = sz + (size_t)j * (k / 16);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
+                    case 8: dot_rows(8, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 7: dot_rows(7, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 6: dot_rows(6, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 5: dot_rows(5, j, wj, szj, k, xt, dt, st, sf, out); break;
                     case 4: dot_rows(4, j, wj, szj, k, xt, dt, st, sf, out); break;
                     case 3: dot_rows(3, j, wj, szj, k, xt, dt, st, sf, out); break;
                     case 2: dot_rows(2, j, wj, szj, k, xt, dt, st, sf, out); break;
