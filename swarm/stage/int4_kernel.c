@@ -151,6 +151,11 @@ static inline __m512i unpack_pair(const uint8_t *w) {
     return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi64(v, 28)), _mm512_set1_epi8(0x0F));
 }
 
+/* acc + s d (q . x) over one pair's lanes: q its 64 weights, x the row's 64 activations, sd the pair's two s d */
+static inline __m512 add_pair(__m512 acc, __m512i q, __m512i x, const float *sd) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x)), two_floats(sd), acc);
+}
+
 /* The sums of four vectors' lanes, at once: halves added, then pairwise sums across the four */
 static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -187,18 +192,14 @@ static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, 
             __m512i q0, q1;
             unpack_two_pairs(body(w + (size_t)o * (k / 2), j + o, pairs) + 32 * p, &q0, &q1);
             const float *so = sf + o * MAX_GROUPS + 2 * p;
-            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, x0)),
-                                     two_floats(so), acc[o]);
-            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, x1)),
-                                     two_floats(so + 2), acc[o]);
+            acc[o] = add_pair(add_pair(acc[o], q0, x0, so), q1, x1, so + 2);
         }
     }
     if (p < pairs) {
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * p));
         for (int o = 0; o < FOUR; o++) {
             const __m512i q = unpack_pair(lone(w + (size_t)o * (k / 2), j + o, pairs));
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-            acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sf + o * MAX_GROUPS + 2 * p), acc[o]);
+            acc[o] = add_pair(acc[o], q, xv, sf + o * MAX_GROUPS + 2 * p);
         }
     }
     _mm_storeu_ps(out, sum_four(_mm512_add_ps(acc[0], offsets[0]), _mm512_add_ps(acc[1], offsets[1]),
@@ -230,18 +231,14 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
             const int8_t *xr = xq + (size_t)r * k + 64 * p;
             const float *sr = sf + r * MAX_GROUPS + 2 * p;
             const __m512i x0 = _mm512_loadu_si512((const void *)xr), x1 = _mm512_loadu_si512((const void *)(xr + 64));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, x0)),
-                                     two_floats(sr), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, x1)),
-                                     two_floats(sr + 2), acc[r]);
+            acc[r] = add_pair(add_pair(acc[r], q0, x0, sr), q1, x1, sr + 2);
         }
     }
     if (p < pairs) {
         const __m512i q = unpack_pair(lone(w, j, pairs));
         for (int r = 0; r < rows; r++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)r * k + 64 * p));
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
+            acc[r] = add_pair(acc[r], q, xv, sf + r * MAX_GROUPS + 2 * p);
         }
     }
     __m512 v[8];

@@ -88,8 +88,8 @@ class Int4Kernel:
         if pairs % 2:
             last = levels[:, -1]
             alone = last[:, : PAIR // 2] | (last[:, PAIR // 2 :] << 4)
-            odd = (torch.arange(n) % 2 == 1)[:, None]
-            packed = torch.where(odd, torch.cat([alone, packed], 1), torch.cat([packed, alone], 1))
+            body, packed = packed, torch.cat([packed, alone], 1)
+            packed[1::2] = torch.cat([alone[1::2], body[1::2]], 1)  # odd outputs: the lone pair first
         return packed.contiguous(), torch.stack([scale, zero], dim=1).to(torch.bfloat16).contiguous()
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
