@@ -75,8 +75,12 @@ def test_plan_before_loading_route_and_cli(pool):
 
     one = plan(pool, "?num_stages=1").json()
     assert one["num_stages"] == 1 and one["links"] == []
-    # one fellow has no link to pay but all 30 layers: slower per token than either stage of two
-    assert one["stages"][0]["decode_ms"] > max(s["decode_ms"] for s in data["stages"])
+    # one fellow has no link to pay but all 30 layers: slower per token than its own stage of two. (Compared on the
+    # same fellow's calibration: two fellows timed minutes apart on a shared VM can differ by more than 2x.)
+    alone = one["stages"][0]
+    assert alone["layers"] == [0, 30]
+    its_stage = next(s for s in data["stages"] if s["fellow"] == alone["fellow"])
+    assert alone["decode_ms"] > its_stage["decode_ms"]
 
     result = swarm_plan(pool, pool.name, "--num-stages", "2")
     assert result.returncode == 0, result.stderr
