@@ -23,7 +23,9 @@ def levels(n: int, k: int, seed: int = 0):
     return q, scale, zero
 
 
-@pytest.mark.parametrize("n,k", [(70, 64), (33, 192), (96, 576), (21, 1536)])  # a lone pair; odd n: both its places
+# blocks of 512 inputs and a tail of pairs: only a tail (64, 192), one block and an odd tail, first on odd outputs
+# (576, 1088), blocks alone (1536), an even tail (896)
+@pytest.mark.parametrize("n,k", [(70, 64), (33, 192), (96, 576), (21, 1536), (19, 896), (35, 1088)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_the_kernel_computes_the_4_bit_weights_against_the_rows_quantized_to_8_bits(n, k, rows):
     kernel = int4_kernel.kernel()
@@ -43,11 +45,12 @@ def test_the_kernel_computes_the_4_bit_weights_against_the_rows_quantized_to_8_b
     assert torch.equal(kernel.matmul(x, packed, scale_zeros, n, bias), got + bias)
 
 
-def test_each_row_is_computed_alone_whatever_the_batch_and_the_thread_count():
+@pytest.mark.parametrize("k", [576, 1536])  # a block and a tail pair; blocks alone
+def test_each_row_is_computed_alone_whatever_the_batch_and_the_thread_count(k):
     kernel = int4_kernel.kernel()
-    q, scale, zero = levels(200, 576, seed=3)
+    q, scale, zero = levels(200, k, seed=3)
     packed, scale_zeros = kernel.pack(q, scale, zero)
-    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4))
     batch = kernel.matmul(x, packed, scale_zeros, 200, None)
     for row in range(11):  # a chat's row alone, or batched with any others, gives the same bits
         assert torch.equal(kernel.matmul(x[row : row + 1], packed, scale_zeros, 200, None)[0], batch[row])
@@ -63,7 +66,7 @@ def test_each_row_is_computed_alone_whatever_the_batch_and_the_thread_count():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the other builds are x86-64's")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 (AMD before Zen 4, older Intel); plain C
-@pytest.mark.parametrize("k", [576, 1536])  # with a lone pair and without
+@pytest.mark.parametrize("k", [576, 896, 1536])  # a block and an odd tail, an even tail, blocks alone
 def test_the_kernels_other_builds_compute_the_same(march, k):
     flags = tuple("-march=" + march if f == "-march=native" else f for f in int4_kernel.FLAGS)
     other = int4_kernel.kernel(flags)

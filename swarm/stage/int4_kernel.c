@@ -2,23 +2,31 @@
  * the scheme of llama.cpp's Q4 x Q8 dot products (swarm/stage/int4_kernel.py builds and loads this file).
  *
  * W (n outputs x k inputs): groups of 32 inputs, each with a bfloat16 scale s and offset z (w = (q - 8) s + z, q in
- * 0..15 -- the grid of swarm.stage.quantize's Int4Linear). Two neighbouring groups make a pair (64 inputs), and an
- * output's pairs are stored two at a time: 64 bytes hold pair 2c in their low nibbles and pair 2c + 1 in their high
- * ones, byte b holding the weight that meets byte b of the pair's quantized activations (the order lane_of gives), so
- * one load and a mask or a shift unpack 64 weights. An odd last pair is stored alone in 32 bytes (byte j: q[j] low,
- * q[j + 32] high), after the others for even outputs and before them for odd ones: an output then takes k / 2 bytes
- * and, from 64-byte aligned memory, its two-pair blocks never straddle a cache line. An output's scales are stored
- * before its offsets.
+ * 0..15 -- the grid of swarm.stage.quantize's Int4Linear). An output's inputs come in blocks of 16 groups (512
+ * inputs), then a tail of pairs of groups where k is not a multiple of 512:
+ *  - a block is 8 vectors of 64 weights, vector v holding inputs 4v..4v+3 of each of its 16 groups (group g in bytes
+ *    4g..4g+3, one 32-bit lane). The VNNI dot product of a vector with the activations in the same order sums four
+ *    products per lane, so 8 of them sum each group's 32 products in its own lane, in integers, and a block needs one
+ *    conversion to float and one multiply-add by its 16 groups' s d per row. Stored in 256 bytes: 64 bytes hold vector
+ *    c (0..3) in their low nibbles and vector c + 4 in their high ones, so one load and a mask or a shift unpack 64
+ *    weights;
+ *  - a tail pair (64 inputs) is 32 bytes, byte j holding the first group's weight j in its low nibble and the second
+ *    group's weight j in its high one; it is unpacked into the order lane_of gives (four of the first group, four of
+ *    the second, ...), and each pair takes its own conversion and multiply-add.
+ * The tail follows the blocks; on odd outputs it comes first where it has an odd number of pairs, so that from 64-byte
+ * aligned memory the blocks never straddle a cache line. An output takes k / 2 bytes; its scales are stored before
+ * its offsets.
  *
  * x (rows x k, float32): each row's groups of 32 quantized alone, d = max|x| / 127, xq = round(x / d), so a row's
- * result never depends on the other rows of the call (a batch computes each chat's row as it would alone).
+ * result never depends on the other rows of the call (a batch computes each chat's row as it would alone); xq is laid
+ * out as the weights unpack (place gives where each input goes).
  *
  *   y = sum over groups of  s d (q . xq)  +  (z - 8 s) sum(x)
  *
- * q . xq is an unsigned-by-signed byte dot product: one VNNI instruction per 64 weights where the CPU has AVX512-VNNI,
- * AVX2's multiply-adds elsewhere on x86-64, plain C on other processors. Each output is summed by one thread in a
- * fixed order: the same inputs give the same bits, whatever the thread count. Outputs are split over OpenMP threads
- * (torch's own runtime: libgomp is loaded once per process).
+ * q . xq is an unsigned-by-signed byte dot product: VNNI instructions where the CPU has AVX512-VNNI, AVX2's
+ * multiply-adds elsewhere on x86-64, plain C on other processors. Each output is summed by one thread in a fixed order:
+ * the same inputs give the same bits, whatever the thread count and whichever rows share the call. Outputs are split
+ * over OpenMP threads (torch's own runtime: libgomp is loaded once per process).
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,7 +58,8 @@
 #define ROW_TILE 8   /* rows that share one unpacking of the weights: drafting's verifying pass of 4 guesses in one */
 _Static_assert(ROW_TILE <= 8, "a tile's rows are summed four at a time (sum_four, twice) and dispatched by a switch "
                               "of 1-8");
-#define MAX_GROUPS 1024 /* k up to 32768 */
+#define BLOCK 512       /* inputs of a block: 16 groups of 32 */
+#define MAX_TAIL 14     /* groups a tail can have: 7 pairs */
 
 const char *swarm_int4_path(void) { return PATH_NAME; }
 
@@ -60,16 +69,34 @@ static inline float bf16_to_float(uint16_t h) {
     return v.f;
 }
 
-/* The byte of a pair's 64 quantized activations that meets weight j (0..31) of its first group (second: + 4): the
+/* The byte of a tail pair's 64 quantized activations that meets weight j (0..31) of its first group (second: + 4): the
  * packed bytes widen four at a time into alternate 32-bit lanes, the first group's low nibbles then the second's high
  * ones, so the activations are laid out four of the first group, four of the second, and so on. */
 static inline int lane_of(int j) { return 8 * (j / 4) + j % 4; }
 
-/* Output j's weights (its k / 2 bytes at wj): the two-pair blocks start at body, an odd last pair is at lone */
-static inline const uint8_t *body(const uint8_t *wj, int j, int pairs) { return wj + ((pairs & j & 1) ? 32 : 0); }
-static inline const uint8_t *lone(const uint8_t *wj, int j, int pairs) { return wj + ((j & 1) ? 0 : 32 * (pairs - 1)); }
+/* Where input i of a row goes in its quantized activations: in a block, vector (i % 32) / 4, the lane of its group; in
+ * the tail, its pair's lane_of order */
+static inline int place(int i, int k) {
+    const int blocked = k / BLOCK * BLOCK;
+    if (i < blocked) {
+        const int r = i % BLOCK;
+        return i - r + 64 * (r % 32 / 4) + 4 * (r / 32) + r % 4;
+    }
+    const int r = (i - blocked) % 64;
+    return i - r + lane_of(r % 32) + 4 * (r / 32);
+}
 
-/* One row: xq (k bytes, in the order lane_of gives), d and sum(x) per group of 32 (k / 32 floats each). */
+/* Output j's weights (its k / 2 bytes at wj): its blocks, and its tail's pairs (first on odd outputs where the tail has
+ * an odd number of pairs) */
+static inline int tail_pairs(int k) { return k % BLOCK / 64; }
+static inline const uint8_t *blocks_at(const uint8_t *wj, int j, int k) {
+    return wj + ((tail_pairs(k) & j & 1) ? 32 * tail_pairs(k) : 0);
+}
+static inline const uint8_t *tail_at(const uint8_t *wj, int j, int k) {
+    return wj + ((tail_pairs(k) & j & 1) ? 0 : k / BLOCK * (BLOCK / 2));
+}
+
+/* One row: xq (k bytes, in place's order), d and sum(x) per group of 32 (k / 32 floats each). */
 #if defined(PATH_512)
 static inline void quantize_group(const float *v, __m512i *q, float *d, float *sum) {
     const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
@@ -84,13 +111,26 @@ static inline void quantize_group(const float *v, __m512i *q, float *d, float *s
 }
 
 static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx) {
-    /* four bytes of the first group, four of the second, ...: dwords 0..7 of each group interleaved */
+    const int blocked = k / BLOCK * BLOCK;
+    const __m512i groups = _mm512_set_epi32(120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 0);
+    for (int b = 0; b < blocked; b += BLOCK) {
+        int8_t natural[BLOCK] __attribute__((aligned(64)));
+        for (int g = 0; g < 16; g++) {
+            __m512i q;
+            quantize_group(x + b + 32 * g, &q, dx + b / 32 + g, sx + b / 32 + g);
+            _mm256_store_si256((__m256i *)(natural + 32 * g), _mm512_castsi512_si256(q));
+        }
+        for (int v = 0; v < 8; v++) /* vector v: four bytes (dword v) of each group */
+            _mm512_storeu_si512((void *)(xq + b + 64 * v),
+                                _mm512_i32gather_epi32(_mm512_add_epi32(groups, _mm512_set1_epi32(v)), natural, 4));
+    }
+    /* a tail pair: four bytes of the first group, four of the second, ...: dwords 0..7 of each group interleaved */
     const __m512i order = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int p = 0; p < k / 64; p++) {
+    for (int i = blocked; i < k; i += 64) {
         __m512i a, b;
-        quantize_group(x + 64 * p, &a, dx + 2 * p, sx + 2 * p);
-        quantize_group(x + 64 * p + 32, &b, dx + 2 * p + 1, sx + 2 * p + 1);
-        _mm512_storeu_si512((void *)(xq + 64 * p), _mm512_permutex2var_epi32(a, order, b));
+        quantize_group(x + i, &a, dx + i / 32, sx + i / 32);
+        quantize_group(x + i + 32, &b, dx + i / 32 + 1, sx + i / 32 + 1);
+        _mm512_storeu_si512((void *)(xq + i), _mm512_permutex2var_epi32(a, order, b));
     }
 }
 #else
@@ -105,11 +145,10 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx
         }
         float d = amax / 127.0f;
         float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t *out = xq + 64 * (g / 2) + 4 * (g % 2);
         for (int i = 0; i < 32; i++) {
             float r = rintf(v[i] * inv);
             r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            out[lane_of(i)] = (int8_t)r;
+            xq[place(32 * g + i, k)] = (int8_t)r;
         }
         dx[g] = d;
         sx[g] = sum;
@@ -118,10 +157,7 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx
 #endif
 
 /* w: one output's k / 2 packed bytes; sz: its k / 32 scales then its k / 32 offsets, in bfloat16; xq, dx, sx: `rows`
- * rows of quantized activations (k, k / 32 and k / 32 apart); sf: scratch for k / 32 floats per row, MAX_GROUPS
- * apart; out: a result per row. Each output first multiplies its scales by each row's, s d, and sums its offsets'
- * term, (z - 8 s) sum(x) over the groups, so the loop over the weights has only the dot products and one multiply-add
- * left (s d is the same float product the loop would make: the same bits). */
+ * rows of quantized activations (k, k / 32 and k / 32 apart); out: a result per row. */
 #if defined(PATH_512)
 static inline __m512 two_floats(const float *ab) {
     double both;
@@ -138,22 +174,43 @@ static inline __m512 widen_scales(const uint16_t *sz, int groups, int g, __mmask
     return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), *scales, z);
 }
 
-/* two pairs' 128 weights from a 64-byte block: the first pair's in the low nibbles, the second's in the high ones */
-static inline void unpack_two_pairs(const uint8_t *block, __m512i *first, __m512i *second) {
-    const __m512i v = _mm512_loadu_si512((const void *)block), nibble = _mm512_set1_epi8(0x0F);
-    *first = _mm512_and_si512(v, nibble);
-    *second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+/* a block's 8 vectors of weights from its 256 bytes */
+static inline void unpack_block(const uint8_t *block, __m512i *q) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(block + 64 * c));
+        q[c] = _mm512_and_si512(v, nibble);
+        q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
 }
 
-/* a lone pair's 64 weights from its 32 bytes, widened into the activations' order */
+/* acc + s d (q . x) + (z - 8 s) sum(x) over a block's 16 groups: dot its integer dot products, s and m its scales and
+ * their offsets' factors, d and sum the row's */
+static inline __m512 add_block(__m512 acc, __m512i dot, __m512 s, __m512 m, const float *d, const float *sum) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_loadu_ps(d)), acc);
+    return _mm512_fmadd_ps(m, _mm512_loadu_ps(sum), acc);
+}
+
+/* a tail pair's 64 weights from its 32 bytes, widened into the activations' order */
 static inline __m512i unpack_pair(const uint8_t *w) {
     const __m512i v = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)w));
     return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi64(v, 28)), _mm512_set1_epi8(0x0F));
 }
 
-/* acc + s d (q . x) over one pair's lanes: q its 64 weights, x the row's 64 activations, sd the pair's two s d */
-static inline __m512 add_pair(__m512 acc, __m512i q, __m512i x, const float *sd) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x)), two_floats(sd), acc);
+/* The tail's part of one row against one output: its offsets' terms added to acc, and its pairs' s d (q . x) summed
+ * apart (returned). q: the tail's unpacked pairs; s, m: its groups' scales and offsets' factors (lanes 0..); x, d, sum:
+ * the row's tail. */
+static inline __m512 tail_sum(int pairs, const __m512i *q, __m512 s, __m512 m, const int8_t *x, const float *d,
+                              const float *sum, __mmask16 some, __m512 *acc) {
+    *acc = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sum), *acc);
+    float sd[16];
+    _mm512_storeu_ps(sd, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(some, d)));
+    __m512 t = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], _mm512_loadu_si512((const void *)(x + 64 * p)));
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_floats(sd + 2 * p), t);
+    }
+    return t;
 }
 
 /* The sums of four vectors' lanes, at once: halves added, then pairwise sums across the four */
@@ -166,83 +223,85 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-/* One row against four outputs at once (a decode step's case): each pair's activations are loaded once for the four.
- * w, sz: output j's; the others follow at k / 2 bytes and k / 16 scales apart. */
+/* One row against four outputs at once (a decode step's case): each block's activations are loaded once for the
+ * four. w, sz: output j's; the others follow at k / 2 bytes and k / 16 scales apart. Each output sums as dot_rows
+ * sums a row: the same bits. */
 #define FOUR 4
 static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
-                            const float *sx, float *sf, float *out) {
-    const int pairs = k / 64, groups = k / 32;
-    __m512 acc[FOUR], offsets[FOUR];
+                            const float *sx, float *out) {
+    const int groups = k / 32, blocked = k / BLOCK * BLOCK, pairs = tail_pairs(k);
+    __m512 acc[FOUR], tail[FOUR];
+    for (int o = 0; o < FOUR; o++) acc[o] = _mm512_setzero_ps();
+    for (int b = 0; b < blocked; b += BLOCK) {
+        /* the four outputs' dot products side by side, 64 bytes of each at a time: eight independent chains */
+        const __m512i nibble = _mm512_set1_epi8(0x0F);
+        __m512i lo[FOUR], hi[FOUR];
+        for (int o = 0; o < FOUR; o++) lo[o] = hi[o] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i x0 = _mm512_loadu_si512((const void *)(xq + b + 64 * c));
+            const __m512i x1 = _mm512_loadu_si512((const void *)(xq + b + 64 * c + 256));
+            for (int o = 0; o < FOUR; o++) {
+                const __m512i v = _mm512_loadu_si512(
+                    (const void *)(blocks_at(w + (size_t)o * (k / 2), j + o, k) + b / 2 + 64 * c));
+                lo[o] = _mm512_dpbusd_epi32(lo[o], _mm512_and_si512(v, nibble), x0);
+                hi[o] = _mm512_dpbusd_epi32(hi[o], _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), x1);
+            }
+        }
+        for (int o = 0; o < FOUR; o++) {
+            __m512 s;
+            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, b / 32, (__mmask16)0xFFFF, &s);
+            acc[o] = add_block(acc[o], _mm512_add_epi32(lo[o], hi[o]), s, m, dx + b / 32, sx + b / 32);
+        }
+    }
     for (int o = 0; o < FOUR; o++) {
-        offsets[o] = _mm512_setzero_ps();
-        for (int g = 0; g < groups; g += 16) {
-            const __mmask16 some = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-            __m512 scales;
-            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, g, some, &scales);
-            _mm512_storeu_ps(sf + o * MAX_GROUPS + g, _mm512_mul_ps(scales, _mm512_maskz_loadu_ps(some, dx + g)));
-            offsets[o] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sx + g), offsets[o]);
-        }
-        acc[o] = _mm512_setzero_ps();
-    }
-    int p = 0;
-    for (; p + 2 <= pairs; p += 2) {
-        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + 64 * p));
-        const __m512i x1 = _mm512_loadu_si512((const void *)(xq + 64 * p + 64));
-        for (int o = 0; o < FOUR; o++) {
-            __m512i q0, q1;
-            unpack_two_pairs(body(w + (size_t)o * (k / 2), j + o, pairs) + 32 * p, &q0, &q1);
-            const float *so = sf + o * MAX_GROUPS + 2 * p;
-            acc[o] = add_pair(add_pair(acc[o], q0, x0, so), q1, x1, so + 2);
+        tail[o] = _mm512_setzero_ps();
+        if (pairs) {
+            const uint8_t *t = tail_at(w + (size_t)o * (k / 2), j + o, k);
+            __m512i q[MAX_TAIL / 2];
+            for (int p = 0; p < pairs; p++) q[p] = unpack_pair(t + 32 * p);
+            const __mmask16 some = (__mmask16)((1u << (2 * pairs)) - 1);
+            __m512 s;
+            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, blocked / 32, some, &s);
+            tail[o] = tail_sum(pairs, q, s, m, xq + blocked, dx + blocked / 32, sx + blocked / 32, some, &acc[o]);
         }
     }
-    if (p < pairs) {
-        const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * p));
-        for (int o = 0; o < FOUR; o++) {
-            const __m512i q = unpack_pair(lone(w + (size_t)o * (k / 2), j + o, pairs));
-            acc[o] = add_pair(acc[o], q, xv, sf + o * MAX_GROUPS + 2 * p);
-        }
-    }
-    _mm_storeu_ps(out, sum_four(_mm512_add_ps(acc[0], offsets[0]), _mm512_add_ps(acc[1], offsets[1]),
-                                _mm512_add_ps(acc[2], offsets[2]), _mm512_add_ps(acc[3], offsets[3])));
+    _mm_storeu_ps(out, sum_four(_mm512_add_ps(acc[0], tail[0]), _mm512_add_ps(acc[1], tail[1]),
+                                _mm512_add_ps(acc[2], tail[2]), _mm512_add_ps(acc[3], tail[3])));
 }
 
 static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
                                                            int k, const int8_t *xq, const float *dx, const float *sx,
-                                                           float *sf, float *out) {
-    const int pairs = k / 64, groups = k / 32;
-    __m512 acc[ROW_TILE], offsets[ROW_TILE];
-    for (int r = 0; r < rows; r++) offsets[r] = _mm512_setzero_ps();
-    for (int g = 0; g < groups; g += 16) {
-        const __mmask16 some = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-        __m512 scales;
-        const __m512 m = widen_scales(sz, groups, g, some, &scales);
-        for (int r = 0; r < rows; r++) {
-            const __m512 d = _mm512_maskz_loadu_ps(some, dx + (size_t)r * groups + g);
-            _mm512_storeu_ps(sf + r * MAX_GROUPS + g, _mm512_mul_ps(scales, d));
-            offsets[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(some, sx + (size_t)r * groups + g), offsets[r]);
-        }
+                                                           float *out) {
+    const int groups = k / 32, blocked = k / BLOCK * BLOCK, pairs = tail_pairs(k);
+    __m512 acc[ROW_TILE], tail[ROW_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = tail[r] = _mm512_setzero_ps();
+    const uint8_t *blocks = blocks_at(w, j, k);
+    for (int b = 0; b < blocked; b += BLOCK) {
+        __m512i q[8];
+        unpack_block(blocks + b / 2, q);
+        __m512 s;
+        const __m512 m = widen_scales(sz, groups, b / 32, (__mmask16)0xFFFF, &s);
+        __m512i dot[ROW_TILE];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v++) /* the rows side by side: independent chains */
+            for (int r = 0; r < rows; r++)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], q[v], _mm512_loadu_si512((const void *)(xq + (size_t)r * k + b + 64 * v)));
+        for (int r = 0; r < rows; r++)
+            acc[r] = add_block(acc[r], dot[r], s, m, dx + (size_t)r * groups + b / 32, sx + (size_t)r * groups + b / 32);
     }
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    int p = 0;
-    for (; p + 2 <= pairs; p += 2) {
-        __m512i q0, q1;
-        unpack_two_pairs(body(w, j, pairs) + 32 * p, &q0, &q1);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *xr = xq + (size_t)r * k + 64 * p;
-            const float *sr = sf + r * MAX_GROUPS + 2 * p;
-            const __m512i x0 = _mm512_loadu_si512((const void *)xr), x1 = _mm512_loadu_si512((const void *)(xr + 64));
-            acc[r] = add_pair(add_pair(acc[r], q0, x0, sr), q1, x1, sr + 2);
-        }
-    }
-    if (p < pairs) {
-        const __m512i q = unpack_pair(lone(w, j, pairs));
-        for (int r = 0; r < rows; r++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)r * k + 64 * p));
-            acc[r] = add_pair(acc[r], q, xv, sf + r * MAX_GROUPS + 2 * p);
-        }
+    if (pairs) {
+        const uint8_t *t = tail_at(w, j, k);
+        __m512i q[MAX_TAIL / 2];
+        for (int p = 0; p < pairs; p++) q[p] = unpack_pair(t + 32 * p);
+        const __mmask16 some = (__mmask16)((1u << (2 * pairs)) - 1);
+        __m512 s;
+        const __m512 m = widen_scales(sz, groups, blocked / 32, some, &s);
+        for (int r = 0; r < rows; r++)
+            tail[r] = tail_sum(pairs, q, s, m, xq + (size_t)r * k + blocked, dx + (size_t)r * groups + blocked / 32,
+                               sx + (size_t)r * groups + blocked / 32, some, &acc[r]);
     }
     __m512 v[8];
-    for (int r = 0; r < 8; r++) v[r] = r < rows ? _mm512_add_ps(acc[r], offsets[r]) : _mm512_setzero_ps();
+    for (int r = 0; r < 8; r++) v[r] = r < rows ? _mm512_add_ps(acc[r], tail[r]) : _mm512_setzero_ps();
     float sums[8]; /* dot_four's order, four rows at a time: a row's bits whatever the tile */
     _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3]));
     if (rows > 4) _mm_storeu_ps(sums + 4, sum_four(v[4], v[5], v[6], v[7]));
@@ -273,66 +332,80 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* one pair's half (32 weights of each group, 4 and 4 in turn) against each row's: acc[r] += s d (q . xq) */
-static inline __attribute__((always_inline)) void dot_half(int rows, __m256i q, const int8_t *xq, int k, int p,
-                                                           int half, const float *sf, __m256 *acc) {
-    for (int r = 0; r < rows; r++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + 64 * p + 32 * half));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, xv)), two_floats(sf + r * MAX_GROUPS + 2 * p), acc[r]);
-    }
+static inline __m256 widen8(const uint16_t *h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
 }
 
+/* Half a block at a time: its 8 vectors' halves (groups 0..7, then 8..15) summed per group, as the AVX512 path sums
+ * whole vectors; a tail pair's halves as before blocks came in. */
 static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
                                                            int k, const int8_t *xq, const float *dx, const float *sx,
-                                                           float *sf, float *out) {
-    const int pairs = k / 64, groups = k / 32;
-    float offsets[ROW_TILE] = {0.0f};
-    for (int g = 0; g < groups; g++) {
-        const float scale = bf16_to_float(sz[g]), m = bf16_to_float(sz[groups + g]) - 8.0f * scale;
-        for (int r = 0; r < rows; r++) {
-            sf[r * MAX_GROUPS + g] = scale * dx[(size_t)r * groups + g];
-            offsets[r] += m * sx[(size_t)r * groups + g];
-        }
-    }
+                                                           float *out) {
+    const int groups = k / 32, blocked = k / BLOCK * BLOCK, pairs = tail_pairs(k);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    int p = 0;
-    for (; p + 2 <= pairs; p += 2) { /* a two-pair block: each 32 bytes hold a half of both pairs */
-        const uint8_t *block = body(w, j, pairs) + 32 * p;
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)block);
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(block + 32));
-        dot_half(rows, _mm256_and_si256(v0, nibble), xq, k, p, 0, sf, acc);
-        dot_half(rows, _mm256_and_si256(v1, nibble), xq, k, p, 1, sf, acc);
-        dot_half(rows, _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), xq, k, p + 1, 0, sf, acc);
-        dot_half(rows, _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble), xq, k, p + 1, 1, sf, acc);
-    }
-    if (p < pairs) /* a lone pair: 16 bytes per half, widened into the activations' order */
+    const uint8_t *blocks = blocks_at(w, j, k);
+    for (int b = 0; b < blocked; b += BLOCK)
         for (int half = 0; half < 2; half++) {
-            const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(lone(w, j, pairs) + 16 * half)));
+            const int g = b / 32 + 8 * half;
+            __m256i q[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blocks + b / 2 + 64 * c + 32 * half));
+                q[c] = _mm256_and_si256(v, nibble);
+                q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+            const __m256 s = widen8(sz + g), m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, widen8(sz + groups + g));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xq + (size_t)r * k + b + 32 * half;
+                __m256i dot = dot_bytes(q[0], _mm256_loadu_si256((const __m256i *)x));
+                for (int v = 1; v < 8; v++)
+                    dot = _mm256_add_epi32(dot, dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v))));
+                const __m256 d = _mm256_loadu_ps(dx + (size_t)r * groups + g);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, d), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + (size_t)r * groups + g), acc[r]);
+            }
+        }
+    float offsets[ROW_TILE] = {0.0f}, sd[ROW_TILE][MAX_TAIL];
+    for (int g = blocked / 32; g < groups; g++) {
+        const float scale = bf16_to_float(sz[g]), m = bf16_to_float(sz[groups + g]) - 8.0f * scale;
+        for (int r = 0; r < rows; r++) {
+            sd[r][g - blocked / 32] = scale * dx[(size_t)r * groups + g];
+            offsets[r] += m * sx[(size_t)r * groups + g];
+        }
+    }
+    const uint8_t *t = tail_at(w, j, k);
+    for (int p = 0; p < pairs; p++)
+        for (int half = 0; half < 2; half++) { /* 16 bytes per half, widened into the activations' order */
+            const __m256i v = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(t + 32 * p + 16 * half)));
             const __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi64(v, 28)), nibble);
-            dot_half(rows, q, xq, k, p, half, sf, acc);
+            for (int r = 0; r < rows; r++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * k + blocked + 64 * p + 32 * half));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(q, x)), two_floats(sd[r] + 2 * p), acc[r]);
+            }
         }
     for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + offsets[r];
 }
 #else
+/* the level of output j's weight for input i (w: its k / 2 bytes) */
+static inline int level(const uint8_t *w, int j, int k, int i) {
+    const int blocked = k / BLOCK * BLOCK;
+    if (i < blocked) { /* vector v = (i % 32) / 4 of its block: 64 bytes v % 4, nibble v / 4, its group's lane */
+        const int r = i % BLOCK, v = r % 32 / 4;
+        return (blocks_at(w, j, k)[i / BLOCK * (BLOCK / 2) + 64 * (v % 4) + 4 * (r / 32) + r % 4] >> (4 * (v / 4))) & 0x0F;
+    }
+    const int r = (i - blocked) % 64;
+    return (tail_at(w, j, k)[(i - blocked) / 64 * 32 + r % 32] >> (4 * (r / 32))) & 0x0F;
+}
+
 static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq,
-                            const float *dx, const float *sx, float *sf, float *out) {
-    const int pairs = k / 64, groups = k / 32;
-    (void)sf;
+                            const float *dx, const float *sx, float *out) {
+    const int groups = k / 32;
     for (int r = 0; r < rows; r++) {
         float acc = 0.0f, offsets = 0.0f;
         for (int g = 0; g < groups; g++) {
-            const int p = g / 2, second = g % 2;
-            const int8_t *v = xq + (size_t)r * k + 64 * p + 4 * second;
             int32_t dot = 0;
-            if (p < (pairs & ~1)) { /* in a two-pair block: at its activation's byte, in the pair's nibble */
-                const uint8_t *b = body(w, j, pairs) + 64 * (p / 2) + 4 * second;
-                for (int i = 0; i < 32; i++) dot += ((b[lane_of(i)] >> (4 * (p % 2))) & 0x0F) * v[lane_of(i)];
-            } else { /* the lone pair: byte i holds weights i and i + 32 */
-                const uint8_t *b = lone(w, j, pairs);
-                for (int i = 0; i < 32; i++) dot += ((b[i] >> (4 * second)) & 0x0F) * v[lane_of(i)];
-            }
+            for (int i = 32 * g; i < 32 * g + 32; i++) dot += level(w, j, k, i) * xq[(size_t)r * k + place(i, k)];
             const float scale = bf16_to_float(sz[g]);
             acc += (float)dot * (scale * dx[(size_t)r * groups + g]);
             offsets += (bf16_to_float(sz[groups + g]) - 8.0f * scale) * sx[(size_t)r * groups + g];
@@ -360,7 +433,7 @@ static inline void prefetch_outputs(const uint8_t *w, const uint16_t *sz, int k,
 int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, const uint16_t *sz, const float *bias,
                   float *y, int threads) {
     if (threads < 1) threads = 1;
-    if (k % 64 || k / 32 > MAX_GROUPS) return -2;
+    if (k % 64) return -2;
     const int groups = k / 32;
     /* the activations' scratch: kept per calling thread, grown as needed */
     static __thread void *scratch = NULL;
@@ -382,7 +455,7 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int block = 0; block < blocks; block++) {
         const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
-        float out[ROW_TILE > 4 ? ROW_TILE : 4], sf[ROW_TILE * MAX_GROUPS + 16]; /* + 16: whole-vector stores */
+        float out[ROW_TILE > 4 ? ROW_TILE : 4];
         for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             const int8_t *xt = xq + (size_t)r0 * k;
@@ -392,7 +465,7 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
             if (tile == 1)
                 for (; j + FOUR <= last; j += FOUR) {
                     prefetch_outputs(w, sz, k, j + PREFETCH, FOUR);
-                    dot_four(j, w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, sf, out);
+                    dot_four(j, w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
@@ -401,14 +474,14 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
                 const uint8_t *wj = w + (size_t)j * (k / 2);
                 const uint16_t *szj = sz + (size_t)j * (k / 16);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
-                    case 8: dot_rows(8, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 7: dot_rows(7, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 6: dot_rows(6, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 5: dot_rows(5, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 4: dot_rows(4, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 3: dot_rows(3, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    case 2: dot_rows(2, j, wj, szj, k, xt, dt, st, sf, out); break;
-                    default: dot_rows(1, j, wj, szj, k, xt, dt, st, sf, out); break;
+                    case 8: dot_rows(8, j, wj, szj, k, xt, dt, st, out); break;
+                    case 7: dot_rows(7, j, wj, szj, k, xt, dt, st, out); break;
+                    case 6: dot_rows(6, j, wj, szj, k, xt, dt, st, out); break;
+                    case 5: dot_rows(5, j, wj, szj, k, xt, dt, st, out); break;
+                    case 4: dot_rows(4, j, wj, szj, k, xt, dt, st, out); break;
+                    case 3: dot_rows(3, j, wj, szj, k, xt, dt, st, out); break;
+                    case 2: dot_rows(2, j, wj, szj, k, xt, dt, st, out); break;
+                    default: dot_rows(1, j, wj, szj, k, xt, dt, st, out); break;
                 }
                 const float b = bias ? bias[j] : 0.0f;
                 for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;

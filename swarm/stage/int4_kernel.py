@@ -39,10 +39,7 @@ SOURCE = Path(__file__).with_name("int4_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 GROUP = 32  # inputs per scale and offset
 PAIR = 64  # inputs two groups share in the packed layout: a layer's in_features must be a multiple of it
-MAX_INPUTS = 32768  # the C file's MAX_GROUPS groups
-# which of a pair's 64 inputs meets byte b of its quantized activations: four of the first group, four of the second,
-# and so on (the C file's lane_of)
-_ACTIVATION_ORDER = torch.tensor([GROUP * (b // 4 % 2) + 4 * (b // 8) + b % 4 for b in range(PAIR)])
+BLOCK = 512  # inputs of a block (16 groups) in the packed layout; the rest of a row is packed in pairs
 _COMPILE_TIMEOUT_S = 120
 
 
@@ -74,22 +71,23 @@ class Int4Kernel:
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed, scale_zeros) for levels ``q`` (out, in; 0..15) with a bfloat16 ``scale`` and ``zero`` per group
-        of 32 inputs (out, in / 32), in the C file's layout: each output's pairs of groups two at a time, 64 bytes with
-        the first pair's levels in the low nibbles and the second's in the high ones, byte b holding the level that
-        meets byte b of the pair's activations (_ACTIVATION_ORDER); an odd last pair alone in 32 bytes (byte j: level
-        j low, j + 32 high), after the others for even outputs and before them for odd ones. Each output's scales then
-        its offsets, (out, 2, in / 32)."""
+        of 32 inputs (out, in / 32), in the C file's layout. Each output's blocks of 512 inputs: 8 vectors of 64
+        levels, vector v holding levels 4v..4v+3 of each of the block's 16 groups (group g in bytes 4g..4g+3), stored
+        in 256 bytes with vector c in the low nibbles of bytes 64c..64c+63 and vector c + 4 in their high ones. Then
+        the tail's pairs of groups, 32 bytes each (byte j: the first group's level j low, the second's high), before
+        the blocks on odd outputs where the tail has an odd number of pairs. Each output's scales then its offsets,
+        (out, 2, in / 32)."""
         n, k = q.shape
-        pairs = k // PAIR
-        blocked = pairs // 2 * 2
-        levels = q.to(torch.uint8).reshape(n, pairs, PAIR)
-        two = levels[:, :blocked, _ACTIVATION_ORDER].reshape(n, blocked // 2, 2, PAIR)
-        packed = (two[:, :, 0] | (two[:, :, 1] << 4)).reshape(n, blocked * PAIR // 2)
-        if pairs % 2:
-            last = levels[:, -1]
-            alone = last[:, : PAIR // 2] | (last[:, PAIR // 2 :] << 4)
-            body, packed = packed, torch.cat([packed, alone], 1)
-            packed[1::2] = torch.cat([alone[1::2], body[1::2]], 1)  # odd outputs: the lone pair first
+        blocked = k // BLOCK * BLOCK
+        levels = q.to(torch.uint8)
+        vectors = (levels[:, :blocked].reshape(n, blocked // BLOCK, BLOCK // GROUP, GROUP // 4, 4)
+                   .transpose(2, 3).reshape(n, blocked // BLOCK, GROUP // 4, PAIR))
+        blocks = (vectors[:, :, :4] | (vectors[:, :, 4:] << 4)).reshape(n, blocked // 2)
+        pairs = levels[:, blocked:].reshape(n, (k - blocked) // PAIR, PAIR)
+        tail = (pairs[..., : PAIR // 2] | (pairs[..., PAIR // 2 :] << 4)).reshape(n, (k - blocked) // 2)
+        packed = torch.cat([blocks, tail], 1)
+        if pairs.shape[1] % 2:
+            packed[1::2] = torch.cat([tail[1::2], blocks[1::2]], 1)  # odd outputs: the tail first
         return packed.contiguous(), torch.stack([scale, zero], dim=1).to(torch.bfloat16).contiguous()
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
@@ -111,7 +109,7 @@ class Int4Kernel:
 
 def takes(in_features: int) -> bool:
     """Whether a layer with this many inputs has the kernel's shape (whole pairs of groups)."""
-    return in_features % PAIR == 0 and in_features <= MAX_INPUTS
+    return in_features % PAIR == 0
 
 
 _lock = threading.Lock()
