@@ -8,8 +8,8 @@ every WAN link), the built-in model over 2 stages on two `swarm join` fellows in
 links on (the hops move from the relay to a hole-punched tunnel between the homes before anything is measured),
 greedy. Drafting ahead is the leader's setting at load time (SWARM_SERVE_SPECULATIVE), so each variant restarts the
 leader with its setting and loads the model afresh; the variants (off, and ``--draft`` tokens guessed per pass) take
-turns for ``--rounds`` rounds, each round asking both of bench/drafting.py's chats: a code edit whose reply repeats
-its input, and an ordinary chat. Printed per reply: the decode rate (``swarm.timing``'s tokens_per_s: the steady rate
+turns for ``--rounds`` rounds, each round asking bench/drafting.py's chats: a page edit whose reply repeats its
+input, a code edit the model half rewrites, and an ordinary chat. Printed per reply: the decode rate (``swarm.timing``'s tokens_per_s: the steady rate
 after the first token), the ring's passes per token (spec_passes / spec_tokens), the guesses made and kept, the
 speed-up of drafting, and whether each reply was token for token the same with and without it. Each reply's line
 also gives the stages' compute and the links' time per token (``swarm.timing``'s compute_ms_per_token and
