@@ -22,9 +22,10 @@ from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, tok
 
 
 # Rows of the head computed in one call. On CPU torch's float32 matrix product costs about what one row costs for up to
-# 3 rows and twice that from 4 (bench/RESULTS.md); swarm's int4 kernel computes each row alone, at a lower cost a row
-# the more rows share a call.
+# 3 rows and twice that from 4 (bench/RESULTS.md). swarm's int4 kernel unpacks each weight once for up to 8 rows
+# (a tile): the built-in model's head costs 1.5x one row's for 5 rows, and 1.3x for 3.
 HEAD_ROWS = 3
+KERNEL_HEAD_ROWS = 8
 
 
 def align(stage, batch: list[Work]) -> None:
@@ -77,13 +78,13 @@ def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
     bias = (torch.tensor(sampling.bias_ids, dtype=torch.long), torch.tensor(sampling.bias_values)) \
         if sampling.bias_ids else None
     kept: list[tuple[int, messages.TokenLogprob | None]] = []
-    rows = None
+    rows, at_once = None, head_rows(stage)
     for i in range(work.n):
-        # the head HEAD_ROWS rows at a time, as far as the guesses are kept: a rejected guess's later rows never pay
-        if i % HEAD_ROWS == 0:
+        # the head a few rows at a time, as far as the guesses are kept: a rejected guess's later rows never pay
+        if i % at_once == 0:
             with torch.inference_mode():
-                rows = stage.logits(states[:, i : i + HEAD_ROWS, :])[0].float().cpu()
-        logits = rows[i % HEAD_ROWS]
+                rows = stage.logits(states[:, i : i + at_once, :])[0].float().cpu()
+        logits = rows[i % at_once]
         if bias is not None:  # logit_bias, before everything else (OpenAI's order)
             logits = logits.clone()
             logits[bias[0]] += bias[1]
@@ -94,6 +95,12 @@ def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
         if guess is None or token != guess:
             break
     return kept
+
+
+def head_rows(stage) -> int:
+    """How many rows of a verifying pass the last stage's head computes in one call: a tile of swarm's int4 kernel
+    where the head runs on it, else what costs about one row on torch's."""
+    return KERNEL_HEAD_ROWS if getattr(stage.lm_head, "kernel", None) is not None else HEAD_ROWS
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, guess: int | None,
