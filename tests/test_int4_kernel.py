@@ -78,6 +78,19 @@ def test_the_kernels_other_builds_compute_the_same(march, k):
     assert torch.allclose(got.double(), int4_kernel.reference(x, q, scale, zero), rtol=1e-5, atol=1e-4)
 
 
+def test_the_steps_exponential_is_exp_to_float_rounding():
+    """The C step's SiLU and softmax take e^x 16 at a time (a polynomial where the CPU has AVX512): within a float's
+    rounding of exp over the range a float's exponential covers, 0 and infinity beyond it."""
+    kernel = int4_kernel.kernel()
+    x = torch.cat([torch.linspace(-87.0, 88.7, 200_003), torch.tensor([0.0, -1e-8, 1e-8, -200.0, -105.0, 89.0, 300.0])])
+    got = kernel.exp(x).double()
+    want = torch.exp(x.double())
+    finite = (want > 1.2e-38) & (want < 3.4e38)
+    assert ((got[finite] - want[finite]).abs() / want[finite]).max() < 1.5e-7
+    assert got[-4:-2].tolist() == [0.0, 0.0] and got[-2:].isinf().all()
+    assert got[-7] == 1.0
+
+
 def test_int4_fast_layers_take_the_kernel_and_nf4_keeps_torchs():
     _, Int4Linear = cpu_modules()
     linear = torch.nn.Linear(576, 96, bias=True)

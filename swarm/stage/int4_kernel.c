@@ -550,6 +550,15 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+/* out = e^x over n floats, as the step's SiLU and softmax compute it (for the tests) */
+void swarm_exp(const float *x, int n, float *out) {
+    int i = 0;
+#if defined(PATH_512)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) out[i] = expf(x[i]);
+}
+
 /* m = silu(gate) * up over one row's n pairs (gate: the row's first n of gu, up: the next n) */
 static void silu_mul(const float *gu, int n, float *m) {
     int i = 0;

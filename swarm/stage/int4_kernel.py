@@ -64,6 +64,13 @@ class Int4Kernel:
                          ctypes.POINTER(number), ctypes.POINTER(number), number]
         self._layer = (qkv, rest)
 
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        """e^x as the C decode step's SiLU and softmax compute it (float32), for the tests."""
+        x = x.float().contiguous()
+        out = torch.empty_like(x)
+        self._lib.swarm_exp(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.numel()), ctypes.c_void_p(out.data_ptr()))
+        return out
+
     def layer_calls(self) -> tuple[Any, Any]:
         """The C file's decoder-layer step (swarm.stage.compiled_decode): swarm_layer_qkv and swarm_layer_rest."""
         return self._layer
