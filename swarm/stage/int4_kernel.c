@@ -332,12 +332,13 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* eight bfloat16 as floats */
 static inline __m256 widen8(const uint16_t *h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
 }
 
 /* Half a block at a time: its 8 vectors' halves (groups 0..7, then 8..15) summed per group, as the AVX512 path sums
- * whole vectors; a tail pair's halves as before blocks came in. */
+ * whole vectors; a tail pair 32 of its weights at a time (16 of each group), each lane with its group's s d. */
 static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
                                                            int k, const int8_t *xq, const float *dx, const float *sx,
                                                            float *out) {
