@@ -430,7 +430,8 @@ static inline void prefetch_outputs(const uint8_t *w, const uint16_t *sz, int k,
 }
 
 /* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k/2 bytes; sz: n x k/32 x 2 bfloat16 (scale, offset).
- * k must be a multiple of 64; threads: how many OpenMP threads share the outputs (the stage's torch threads). Returns 0, or -1 where scratch memory could not be had (y untouched). */
+ * k must be a multiple of 64; threads: how many OpenMP threads share the outputs (the stage's torch threads).
+ * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 64 (y untouched). */
 int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, const uint16_t *sz, const float *bias,
                   float *y, int threads) {
     if (threads < 1) threads = 1;
