@@ -7,11 +7,15 @@ Markers (pyproject.toml): unmarked tests are fast units; ``e2e``, ``lab`` and ``
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
+import sys
+import threading
 from pathlib import Path
 
 import pytest
+import trio
 
 # Before torch is first imported (OpenMP reads it once): OpenMP threads sleep between parallel regions instead of
 # spinning. The tests put several torch users on this 2-core machine at once (fellows in-process and as processes,
@@ -80,32 +84,49 @@ def build_tiny_source(folder: Path, kind: str, dtype=None, **save_kwargs) -> Pat
     return folder
 
 
+def shared_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder made once per run by ``build(folder)`` and shared by every pytest-xdist worker: the first worker to
+    get here builds it under a file lock, the others wait for it and reuse it. Without xdist, once per session."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, above each worker's own
+    folder = base / f"shared-{name}"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """kind -> imported model dir, for every family in TINY_MODELS."""
     from swarm.store.importer import import_model
 
-    root = tmp_path_factory.mktemp("tiny")
-    out = {}
-    for kind in TINY_MODELS:
-        source = build_tiny_source(root / f"src-{kind}", kind)
-        import_model(str(source), root / "models", kind)
-        out[kind] = root / "models" / kind
-    return out
+    def build(root: Path) -> None:
+        for kind in TINY_MODELS:
+            source = build_tiny_source(root / f"src-{kind}", kind)
+            import_model(str(source), root / "models", kind)
+
+    root = shared_once(tmp_path_factory, "tiny", build)
+    return {kind: root / "models" / kind for kind in TINY_MODELS}
 
 
 @pytest.fixture(scope="session")
 def smollm_model_dir(tmp_path_factory) -> Path:
-    """The built-in SmolLM2-135M-Instruct, imported once per test session (~20 s: GGUF dequantization, the tokenizer
+    """The built-in SmolLM2-135M-Instruct, imported once per test run (~20 s: GGUF dequantization, the tokenizer
     rebuilt from the GGUF's vocabulary), stored in bfloat16."""
     from swarm.store.importer import builtin_gguf_path, import_model
 
     try:
         builtin_gguf_path()
-    except Exception as exc:  # the package is a declared dependency; skip rather than fail where it is absent
+    except Exception as exc:  # noqa: BLE001 - a declared dependency; skip, saying why, rather than fail where absent
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("models")
-    import_model("smollm2-135m-instruct", root)
+    root = shared_once(tmp_path_factory, "models", lambda folder: import_model("smollm2-135m-instruct", folder))
     return root / "smollm2-135m-instruct"
 
 
@@ -166,6 +187,8 @@ def process_logs(request):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    while _UNREPORTED:
+        report.user_properties.append((_SUMMARY_KEY, _UNREPORTED.pop(0)))
     if report.failed:
         seen = set()
         for source in item.stash.get(_PROCESS_LOGS, []):
@@ -184,20 +207,108 @@ def pytest_runtest_makereport(item, call):
 
 # --- figures a module wants shown at the end of the run (the lab's NAT grid) ---------------------------------------
 
-_SUMMARIES = pytest.StashKey[list]()
+# An entry travels in the report of the test that made it (report.user_properties), so it reaches the terminal
+# summary also from a pytest-xdist worker, where the summary is printed by another process.
+_UNREPORTED: list[tuple[str, str]] = []
+_REPORTED = pytest.StashKey[list]()
+_SUMMARY_KEY = "swarm session summary"
 
 
 @pytest.fixture(scope="session")
-def session_summary(request):
+def session_summary():
     """``session_summary(title, text)`` prints ``text`` under ``title`` in pytest's terminal summary, without -s."""
-    entries = request.config.stash.setdefault(_SUMMARIES, [])
-    return lambda title, text: entries.append((title, text))
+    return lambda title, text: _UNREPORTED.append((title, text))
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == _SUMMARY_KEY:
+            report.config.stash.setdefault(_REPORTED, []).append(tuple(value))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    for title, text in config.stash.get(_SUMMARIES, []):
+    for title, text in config.stash.get(_REPORTED, []):
         terminalreporter.write_sep("=", title)
         terminalreporter.write_line(text)
+
+
+# --- every module's tests in one xdist worker; every trio test with a deadline that shows where it hangs -----------
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
+def pytest_collection_modifyitems(config, items):
+    default_limit = float(config.getini("timeout") or 0)
+    for item in items:
+        # A module's tests share its fleet (module-scoped fixtures): they run in one worker, in order. The lab's
+        # modules share the host's network namespaces and nftables: one worker for all of them.
+        group = "lab" if item.get_closest_marker("lab") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+        trio_mark = item.get_closest_marker("trio")
+        if trio_mark is None:
+            continue
+        timeout_mark = item.get_closest_marker("timeout")
+        limit = float(timeout_mark.args[0]) if timeout_mark and timeout_mark.args else default_limit
+        if limit <= 0:
+            continue
+        run = trio_mark.kwargs.get("run", trio.run)
+        item.add_marker(pytest.mark.trio(run=_run_with_deadline(run, limit, item.nodeid)), append=False)
+        # pytest-timeout stays the backstop, for a loop blocked where a cancellation cannot reach.
+        item.add_marker(pytest.mark.timeout(limit + 60), append=False)
+
+
+def _run_with_deadline(run, limit: float, nodeid: str):
+    """``run`` (trio.run) with a deadline of ``limit`` real seconds (an autojump clock does not move it): past it,
+    the trio task tree and every thread's stack are printed, the test is cancelled and fails, and the run goes on."""
+
+    def run_with_deadline(fn, **kwargs):
+        scopes: list[trio.CancelScope] = []
+        token: list = []
+
+        async def guarded():
+            token.append(trio.lowlevel.current_trio_token())
+            with trio.CancelScope() as scope:
+                scopes.append(scope)
+                return await fn()
+            pytest.fail(f"{nodeid} ran past its time limit of {limit:.0f} s (stacks above, on stderr)", pytrace=False)
+
+        def expire():
+            sys.stderr.write(f"\n=== {nodeid}: past its time limit of {limit:.0f} s; where each thread is:\n")
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            if token:
+                token[0].run_sync_soon(cancel)
+
+        def cancel():
+            sys.stderr.write(f"=== {nodeid}: trio tasks:\n{_trio_tasks()}\n")
+            sys.stderr.flush()
+            scopes[0].cancel()
+
+        timer = threading.Timer(limit, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return run(guarded, **kwargs)
+        finally:
+            timer.cancel()
+
+    return run_with_deadline
+
+
+def _trio_tasks() -> str:
+    """The trio task tree, each task with the lines it waits on (trio's own frames left out)."""
+    lines: list[str] = []
+
+    def show(task, depth: int) -> None:
+        lines.append("  " * depth + f"task {task.name}")
+        for frame, lineno in task.iter_await_frames():
+            path = frame.f_code.co_filename
+            if f"{os.sep}trio{os.sep}" not in path:
+                lines.append("  " * depth + f"  {path}:{lineno} in {frame.f_code.co_name}")
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                show(child, depth + 1)
+
+    show(trio.lowlevel.current_root_task(), 0)
+    return "\n".join(lines)
 
 
 # --- the store on both backends ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from harness import wait_for
 
@@ -41,6 +42,7 @@ def _answers(port: int) -> bool:
         return False
 
 
+@pytest.mark.e2e
 def test_leader_prints_its_secrets_on_the_first_start_only(tmp_path, process_logs):
     port = _free_port()
     first, again = tmp_path / "first.out", tmp_path / "again.out"
@@ -76,6 +78,7 @@ def _swarm(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.e2e
 def test_import_refuses_an_architecture_it_cannot_slice(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -87,6 +90,7 @@ def test_import_refuses_an_architecture_it_cannot_slice(tmp_path):
     assert not (tmp_path / "leader" / "models" / "gpt2").exists()
 
 
+@pytest.mark.e2e
 def test_import_a_transformers_folder_and_list_it_in_the_catalogue(tmp_path):
     from conftest import build_tiny_source
 
@@ -111,6 +115,7 @@ def test_cli_commands_that_need_a_leader_say_how_to_name_one():
     assert result.returncode == 1 and "cannot reach the leader" in result.stderr
 
 
+@pytest.mark.e2e
 def test_admin_cli_mints_lists_and_revokes_join_tokens_and_sets_a_password(tmp_path, process_logs):
     port = _free_port()
     out = tmp_path / "leader.out"

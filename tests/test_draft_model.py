@@ -188,6 +188,7 @@ def test_a_named_draft_model_that_cannot_draft_refuses_the_load():
     assert not shares_vocabulary(model("a", 1, vocabulary=None), model("b", 1))
 
 
+@pytest.mark.e2e
 def test_tokenizers_compared_by_vocabulary_and_probe(smollm_model_dir, tmp_path):
     from transformers import AutoTokenizer
 

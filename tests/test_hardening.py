@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 import trio
 import trio_websocket
 
@@ -58,6 +59,7 @@ async def _enrol(nursery, swarm, join_token: str, name: str = "mallory", private
 # --- High 1: memory and time a stranger can take before enrolment -----------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_a_stranger_cannot_make_the_leader_buffer_a_huge_message_before_hello(tmp_path):
     """A random key completes the handshake and starts a 256 MiB message: the leader refuses it after 64 KiB
     instead of buffering it (it kept up to 256 MiB and peaked at 2.6 GB)."""
@@ -76,6 +78,7 @@ async def test_a_stranger_cannot_make_the_leader_buffer_a_huge_message_before_he
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_a_connection_that_never_says_hello_is_closed(tmp_path, monkeypatch):
     monkeypatch.setattr(fellows_module, "HELLO_S", 0.5)
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
@@ -84,6 +87,7 @@ async def test_a_connection_that_never_says_hello_is_closed(tmp_path, monkeypatc
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_an_enrolled_fellow_cannot_send_a_huge_control_message(tmp_path):
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
         channel, reply = await _enrol(nursery, swarm, swarm.leader.first_start.join_token)
@@ -98,6 +102,7 @@ async def test_an_enrolled_fellow_cannot_send_a_huge_control_message(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_big_control_messages_are_decoded_off_the_event_loop(tmp_path, monkeypatch):
     threads = []
     unpack = wire.unpack
@@ -124,6 +129,7 @@ async def test_big_control_messages_are_decoded_off_the_event_loop(tmp_path, mon
 # --- High 3: join tokens that expire and are used up, removing a fellow, what an enrolled fellow may do ----------------
 
 
+@pytest.mark.e2e
 async def test_the_printed_join_token_admits_one_fellow(tmp_path):
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
         join = swarm.leader.first_start.join_token
@@ -134,6 +140,7 @@ async def test_the_printed_join_token_admits_one_fellow(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_minted_join_tokens_count_uses_and_can_be_revoked(tmp_path):
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
         for bad in ({"uses": 0}, {"uses": "2"}, {"uses": True}, {"ttl_s": -5}, {"ttl_s": 1e12}):
@@ -154,6 +161,7 @@ async def test_minted_join_tokens_count_uses_and_can_be_revoked(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_a_removed_fellow_is_cut_off_and_refused_at_once(tmp_path):
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
         key = generate_private_key()
@@ -184,6 +192,7 @@ async def test_a_removed_fellow_is_cut_off_and_refused_at_once(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_a_fellow_downloads_only_the_files_of_stages_placed_on_it(tmp_path):
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
         _, welcome = await _enrol(nursery, swarm, swarm.leader.first_start.join_token)
@@ -200,6 +209,7 @@ async def test_a_fellow_downloads_only_the_files_of_stages_placed_on_it(tmp_path
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.e2e
 async def test_a_fellow_cannot_speak_for_a_model_it_does_not_serve(tmp_path, monkeypatch):
     """A freshly enrolled fellow's forged hop_lost used to end the admin's reply in flight."""
     from swarm import messages
@@ -331,6 +341,7 @@ def test_a_user_changes_their_password_and_an_admin_can_set_one(tmp_path):
         assert leader.store.verify_password("bob", "third password").id == bob_id
 
 
+@pytest.mark.e2e
 async def test_sign_ins_hash_in_a_bounded_pool_of_their_own(tmp_path, monkeypatch):
     """60 parallel login loops used to take every worker thread: a signed-in request took 3-6 s."""
     import time as _time
@@ -461,6 +472,7 @@ def test_chat_fields_of_the_wrong_type_are_a_400_not_a_500(tmp_path):
         assert response.status_code == 400, response.text
 
 
+@pytest.mark.e2e
 async def test_swarm_serve_host_sets_the_address_a_fellow_listens_on(tmp_path):
     import psutil
 
@@ -519,6 +531,7 @@ def self_signed(folder, name: str = "leader"):
     return cert_path, key_path
 
 
+@pytest.mark.e2e
 async def test_fellows_reach_an_https_leader_by_its_pinned_certificate_only(tmp_path, tiny_model_dirs):
     """Over plain HTTP a fellow's node credential crossed the network as a Bearer header (downloads, relay). With
     `swarm leader --tls-cert --tls-key` the join token pins the certificate: fellows download, relay and hold
@@ -552,6 +565,7 @@ async def test_fellows_reach_an_https_leader_by_its_pinned_certificate_only(tmp_
             assert "certificate other than the one its join token names" in str(exc)
 
 
+@pytest.mark.e2e
 async def test_a_relay_slot_cannot_be_taken_over_by_a_second_listener(tmp_path):
     """A new relay listener used to replace the one waiting: whoever held a copy of the node credential could take
     over a stage's incoming hop."""

@@ -158,6 +158,7 @@ def test_streamed_gguf_import_equals_transformers_load(tmp_path):
     assert compared == len(whole) - 1  # everything but the tied head
 
 
+@pytest.mark.e2e
 def test_gguf_import_holds_a_layer_at_a_time(tmp_path):
     """A generated Llama GGUF of ~270 MB (Q8_0; 1 GB dequantized to float32) imports with the importing process's
     peak RSS less than a quarter of the dequantized size above what it held before."""
@@ -357,6 +358,7 @@ def test_gguf_stored_dtype_follows_the_file_and_values_follow_transformers(tmp_p
         assert torch.equal(value, whole[f"model.layers.1.{key}"].to(getattr(torch, stored))), key
 
 
+@pytest.mark.e2e
 def test_sharded_folder_import_holds_a_slice_at_a_time(tmp_path):
     """A generated ~540 MB bfloat16 Llama folder in two shards imports with the importing process's peak RSS less than
     a quarter of the folder's size above what it held before (tensors are read with plain reads, a slice at a time,
