@@ -173,7 +173,7 @@ def options(parser: argparse.ArgumentParser) -> None:
                         help="the fellow processes unpinned, each with every core (two fellows on one PC)")
     parser.add_argument("--in-process", dest="processes", action="store_false",
                         help="the leader and the fellows in this process, calibrated afresh before each round")
-    for old in ("--processes", "--pin"):  # the default now; the earlier runs in bench/RESULTS.md name them
+    for old in ("--processes", "--pin"):  # the default now; the earlier runs in bench/HISTORY.md name them
         parser.add_argument(old, dest=old[2:], action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 

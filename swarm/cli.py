@@ -16,7 +16,7 @@ from swarm.quantization import KINDS
 # A fellow's OpenMP threads spin only briefly between two operations before they sleep: long enough to keep a pass
 # fast, short enough that another fellow on the same machine gets the cores between passes. Measured on the demo
 # (2 stages, 2 cores): the default spin gave one chat 16 tok/s but four chats only 17 in all; passive waiting 10 and
-# 29; GOMP_SPINCOUNT=20000 (with busy stages on their share of the cores) 20 and 43 (bench/RESULTS.md).
+# 29; GOMP_SPINCOUNT=20000 (with busy stages on their share of the cores) 20 and 43 (bench/HISTORY.md).
 FELLOW_THREAD_ENV = {"GOMP_SPINCOUNT": "20000"}
 
 

@@ -4,7 +4,7 @@ operations.
 
 Why: at int4-fast on CPU, once the matrices run on swarm's kernel, most of a decode step is the fixed cost of the
 small torch operations between them -- norms, views, the rotation, the attention call, the activation, the residuals
--- each a few microseconds for a row of a few hundred numbers (bench/RESULTS.md). The first call normalises the row,
+-- each a few microseconds for a row of a few hundred numbers (bench/HISTORY.md). The first call normalises the row,
 computes q, k and v with the stacked matrix and rotates q and k (Qwen3: each head's norm first), writing the new keys
 and values straight into room at the end of the cache's buffers (:func:`_room`: the library's update copies the whole
 cache at every step, ~6 ms a token at 1000 tokens of context on the built-in model); the second call attends each row

@@ -417,7 +417,7 @@ static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *s
 #endif
 
 /* Asks for the weights, scales and offsets of outputs [j, j + count) to be brought toward the caches: the processor's
- * own prefetcher starts too late for the short rows of a decode step's matrices (bench/RESULTS.md, "the int4 kernel
+ * own prefetcher starts too late for the short rows of a decode step's matrices (bench/HISTORY.md, "the int4 kernel
  * waited on memory": the built-in model's one-row step's matrices in 8.4 against 10.3 ms). Past the last output it
  * asks for bytes beyond the matrix, which a prefetch may: it never faults (the addresses are made as integers, not
  * pointers, for C's sake).

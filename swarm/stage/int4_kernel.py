@@ -3,7 +3,7 @@ activations quantized to 8 bits per group of 32 as they come in, as llama.cpp co
 
 Why: torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) takes bfloat16 activations, so every call is wrapped in two
 casts, and widens each weight to multiply in floating point; a byte dot product does 64 multiply-adds in one VNNI
-instruction. Measured on this repository's machine (bench/RESULTS.md, "swarm's int4 kernel"): 1.1-1.45x torch's for
+instruction. Measured on this repository's machine (bench/HISTORY.md, "swarm's int4 kernel"): 1.1-1.45x torch's for
 one row, on a par for 4 rows, 1.1-1.4x for 5; in a whole model, where each token streams every weight from memory,
 the gain is smaller. The cost is the activations' 8 bits: 1.6 % perplexity on the built-in model -- so nf4, the
 quality choice, keeps torch's kernel.

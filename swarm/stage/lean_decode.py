@@ -3,7 +3,7 @@ verifying pass, a prompt's chunk), through a stage's Llama-shaped layers, comput
 transformers' own layers and nothing around them.
 
 Why: at 4 bits half of a decode step of a small model is not arithmetic but the per-operation cost of the library's
-layers -- module calls, keyword plumbing, the attention dispatch, the mask and cache bookkeeping (bench/RESULTS.md,
+layers -- module calls, keyword plumbing, the attention dispatch, the mask and cache bookkeeping (bench/HISTORY.md,
 "a lean decode path"). For one new row none of that is needed: the row attends to everything cached (no mask), the
 rotary tables are the stage's, the keys and values append to the request's own DynamicCache layer. One request's
 several rows take the library's causal mask, made once per pass, and the attention call the library makes with it.

@@ -7,7 +7,7 @@ never held at once. Embeddings, norms and the KV caches stay in the compute dtyp
 On CUDA: int8 and nf4 with bitsandbytes (LLM.int8 and NF4 with 64-weight blocks); int4-fast with torchao's int4
 weight-only kernels (tinygemm) where torchao is installed, else plain nf4 (the seed's rule).
 
-On CPU, measured on this repository's machines (bench/quantized.py, bench/RESULTS.md), torch's own weight-only
+On CPU, measured on this repository's machines (bench/quantized.py, bench/HISTORY.md), torch's own weight-only
 kernels with bfloat16 activations are the fastest paths that keep every row of a batch independent:
 
 - int8: ``aten._weight_int8pack_mm`` -- int8 weights with one scale per output row.
@@ -30,7 +30,7 @@ The head (``lm_head``) is a linear layer too, and on a small model a large share
 at int8 for int8 and nf4 (the quality choice: 4 bits in the head cost the built-in model 9 % perplexity, where the
 layers at 4 bits cost 0.4 %; llama.cpp also keeps its output matrix wider), and at 4 bits for int4-fast (the speed
 choice: measured here, the built-in model's 49152 x 576 head took 2.1 ms at 4 bits, 6-10 ms at int8, 14-18 ms in
-float32 -- though in the whole built-in model that gain stayed within the VM's noise, bench/RESULTS.md). On CUDA it stays in half precision, as bitsandbytes' loaders leave it.
+float32 -- though in the whole built-in model that gain stayed within the VM's noise, bench/HISTORY.md). On CUDA it stays in half precision, as bitsandbytes' loaders leave it.
 
 Every function here is deterministic: the same weights quantized by the same kind give the same tensors, so a ring's
 stages and one whole model quantized alike (:func:`quantize_model`) compute the same tokens.

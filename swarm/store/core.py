@@ -10,7 +10,7 @@ PostgreSQL (``SWARM_DATABASE_URL=postgresql://...``, for a leader that outgrows 
 writers go one at a time as under ``BEGIN IMMEDIATE`` while readers never wait. The SQL stays SQLite's, written once:
 ``swarm.store.dialect`` translates each statement (placeholders, id columns, BLOB, upserts), so one list of
 MIGRATIONS is the one schema and history of both. Design choice, measured (bench/store_backends.py,
-bench/RESULTS.md): psycopg 3 with that thin layer rather than SQLAlchemy Core and Alembic -- the store is ~100
+bench/HISTORY.md): psycopg 3 with that thin layer rather than SQLAlchemy Core and Alembic -- the store is ~100
 hand-written statements with ``?``; SQLAlchemy would have meant rewriting each as expressions or ``text()`` with
 named parameters and keeping a second, Alembic, migration history beside the SQLite one, for a driver (psycopg)
 that is the same underneath. Each call's overhead is in the bench.
