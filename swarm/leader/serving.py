@@ -369,13 +369,6 @@ class Serving:
             why = context_reason(self._own_context(name), self.settings.serve_context_tokens)
             raise ContextTooLong(too_long(need, prompt, reply, context, why))
 
-    def pool_tokens(self, name: str) -> int:
-        """The KV tokens the ring serving ``name`` holds at once, every conversation together (its admission budget)."""
-        serving = self.models.get(name)
-        if serving is None or serving.size is None:
-            return self.settings.serve_context_tokens
-        return serving.budget(self.settings).tokens
-
     def find(self, request_id: str) -> Request | None:
         return self.book.find(request_id)
 
