@@ -258,13 +258,13 @@ LEAVE_CASES = {
 
 @pytest.mark.parametrize("case", list(LEAVE_CASES))
 def test_a_client_that_leaves_cancels_every_reply_of_its_request(bg, case):
-    """Long sampled replies (ignore_eos, 480 tokens each); the client waits half a second, then closes its
-    connection. Every reply of the request ends as cancelled within seconds, the model's queue and slots are free
+    """Long sampled replies (ignore_eos, up to 4,000 tokens each: seconds of work even on a fast machine); the client
+    waits half a second, then closes its connection. Every reply of the request ends as cancelled within seconds, the model's queue and slots are free
     again, and the next request is answered at once."""
     path, extra, replies = LEAVE_CASES[case]
-    assert _idle(bg, "short")
+    assert _idle(bg, "long")
     bg.sync(bg.ended.clear)
-    body = {"model": "short", "max_tokens": 480, "ignore_eos": True, "temperature": 1.0, **extra}
+    body = {"model": "long", "max_tokens": 4000, "ignore_eos": True, "temperature": 1.0, **extra}
     with client(bg, read=0.5) as http:
         try:
             with http.stream("POST", path, json=body) as response:
@@ -272,13 +272,13 @@ def test_a_client_that_leaves_cancels_every_reply_of_its_request(bg, case):
                 next(response.iter_lines())  # the stream started: leave in the middle of it
         except httpx.ReadTimeout:
             pass  # no answer yet: leave while it is still waiting or generating
-    wait_for(lambda: _idle(bg, "short"), 5, message=lambda: f"still running: "
-             f"{bg.sync(lambda: [(r.id, len(r.tokens)) for r in bg.swarm.leader.serving.book.of_model('short')])}")
+    wait_for(lambda: _idle(bg, "long"), 5, message=lambda: f"still running: "
+             f"{bg.sync(lambda: [(r.id, len(r.tokens)) for r in bg.swarm.leader.serving.book.of_model('long')])}")
     finished = bg.sync(lambda: [(r.finish_reason, len(r.tokens)) for r in bg.ended])
     assert len(finished) == replies and all(reason == "cancelled" for reason, _ in finished), finished
     started = time.monotonic()
     with client(bg) as http:
-        response = http.post("/v1/chat/completions", json={"model": "short", "max_tokens": 4, "temperature": 0,
+        response = http.post("/v1/chat/completions", json={"model": "long", "max_tokens": 4, "temperature": 0,
                                                            "messages": [{"role": "user", "content": "Count"}]})
     assert response.status_code == 200 and time.monotonic() - started < 5, response.text
 
