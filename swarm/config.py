@@ -45,7 +45,9 @@ class Settings:
 
     # --- serving (leader side) ---
     pipeline_transport: str = "auto"  # SWARM_PIPELINE_TRANSPORT: auto (direct, relay on failure), direct, relay
-    serve_context_tokens: int = 4096  # SWARM_SERVE_CONTEXT_TOKENS
+    # SWARM_SERVE_CONTEXT_TOKENS: the context each stage budgets KV cache for, and the longest conversation (prompt and
+    # reply) any model serves: a model's served context is its own, capped by this
+    serve_context_tokens: int = 4096
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
     max_tokens_limit: int = 4096  # hard cap on max_tokens per request
     rendezvous_port: int | None = None  # SWARM_RENDEZVOUS_PORT: UDP port telling fellows their public address
@@ -55,6 +57,9 @@ class Settings:
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
+    # SWARM_SERVE_REQUEST_REPLIES: replies one API request may ask for (prompts x n); more are refused (400
+    # too_many_replies), so that one request cannot fill the queue
+    serve_request_replies: int = 64
     # SWARM_SERVE_SPECULATIVE: drafting ahead, up to N tokens guessed per pass by prompt lookup, for models loaded from
     # now on (0: off); only while a model has no more chats than stages, on rings whose fellows all support it
     serve_speculative: int = 0
@@ -96,6 +101,8 @@ class Settings:
             raise ConfigError("SWARM_SERVE_MAX_BATCH must be at least 1 request.")
         if self.serve_queue_limit < 1:
             raise ConfigError("SWARM_SERVE_QUEUE_LIMIT must be at least 1 request.")
+        if self.serve_request_replies < 1:
+            raise ConfigError("SWARM_SERVE_REQUEST_REPLIES must be at least 1 reply per request.")
         if self.serving_history_days <= 0:
             raise ConfigError("SWARM_SERVING_HISTORY_DAYS must be more than 0 days (the 15-minute view needs them).")
         if self.database_url is not None and not self.database_url.lower().startswith(("postgresql://",

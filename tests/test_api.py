@@ -174,7 +174,8 @@ def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(c
 
     monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
     monkeypatch.setattr(leader.serving, "submit", refuse)
-    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 512}
+    # (within the model's own context of 256, which the leader checks first: the refusal is the pool's)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
     message = check_error(client.post("/v1/chat/completions", json=body, headers=_auth(token)), 413,
                      "context_length_exceeded")
     assert message.startswith("this conversation needs 4312 tokens (3800 in the prompt and up to 512 in the reply); "

@@ -113,7 +113,8 @@ async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_pat
                 while (await reader.next(60))[0] != "done":
                     pass
             assert requests[0].queue_s < requests[1].queue_s < requests[2].queue_s  # one after another, in order
-            # too long for the pool: the seed's words
+            # longer than the model's served context (the leader's cap of 48 here; the pool holds more): the seed's
+            # words
             from swarm.errors import ContextTooLong
 
             reply = budget.tokens - 39
@@ -121,5 +122,6 @@ async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_pat
                 await swarm.leader.serving.submit(Request(model=d.name, prompt=[1] * 40, max_tokens=reply,
                                                           sampling=messages.Sampling(), eos=[]))
             assert f"this conversation needs {budget.tokens + 1} tokens (40 in the prompt and up to {reply} in the " \
-                   f"reply); the pool serving this model holds {budget.tokens}" in str(refused.value)
+                   "reply); the pool serving this model holds 48" in str(refused.value)
             assert "maximum context length" in str(refused.value)
+            assert "SWARM_SERVE_CONTEXT_TOKENS" in str(refused.value)

@@ -13,16 +13,16 @@ import time
 
 import trio
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader import timing
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
-from swarm.leader.limits import check_prompt_bytes
+from swarm.leader.limits import check_prompt_bytes, check_replies
 from swarm.leader.http_errors import json_body, openai_error
 from swarm.leader.logprobs import token_text
-from swarm.leader.openai_api import Choice, ReplyText, _error_events, next_event, read_choices
+from swarm.leader.openai_api import Choice, ReplyStream, ReplyText, _error_events, next_event, read_choices
 from swarm.leader.openai_params import CompletionParams, parse_completion_body
 from swarm.leader.requests import Request
 
@@ -50,30 +50,37 @@ class CompletionRoutes:
             user = await current_user(request, self.leader.store)
             body = await json_body(request)
             stream = body.get("stream") is True
-            params = parse_completion_body(body, self.leader.settings.max_tokens_limit)
+            settings = self.leader.settings
+            # in a worker thread: it checks every token id of every prompt, and a body may hold megabytes of them
+            params = await trio.to_thread.run_sync(parse_completion_body, body, settings.max_tokens_limit)
+            check_replies(len(params.prompts), params.n, settings.serve_request_replies)
             params.model = await self.routes.resolve(params.model, user)
             manifest, model_dir = await self.routes.model(params.model)
             vocab = int(manifest.get("vocab_size") or 0)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(model_dir))
+            serving = self.leader.serving
+            context = await serving.context_of(params.model)
+            reply = max(1, params.max_tokens)
             prompts = []
-            pool_tokens = self.leader.serving.pool_tokens(params.model)
             for prompt in params.prompts:
                 if isinstance(prompt, str):
-                    check_prompt_bytes(prompt, model_dir, pool_tokens)  # by its byte count, before tokenising
+                    # by its byte count before tokenising; both walk the whole text, in a worker thread
+                    await trio.to_thread.run_sync(check_prompt_bytes, prompt, model_dir, context)
                     ids = await trio.to_thread.run_sync(lambda p=prompt: list(tokenizer(p)["input_ids"]))
+                    serving.check_context(params.model, len(ids) + reply, len(ids), reply)
                     prompts.append((prompt, ids))
                 else:
-                    if vocab and max(prompt) >= vocab:
-                        raise BadRequest(f"'prompt' holds token {max(prompt)}, but model {params.model} has tokens 0 "
-                                         f"to {vocab - 1}.", "invalid_prompt")
-                    prompts.append((tokenizer.decode(prompt), list(prompt)))
+                    serving.check_context(params.model, len(prompt) + reply, len(prompt), reply)  # before decoding
+                    text = await trio.to_thread.run_sync(_prompt_text, tokenizer, prompt, vocab, params.model)
+                    prompts.append((text, list(prompt)))
             # the prompt's own logprobs only when they are returned: echo with logprobs
             prompt_logprobs = params.logprobs if params.echo else None
             for _, ids in prompts:
-                await self.routes.send(params.model, ids, max(1, params.max_tokens), params.sampling, params,
+                await self.routes.send(params.model, ids, reply, params.sampling, params,
                                        user.id, ring_requests, prompt_logprobs=prompt_logprobs)
-            for ring_request in ring_requests:
-                await self.leader.serving.wait_started(ring_request, request.receive)
+            # a client that leaves while they wait cancels them all
+            if await serving.wait_started(ring_requests, request.receive):
+                return Response(status_code=499)  # nobody reads it
         except Exception as exc:
             for ring_request in ring_requests:
                 self.leader.serving.cancel(ring_request)
@@ -88,10 +95,9 @@ class CompletionRoutes:
         first = ring_requests[0]
         created = int(time.time())
         if params.stream:
-            return StreamingResponse(self._stream(choices, params, tokenizer, created),
-                                     media_type="text/event-stream",
-                                     headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"})
-        failed = await read_choices(self.leader.serving, choices, self._collect)
+            return ReplyStream(self.leader.serving, ring_requests, self._stream(choices, params, tokenizer, created),
+                               headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"})
+        failed = await read_choices(self.leader.serving, choices, self._collect, request.receive)
         if failed is not None:
             return failed
         await timing.settle(self.leader.serving, first)
@@ -183,6 +189,16 @@ class CompletionRoutes:
         finally:
             for choice in choices:
                 self.leader.serving.cancel(choice.request)
+
+
+def _prompt_text(tokenizer, prompt: list[int], vocab: int, model: str) -> str:
+    """The text of a prompt given as token ids (for echo), once they are checked against the vocabulary. It walks
+    every id: call it in a worker thread."""
+    top = max(prompt)
+    if vocab and top >= vocab:
+        raise BadRequest(f"'prompt' holds token {top}, but model {model} has tokens 0 to {vocab - 1}.",
+                         "invalid_prompt")
+    return tokenizer.decode(prompt)
 
 
 def usage(choices: list[Completion], n: int) -> dict:

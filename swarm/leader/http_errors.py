@@ -7,8 +7,10 @@ route is our bug: a 500 that says so, with the details in the leader's log -- ne
 
 from __future__ import annotations
 
+import json
 import logging
 
+import trio
 from starlette.responses import JSONResponse
 
 from swarm.errors import (
@@ -27,6 +29,7 @@ from swarm.errors import (
     StoreError,
     SwarmError,
 )
+from swarm.leader.limits import PARSE_IN_THREAD
 from swarm.store.chats import ChatLimitReached, ChatTooLarge
 
 log = logging.getLogger(__name__)
@@ -95,9 +98,11 @@ def openai_problem(status: int, message: str, type_: str, code: str | None = Non
 
 
 async def json_body(request) -> dict:
-    """The request's JSON object; BadRequest for anything else."""
+    """The request's JSON object; BadRequest for anything else. A big body is parsed in a worker thread, so the event
+    loop keeps answering meanwhile (issue 32)."""
+    raw = await request.body()
     try:
-        body = await request.json()
+        body = json.loads(raw) if len(raw) <= PARSE_IN_THREAD else await trio.to_thread.run_sync(json.loads, raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}", "invalid_json") from None
     except RecursionError:  # '{"a":' x 3000: Python's parser recurses per level (a 500 before the fuzz test)

@@ -1,13 +1,19 @@
-"""How much a client may send (issue 10, finding 5): request bodies per route, and prompts before they are tokenised.
+"""How much a client may send (issue 10, finding 5; issue 32, findings 1 to 3): request bodies per route, prompts
+before they are tokenised, conversations against the model's served context, and replies per request.
 
 A 150 MB login body used to cost the leader 710 MB, and a 24 MB prompt was tokenised whole (11 s, 3 GB) before the
 context check refused it. Now each route has a body limit, refused from Content-Length before a byte is read (or as
-soon as a chunked body passes it), and a prompt whose text alone could not fit in the pool is refused by its byte
-count, before the tokenizer sees it.
+soon as a chunked body passes it), and a prompt whose text alone could not fit in the model's context is refused by
+its byte count, before the tokenizer sees it.
+
+Every limit follows the model's *served context* -- its own context (``max_position_embeddings`` in its config),
+capped by SWARM_SERVE_CONTEXT_TOKENS -- never the pool's KV budget: a pool with room for a million tokens used to
+accept a 6,000-token conversation on a model of 4,096 (it answered 200), and its /v1 body limit came out at 248 MB,
+its prompt byte check at 164 MB (a 40 MB prompt then held the leader for 71 s).
 
 A token stands for at most as many bytes of text as the longest entry of the tokenizer's vocabulary (for byte-level
 BPE each character of an entry is one byte; SentencePiece's "▁" is 3 bytes for 1, an overestimate, which is the safe
-side). So a text of B bytes is at least B / longest tokens, and a text over ``pool tokens x longest`` bytes cannot
+side). So a text of B bytes is at least B / longest tokens, and a text over ``context tokens x longest`` bytes cannot
 fit: refusing it is never wrong.
 """
 
@@ -19,7 +25,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from swarm.errors import BodyTooLarge, ContextTooLong
+from swarm.errors import BadRequest, BodyTooLarge, ContextTooLong
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -30,6 +36,15 @@ FALLBACK_TOKEN_BYTES = 256
 SIGN_IN_BODY = 16 * KIB  # a name and a password (passwords are capped at 1024 characters)
 DEFAULT_BODY = 1 * MIB  # every other /api/v1 and page route: settings, tokens, users, loads
 CHAT_BODY_MARGIN = 1 * MIB  # tools, sampling fields, JSON escapes beyond the text itself
+# JSON bytes one token of a prompt may take in a /v1 body. The longest vocabulary entries (runs of spaces, dashes or
+# letters, under FALLBACK_TOKEN_BYTES) are text JSON leaves as it is; what JSON escapes (quotes, backslashes, control
+# characters as \u00XX, non-ASCII as \uXXXX: at most 6 bytes for 1 to 3 of text) is held by short entries, a few
+# bytes each; a token id of /v1/completions is at most 7 digits and a separator. So a prompt that fits the served
+# context is at most ``context x BODY_BYTES_PER_TOKEN`` bytes of JSON, and CHAT_BODY_MARGIN holds the rest of the body:
+# 2 MiB for a context of 4,096 tokens, 9 MiB for 32,768.
+BODY_BYTES_PER_TOKEN = FALLBACK_TOKEN_BYTES
+# Big bodies are parsed in a worker thread (issue 32): ~10 ms of the event loop per MiB of JSON otherwise.
+PARSE_IN_THREAD = 64 * KIB
 
 
 def text_bytes(value: Any) -> int:
@@ -73,21 +88,59 @@ def longest_token_bytes(model_dir: str) -> int:
     return found
 
 
-def check_prompt_bytes(text: Any, model_dir: Path | str, pool_tokens: int) -> None:
-    """ContextTooLong when ``text`` cannot fit in ``pool_tokens`` tokens by its byte count alone."""
+def model_context(config: dict) -> int | None:
+    """The context a model was made for (its config's ``max_position_embeddings``, or a multimodal model's text
+    config's), or None when the config does not say."""
+    for source in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = source.get(key) if isinstance(source, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def served_context(own: int | None, cap: int) -> int:
+    """The longest conversation (prompt and reply) a model serves: its own context, capped by the admin's
+    SWARM_SERVE_CONTEXT_TOKENS (``cap``)."""
+    return cap if own is None else min(own, cap)
+
+
+def context_reason(own: int | None, cap: int) -> str:
+    """Where a served context comes from, in the words of an error message."""
+    if own is not None and own <= cap:
+        return "the model's own context"
+    own_words = f"; the model's own is {own}" if own is not None else ""
+    return f"SWARM_SERVE_CONTEXT_TOKENS on the leader{own_words}"
+
+
+def check_prompt_bytes(text: Any, model_dir: Path | str, context_tokens: int) -> None:
+    """ContextTooLong when ``text`` cannot fit in ``context_tokens`` tokens by its byte count alone. It walks the whole
+    text: call it in a worker thread for a big body."""
     size = text_bytes(text)
-    limit = pool_tokens * longest_token_bytes(str(model_dir))
+    limit = context_tokens * longest_token_bytes(str(model_dir))
     if size > limit:
         raise ContextTooLong(
-            f"the prompt has {size} bytes of text, more than the {pool_tokens} tokens the pool serving this model "
-            f"holds could carry (at most {limit} bytes). This model's maximum context length on this pool is "
-            f"{pool_tokens} tokens. Start a new conversation or send a shorter prompt."
+            f"the prompt has {size} bytes of text, more than the {context_tokens} tokens this model serves could "
+            f"carry (at most {limit} bytes). This model's maximum context length on this pool is {context_tokens} "
+            "tokens. Start a new conversation or send a shorter prompt."
         )
 
 
+def check_replies(prompts: int, n: int, limit: int) -> None:
+    """BadRequest (too_many_replies) when one request asks for more than ``limit`` replies (prompts x n): every reply is
+    a request of its own on the ring, and a client that leaves must not leave more queued than that."""
+    if prompts * n > limit:
+        asked = f"{prompts} prompts x n {n}" if prompts > 1 else f"n {n}"
+        raise BadRequest(
+            f"this request asks for {prompts * n} replies ({asked}); one request may ask for at most {limit} "
+            f"(SWARM_SERVE_REQUEST_REPLIES). Split it into requests of at most {limit} replies each: fewer prompts "
+            "per request, or a smaller n.", "too_many_replies")
+
+
 def chat_body_limit(context_tokens: int) -> int:
-    """The largest /v1 body worth reading: a prompt as long as the largest context, plus room for the rest."""
-    return context_tokens * FALLBACK_TOKEN_BYTES + CHAT_BODY_MARGIN
+    """The largest /v1 body worth reading: a prompt as long as the largest served context, plus room for the rest
+    (BODY_BYTES_PER_TOKEN says why)."""
+    return context_tokens * BODY_BYTES_PER_TOKEN + CHAT_BODY_MARGIN
 
 
 class BodyLimit:
@@ -123,7 +176,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(f"the request body is larger than the {limit} bytes this route accepts.")
+                    raise BodyTooLarge(too_large(limit))
             return message
 
         async def tracked_send(message):
@@ -139,13 +192,19 @@ class BodyLimit:
                 await _too_large(send, limit)
 
 
+def too_large(limit: int) -> str:
+    return (f"the request body is larger than the {limit} bytes this route accepts. Send less in one request (a "
+            "batch of prompts split over several requests, a shorter conversation).")
+
+
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps({"error": {"message": f"the request body is larger than the {limit} bytes this route "
-                                            "accepts.", "type": "body_too_large", "code": "body_too_large"}}).encode()
+    body = json.dumps({"error": {"message": too_large(limit), "type": "body_too_large",
+                                 "code": "body_too_large"}}).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["BodyLimit", "check_prompt_bytes", "chat_body_limit", "longest_token_bytes", "text_bytes"]
+__all__ = ["BodyLimit", "chat_body_limit", "check_prompt_bytes", "check_replies", "context_reason", "longest_token_bytes",
+           "model_context", "served_context", "text_bytes"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError, first_leaf
 from swarm.leader import timing
@@ -28,11 +28,12 @@ from swarm.leader.chat_format import (
     think_tokens,
 )
 from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
-from swarm.leader.limits import check_prompt_bytes
+from swarm.leader.limits import check_prompt_bytes, check_replies
 from swarm.leader.logprobs import logprob_entries
 from swarm.leader.openai_params import ChatParams, choice_seed, parse_chat_body, to_sampling
 from swarm.leader.reasoning import ReasoningSplitter
 from swarm.leader.requests import Reader, Request
+from swarm.leader.serving import client_gone
 from swarm.leader.stops import StopFinder
 from swarm.leader.tool_calls import ToolCallSplitter, forced_grammar
 
@@ -62,11 +63,15 @@ class OpenAIRoutes:
             user = await current_user(request, self.leader.store)
             body = await json_body(request)
             stream = body.get("stream") is True
-            params = parse_chat_body(body, self.leader.settings.max_tokens_limit)
+            settings = self.leader.settings
+            # in a worker thread: it walks every message, and a body may hold megabytes of them
+            params = await trio.to_thread.run_sync(parse_chat_body, body, settings.max_tokens_limit)
+            check_replies(1, params.n, settings.serve_request_replies)
             params.model = await self.resolve(params.model, user)
             inside, tool_family = await self._submit(params, user.id, ring_requests)
-            for ring_request in ring_requests:
-                await self.leader.serving.wait_started(ring_request, request.receive)  # 503 if it waits too long
+            # a 503 if they wait too long; a client that leaves meanwhile cancels them all
+            if await self.leader.serving.wait_started(ring_requests, request.receive):
+                return Response(status_code=499)  # nobody reads it
         except Exception as exc:
             for ring_request in ring_requests:
                 self.leader.serving.cancel(ring_request)
@@ -82,11 +87,9 @@ class OpenAIRoutes:
         first = ring_requests[0]
         created = int(time.time())
         if params.stream:
-            return StreamingResponse(
-                self._stream(choices, created), media_type="text/event-stream",
-                headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"},
-            )
-        failed = await read_choices(self.leader.serving, choices, self._collect)
+            return ReplyStream(self.leader.serving, ring_requests, self._stream(choices, created),
+                               headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"})
+        failed = await read_choices(self.leader.serving, choices, self._collect, request.receive)
         if failed is not None:
             return failed
         await timing.settle(self.leader.serving, first)
@@ -117,8 +120,10 @@ class OpenAIRoutes:
         model's tool calls."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
-        # Refused by its byte count before the tokenizer sees it (swarm.leader.limits): a 24 MB prompt took 11 s.
-        check_prompt_bytes(params.messages, model_dir, self.leader.serving.pool_tokens(params.model))
+        # Refused by its byte count before the tokenizer sees it (swarm.leader.limits): a 24 MB prompt took 11 s. In a
+        # worker thread, as the tokenizer: both walk the whole text.
+        context = await self.leader.serving.context_of(params.model)
+        await trio.to_thread.run_sync(check_prompt_bytes, params.messages, model_dir, context)
         try:
             prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
                                                    architecture, params.tools)
@@ -160,8 +165,11 @@ class OpenAIRoutes:
         over the model's defaults, choice i seeded from the request's seed (choice 0 is the reply n=1 gets)."""
         leader = self.leader
         manifest, model_dir = await self.model(name)
-        if max_tokens is None:  # as long a reply as the pool leaves room for
-            max_tokens = max(1, min(leader.settings.max_tokens_limit, leader.serving.pool_tokens(name) - len(prompt)))
+        context = await leader.serving.context_of(name)
+        if max_tokens is None:  # as long a reply as the model's served context leaves room for
+            max_tokens = max(1, min(leader.settings.max_tokens_limit, context - len(prompt)))
+        # before anything is submitted (or a model that went idle loaded for it): the served context, not the pool
+        leader.serving.check_context(name, len(prompt) + max_tokens, len(prompt), max_tokens)
         serving = leader.serving.models.get(name)
         own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
         sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
@@ -285,6 +293,24 @@ class OpenAIRoutes:
                 self.leader.serving.cancel(choice.request)
 
 
+class ReplyStream(StreamingResponse):
+    """A streamed reply (server-sent events) whose ring requests are cancelled however the response ends: finished,
+    failed, or its client gone (Starlette cancels the stream when it hears the disconnect, and the generator may be
+    suspended at a send rather than inside its own try block then)."""
+
+    def __init__(self, serving, requests: list[Request], content, headers: dict):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.serving = serving
+        self.requests = requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for request in self.requests:
+                self.serving.cancel(request)
+
+
 class Choice:
     """One of a reply's n choices: its request on the ring, its text so far and how it ended."""
 
@@ -356,13 +382,26 @@ async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
     return done[0]
 
 
-async def read_choices(serving, choices: list, collect) -> JSONResponse | None:
+async def read_choices(serving, choices: list, collect, receive=None) -> JSONResponse | None:
     """``collect`` every choice at once (a stop string cancels its request at once); a 502 if the ring failed one.
-    Afterwards the choices' ring requests are cancelled, whatever happened, so no stage keeps working on them."""
+    With ``receive`` (the ASGI receive of the client's connection), a client that goes away cancels every choice at
+    once (issue 32: they ran on for nobody). Afterwards the choices' ring requests are cancelled, whatever happened,
+    so no stage keeps working on them."""
+
+    async def watch() -> None:
+        await client_gone(receive)
+        log.info("request %s: its client went away; cancelling its replies", choices[0].request.id)
+        for choice in choices:
+            serving.cancel(choice.request)
+
     try:
-        async with trio.open_nursery() as nursery:
-            for choice in choices:
-                nursery.start_soon(collect, choice)
+        async with trio.open_nursery() as outer:
+            if receive is not None:
+                outer.start_soon(watch)
+            async with trio.open_nursery() as nursery:
+                for choice in choices:
+                    nursery.start_soon(collect, choice)
+            outer.cancel_scope.cancel()
     except BaseException as exc:
         failure = first_leaf(exc)
         if isinstance(failure, SwarmError):

@@ -423,9 +423,12 @@ class RequestBook:
         request.notify()
 
 
-def too_long(need: int, prompt: int, reply: int, pool: int) -> str:
+def too_long(need: int, prompt: int, reply: int, pool: int, why: str | None = None) -> str:
     """The seed's words for a conversation longer than the whole pool holds (with the words client libraries look
-    for: "maximum context length")."""
-    return (f"this conversation needs {need} tokens ({prompt} in the prompt and up to {reply} in the reply); the "
-            f"pool serving this model holds {pool}. This model's maximum context length on this pool is {pool} "
-            "tokens. Start a new conversation, lower max_tokens, or serve on fellows with more free memory.")
+    for: "maximum context length"); ``why``: where the limit comes from, when it is the model's served context
+    (swarm.leader.limits.context_reason) rather than the pool's memory."""
+    text = (f"this conversation needs {need} tokens ({prompt} in the prompt and up to {reply} in the reply); the "
+            f"pool serving this model holds {pool}. This model's maximum context length on this pool is {pool} tokens")
+    if why is not None:
+        return f"{text} ({why}). Start a new conversation, lower max_tokens, or send a shorter prompt."
+    return f"{text}. Start a new conversation, lower max_tokens, or serve on fellows with more free memory."

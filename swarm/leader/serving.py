@@ -22,6 +22,7 @@ from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, Placeme
                           counted)
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
+from swarm.leader.limits import context_reason, model_context, served_context
 from swarm.leader.models import (ModelServing, StageState, check_quantization, draft_message, draft_size,
                                  full_weight_bytes, load_message, model_size, quantized_fellows)
 from swarm.leader.performance import hop_rate
@@ -49,6 +50,7 @@ class Serving:
         # Models that went because nobody used them (or a fellow dropped them): a request loads them again.
         self.reload_on_request: set[str] = set()
         self.quantization_of: dict[str, str] = {}  # the kind each model was last asked to load at
+        self.own_contexts: dict[str, int | None] = {}  # model -> its own context, read from its config when asked
         self.recovery = Recovery(self)
 
     # --- queries --------------------------------------------------------------------------------------------------
@@ -276,9 +278,7 @@ class Serving:
                 f"model {request.model} is {state}. Load it first (swarm model-load {request.model}, or Load on the "
                 f"chat page), then send the request again."
             )
-        pool = self.pool_tokens(request.model)
-        if request.need > pool:
-            raise ContextTooLong(too_long(request.need, len(request.prompt), request.max_tokens, pool))
+        self.check_context(request.model, request.need, len(request.prompt), request.max_tokens)
         limit = self.settings.serve_queue_limit
         if self.book.queued(request.model) >= limit:
             wait = self.book.retry_after(request.model)
@@ -286,19 +286,42 @@ class Serving:
                            f"{counted(limit, 'request')} waiting (SWARM_SERVE_QUEUE_LIMIT). Send this one again in "
                            f"about {wait} s.", wait)
 
-    async def wait_started(self, request: Request, receive=None) -> None:
-        """Until ``request`` leaves the queue: it runs on the ring, or it ended. A request that waits longer than
-        SWARM_SERVE_QUEUE_TIMEOUT_S is taken out of the queue and refused (QueueTimeout: a 503). With ``receive``
-        (the ASGI receive of the client's connection), a client that goes away meanwhile takes its request out of
-        the queue at once rather than leave it to run for nobody."""
-        timeout = self.settings.serve_queue_timeout_s
+    async def wait_started(self, requests: list[Request], receive=None) -> bool:
+        """Until every one of ``requests`` (the replies of one API request) leaves the queue: it runs on the ring, or
+        it ended. A request that waits longer than SWARM_SERVE_QUEUE_TIMEOUT_S is taken out of the queue and refused
+        (QueueTimeout: a 503), and the others with it. With ``receive`` (the ASGI receive of the client's connection),
+        a client that goes away meanwhile cancels every one of them at once rather than leave them to run for nobody
+        (issue 32: a streamed request of 16 replies left 15 running): True then, else False."""
+        gone = False
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            nonlocal gone
+            await client_gone(receive)
+            gone = True
+            log.info("request %s: its client went away while it waited to start", requests[0].id)
+            for request in requests:
+                self.cancel(request)
+            cancel_scope.cancel()
+
+        refused: QueueTimeout | None = None
         async with trio.open_nursery() as nursery:
             if receive is not None:
-                nursery.start_soon(self._cancel_on_disconnect, request, receive)
-            with trio.move_on_after(max(0.0, request.created_at + timeout - trio.current_time())):
-                while request.state in ("new", "waiting"):
-                    await request.changed.wait()
+                nursery.start_soon(watch, nursery.cancel_scope)
+            try:
+                for request in requests:
+                    await self._wait_one(request)
+            except QueueTimeout as exc:  # raised out here, not as an exception group of the nursery
+                refused = exc
             nursery.cancel_scope.cancel()
+        if refused is not None:
+            raise refused
+        return gone
+
+    async def _wait_one(self, request: Request) -> None:
+        timeout = self.settings.serve_queue_timeout_s
+        with trio.move_on_after(max(0.0, request.created_at + timeout - trio.current_time())):
+            while request.state in ("new", "waiting"):
+                await request.changed.wait()
         if request.state in ("new", "waiting"):
             ahead = self.book.queued(request.model) + len(self.book.of_model(request.model))
             self.cancel(request)
@@ -312,18 +335,39 @@ class Serving:
                 f"model {request.model} was not ready within {timeout:.0f} s (SWARM_SERVE_QUEUE_TIMEOUT_S): it is "
                 f"still {status.replace('_', ' ')}. Try again later.")
 
-    async def _cancel_on_disconnect(self, request: Request, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        log.info("request %s: its client went away while it waited to start", request.id)
-        self.cancel(request)
+    def context_tokens(self, name: str) -> int:
+        """The served context of ``name`` (swarm.leader.limits.served_context): the longest conversation, prompt and
+        reply, it takes -- its own context, capped by SWARM_SERVE_CONTEXT_TOKENS. Never the pool's KV budget, which
+        may hold far more than the model was made for (issue 32)."""
+        return served_context(self._own_context(name), self.settings.serve_context_tokens)
 
-    def pool_tokens(self, name: str) -> int:
-        """The longest conversation (prompt and reply) the ring serving ``name`` holds."""
+    async def context_of(self, name: str) -> int:
+        """``context_tokens``, reading the model's config (in a worker thread) when it is not served yet."""
+        if name not in self.models and name not in self.own_contexts:
+            path = self.models_root / name / "config.json"
+
+            def read() -> int | None:
+                try:
+                    return model_context(json.loads(path.read_text()))
+                except (OSError, ValueError):
+                    return None
+
+            self.own_contexts[name] = await trio.to_thread.run_sync(read)
+        return self.context_tokens(name)
+
+    def _own_context(self, name: str) -> int | None:
         serving = self.models.get(name)
-        if serving is None or serving.size is None:
-            return self.settings.serve_context_tokens
-        return serving.budget(self.settings).tokens
+        if serving is not None and serving.config:
+            return model_context(serving.config)
+        return self.own_contexts.get(name)
+
+    def check_context(self, name: str, need: int, prompt: int, reply: int) -> None:
+        """ContextTooLong when a conversation of ``need`` tokens (``prompt`` and up to ``reply``) is longer than the
+        served context of ``name``."""
+        context = self.context_tokens(name)
+        if need > context:
+            why = context_reason(self._own_context(name), self.settings.serve_context_tokens)
+            raise ContextTooLong(too_long(need, prompt, reply, context, why))
 
     def find(self, request_id: str) -> Request | None:
         return self.book.find(request_id)
@@ -436,3 +480,10 @@ class Serving:
 
     async def on_fellow_lost(self, conn) -> None:
         self.recovery.fellow_lost(conn)
+
+
+async def client_gone(receive) -> None:
+    """Returns once the client of an ASGI request has gone (http.disconnect). Trio's memory channels lose nothing to a
+    cancelled receive, so a watch cancelled before that leaves the message for whoever reads next."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
