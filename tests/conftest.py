@@ -210,7 +210,7 @@ def pytest_runtest_makereport(item, call):
 # An entry travels in the report of the test that made it (report.user_properties), so it reaches the terminal
 # summary also from a pytest-xdist worker, where the summary is printed by another process.
 _UNREPORTED: list[tuple[str, str]] = []
-_REPORTED = pytest.StashKey[list]()
+_REPORTED: list[tuple[str, str]] = []  # in the process that prints the summary
 _SUMMARY_KEY = "swarm session summary"
 
 
@@ -223,11 +223,11 @@ def session_summary():
 def pytest_runtest_logreport(report):
     for key, value in report.user_properties:
         if key == _SUMMARY_KEY:
-            report.config.stash.setdefault(_REPORTED, []).append(tuple(value))
+            _REPORTED.append((value[0], value[1]))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    for title, text in config.stash.get(_REPORTED, []):
+    for title, text in _REPORTED:
         terminalreporter.write_sep("=", title)
         terminalreporter.write_line(text)
 
