@@ -11,7 +11,7 @@ import socket
 import pytest
 import trio
 
-from harness import running_swarm
+from harness import running_swarm, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -57,3 +57,82 @@ async def test_a_stranger_announcing_a_huge_websocket_frame_is_cut_off_at_the_li
         assert took < 2.0, f"the connection ended only after {took:.1f} s"
         assert sent < 4 << 20, f"the leader accepted {sent >> 20} MiB before ending the connection"
         assert (await swarm.http.get("/healthz")).status_code == 200
+
+
+# --- Medium 2: a reload that ends other users' replies -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(module_tmp):
+    from scripted import build
+    from swarm.store.importer import import_model
+
+    root = module_tmp("scripted")
+    build(root / "src", {"assistant\n": ["The", " answer", " is", " 4."]})
+    import_model(str(root / "src"), root / "models", "qwen3-access")
+    return root / "models" / "qwen3-access"
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Stages compute only while the gate is open: a reply in flight stays in flight."""
+    import threading
+
+    from swarm.stage import execute
+
+    opened = threading.Event()
+    original = execute.run_batch
+
+    def held(*args, **kwargs):
+        opened.wait(120)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(execute, "run_batch", held)
+    yield opened
+    opened.set()
+
+
+def _user(swarm, name: str) -> dict:
+    """A user who is not an admin, member of the default pool, and their API token as a header."""
+    store = swarm.leader.store
+    user = store.create_user(name, f"{name}'s long password")
+    store.add_pool_member(store.list_pools()[0].id, user.id)
+    return {"authorization": f"Bearer {store.create_api_token(user.id, name)[0]}"}
+
+
+async def test_a_user_cannot_end_another_users_reply_by_loading_the_model_again(tmp_path, scripted_dir, gate):
+    """`POST /models/M/load` at another quantization (the MCP tool models_load is the same route) unloaded the model
+    and ended the admin's reply in flight, with a 202 to a user who may not unload it."""
+    name = scripted_dir.name
+    with trio.fail_after(120):
+        async with running_swarm(tmp_path, [scripted_dir], fellows=2) as swarm:
+            await swarm.load(name, 2)
+            bob = _user(swarm, "bob")
+            book = swarm.leader.serving.book
+            reply = {}
+
+            async def admin_chat():
+                body = {"model": name, "messages": [{"role": "user", "content": "2+2?"}], "temperature": 0,
+                        "max_tokens": 8}
+                reply["response"] = await swarm.http.post("/v1/chat/completions", json=body, timeout=60)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(admin_chat)
+                await wait_until(lambda: len(book.of_model(name)) == 1, 20)  # on the ring, held there
+                running = book.of_model(name)[0]
+                response = await swarm.http.post(f"/api/v1/models/{name}/load", headers=bob,
+                                                 json={"quantization": "int8"})
+                assert response.status_code == 403, response.text
+                message = response.json()["error"]["message"]
+                assert "1 request of other users" in message and "admin" in message, message
+                assert not running.ended, "bob's load ended the admin's reply"
+                assert swarm.leader.serving.models[name].quantization == "none"
+                # a load that changes nothing is still anyone's
+                response = await swarm.http.post(f"/api/v1/models/{name}/load", headers=bob, json={})
+                assert response.status_code == 202, response.text
+                gate.set()
+            assert reply["response"].status_code == 200, reply["response"].text
+            assert reply["response"].json()["choices"][0]["message"]["content"] == "The answer is 4."
+            # nobody else's reply in the way: bob may load it again as he likes
+            response = await swarm.http.post(f"/api/v1/models/{name}/load", headers=bob, json={"quantization": "int8"})
+            assert response.status_code == 202, response.text
