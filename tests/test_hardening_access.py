@@ -136,3 +136,77 @@ async def test_a_user_cannot_end_another_users_reply_by_loading_the_model_again(
             # nobody else's reply in the way: bob may load it again as he likes
             response = await swarm.http.post(f"/api/v1/models/{name}/load", headers=bob, json={"quantization": "int8"})
             assert response.status_code == 202, response.text
+
+
+# --- Low-medium 3: a forged hot-cover claim ----------------------------------------------------------------------------
+
+
+async def _enrol(nursery, swarm, stages: list) -> tuple[object, dict]:
+    """A new fellow of the pool (a fresh key, a join token) whose hello says it holds ``stages``."""
+    import trio_websocket
+
+    from swarm import wire
+    from swarm.fellow import hardware
+    from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
+    from swarm.tunnel.channel import NoiseChannel
+    from swarm.tunnel.join_token import parse_join_token
+    from swarm.tunnel.keys import generate_private_key
+
+    ws = await trio_websocket.connect_websocket_url(nursery, ws_url(swarm.url, "/fellow/link"),
+                                                     max_message_size=1 << 20)
+    channel = await NoiseChannel.connect(WebSocketFrameTransport(ws), generate_private_key(), swarm.leader.public)
+    await channel.send(wire.encode({"t": "hello", "name": "mallory", "version": "x", "stages": stages,
+                                    "hardware": hardware.probe().to_wire(),
+                                    "join_token": parse_join_token(swarm.join_token())[1]}))
+    return channel, wire.decode(await channel.receive())
+
+
+async def test_a_fellow_cannot_claim_a_hot_cover_it_was_not_given(tmp_path, scripted_dir):
+    """A hello claiming {index: 0, cover: true} for the current load made its sender stage 0's cover: its node
+    credential then downloaded stage 0's files (200/206), and a failover would have moved stage 0 onto it."""
+    name = scripted_dir.name
+    with trio.fail_after(120):
+        async with running_swarm(tmp_path, [scripted_dir], fellows=2) as swarm, trio.open_nursery() as nursery:
+            await swarm.load(name, 2)
+            model = swarm.leader.serving.models[name]
+            claims = [{"model": name, "load_id": model.load_id, "index": i, "cover": True} for i in (0, 1)]
+            channel, welcome = await _enrol(nursery, swarm, claims)
+            assert welcome["t"] == "welcome", welcome
+            assert name not in welcome["stages"], "the leader told the claimant to keep a cover it never gave"
+            await trio.sleep(0.5)  # adoption runs once the welcome is out
+            assert [s.cover for s in model.stages] == [None, None]
+            files = sorted(model.files_for(model.stages[0].plan.fellow_id)
+                           - model.files_for(model.stages[1].plan.fellow_id))
+            assert files, "stage 0 has no files of its own to try"
+            for path in files:
+                response = await swarm.http.get(f"/api/v1/models/{name}/files/{path}",
+                                                headers={"authorization": f"Bearer {welcome['credential']}",
+                                                         "range": "bytes=0-15"})
+                assert response.status_code == 403, (path, response.status_code)
+            nursery.cancel_scope.cancel()
+
+
+def test_a_cover_the_leader_gave_is_adopted_when_its_fellow_rejoins():
+    """The honest case the check must keep: a standby the leader gave a cover rejoins holding it (after a blip, or
+    a leader restart) and keeps it; another fellow's same claim is refused."""
+    import types
+
+    from swarm.leader.models import ModelServing, StageState
+    from swarm.leader.placement import StagePlan
+    from swarm.leader.recovery import Recovery
+
+    stages = [StageState(StagePlan(i, 10 + i, f"pc-{i}", i, i + 1, 0, 0), ready=True) for i in range(2)]
+    stages[0].cover_given = 7  # the leader asked fellow 7 to cover stage 0; it went away (cover cleared)
+    model = ModelServing("m", "load-1", stages, status="ready")
+    serving = types.SimpleNamespace(models={"m": model}, _start=lambda *a: None)
+    recovery = Recovery(serving)
+    claim = [{"model": "m", "load_id": "load-1", "index": 0, "cover": True}]
+
+    def fellow(fellow_id):
+        return types.SimpleNamespace(id=fellow_id, name=f"fellow-{fellow_id}", compatible=True, pool_id=None)
+
+    assert recovery.keeps(fellow(8), claim) == [] and recovery._claim(fellow(8), claim) == []  # no cover of its own
+    assert stages[0].cover is None
+    assert recovery.keeps(fellow(7), claim) == ["m"] and recovery._claim(fellow(7), claim) == ["m"]
+    assert (stages[0].cover, stages[0].cover_ready) == (7, True)
+    assert recovery.keeps(fellow(11), claim) == []  # nor can stage 1's own fellow claim to cover stage 0
