@@ -210,3 +210,54 @@ def test_a_cover_the_leader_gave_is_adopted_when_its_fellow_rejoins():
     assert recovery.keeps(fellow(7), claim) == ["m"] and recovery._claim(fellow(7), claim) == ["m"]
     assert (stages[0].cover, stages[0].cover_ready) == (7, True)
     assert recovery.keeps(fellow(11), claim) == []  # nor can stage 1's own fellow claim to cover stage 0
+
+
+# --- Low 4: MCP tool arguments as paths, an idle event stream, an over-size body ---------------------------------------
+
+
+async def _tool(swarm, name: str, arguments: dict) -> tuple[bool, str]:
+    """(is_error, text) of one MCP tool call, as any MCP client posts it (stateless: no session needed)."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+    response = await swarm.http.post("/mcp", json=body, headers={"accept": "application/json, text/event-stream"})
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    return result.get("isError", False), "".join(c.get("text", "") for c in result["content"])
+
+
+async def test_mcp_tool_arguments_cannot_reach_other_routes(tmp_path):
+    """With the admin's token, chats_delete {"chat_id": "../users/5"} deleted user 5 (the in-process call's URL was
+    normalised to /api/v1/users/5), and chats_get("../../v1/models") answered the model list."""
+    async with running_swarm(tmp_path, [], fellows=0) as swarm:
+        store = swarm.leader.store
+        victim = store.create_user("victim", "victim's long password")
+        is_error, text = await _tool(swarm, "chats_delete", {"chat_id": f"../users/{victim.id}"})
+        assert store.get_user(victim.id) is not None, "chats_delete deleted a user"
+        assert is_error, text
+        for chat_id in ("../../v1/models", "..", ".", "..%2F..%2Fv1%2Fmodels", f"..\\users\\{victim.id}"):
+            is_error, text = await _tool(swarm, "chats_get", {"chat_id": chat_id})
+            assert is_error and '"data"' not in text and "object" not in text, (chat_id, text)
+        is_error, text = await _tool(swarm, "models_unload", {"model": f"../../users/{victim.id}"})
+        assert is_error and store.get_user(victim.id) is not None
+        # a real chat id still works
+        chat = store.create_chat(store.get_user_by_name("admin").id, "kept", "", [])
+        is_error, text = await _tool(swarm, "chats_get", {"chat_id": chat.id})
+        assert not is_error and "kept" in text, text
+
+
+async def test_get_mcp_is_a_405_and_an_over_size_chunked_body_a_413(tmp_path):
+    """GET /mcp held an idle event stream open for ever; a chunked body over the limit was a 500."""
+    async with running_swarm(tmp_path, [], fellows=0) as swarm:
+        with trio.fail_after(5):
+            response = await swarm.http.get("/mcp", headers={"accept": "text/event-stream"})
+        assert response.status_code == 405 and "POST" in response.headers["allow"], response.text
+
+        async def chunks():  # no Content-Length: counted as it arrives
+            yield b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"x": "'
+            for _ in range(40):
+                yield b"x" * 65536
+            yield b'"}}'
+
+        response = await swarm.http.post("/mcp", content=chunks(), headers={
+            "accept": "application/json, text/event-stream", "content-type": "application/json"})
+        assert response.status_code == 413, (response.status_code, response.text)
+        assert "larger than" in response.json()["error"]["message"]
