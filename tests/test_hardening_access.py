@@ -65,6 +65,7 @@ async def test_a_stranger_announcing_a_huge_websocket_frame_is_cut_off_at_the_li
 @pytest.fixture(scope="module")
 def scripted_dir(module_tmp):
     from scripted import build
+
     from swarm.store.importer import import_model
 
     root = module_tmp("scripted")
@@ -170,7 +171,7 @@ async def test_a_fellow_cannot_claim_a_hot_cover_it_was_not_given(tmp_path, scri
             await swarm.load(name, 2)
             model = swarm.leader.serving.models[name]
             claims = [{"model": name, "load_id": model.load_id, "index": i, "cover": True} for i in (0, 1)]
-            channel, welcome = await _enrol(nursery, swarm, claims)
+            _, welcome = await _enrol(nursery, swarm, claims)
             assert welcome["t"] == "welcome", welcome
             assert name not in welcome["stages"], "the leader told the claimant to keep a cover it never gave"
             await trio.sleep(0.5)  # adoption runs once the welcome is out
@@ -261,3 +262,103 @@ async def test_get_mcp_is_a_405_and_an_over_size_chunked_body_a_413(tmp_path):
             "accept": "application/json, text/event-stream", "content-type": "application/json"})
         assert response.status_code == 413, (response.status_code, response.text)
         assert "larger than" in response.json()["error"]["message"]
+
+
+# --- Low 5: malformed input that was a 500 or a traceback --------------------------------------------------------------
+
+
+def _leader_client(tmp_path):
+    from starlette.testclient import TestClient
+
+    from swarm.config import Settings
+    from swarm.leader.app import Leader
+
+    leader = Leader(tmp_path / "leader", Settings.from_env({}))
+    return leader, TestClient(leader.app, backend="trio")
+
+
+def _errors(caplog) -> list[str]:
+    """What the leader logged as its own bug: errors and tracebacks."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= 40 or r.exc_info]
+
+
+async def test_a_strangers_hello_with_a_bignum_name_is_refused_without_a_traceback(tmp_path, caplog):
+    """A pre-enrolment hello whose name is a 60 kB CBOR bignum: str() of it raised ValueError (the int-to-string
+    limit), a traceback in the leader's log per stranger, and no answer."""
+    import trio_websocket
+
+    from swarm import wire
+    from swarm.fellow import hardware
+    from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
+    from swarm.tunnel.channel import NoiseChannel
+    from swarm.tunnel.join_token import parse_join_token
+    from swarm.tunnel.keys import generate_private_key
+
+    async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
+        hello = {"t": "hello", "name": 1 << (8 * 60_000), "version": 1 << (8 * 1000),
+                 "hardware": hardware.probe().to_wire(), "stages": []}
+        for expected in ("name must be a string", None):
+            ws = await trio_websocket.connect_websocket_url(nursery, ws_url(swarm.url, "/fellow/link"),
+                                                             max_message_size=1 << 20)
+            channel = await NoiseChannel.connect(WebSocketFrameTransport(ws), generate_private_key(),
+                                                 swarm.leader.public)
+            await channel.send(wire.encode(hello))
+            with trio.fail_after(5):
+                reply = wire.decode(await channel.receive())
+            if expected is None:
+                assert reply["t"] == "welcome", reply
+                assert swarm.leader.hub.online[reply["fellow_id"]].version == "?"
+                break
+            assert reply["t"] == "refused" and expected in reply["message"], reply
+            # a fellow with a join token whose version is a bignum: enrolled, its version unknown
+            hello.update(name="mallory", join_token=parse_join_token(swarm.join_token())[1])
+        assert _errors(caplog) == []
+        nursery.cancel_scope.cancel()
+
+
+def test_a_json_schema_with_a_huge_bound_is_a_400():
+    from swarm.errors import BadRequest
+    from swarm.leader.openai_params import parse_chat_body
+
+    for bound in (-10**300, 10**300, 2**64):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": bound}}}}
+        with pytest.raises(BadRequest) as refused:
+            parse_chat_body(body, 4096)
+        assert "JSON schema" in str(refused.value)
+
+
+def test_deeply_nested_chats_and_update_bodies_are_a_400(tmp_path, caplog):
+    """A chat whose content nests 950 lists was stored, then every read of it was a 500 (RecursionError); a deeply
+    nested body on /api/v1/fellows/update was a 500."""
+    leader, client = _leader_client(tmp_path)
+    auth = {"authorization": f"Bearer {leader.first_start.admin_token}", "content-type": "application/json"}
+    with client:
+        deep = '{"messages": [{"role": "user", "content": ' + "[" * 950 + "]" * 950 + "}]}"
+        response = client.post("/api/v1/chats", content=deep, headers=auth)
+        assert response.status_code == 400, response.text
+        assert "levels deep" in response.json()["error"]["message"]
+        listed = client.get("/api/v1/chats", headers=auth).json()["chats"]
+        assert listed == [], "the chat was stored anyway"
+        fine = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        assert client.post("/api/v1/chats", json={"messages": fine}, headers=auth).status_code == 201
+        response = client.post("/api/v1/fellows/update", content='{"a":' * 5000, headers=auth)
+        assert response.status_code == 400, response.text
+    assert _errors(caplog) == []
+
+
+async def test_a_client_leaving_mid_body_is_not_logged_as_a_bug(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    async with running_swarm(tmp_path, [], fellows=0) as swarm:
+        host, port = swarm.url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all((f"POST /api/v1/chats HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {swarm.token}"
+                               "\r\nContent-Type: application/json\r\nContent-Length: 10000\r\n\r\n{\"title\": ")
+                              .encode())
+        await trio.sleep(0.3)  # the route is reading the body
+        await stream.aclose()
+        await wait_until(lambda: any("went away" in r.getMessage() for r in caplog.records), 5,
+                         message=lambda: str(_errors(caplog)))
+        assert _errors(caplog) == []

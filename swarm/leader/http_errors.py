@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from swarm.errors import (
@@ -60,6 +61,9 @@ def classify(exc: BaseException) -> tuple[int, str, str, str]:
             if isinstance(exc, BadRequest):
                 code = exc.code
             return status, code, openai_type, str(exc)
+    if isinstance(exc, ClientDisconnect):  # not our bug: the client left while sending; nobody reads the answer
+        log.info("a client went away before it had sent its whole request")
+        return 400, "client_disconnected", "invalid_request_error", "the client went away while sending its request."
     log.error("unexpected error answering a request", exc_info=exc)
     return (500, "internal_error", "server_error",
             f"internal error in the leader ({type(exc).__name__}); this is a bug in swarm, and the leader's log has "
