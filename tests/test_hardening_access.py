@@ -362,3 +362,85 @@ async def test_a_client_leaving_mid_body_is_not_logged_as_a_bug(tmp_path, caplog
         await wait_until(lambda: any("went away" in r.getMessage() for r in caplog.records), 5,
                          message=lambda: str(_errors(caplog)))
         assert _errors(caplog) == []
+
+
+# --- Low 6: sign-out, lock-outs, token counts ---------------------------------------------------------------------------
+
+
+def test_logout_needs_the_pages_csrf_token(tmp_path):
+    """Any site could sign the leader's users out: a cross-site form POST to /api/v1/auth/logout carries the cookie,
+    and logout asked for nothing else."""
+    leader, client = _leader_client(tmp_path)
+    with client:
+        signed_in = client.post("/api/v1/auth/login", json={"name": "admin",
+                                                            "password": leader.first_start.admin_password})
+        assert signed_in.status_code == 200
+        csrf = client.get("/api/v1/me").json()["csrf"]
+        response = client.post("/api/v1/auth/logout", content=b"", headers={"content-type": "text/plain"})
+        assert response.status_code == 401 and "CSRF" in response.json()["error"]["message"], response.text
+        assert client.get("/api/v1/me").status_code == 200, "another site's form signed the user out"
+        response = client.post("/api/v1/auth/logout", json={}, headers={"x-csrf-token": csrf})
+        assert response.status_code == 200
+        assert client.get("/api/v1/me").status_code == 401
+        # an expired or unknown session just goes: nothing to protect
+        client.cookies.set("swarm_session", "gone")
+        assert client.post("/api/v1/auth/logout").status_code == 200
+
+
+def test_a_stranger_cannot_keep_an_account_locked_out_from_its_owners_address(tmp_path):
+    """Failing one sign-in every few minutes from anywhere kept the account waiting (5 free failures per account,
+    then up to 300 s): its owner could not sign in at all. Now the stranger's own pair waits; the owner's address
+    does not."""
+    from starlette.testclient import TestClient
+
+    from swarm.config import Settings
+    from swarm.leader.app import Leader
+
+    leader = Leader(tmp_path / "leader", Settings.from_env({}))
+    owner = TestClient(leader.app, backend="trio", client=("192.0.2.10", 50000))
+    stranger = TestClient(leader.app, backend="trio", client=("198.51.100.7", 50000))
+    right = {"name": "admin", "password": leader.first_start.admin_password}
+    wrong = {"name": "admin", "password": "a wrong guess"}
+    with owner, stranger:
+        assert owner.post("/api/v1/auth/login", json=right).status_code == 200  # the owner's usual address
+        statuses = [stranger.post("/api/v1/auth/login", json=wrong).status_code for _ in range(8)]
+        assert statuses[:5] == [401] * 5 and 429 in statuses[5:], statuses  # the stranger is held
+        assert owner.post("/api/v1/auth/login", json=right).status_code == 200, "the owner was locked out"
+
+
+def test_the_throttle_still_bounds_guesses_from_many_addresses():
+    from swarm.errors import TooManyAttempts
+    from swarm.leader.signin import FREE_FAILURES, FREE_FAILURES_PER_ACCOUNT, SignInThrottle
+
+    now = [0.0]
+    throttle = SignInThrottle(clock=lambda: now[0])
+    throttle.succeeded("alice", "10.0.0.1")  # the owner's address
+    for i in range(FREE_FAILURES_PER_ACCOUNT):  # a botnet: few failures per address, many in all
+        throttle.failed("alice", f"10.1.{i // FREE_FAILURES}.{i % FREE_FAILURES}")
+    with pytest.raises(TooManyAttempts):
+        throttle.check("alice", "10.2.0.1")  # a new address waits
+    throttle.check("alice", "10.0.0.1")  # the owner's does not
+
+
+def test_api_tokens_per_user_are_limited(tmp_path, monkeypatch):
+    """Tokens per user were unlimited: a user (or a stolen session) could fill the database with them."""
+    from starlette.testclient import TestClient
+
+    from swarm.config import Settings
+    from swarm.leader.app import Leader
+
+    monkeypatch.setenv("SWARM_API_TOKENS_PER_USER", "3")
+    leader = Leader(tmp_path / "leader", Settings.from_env())
+    assert leader.settings.api_tokens_per_user == 3 and Settings.from_env({}).api_tokens_per_user == 100
+    auth = {"authorization": f"Bearer {leader.first_start.admin_token}"}  # the admin holds 1 already
+    with TestClient(leader.app, backend="trio") as client:
+        made = [client.post("/api/v1/tokens", json={"name": f"t{i}"}, headers=auth) for i in range(2)]
+        assert [r.status_code for r in made] == [201, 201]
+        refused = client.post("/api/v1/tokens", json={"name": "one too many"}, headers=auth)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "token_limit_reached"
+        assert "3 API tokens" in error["message"] and "SWARM_API_TOKENS_PER_USER" in error["message"]
+        assert len(client.get("/api/v1/tokens", headers=auth).json()["tokens"]) == 3
+        client.delete(f"/api/v1/tokens/{made[0].json()['id']}", headers=auth)
+        assert client.post("/api/v1/tokens", json={"name": "room again"}, headers=auth).status_code == 201

@@ -96,7 +96,7 @@ class ApiRoutes:
         except AuthError:
             self.leader.signin.failed(name, address)
             raise
-        self.leader.signin.succeeded(name)
+        self.leader.signin.succeeded(name, address)
         return user
 
     @handles_errors
@@ -138,7 +138,10 @@ class ApiRoutes:
     @handles_errors
     async def logout(self, request: Request):
         session = request.cookies.get(SESSION_COOKIE)
-        if session:
+        if session and await trio.to_thread.run_sync(self.store.session_user, session) is not None:
+            # A live session signs out with the page's CSRF token, as every cookie-authenticated POST: without it
+            # any site could sign its visitors out of the leader.
+            await current_user(request, self.store)
             await trio.to_thread.run_sync(self.store.delete_session, session)
         response = JSONResponse({"ok": True})
         response.delete_cookie(SESSION_COOKIE)
@@ -162,7 +165,8 @@ class ApiRoutes:
         if request.method == "POST":
             body = await self._json(request)
             name = str(body.get("name") or "token")[:64]
-            plaintext, token = await trio.to_thread.run_sync(self.store.create_api_token, user.id, name)
+            plaintext, token = await trio.to_thread.run_sync(self.store.create_api_token, user.id, name,
+                                                             self.leader.settings.api_tokens_per_user)
             return JSONResponse({"token": plaintext, **as_dict(token)}, status_code=201)
         tokens = await trio.to_thread.run_sync(self.store.list_api_tokens, user.id)
         return JSONResponse({"tokens": [as_dict(t) for t in tokens]})

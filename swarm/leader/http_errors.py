@@ -28,6 +28,7 @@ from swarm.errors import (
     StoreError,
     SwarmError,
 )
+from swarm.store.accounts import TokenLimitReached
 from swarm.store.chats import ChatLimitReached, ChatTooLarge
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ _TABLE: list[tuple[type, int, str, str]] = [
     (BodyTooLarge, 413, "body_too_large", "invalid_request_error"),
     (ChatTooLarge, 413, "chat_too_large", "invalid_request_error"),
     (ChatLimitReached, 409, "chat_limit_reached", "invalid_request_error"),
+    (TokenLimitReached, 409, "token_limit_reached", "invalid_request_error"),
     (PlacementError, 409, "placement_refused", "invalid_request_error"),
     (ModelNotLoaded, 503, "model_not_loaded", "server_error"),
     (PoolBusy, 429, "pool_busy", "rate_limit_error"),
