@@ -126,6 +126,8 @@ async def test_a_user_cannot_end_another_users_reply_by_loading_the_model_again(
                 assert response.status_code == 403, response.text
                 message = response.json()["error"]["message"]
                 assert "1 request of other users" in message and "admin" in message, message
+                is_error, text = await _tool(swarm, "models_load", {"model": name, "quantization": "nf4"}, bob)
+                assert is_error and "other users" in text and "HTTP 403" in text, text
                 assert not running.ended, "bob's load ended the admin's reply"
                 assert swarm.leader.serving.models[name].quantization == "none"
                 # a load that changes nothing is still anyone's
@@ -216,10 +218,12 @@ def test_a_cover_the_leader_gave_is_adopted_when_its_fellow_rejoins():
 # --- Low 4: MCP tool arguments as paths, an idle event stream, an over-size body ---------------------------------------
 
 
-async def _tool(swarm, name: str, arguments: dict) -> tuple[bool, str]:
-    """(is_error, text) of one MCP tool call, as any MCP client posts it (stateless: no session needed)."""
+async def _tool(swarm, name: str, arguments: dict, auth: dict | None = None) -> tuple[bool, str]:
+    """(is_error, text) of one MCP tool call, as any MCP client posts it (stateless: no session needed); as the
+    admin unless ``auth`` says otherwise."""
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
-    response = await swarm.http.post("/mcp", json=body, headers={"accept": "application/json, text/event-stream"})
+    response = await swarm.http.post("/mcp", json=body, headers={"accept": "application/json, text/event-stream",
+                                                                 **(auth or {})})
     assert response.status_code == 200, response.text
     result = response.json()["result"]
     return result.get("isError", False), "".join(c.get("text", "") for c in result["content"])
