@@ -68,6 +68,8 @@ class Settings:
     # tokenizer) or a model's name; unset: prompt lookup alone
     serve_draft_model: str | None = None
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
+    # SWARM_API_TOKENS_PER_USER: API tokens one user may keep; creating one more is refused (409) until some are deleted
+    api_tokens_per_user: int = 100
     # SWARM_DATABASE_URL: the leader's store on PostgreSQL (postgresql://user:password@host/db); unset, a SQLite file
     # in its data dir (leader.db). `swarm admin migrate-db --to URL` copies a SQLite leader over.
     database_url: str | None = None
@@ -116,6 +118,9 @@ class Settings:
             raise ConfigError(f"SWARM_SERVE_DRAFT_MODEL is {self.serve_draft_model!r}, but drafting ahead is off: the "
                               "draft model guesses the tokens SWARM_SERVE_SPECULATIVE=N asks for. Set "
                               "SWARM_SERVE_SPECULATIVE=2 (to 4) as well, or unset SWARM_SERVE_DRAFT_MODEL.")
+        if self.api_tokens_per_user < 1:
+            raise ConfigError(f"SWARM_API_TOKENS_PER_USER is {self.api_tokens_per_user}; use at least 1 (the default "
+                              "is 100).")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

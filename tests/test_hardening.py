@@ -285,7 +285,7 @@ def test_sign_in_backoff_doubles_and_clears(monkeypatch):
         throttle.failed("alice", "10.0.0.1")
     assert waits == [1, 2, 4]  # free failures first, then a doubling wait
     throttle.check("bob", "10.0.0.2")  # other accounts and addresses are not held up
-    throttle.succeeded("alice")
+    throttle.succeeded("alice", "10.0.0.1")
     now[0] += 10
     throttle.check("alice", "10.0.0.1")  # the right password cleared the account's count
     for i in range(FREE_FAILURES_PER_ADDRESS):  # many accounts from one address: the address waits

@@ -96,7 +96,7 @@ class ApiRoutes:
         except AuthError:
             self.leader.signin.failed(name, address)
             raise
-        self.leader.signin.succeeded(name)
+        self.leader.signin.succeeded(name, address)
         return user
 
     @handles_errors
@@ -138,7 +138,10 @@ class ApiRoutes:
     @handles_errors
     async def logout(self, request: Request):
         session = request.cookies.get(SESSION_COOKIE)
-        if session:
+        if session and await trio.to_thread.run_sync(self.store.session_user, session) is not None:
+            # A live session signs out with the page's CSRF token, as every cookie-authenticated POST: without it
+            # any site could sign its visitors out of the leader.
+            await current_user(request, self.store)
             await trio.to_thread.run_sync(self.store.delete_session, session)
         response = JSONResponse({"ok": True})
         response.delete_cookie(SESSION_COOKIE)
@@ -162,7 +165,8 @@ class ApiRoutes:
         if request.method == "POST":
             body = await self._json(request)
             name = str(body.get("name") or "token")[:64]
-            plaintext, token = await trio.to_thread.run_sync(self.store.create_api_token, user.id, name)
+            plaintext, token = await trio.to_thread.run_sync(self.store.create_api_token, user.id, name,
+                                                             self.leader.settings.api_tokens_per_user)
             return JSONResponse({"token": plaintext, **as_dict(token)}, status_code=201)
         tokens = await trio.to_thread.run_sync(self.store.list_api_tokens, user.id)
         return JSONResponse({"tokens": [as_dict(t) for t in tokens]})
@@ -268,6 +272,11 @@ class ApiRoutes:
         quantization = body.get("quantization")
         if quantization is not None:
             quantization = check_kind(quantization)
+        # A load of a model that serves already at another quantization (or in another shape while it recovers)
+        # unloads it first: like an unload, it needs an admin while it would end other users' replies.
+        if self.leader.serving.restarts(name, num_stages, fellow_id, quantization):
+            self._may_end_replies(user, name, "loading it again as asked would end them. Load it as it serves now, "
+                                              "try again when they finish, or ask an admin to load it again.")
         serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization)
         if serving.status == "failed":
             raise PlacementError(serving.error or "the load failed")
@@ -278,17 +287,21 @@ class ApiRoutes:
     async def model_unload(self, request: Request):
         user = await current_user(request, self.store)
         name = (await self._model_row(request.path_params["model_id"], user)).name
-        # The rule (README, "Who may do what"): anyone signed in may load a model and unload one nobody else is
-        # using; unloading a model in the middle of another user's reply needs an admin.
-        if not user.is_admin:
-            book = self.leader.serving.book
-            others = [r for r in [*book.of_model(name), *book.waiting.get(name, [])]
-                      if not r.ended and r.owner != user.id]
-            if others:
-                raise Forbidden(f"{name} is answering {len(others)} request{'s' if len(others) != 1 else ''} of "
-                                "other users; try again when they finish, or ask an admin to unload it now.")
+        self._may_end_replies(user, name, "try again when they finish, or ask an admin to unload it now.")
         await self.leader.serving.unload(name)
         return JSONResponse({"id": name, "status": "not_loaded"})
+
+    def _may_end_replies(self, user, name: str, what_to_do: str) -> None:
+        """The rule (README, "Who may do what"): anyone signed in may load a model and unload one nobody else is
+        using; ending another user's reply -- an unload, or a load that starts the model over -- needs an admin.
+        Forbidden, saying how many requests are in the way, otherwise."""
+        if user.is_admin:
+            return
+        book = self.leader.serving.book
+        others = [r for r in [*book.of_model(name), *book.waiting.get(name, [])] if not r.ended and r.owner != user.id]
+        if others:
+            raise Forbidden(f"{name} is answering {len(others)} request{'s' if len(others) != 1 else ''} of other "
+                            f"users; {what_to_do}")
 
     async def model_file(self, request: Request):
         try:

@@ -35,6 +35,7 @@ from swarm.leader.install import InstallRoutes
 from swarm.leader.updates import SelfWheel, UpdateRoutes
 from swarm.leader.headers import SecurityHeaders
 from swarm.leader.hypercorn_close import guard_close_race
+from swarm.leader.ws_message_limit import close_on_oversize
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
 from swarm.leader.signin import HashPool, SignInThrottle
@@ -206,6 +207,7 @@ class Leader:
     async def serve(self, host: str, port: int, *, shutdown_trigger=None, task_status=trio.TASK_STATUS_IGNORED):
         """Serve HTTP on host:port and the UDP rendezvous (on SWARM_RENDEZVOUS_PORT, by default the same number)."""
         guard_close_race()
+        close_on_oversize()  # a websocket message over the limit ends its connection: nothing more is buffered
         config = HypercornConfig()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None

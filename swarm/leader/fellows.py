@@ -156,7 +156,10 @@ class FellowHub:
             return
         try:
             conn = await self._admit(channel, hello)
-        except SwarmError as exc:  # AuthError, or a malformed hello (ProtocolError)
+        except (SwarmError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+            # AuthError, or a malformed hello: a ProtocolError, or a field of a stranger's hello the checks missed
+            if not isinstance(exc, SwarmError):
+                exc = ProtocolError(f"the hello is malformed ({type(exc).__name__}); send the hello of `swarm join`.")
             log.info("refused a fellow: %s", exc)
             with trio.move_on_after(CLEANUP_S):
                 try:
@@ -338,7 +341,12 @@ class FellowHub:
 
     async def _admit(self, channel: NoiseChannel, hello: dict) -> FellowConn:
         key = channel.remote_static
-        name = str(hello.get("name") or "fellow")[:64]
+        # Every field is checked for its type: str() of a 60 kB CBOR bignum as a name raised ValueError (Python's
+        # int-to-string limit), a traceback in the log for every stranger who sent one.
+        name = hello.get("name") or "fellow"
+        if not isinstance(name, str):
+            raise ProtocolError("a hello's name must be a string (the fellow's name, as `swarm join --name` gives it).")
+        name = name[:64]
         hardware = Hardware.from_wire(hello.get("hardware"))  # a malformed hello is refused before it costs a use
         if await trio.to_thread.run_sync(self.store.fellow_key_removed, key):
             raise AuthError(
@@ -368,7 +376,7 @@ class FellowHub:
             hardware=hardware,
             serve_host=host if isinstance(host, str) else None,
             serve_port=port if isinstance(port, int) and not isinstance(port, bool) else None,
-            version=str(hello.get("version", "?"))[:64],
+            version=hello["version"][:64] if isinstance(hello.get("version"), str) else "?",
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
             draft_model=hello.get("draft_model") is True,

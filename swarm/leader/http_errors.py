@@ -11,6 +11,7 @@ import json
 import logging
 
 import trio
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from swarm.errors import (
@@ -30,6 +31,7 @@ from swarm.errors import (
     SwarmError,
 )
 from swarm.leader.limits import PARSE_IN_THREAD
+from swarm.store.accounts import TokenLimitReached
 from swarm.store.chats import ChatLimitReached, ChatTooLarge
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ _TABLE: list[tuple[type, int, str, str]] = [
     (BodyTooLarge, 413, "body_too_large", "invalid_request_error"),
     (ChatTooLarge, 413, "chat_too_large", "invalid_request_error"),
     (ChatLimitReached, 409, "chat_limit_reached", "invalid_request_error"),
+    (TokenLimitReached, 409, "token_limit_reached", "invalid_request_error"),
     (PlacementError, 409, "placement_refused", "invalid_request_error"),
     (ModelNotLoaded, 503, "model_not_loaded", "server_error"),
     (PoolBusy, 429, "pool_busy", "rate_limit_error"),
@@ -63,6 +66,9 @@ def classify(exc: BaseException) -> tuple[int, str, str, str]:
             if isinstance(exc, BadRequest):
                 code = exc.code
             return status, code, openai_type, str(exc)
+    if isinstance(exc, ClientDisconnect):  # not our bug: the client left while sending; nobody reads the answer
+        log.info("a client went away before it had sent its whole request")
+        return 400, "client_disconnected", "invalid_request_error", "the client went away while sending its request."
     log.error("unexpected error answering a request", exc_info=exc)
     return (500, "internal_error", "server_error",
             f"internal error in the leader ({type(exc).__name__}); this is a bug in swarm, and the leader's log has "

@@ -10,15 +10,21 @@ user, the same validation and the same error words); a refusal comes back as a t
 from __future__ import annotations
 
 import contextvars
+import logging
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from swarm.errors import AuthError
+from swarm.errors import AuthError, BodyTooLarge
 from swarm.leader.auth import current_user
+from swarm.leader.http_errors import api_error
+
+log = logging.getLogger(__name__)
 
 # the caller's bearer token, for the in-process calls a tool makes
 _token: contextvars.ContextVar[str] = contextvars.ContextVar("mcp_token")
@@ -48,6 +54,16 @@ class McpEndpoint:
         from starlette.requests import Request
 
         request = Request(scope, receive)
+        if request.method == "GET":
+            # A GET would open the stream of server-initiated messages; this server sends none (stateless, JSON
+            # answers), and the SDK held such a stream open, idle, for ever. The MCP spec (streamable HTTP) lets a
+            # server answer 405 instead.
+            response = JSONResponse({"error": {"message": "GET /mcp opens no event stream on this leader: send "
+                                                          "JSON-RPC requests with POST.", "type": "method_not_allowed",
+                                               "code": "method_not_allowed"}}, status_code=405,
+                                    headers={"allow": "POST, DELETE"})
+            await response(scope, receive, send)
+            return
         try:
             await current_user(request, self.leader.store)
         except AuthError as exc:
@@ -57,11 +73,41 @@ class McpEndpoint:
                                     headers={"www-authenticate": "Bearer"})
             await response(scope, receive, send)
             return
+        try:
+            # Read here, not in the SDK: a chunked body over the route's limit raises BodyTooLarge
+            # (swarm.leader.limits), which the SDK answered as a 500.
+            body = await request.body()
+        except BodyTooLarge as exc:
+            await api_error(exc)(scope, receive, send)
+            return
+        except ClientDisconnect:
+            log.info("an MCP client went away while sending its request")
+            return
         token = _token.set(request.headers.get("authorization", "").removeprefix("Bearer ").strip())
         try:
-            await self.transport(scope, receive, send)
+            await self.transport(scope, _replay(body, receive), send)
         finally:
             _token.reset(token)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives ``body`` (already read) first, then whatever ``receive`` has (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+def segment(value: Any, what: str) -> str:
+    """``value`` as one path segment of a route, percent-encoded; ToolError for what cannot be one. Used as it came,
+    "../users/5" as a chat id reached another route (chats_delete with it deleted a user). No id has a "/" (chat ids
+    are URL-safe tokens, model ids folder names), and the leader's routes see "%2F" decoded, so one is refused."""
+    if not isinstance(value, str) or value in ("", ".", "..") or "/" in value or "\\" in value:
+        raise ToolError(f"{value!r} is not a {what}; {what}s are listed by "
+                        f"{'chats_list' if what == 'chat id' else 'models_list'}.")
+    return quote(value, safe="")
 
 
 def build_server(leader) -> MCPServer:
@@ -97,11 +143,11 @@ def build_server(leader) -> MCPServer:
                           quantization: str | None = None) -> dict:
         body = {k: v for k, v in (("num_stages", num_stages), ("fellow_id", fellow_id),
                                   ("quantization", quantization)) if v is not None}
-        return await call("POST", f"/api/v1/models/{model}/load", body)
+        return await call("POST", f"/api/v1/models/{segment(model, 'model id')}/load", body)
 
     @server.tool(description="Unload a model from every fellow serving it.")
     async def models_unload(model: str) -> dict:
-        return await call("POST", f"/api/v1/models/{model}/unload")
+        return await call("POST", f"/api/v1/models/{segment(model, 'model id')}/unload")
 
     @server.tool(description="How a model performs over a range (15m live, or 1h, 6h, 24h, 7d from the serving "
                              "history): tokens/s now or the median per reply, median time to first token, tokens "
@@ -110,7 +156,7 @@ def build_server(leader) -> MCPServer:
                              "bytes/s, round trip); where each token's time goes and a bottleneck sentence; and the "
                              "last 15 minutes' replies, failures, tokens/s and first-token times at p50 and p95.")
     async def models_performance(model: str, range: str = "15m") -> dict:  # noqa: A002 (the API's name)
-        return await call("GET", f"/api/v1/models/{model}/performance", params={"range": range})
+        return await call("GET", f"/api/v1/models/{segment(model, 'model id')}/performance", params={"range": range})
 
     @server.tool(description="Before loading: how fast a model would run on the pool now -- decode tokens/s, the "
                              "time to first token of a 1,000-token prompt, per stage its fellow, layers and ms per "
@@ -118,7 +164,7 @@ def build_server(leader) -> MCPServer:
                              "num_stages: over that many fellows (by default as a load would place it).")
     async def models_plan(model: str, num_stages: int | None = None) -> dict:
         params = {"num_stages": num_stages} if num_stages is not None else None
-        return await call("GET", f"/api/v1/models/{model}/plan", params=params)
+        return await call("GET", f"/api/v1/models/{segment(model, 'model id')}/plan", params=params)
 
     @server.tool(description="Send a chat to a loaded model and return its reply. Give messages (a list of "
                              "{role, content}) or a prompt (one user message). temperature 0 is greedy; unset "
@@ -151,15 +197,15 @@ def build_server(leader) -> MCPServer:
 
     @server.tool(description="One of your saved chats, with its messages.")
     async def chats_get(chat_id: str) -> dict:
-        return await call("GET", f"/api/v1/chats/{chat_id}")
+        return await call("GET", f"/api/v1/chats/{segment(chat_id, 'chat id')}")
 
     @server.tool(description="Give one of your saved chats a new title.")
     async def chats_rename(chat_id: str, title: str) -> dict:
-        return await call("PATCH", f"/api/v1/chats/{chat_id}", {"title": title})
+        return await call("PATCH", f"/api/v1/chats/{segment(chat_id, 'chat id')}", {"title": title})
 
     @server.tool(description="Delete one of your saved chats for good.")
     async def chats_delete(chat_id: str) -> dict:
-        await call("DELETE", f"/api/v1/chats/{chat_id}")
+        await call("DELETE", f"/api/v1/chats/{segment(chat_id, 'chat id')}")
         return {"deleted": chat_id}
 
     return server

@@ -25,6 +25,9 @@ class StageState:
     error: str | None = None
     cover: int | None = None  # a standby fellow holding a hot cover of this stage
     cover_ready: bool = False
+    # the fellow the leader asked to hold that cover: kept while it is away, so that it alone may rejoin holding one
+    # (a fellow's word that it holds a cover is not enough: the cover's files would be its to download)
+    cover_given: int | None = None
     failed_on: set[int] = dataclasses.field(default_factory=set)  # fellows whose load of this stage failed
     free_bytes: int = 0  # what its fellow had free when the stage was placed there: its KV budget comes from it
 

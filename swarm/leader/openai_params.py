@@ -245,7 +245,13 @@ def parse_response_format(value) -> str | None:
                          "{\"type\": \"json_schema\", \"json_schema\": {...}}.", "invalid_response_format")
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # llguidance serialises the schema first: a bound such as "minimum": -10**300 is beyond what it reads
+        # ("Value is not JSON serializable"), and was a 500
+        raise BadRequest(f"'response_format' has a JSON schema this server cannot read: {str(exc)[:200]}. Numbers "
+                         "in it must fit in 64 bits.", "invalid_response_format") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise BadRequest(f"'response_format' has a JSON schema this server cannot follow: {error}",

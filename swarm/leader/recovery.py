@@ -90,7 +90,7 @@ class Recovery:
             slot.cover_ready = True
             log.info("%s holds a hot cover of stage %d of %s", conn.name, slot.plan.index, model.name)
         elif kind == "load_failed":
-            slot.cover, slot.cover_ready = None, False
+            slot.cover, slot.cover_ready, slot.cover_given = None, False, None
 
     def _on_link_event(self, model: ModelServing, conn, message: dict) -> None:
         if message.get("ring_id") != model.ring_id:
@@ -118,14 +118,18 @@ class Recovery:
             if conn is not None:
                 conn.post({"t": "ring_ready", "model": model.name, "ring_id": model.ring_id})
         self.serving.resume(model.name)
-        plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes, "quantization": model.quantization}
-                 for s in model.stages]
-        if model.draft is not None:  # the last stage's draft model (SWARM_SERVE_DRAFT_MODEL), for a restarted leader
-            plans[-1]["draft"] = model.draft
-        await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
+        await self._save(model)
         if len(model.stages) > 1 and self.serving.direct_links is not None:
             await self.serving.direct_links.start(model)
         await self._cover(model)
+
+    async def _save(self, model: ModelServing) -> None:
+        """What a restarted leader restores (``restore``): the stages' plans, the draft model, whose covers they are."""
+        plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes, "quantization": model.quantization,
+                  "cover": s.cover_given} for s in model.stages]
+        if model.draft is not None:  # the last stage's draft model (SWARM_SERVE_DRAFT_MODEL), for a restarted leader
+            plans[-1]["draft"] = model.draft
+        await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
 
     # --- linking ------------------------------------------------------------------------------------------------
 
@@ -219,7 +223,7 @@ class Recovery:
             # too), which the budget subtracts again
             slot.free_bytes = (conn.hardware.serving_free_bytes(serving.settings.device) + slot.plan.weight_bytes
                                + slot.plan.draft_bytes)
-            slot.cover, slot.cover_ready, slot.ready, slot.phase = None, False, True, "ready"
+            slot.cover, slot.cover_ready, slot.cover_given, slot.ready, slot.phase = None, False, None, True, "ready"
             self._link_when_loaded(model)
             model.notify()
             return True
@@ -283,9 +287,10 @@ class Recovery:
         if conn is None:
             return
         slot = model.stages[index]
-        slot.cover, slot.cover_ready = conn.id, False
+        slot.cover, slot.cover_ready, slot.cover_given = conn.id, False, conn.id
         log.info("%s loads a hot cover of stage %d of %s", conn.name, index, model.name)
         conn.post(load_message(model, index, cover=True))
+        await self._save(model)  # a restarted leader knows whose cover it is
 
     # --- adoption -----------------------------------------------------------------------------------------------
 
@@ -304,7 +309,7 @@ class Recovery:
                 continue
             slot = model.stages[index]
             if (slot.plan.fellow_id == conn.id and not summary.get("cover")) or \
-                    (summary.get("cover") and slot.cover in (None, conn.id)):
+                    (summary.get("cover") and self._cover_given(slot, conn)):
                 keep.append(model.name)
         return keep
 
@@ -324,6 +329,12 @@ class Recovery:
                 self.serving._start(self._replace, model, slot.plan.index)
         return adopted
 
+    @staticmethod
+    def _cover_given(slot: StageState, conn) -> bool:
+        """Whether ``conn`` may rejoin holding a hot cover of ``slot``: the leader gave it that cover (a forged claim
+        used to make any fellow of the pool the cover of any stage, and let it download that stage's files)."""
+        return slot.cover_given == conn.id and slot.cover in (None, conn.id) and slot.plan.fellow_id != conn.id
+
     def _claim(self, conn, stages: list) -> list[str]:
         adopted = []
         if not conn.compatible:
@@ -338,7 +349,7 @@ class Recovery:
             slot = model.stages[index] if isinstance(index, int) and 0 <= index < len(model.stages) else None
             if slot is None:
                 continue
-            if summary.get("cover") and slot.cover in (None, conn.id) and slot.plan.fellow_id != conn.id:
+            if summary.get("cover") and self._cover_given(slot, conn):
                 slot.cover, slot.cover_ready = conn.id, True
                 adopted.append(model.name)
             elif slot.plan.fellow_id == conn.id and not summary.get("cover"):
@@ -362,8 +373,10 @@ class Recovery:
                 config = await trio.to_thread.run_sync(
                     lambda: json.loads((serving.models_root / name / "config.json").read_text()))
                 stages = [StageState(StagePlan(**{k: v for k, v in p.items()
-                                                  if k not in ("free_bytes", "quantization", "draft")}),
-                                     free_bytes=int(p.get("free_bytes", 0))) for p in plans]
+                                                  if k not in ("free_bytes", "quantization", "draft", "cover")}),
+                                     free_bytes=int(p.get("free_bytes", 0)),
+                                     cover_given=p["cover"] if isinstance(p.get("cover"), int) else None)
+                          for p in plans]
                 kind = check_kind(plans[0].get("quantization") if plans else None)
             except Exception as exc:
                 log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)

@@ -151,6 +151,18 @@ class Serving:
             return plans
         return with_draft
 
+    def restarts(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
+                 quantization: str | None = None) -> bool:
+        """Whether a load of ``name`` as asked would unload the model serving now and start over -- ending every
+        request it is answering: another quantization, or another shape while it is recovering."""
+        current = self.models.get(name)
+        if current is None or current.status not in ("loading", "ready", "recovering"):
+            return False
+        asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
+            (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
+        requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
+        return requantized or (current.status == "recovering" and asked_otherwise)
+
     async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
                    quantization: str | None = None) -> ModelServing:
         """Place ``name`` and send each fellow its stage. ``quantization`` (swarm.quantization.KINDS; None: as it
@@ -160,10 +172,7 @@ class Serving:
         manifest = row.manifest
         current = self.models.get(name)
         if current is not None and current.status in ("loading", "ready", "recovering"):
-            asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
-                (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
-            requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
-            if not requantized and not (current.status == "recovering" and asked_otherwise):
+            if not self.restarts(name, num_stages, fellow_id, quantization):
                 return current
             # asked for another shape while the old one is still being put back together, or another quantization:
             # start over as asked

@@ -32,7 +32,7 @@ import trio
 
 import swarm
 from swarm import __version__, wire
-from swarm.errors import AuthError, BadRequest, Forbidden, SwarmError, UpdateError
+from swarm.errors import AuthError, BadRequest, Forbidden, UpdateError
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +212,14 @@ class UpdateRoutes:
         from starlette.responses import JSONResponse
 
         from swarm.leader.auth import current_user
-        from swarm.leader.http_errors import api_error
+        from swarm.leader.http_errors import api_error, json_body
 
         try:
             user = await current_user(request, self.leader.store)
             if not user.is_admin:
                 raise Forbidden("this needs an admin account.")
-            body = await request.json() if await request.body() else {}
-            ids = body.get("fellow_ids") if isinstance(body, dict) else None
+            body = await json_body(request) if await request.body() else {}  # too deep a JSON is a 400 there
+            ids = body.get("fellow_ids")
             if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
                 raise BadRequest("fellow_ids must be a list of fellow ids.", "invalid_fellow_ids")
             conns = [c for c in self.leader.hub.online.values() if (c.id in ids if ids is not None else c.outdated)]
@@ -235,5 +235,5 @@ class UpdateRoutes:
                         "`swarm join` again.")})
             return JSONResponse({"version": __version__, "protocol": wire.PROTOCOL_VERSION, "updating": updating,
                                  "manual": manual})
-        except (SwarmError, ValueError) as exc:
-            return api_error(exc if isinstance(exc, SwarmError) else BadRequest(f"the body is not JSON: {exc}"))
+        except Exception as exc:  # one error shape, as every /api/v1 route answers (swarm.leader.http_errors)
+            return api_error(exc)

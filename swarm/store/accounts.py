@@ -18,6 +18,10 @@ from swarm.errors import AuthError, StoreError
 from swarm.store.core import StoreCore, new_secret, sha256_hex
 
 SESSION_TTL_S = 30 * 24 * 3600.0  # a browser stays signed in for 30 days
+
+
+class TokenLimitReached(StoreError):
+    """The user already keeps as many API tokens as one user may (SWARM_API_TOKENS_PER_USER)."""
 LOGIN_LINK_TTL_S = 600.0  # long enough to open swarm demo's printed Chat: URL, short enough not to linger
 
 
@@ -182,10 +186,18 @@ class AccountsMixin(StoreCore):
             last_used_at=row["last_used_at"],
         )
 
-    def create_api_token(self, user_id: int, name: str) -> tuple[str, ApiToken]:
-        """(plaintext, record). The plaintext is shown once; only its sha256 is kept."""
+    def create_api_token(self, user_id: int, name: str, limit: int | None = None) -> tuple[str, ApiToken]:
+        """(plaintext, record). The plaintext is shown once; only its sha256 is kept. ``limit``: how many tokens the
+        user may keep (TokenLimitReached past it); None for no limit (the admin's own, on the command line)."""
         plaintext = new_secret("swt_")
         with self._tx() as db:
+            if limit is not None:
+                (count,) = db.execute("SELECT count(*) FROM api_tokens WHERE user_id = ?", (user_id,)).fetchone()
+                if count >= limit:
+                    raise TokenLimitReached(
+                        f"you already keep {count} API tokens, the most one user can keep ({limit}, "
+                        "SWARM_API_TOKENS_PER_USER on the leader); delete tokens you no longer use under Settings > "
+                        "API (or DELETE /api/v1/tokens/{id}), then create this one.")
             cur = db.execute(
                 "INSERT INTO api_tokens (user_id, name, token_hash, prefix, created_at) VALUES (?, ?, ?, ?, ?)",
                 (user_id, name.strip() or "token", sha256_hex(plaintext), plaintext[:8], self._now()),

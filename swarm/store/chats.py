@@ -18,6 +18,9 @@ from swarm.store.core import MAX_CHAT_BYTES, MAX_CHATS_PER_USER, StoreCore
 __all__ = ["MAX_CHAT_BYTES", "MAX_CHATS_PER_USER", "Chat", "ChatLimitReached", "ChatSummary", "ChatTooLarge"]
 
 TITLE_CHARS = 60  # "a chat is named after the start of its first message"
+# How deep a chat's messages may nest (lists and maps): a message with content parts and tool calls is ~6 deep. At
+# 950 levels a chat was stored that could never be read back (RecursionError answering it).
+MAX_CHAT_DEPTH = 32
 MAX_TITLE_CHARS = 200
 DEFAULT_TITLE = "New chat"
 
@@ -82,6 +85,20 @@ def default_title(messages: list[Any]) -> str:
     return DEFAULT_TITLE
 
 
+def _depth(value: Any) -> int:
+    """How deep lists and maps nest in ``value``, counted without recursion (so any depth is measured), stopping
+    once past MAX_CHAT_DEPTH."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            if depth > MAX_CHAT_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _size(n: int) -> str:
     return f"{n / 1_000_000:.1f} MB" if n >= 100_000 else f"{n} bytes"
 
@@ -90,6 +107,9 @@ class ChatsMixin(StoreCore):
     def _messages_json(self, messages: list[Any]) -> str:
         if not isinstance(messages, list):
             raise StoreError("a chat's messages must be a list of {role, content} objects.")
+        if _depth(messages) > MAX_CHAT_DEPTH:
+            raise StoreError(f"a chat's messages nest lists and objects more than {MAX_CHAT_DEPTH} levels deep; "
+                             "send them as {role, content} objects whose content is text or a list of parts.")
         text = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
         size = len(text.encode())
         if size > self.max_chat_bytes:
