@@ -49,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafting import CHATS
 from ring_speed import PROMPT, bench_generate, free_port, machine, stream_once
-
 from swarm.client import LeaderClient
 from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http
 from swarm.model_import import ensure_imported

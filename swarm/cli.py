@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
 import sys
 from pathlib import Path
 
 from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
 from swarm.quantization import KINDS
-
 
 # A fellow's OpenMP threads spin only briefly between two operations before they sleep: long enough to keep a pass
 # fast, short enough that another fellow on the same machine gets the cores between passes. Measured on the demo

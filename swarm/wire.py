@@ -100,7 +100,7 @@ def unpack(data: bytes) -> Any:
 
 
 
-def tensor_to_wire(t: "torch.Tensor") -> dict[str, Any]:
+def tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
     """``{"dtype", "shape", "data"}`` for a tensor: raw little-endian bytes of a contiguous CPU copy."""
     import torch
 
@@ -113,7 +113,7 @@ def tensor_to_wire(t: "torch.Tensor") -> dict[str, Any]:
     return {"dtype": name, "shape": list(t.shape), "data": data}
 
 
-def tensor_from_wire(d: Mapping[str, Any]) -> "torch.Tensor":
+def tensor_from_wire(d: Mapping[str, Any]) -> torch.Tensor:
     """The tensor described by a :func:`tensor_to_wire` map; ProtocolError if anything does not add up."""
     import torch
 

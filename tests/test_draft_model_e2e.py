@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 import trio
+
 from exactness import check_reply, reference
 from harness import install_model, running_swarm, wait_until
-
 from swarm.model_format import MANIFEST_FILE
 from swarm.store.manifest import load_manifest
 

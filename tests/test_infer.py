@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+
 from fleet import Pool
 
 pytestmark = pytest.mark.e2e

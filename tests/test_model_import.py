@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import build_tiny_source
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from conftest import build_tiny_source
 from swarm.errors import ImportFailed, ModelNotFound, UnsupportedArchitecture
 from swarm.store.importer import import_model
 from swarm.store.manifest import Manifest, kv_bytes_per_token, load_manifest, sha256_file, stage_files
@@ -237,7 +237,6 @@ def test_refuses_when_the_disk_is_too_small_saying_how_much_it_needs(tmp_path, m
 
 def test_refuses_a_gguf_quant_type_it_cannot_read_before_writing(tmp_path, monkeypatch):
     from gguf_files import write_llama_gguf
-
     from swarm.store import gguf_source
 
     gguf = tmp_path / "q.gguf"
@@ -344,8 +343,9 @@ def test_refuses_attention_soft_capping_before_writing(tmp_path):
 def test_gguf_stored_dtype_follows_the_file_and_values_follow_transformers(tmp_path, matrices, stored):
     """A quantized GGUF is stored in bfloat16, an F16 one in float16 (exactly), an F32 one in float32; every tensor
     is transformers' whole-file float32 load (Llama's q/k rows permuted back) rounded to that dtype."""
-    from gguf_files import write_llama_gguf
     from transformers import AutoModelForCausalLM
+
+    from gguf_files import write_llama_gguf
 
     gguf = tmp_path / "m.gguf"
     write_llama_gguf(gguf, hidden=128, intermediate=256, layers=2, vocab=320, heads=4, kv_heads=2, matrices=matrices)

@@ -31,8 +31,8 @@ from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
 from swarm.fellow.update import FellowUpdater, restart_command
 from swarm.tunnel.join_token import join_token_cert_pin, parse_join_token
-from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
+from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
 
 log = logging.getLogger(__name__)
 

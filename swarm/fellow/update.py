@@ -103,7 +103,7 @@ def restart(command: list[str]) -> None:
     sys.stderr.flush()
     if os.name == "posix":
         os.execv(command[0], command)
-    subprocess.Popen(command)  # noqa: S603 -- our own interpreter and arguments
+    subprocess.Popen(command)  # our own interpreter and arguments
     os._exit(0)
 
 

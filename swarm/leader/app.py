@@ -19,25 +19,25 @@ from starlette.websockets import WebSocket
 
 from swarm.config import Settings
 from swarm.errors import AuthError, ConfigError
+from swarm.leader import timing
 from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
-from swarm.leader.fellows import FellowHub
-from swarm.leader import timing
-from swarm.leader.history import ServingHistory
 from swarm.leader.completions import CompletionRoutes
-from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.direct_links import DirectLinkCoordinator
-from swarm.leader.relay import RelayHub
-from swarm.mesh.rendezvous import serve_rendezvous
-from swarm.leader.serving import Serving
-from swarm.leader.install import InstallRoutes
-from swarm.leader.updates import SelfWheel, UpdateRoutes
+from swarm.leader.fellows import FellowHub
 from swarm.leader.headers import SecurityHeaders
+from swarm.leader.history import ServingHistory
 from swarm.leader.hypercorn_close import guard_close_race
+from swarm.leader.install import InstallRoutes
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
+from swarm.leader.openai_api import OpenAIRoutes
+from swarm.leader.relay import RelayHub
+from swarm.leader.serving import Serving
 from swarm.leader.signin import HashPool, SignInThrottle
+from swarm.leader.updates import SelfWheel, UpdateRoutes
+from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.store.db import Store, leader_store
 from swarm.store.fleet import DEFAULT_POOL, JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token

@@ -19,8 +19,8 @@ from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader import timing
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
-from swarm.leader.limits import check_prompt_bytes
 from swarm.leader.http_errors import json_body, openai_error
+from swarm.leader.limits import check_prompt_bytes
 from swarm.leader.logprobs import token_text
 from swarm.leader.openai_api import Choice, ReplyText, _error_events, next_event, read_choices
 from swarm.leader.openai_params import CompletionParams, parse_completion_body

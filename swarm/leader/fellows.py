@@ -12,8 +12,8 @@ from starlette.websockets import WebSocket
 
 from swarm import __version__, wire
 from swarm.errors import AuthError, ProtocolError, SwarmError
-from swarm.messages import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
+from swarm.messages import Hardware
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, close_quietly
 from swarm.tunnel.keys import fingerprint
 

@@ -15,9 +15,8 @@ from swarm.errors import (
     AuthError,
     BadRequest,
     BodyTooLarge,
-    Forbidden,
-    TooManyAttempts,
     ContextTooLong,
+    Forbidden,
     ModelNotFound,
     ModelNotLoaded,
     PlacementError,
@@ -26,6 +25,7 @@ from swarm.errors import (
     QueueTimeout,
     StoreError,
     SwarmError,
+    TooManyAttempts,
 )
 from swarm.store.chats import ChatLimitReached, ChatTooLarge
 

@@ -23,8 +23,15 @@ import secrets
 import trio
 
 from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
-from swarm.leader.models import (LOAD_PHASES, ModelServing, StageState, full_weight_bytes, link_message, load_message,
-                                 model_size)
+from swarm.leader.models import (
+    LOAD_PHASES,
+    ModelServing,
+    StageState,
+    full_weight_bytes,
+    link_message,
+    load_message,
+    model_size,
+)
 from swarm.leader.placement import StagePlan
 from swarm.quantization import check_kind
 

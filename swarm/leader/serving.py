@@ -18,12 +18,20 @@ import trio
 
 from swarm import messages
 from swarm.config import Settings
-from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout,
-                          counted)
+from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout, counted
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
-from swarm.leader.models import (ModelServing, StageState, check_quantization, draft_message, draft_size,
-                                 full_weight_bytes, load_message, model_size, quantized_fellows)
+from swarm.leader.models import (
+    ModelServing,
+    StageState,
+    check_quantization,
+    draft_message,
+    draft_size,
+    full_weight_bytes,
+    load_message,
+    model_size,
+    quantized_fellows,
+)
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery

@@ -10,8 +10,9 @@ import dataclasses
 import torch
 
 from swarm import messages, wire
-from swarm.stage.protocol import Output, Work
+from swarm.stage import verify
 from swarm.stage.grammar import constraint
+from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_batch, forward_one
 from swarm.stage.sampling import (
     IMPOSSIBLE,
@@ -22,7 +23,6 @@ from swarm.stage.sampling import (
     token_generator,
 )
 from swarm.stage.slice import StageModel
-from swarm.stage import verify
 
 
 def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) -> Output:

@@ -44,7 +44,6 @@ from swarm import messages, wire
 from swarm.errors import ProtocolError
 from swarm.stage import drafting
 
-
 # Requests one pass takes at most. Measured on the built-in model (2-core CPU): a pass of 8 decode rows costs ~1.7x
 # one row, of 16 ~2.6x; past that the rows' own arithmetic dominates and a bigger pass only adds latency.
 MAX_BATCH = 16

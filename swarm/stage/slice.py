@@ -364,7 +364,7 @@ class StageModel:
         if self._rotary_per_type:
             return {kind: self.rotary(states, position_ids, kind) for kind in set(self._mask_types)}
         shared = self.rotary(states, position_ids)
-        return {kind: shared for kind in set(self._mask_types)}
+        return dict.fromkeys(set(self._mask_types), shared)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states: norm, lm_head, and the family's logit soft-capping (Gemma) as its

@@ -20,7 +20,6 @@ from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_one
 from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, token_generator
 
-
 # Rows of the head computed in one call. On CPU torch's float32 matrix product costs about what one row costs for up to
 # 3 rows and twice that from 4 (bench/RESULTS.md). swarm's int4 kernel unpacks each weight once for up to 8 rows
 # (a tile): the built-in model's head costs 1.5x one row's for 5 rows, and 1.3x for 3.

@@ -81,7 +81,7 @@ class FolderSource:
         for path in self.weight_files():
             try:
                 with safe_open(str(path), framework="pt") as handle:
-                    for key in handle.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                    for key in handle.keys():  # a safe_open handle is no dict
                         if key in seen:
                             raise ImportFailed(f"{self.folder}: tensor {key!r} is in both {seen[key].name} and "
                                                f"{path.name}; remove the stray copy")
@@ -108,7 +108,7 @@ class FolderSource:
         counts: dict[str, int] = {}
         for path in self.weight_files():
             with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                for key in handle.keys():  # a safe_open handle is no dict
                     piece = handle.get_slice(key)
                     kind = _SAFETENSORS_DTYPES.get(piece.get_dtype())
                     if kind is not None:
