@@ -72,7 +72,10 @@ def test_stage_files_tied_and_untied(tiny_model_dirs):
     tied = load_manifest(tiny_model_dirs["llama"])  # 4 layers, tied
     with safe_open(tiny_model_dirs["llama"] / "weights/final.safetensors", framework="pt") as f:
         assert set(f.keys()) == {"norm.weight"}
-    paths = lambda entries: [e.path for e in entries]
+
+    def paths(entries):
+        return [e.path for e in entries]
+
     assert paths(stage_files(tied, 0, 2, True, False)) == [
         "config.json", "weights/embed.safetensors", "weights/layer_000.safetensors", "weights/layer_001.safetensors"
     ]
@@ -322,7 +325,8 @@ def test_budget_counts_what_a_stage_holds_not_what_the_file_holds(tmp_path):
     cpu16, cpu32, gpu16 = model_size(m16, cpu=True), model_size(m32, cpu=True), model_size(m16, cpu=False)
     assert abs(cpu16.layer_bytes[0] - cpu32.layer_bytes[0]) < 1000  # the file headers differ, not the weights
     assert abs(gpu16.layer_bytes[0] * 2 - cpu32.layer_bytes[0]) < 1000
-    assert cpu16.kv_bytes_per_token_per_layer == cpu32.kv_bytes_per_token_per_layer == 2 * gpu16.kv_bytes_per_token_per_layer
+    assert (cpu16.kv_bytes_per_token_per_layer == cpu32.kv_bytes_per_token_per_layer
+            == 2 * gpu16.kv_bytes_per_token_per_layer)
 
 
 def test_refuses_attention_soft_capping_before_writing(tmp_path):

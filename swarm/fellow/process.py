@@ -170,7 +170,7 @@ def check_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: 
 
     async def once() -> None:
         async with open_control(fellow) as channel:
-            await fellow.control._enrol(channel)
+            await fellow.control.enrol(channel)
 
     trio.run(once)
     print(f"Joined {leader_url} as {fellow.name}. What this PC can hold: {fellow.checks or 'the leader did not say'}",

@@ -230,7 +230,8 @@ class Leader:
             udp_port = self.settings.rendezvous_port if self.settings.rendezvous_port is not None else bound_port
             try:
                 _, self.direct_links.rendezvous_port = await nursery.start(
-                    lambda task_status: serve_rendezvous(host, udp_port, self.direct_links.allow, task_status=task_status))
+                    lambda task_status: serve_rendezvous(host, udp_port, self.direct_links.allow,
+                                                         task_status=task_status))
             except OSError as exc:
                 log.warning("no UDP rendezvous on port %s (%s): direct links will use the relay", udp_port, exc)
             task_status.started(urls)

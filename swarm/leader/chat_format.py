@@ -146,7 +146,7 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
 
 
 def eos_ids(model_dir: Path, manifest: dict) -> list[int]:
-    ids = set(int(i) for i in manifest.get("eos_token_ids") or [])
+    ids = {int(i) for i in manifest.get("eos_token_ids") or []}
     tokenizer = load_tokenizer(str(model_dir))
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

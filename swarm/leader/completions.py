@@ -83,7 +83,7 @@ class CompletionRoutes:
         choices = []
         for i, ring_request in enumerate(ring_requests):
             text = ReplyText(tokenizer, False, params.stop, reasoning=False)
-            choices.append(Completion(i, ring_request, text, self.routes._reader(ring_request), params.logprobs,
+            choices.append(Completion(i, ring_request, text, self.routes.reader(ring_request), params.logprobs,
                                       prompt_text=prompts[i // params.n][0], limit=params.max_tokens))
         first = ring_requests[0]
         created = int(time.time())

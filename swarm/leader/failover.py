@@ -53,7 +53,8 @@ def why_no_replacement(plan: StagePlan, candidates: list[Candidate], exclude: se
             + "; ".join(states))
 
 
-def choose_cover(plans: list[StagePlan], candidates: list[Candidate], covered: set[int]) -> tuple[int, Candidate] | None:
+def choose_cover(plans: list[StagePlan], candidates: list[Candidate],
+                 covered: set[int]) -> tuple[int, Candidate] | None:
     """(stage index, standby) for the next hot cover: the uncovered stage whose loss would cost most to reload (the
     most weight bytes to fetch and load), on a standby that holds no cover yet and has room for it."""
     standbys = [c for c in candidates if c.standby and not c.covering and not c.serving and not c.outdated]

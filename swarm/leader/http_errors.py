@@ -62,8 +62,8 @@ def classify(exc: BaseException) -> tuple[int, str, str, str]:
             return status, code, openai_type, str(exc)
     log.error("unexpected error answering a request", exc_info=exc)
     return (500, "internal_error", "server_error",
-            f"internal error in the leader ({type(exc).__name__}); this is a bug in swarm, and the leader's log has "
-            "the details. Try again; report it if it keeps happening.")
+            (f"internal error in the leader ({type(exc).__name__}); this is a bug in swarm, and the leader's log has "
+             "the details. Try again; report it if it keeps happening."))
 
 
 def api_error(exc: BaseException) -> JSONResponse:

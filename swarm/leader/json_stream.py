@@ -22,7 +22,8 @@ class JsonRewriter:
         self.started = False
         self.complete = False
         self._in_string = False
-        self._escape = ""  # an escape sequence being read (from its backslash), or a high surrogate waiting for its pair
+        # an escape sequence being read (from its backslash), or a high surrogate waiting for its pair
+        self._escape = ""
         self._scalar = ""  # a number or literal being read
 
     def feed(self, text: str) -> tuple[str, int]:

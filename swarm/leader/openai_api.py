@@ -74,7 +74,7 @@ class OpenAIRoutes:
                 return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
         tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
-        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self._reader(r), params.logprobs)
+        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self.reader(r), params.logprobs)
                    for i, r in enumerate(ring_requests)]
         if params.tools:
             for choice in choices:
@@ -194,7 +194,8 @@ class OpenAIRoutes:
         for request in choices:
             out.append(await leader.serving.submit(request))
 
-    def _reader(self, ring_request: Request) -> Reader:
+    def reader(self, ring_request: Request) -> Reader:
+        """A reader of ``ring_request``'s tokens that gives up on it after the settings' stall and queue times."""
         settings = self.leader.settings
         return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 

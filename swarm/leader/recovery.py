@@ -366,8 +366,8 @@ class Recovery:
             try:
                 row = await serving.model_row(name)
                 manifest = row.manifest
-                config = await trio.to_thread.run_sync(
-                    lambda: json.loads((serving.models_root / name / "config.json").read_text()))
+                config_file = serving.models_root / name / "config.json"
+                config = json.loads(await trio.to_thread.run_sync(config_file.read_text))
                 stages = [StageState(StagePlan(**{k: v for k, v in p.items()
                                                   if k not in ("free_bytes", "quantization", "draft")}),
                                      free_bytes=int(p.get("free_bytes", 0))) for p in plans]

@@ -97,12 +97,12 @@ class Serving:
 
     def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str,
                   pool_id: int | None = None, draft_manifest: dict | None = None):
-        """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now (swarm.leader.placement.place): the
-        plans, the model's sizes, the quantization kind, the fellows it chose from and their capacities. Raises
-        PlacementError when nothing fits. The load and the planner (swarm.leader.planner) both use it.
-        ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL), counted in
-        its fellow's memory where the ring has several stages and that fellow runs draft models (else left out: the
-        last plan's draft_bytes say which)."""
+        """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now
+        (swarm.leader.placement.place): the plans, the model's sizes, the quantization kind, the fellows it chose from
+        and their capacities. Raises PlacementError when nothing fits. The load and the planner (swarm.leader.planner)
+        both use it. ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL),
+        counted in its fellow's memory where the ring has several stages and that fellow runs draft models (else left
+        out: the last plan's draft_bytes say which)."""
         # only the model's pool's fellows (swarm.store.fleet); standbys wait for failovers, unless one is asked for
         if pool_id is not None and fellow_id is not None and fellow_id in self.hub.online and \
                 self.hub.online[fellow_id].pool_id != pool_id:
@@ -125,7 +125,8 @@ class Serving:
         # fellows then keep room to spare, never too little).
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         size = model_size(manifest, cpu=cpu, quantization=kind)
-        capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
+        capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device))
+                      for f in fellows]
         try:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
             if draft_manifest is not None and len(plans) > 1:
@@ -175,7 +176,8 @@ class Serving:
             # start over as asked
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
-        config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
+        config_file = self.models_root / name / "config.json"
+        config = await trio.to_thread.run_sync(lambda: json.loads(config_file.read_text()))
         draft = None  # SWARM_SERVE_DRAFT_MODEL: checked before anything is placed (a wrong name refuses the load)
         if self.settings.serve_draft_model and self.settings.serve_speculative > 0 and num_stages != 1 \
                 and not sliding(config):  # a sliding model does not draft at all (swarm.leader.drafting)

@@ -186,8 +186,9 @@ class SelfWheel:
 
 
 class UpdateRoutes:
-    """GET /api/v1/update/{file}: the wheel, for a fellow's node credential (or a join token: the install script). POST /api/v1/fellows/update (admins):
-    ask every outdated fellow online (or those named in ``fellow_ids``) to update itself."""
+    """GET /api/v1/update/{file}: the wheel, for a fellow's node credential (or a join token: the install script).
+    POST /api/v1/fellows/update (admins): ask every outdated fellow online (or those named in ``fellow_ids``) to update
+    itself."""
 
     def __init__(self, leader):
         self.leader = leader

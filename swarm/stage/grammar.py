@@ -15,6 +15,7 @@ as vLLM does with a reasoning parser; a reply that does not think follows the gr
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -22,15 +23,17 @@ import torch
 from swarm.errors import ModelError
 
 _lock = threading.Lock()
+# Each stage's llguidance tokenizer, dropped with its stage.
+_tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _tokenizer(stage, eos: list[int]):
     """The llguidance tokenizer of ``stage``'s model (built once per stage: ~1-2 s)."""
-    cached = getattr(stage, "_ll_tokenizer", None)
+    cached = _tokenizers.get(stage)
     if cached is not None:
         return cached
     with _lock:
-        cached = getattr(stage, "_ll_tokenizer", None)
+        cached = _tokenizers.get(stage)
         if cached is None:
             folder = getattr(stage, "tokenizer_dir", None)
             if folder is None:
@@ -44,7 +47,7 @@ def _tokenizer(stage, eos: list[int]):
             vocab = int(stage.config.vocab_size)
             ends = sorted({int(e) for e in eos} | ({hf.eos_token_id} if hf.eos_token_id is not None else set()))
             cached = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=ends or None)
-            stage._ll_tokenizer = cached
+            _tokenizers[stage] = cached
     return cached
 
 

@@ -59,9 +59,11 @@ class LocalRing:
 
     # --- requests -----------------------------------------------------------------------------------------------
 
-    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int, sampling: messages.Sampling = messages.Sampling(),
-               eos: Iterable[int] = (), draft: int = 0) -> LocalReply:
-        """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass (swarm.stage.drafting)."""
+    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int,
+               sampling: messages.Sampling = messages.Sampling(), eos: Iterable[int] = (),
+               draft: int = 0) -> LocalReply:
+        """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass
+        (swarm.stage.drafting)."""
         self.replies[rid] = LocalReply()
         self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling,
                                                  draft=draft))

@@ -30,7 +30,8 @@ The head (``lm_head``) is a linear layer too, and on a small model a large share
 at int8 for int8 and nf4 (the quality choice: 4 bits in the head cost the built-in model 9 % perplexity, where the
 layers at 4 bits cost 0.4 %; llama.cpp also keeps its output matrix wider), and at 4 bits for int4-fast (the speed
 choice: measured here, the built-in model's 49152 x 576 head took 2.1 ms at 4 bits, 6-10 ms at int8, 14-18 ms in
-float32 -- though in the whole built-in model that gain stayed within the VM's noise, bench/RESULTS.md). On CUDA it stays in half precision, as bitsandbytes' loaders leave it.
+float32 -- though in the whole built-in model that gain stayed within the VM's noise, bench/RESULTS.md). On CUDA it
+stays in half precision, as bitsandbytes' loaders leave it.
 
 Every function here is deterministic: the same weights quantized by the same kind give the same tensors, so a ring's
 stages and one whole model quantized alike (:func:`quantize_model`) compute the same tokens.
@@ -352,7 +353,8 @@ def _make_cpu_modules():
 
         def extra_repr(self) -> str:
             kernel = f", swarm's {self.kernel.simd} kernel" if self.kernel is not None else ""
-            return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}{kernel}"
+            return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                    f"int4 groups of {self.group}{kernel}")
 
     return Int8Linear, Int4Linear
 

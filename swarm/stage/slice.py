@@ -103,9 +103,9 @@ class StageModel:
         self.rotary = rotary
         self.dtype = dtype
         self.device = device
-        self._mask_types = _layer_mask_types(config)
+        self.mask_types = _layer_mask_types(config)
         # Gemma 3: local and global layers rotate with different bases, one rotary table per layer type.
-        self._rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
+        self.rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._caches: dict[str, DynamicCache] = {}
         self.quantization = "none"  # set by load (swarm.stage.quantize.KINDS)
@@ -255,11 +255,11 @@ class StageModel:
         return list(self._caches)
 
     def cached_length(self, rid: str) -> int:
-        return self._cache(rid).get_seq_length()
+        return self.request_cache(rid).get_seq_length()
 
     def rollback(self, rid: str, length: int) -> None:
         """Forget every cached token from position ``length`` on (rejected speculative tokens, a retried chunk)."""
-        cache = self._cache(rid)
+        cache = self.request_cache(rid)
         current = cache.get_seq_length()
         if not 0 <= length <= current:
             raise ModelError(f"cannot roll request {rid!r} back to {length} tokens: it has {current}")
@@ -274,12 +274,13 @@ class StageModel:
             window = getattr(layer, "sliding_window", None)
             if getattr(layer, "is_sliding", False) and window is not None and current >= window:
                 raise ModelError(
-                    f"cannot roll request {rid!r} back to {length} tokens: its sliding-window layers keep only the last "
-                    f"{window - 1} of {current} tokens; restart the request instead"
+                    f"cannot roll request {rid!r} back to {length} tokens: its sliding-window layers keep only the "
+                    f"last {window - 1} of {current} tokens; restart the request instead"
                 )
         cache.crop(length - current)  # v5: a negative count of tokens to remove
 
-    def _cache(self, rid: str) -> DynamicCache:
+    def request_cache(self, rid: str) -> DynamicCache:
+        """The KV cache of request ``rid``; ModelError if this stage holds none for it."""
         try:
             return self._caches[rid]
         except KeyError:
@@ -304,11 +305,11 @@ class StageModel:
         Returns hidden states (1, n, hidden_size), or on the last stage the float32 logits (vocab,) of the chunk's
         last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last); with
         ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs); with
-        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` a few rows at a time).
-        ``alone``: a decode pass (drafting's verifying pass), whose rows compute what each would as a decode step of
-        its own where the layers can (swarm.stage.compiled_decode.alone).
+        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` a few rows at a
+        time). ``alone``: a decode pass (drafting's verifying pass), whose rows compute what each would as a decode step
+        of its own where the layers can (swarm.stage.compiled_decode.alone).
         """
-        cache = self._cache(rid)
+        cache = self.request_cache(rid)
         cached = cache.get_seq_length()
         if position != cached:
             raise ModelError(f"request {rid!r}: chunk starts at {position} but this stage holds {cached} tokens")
@@ -344,9 +345,9 @@ class StageModel:
         mask_args = dict(
             config=self.config, inputs_embeds=states, attention_mask=None, cache=cache, position_ids=position_ids
         )
-        masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
+        masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self.mask_types)}
         on = _OnDevices(self.position_embeddings(states, position_ids), masks)
-        for layer, kind, device in zip(self.layers, self._mask_types, self.layer_devices):
+        for layer, kind, device in zip(self.layers, self.mask_types, self.layer_devices):
             states = states.to(device)  # a no-op unless the layers spread over several cards
             pe, layer_masks = on.device(device)
             states = layer(
@@ -361,10 +362,10 @@ class StageModel:
 
     def position_embeddings(self, states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
         """Each layer type's rotary (cos, sin) at ``position_ids``: one table for all but Gemma 3's."""
-        if self._rotary_per_type:
-            return {kind: self.rotary(states, position_ids, kind) for kind in set(self._mask_types)}
+        if self.rotary_per_type:
+            return {kind: self.rotary(states, position_ids, kind) for kind in set(self.mask_types)}
         shared = self.rotary(states, position_ids)
-        return dict.fromkeys(set(self._mask_types), shared)
+        return dict.fromkeys(set(self.mask_types), shared)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states: norm, lm_head, and the family's logit soft-capping (Gemma) as its

@@ -286,6 +286,10 @@ class Postgres:
     def current(self) -> Connection | None:
         return getattr(self._local, "conn", None)
 
+    def set_current(self, conn: Connection | None) -> None:
+        """Make ``conn`` the current thread's transaction, which its reads join (None: it has none)."""
+        self._local.conn = conn
+
     def read(self, sql: str, args: Sequence[Any], many: bool):
         conn = self.current()
         if conn is not None:
@@ -321,7 +325,7 @@ class _Transaction:
             self._pooled.__exit__(type(exc), exc, exc.__traceback__)
             raise
         conn = Connection(raw, self.pg.schema)
-        self.pg._local.conn = conn
+        self.pg.set_current(conn)
         return conn
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -329,7 +333,7 @@ class _Transaction:
             self._tx.__exit__(kind, exc, tb)
         finally:
             if self._pooled is not None:
-                self.pg._local.conn = None
+                self.pg.set_current(None)
                 self._pooled.__exit__(kind, exc, tb)
         return False
 

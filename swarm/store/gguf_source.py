@@ -20,6 +20,7 @@ them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -165,7 +166,7 @@ class GGUFSource:
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             write = None
             if _left_as_is(processor, tensor.name, shape):
-                write = lambda dtype, f, t=tensor, s=shape: self._write(t, s, dtype, f)
+                write = functools.partial(self._write, tensor, shape)  # write(dtype, out)
             out.append(GGUFTensor(hf_name, shape,
                                   lambda dtype, t=tensor, s=shape: self._read(t, s, dtype, processor), write))
         return out
