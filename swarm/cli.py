@@ -424,7 +424,7 @@ def _infer(client, args) -> None:
     ended = time.monotonic()
     tokens = (usage or {}).get("completion_tokens", pieces)
     rate = None
-    if first is not None and tokens:
+    if first is not None and last is not None and tokens:
         # A reply that came in one burst (a buffering proxy) is rated over the whole request, as on the chat page.
         burst = last - first < 0.05 or pieces < 3
         rate = tokens / max(ended - started, 1e-3) if burst else (tokens - 1) / (last - first)

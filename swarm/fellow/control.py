@@ -129,7 +129,9 @@ class ControlLink:
         if isinstance(reply.get("checks"), str):
             fellow.checks = reply["checks"]
             log.info("what this PC can hold: %s", reply["checks"])
-        leader = reply.get("leader") if isinstance(reply.get("leader"), dict) else {}
+        leader = reply.get("leader")
+        if not isinstance(leader, dict):
+            leader = {}
         if leader.get("protocol", wire.PROTOCOL_VERSION) != wire.PROTOCOL_VERSION:
             log.warning("the leader runs swarm %s (protocol %s), this fellow swarm %s (protocol %s): it gets no "
                         "stage until it is updated -- run `swarm update` here, or Update on the admin page",

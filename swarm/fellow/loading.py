@@ -104,7 +104,7 @@ class StageLoader:
         fellow = self.fellow
         draft = _draft_part(message)
         wanted = [(message["model"], f) for f in message["files"]] + \
-            [(draft["model"], f) for f in (draft["files"] if draft else [])]
+            ([(draft["model"], f) for f in draft["files"]] if draft else [])
         total = sum(f["size"] for _, f in wanted) or 1
         done_before = 0
         local: dict[str, Path] = {}

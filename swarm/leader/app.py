@@ -65,7 +65,7 @@ class Leader:
         self.settings = settings
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("HTTPS needs both --tls-cert and --tls-key.")
-        self.tls = (Path(tls_cert), Path(tls_key)) if tls_cert is not None else None
+        self.tls = (Path(tls_cert), Path(tls_key)) if tls_cert is not None and tls_key is not None else None
         try:
             # Join tokens pin this certificate: fellows trust it alone (swarm.tunnel.tls).
             self.cert_pin = cert_pin_of_file(self.tls[0]) if self.tls else None
@@ -222,7 +222,9 @@ class Leader:
             await nursery.start(self.history.run)  # writes finished requests off the request path, prunes old ones
 
             async def http(task_status):
-                await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+                # a Starlette-typed ASGI app: hypercorn's ASGIFramework spells the same protocol in TypedDicts
+                await serve(self.app, config, shutdown_trigger=shutdown_trigger,  # type: ignore[arg-type]
+                            task_status=task_status)
                 nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the rest
 
             urls = await nursery.start(http)

@@ -60,7 +60,7 @@ class CompletionRoutes:
             for prompt in params.prompts:
                 if isinstance(prompt, str):
                     check_prompt_bytes(prompt, model_dir, pool_tokens)  # by its byte count, before tokenising
-                    ids = await trio.to_thread.run_sync(lambda p=prompt: list(tokenizer(p)["input_ids"]))
+                    ids = list((await trio.to_thread.run_sync(tokenizer, prompt))["input_ids"])
                     prompts.append((prompt, ids))
                 else:
                     if vocab and max(prompt) >= vocab:

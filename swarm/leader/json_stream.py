@@ -28,7 +28,7 @@ class JsonRewriter:
 
     def feed(self, text: str) -> tuple[str, int]:
         """(the rewritten piece, how many characters of ``text`` were read): all of them, or up to the value's end."""
-        out = []
+        out: list[str] = []
         for used, char in enumerate(text):
             if self.complete:
                 return "".join(out), used

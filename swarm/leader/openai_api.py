@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from starlette.requests import Request as HttpRequest
@@ -92,7 +92,7 @@ class OpenAIRoutes:
         await timing.settle(self.leader.serving, first)
         out = []
         for choice in choices:
-            message = {"role": "assistant", "content": choice.content}
+            message: dict[str, Any] = {"role": "assistant", "content": choice.content}
             if choice.reasoning:
                 message["reasoning_content"] = choice.reasoning
             if choice.calls:
@@ -336,7 +336,10 @@ class _AllContent:
         return "", ""
 
 
-async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
+_C = TypeVar("_C", bound="Choice")
+
+
+async def next_event(choices: list[_C]) -> tuple[_C, str, Any]:
     """The next thing that happens to any of ``choices``: (choice, kind, value) as Reader.next gives it."""
     for choice in choices:
         if choice.pending:
@@ -345,7 +348,7 @@ async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
         return (choices[0], *await choices[0].reader.next())
     done: list = []
     async with trio.open_nursery() as nursery:
-        async def read(choice: Choice) -> None:
+        async def read(choice: _C) -> None:
             result = await choice.reader.next()
             done.append((choice, *result))  # kept even if another read won the race: nothing is lost
             nursery.cancel_scope.cancel()

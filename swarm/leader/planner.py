@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 import trio
 
@@ -139,7 +140,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     the decode tokens/s, the time to first token of ``prompt_tokens``, and the bottleneck. ``hops[i]`` is the link
     from stage i to stage i+1 (the last one back to stage 0); none with one stage. ``speeds``: fellow id -> speed."""
     n = len(plans)
-    stages = []
+    stages: list[dict[str, Any]] = []
     chunk_ms: list[float] = []  # per stage, one prompt chunk's compute (the head apart: it runs once, at the end)
     head = 0.0
     chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
@@ -158,7 +159,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
             prefill += head
         stages.append({"index": plan.index, "fellow_id": plan.fellow_id, "fellow": plan.fellow_name,
                        "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill})
-    links = []
+    links: list[dict[str, Any]] = []
     for i, hop in enumerate(hops[:n] if n > 1 else []):
         forward = i < n - 1  # hidden states forward; the last hop carries the token back
         per_token_bytes = hidden_bytes_per_token if forward else TOKEN_BACK_BYTES

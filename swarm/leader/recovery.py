@@ -298,7 +298,7 @@ class Recovery:
 
     def keeps(self, conn, stages: list) -> list[str]:
         """The models whose stage (or hot cover) a rejoining fellow keeps: what it holds of the current loads."""
-        keep = []
+        keep: list[str] = []
         if not conn.compatible:  # it speaks another protocol: it is sent nothing of a ring, and drops what it holds
             return keep
         for summary in stages:
@@ -332,7 +332,7 @@ class Recovery:
         return adopted
 
     def _claim(self, conn, stages: list) -> list[str]:
-        adopted = []
+        adopted: list[str] = []
         if not conn.compatible:
             return adopted
         for summary in stages:

@@ -87,6 +87,7 @@ class LeanDecode:
         sizes = sizes or ([1] * n if len(caches) == n else [n])
         if self._alone(sizes, flags):  # the layers' C step: single rows, or decode passes flagged to compute alone
             cos, sin = self._tables(states, position_ids)["full_attention"]
+            assert self._steps is not None  # _alone() said so
             return run_steps(self._steps, states.reshape(n, -1), cos.reshape(n, -1), sin.reshape(n, -1),
                              caches, sizes).view(1, n, -1)
         mask = None

@@ -44,7 +44,9 @@ class LocalRing:
         if not stages:
             raise ModelError("a ring needs at least one stage")
         if execute is None:
-            from swarm.stage.execute import run_batch as execute
+            from swarm.stage.execute import run_batch
+
+            execute = run_batch
         self.stages = list(stages)
         self.execute = execute
         n = len(self.stages)

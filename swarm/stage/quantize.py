@@ -86,8 +86,8 @@ def _fuse_siblings(parent: Any, kind: str, skip: set[str]) -> None:
     from torch import nn
 
     for names in SIBLINGS:
-        members = [getattr(parent, name, None) for name in names]
-        if any(name in skip for name in names) or not all(isinstance(m, nn.Linear) for m in members):
+        members = [m for m in (getattr(parent, name, None) for name in names) if isinstance(m, nn.Linear)]
+        if any(name in skip for name in names) or len(members) != len(names):
             continue
         first = members[0]
         if (first.weight.device.type != "cpu" or first.in_features % INT4_GROUP
@@ -276,6 +276,9 @@ def _make_cpu_modules():
     class Int8Linear(nn.Module):
         """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
 
+        qweight: torch.Tensor  # buffers (register_buffer), declared for type checkers
+        scales: torch.Tensor
+
         def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
             super().__init__()
             self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
@@ -309,6 +312,9 @@ def _make_cpu_modules():
     class Int4Linear(nn.Module):
         """4-bit weights in groups of ``group`` inputs, each with a scale and an offset: w = (q - 8) * scale + zero,
         q in 0..15 (the int4 layout of torch's CPU kernel, torchao's Int4CPULayout)."""
+
+        packed: torch.Tensor  # buffers (register_buffer), declared for type checkers
+        scale_zeros: torch.Tensor
 
         def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
                      out_features: int, bias: torch.Tensor | None, kernel: Any = None):

@@ -115,10 +115,11 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]], alone
             return states
         ends = torch.tensor(sizes, device=states.device).cumsum(0) - 1
         wanted = [i for i, (_, _, _, want) in enumerate(items) if want]
-        logits = stage.logits(states[:, ends[wanted], :])[0].float() if wanted else None
         out: list[torch.Tensor | None] = [None] * len(items)
-        for row, i in enumerate(wanted):
-            out[i] = logits[row]
+        if wanted:
+            logits = stage.logits(states[:, ends[wanted], :])[0].float()
+            for row, i in enumerate(wanted):
+                out[i] = logits[row]
         return out
 
 

@@ -123,7 +123,12 @@ def import_model(
     if dtype not in DTYPE_CHOICES:
         raise ImportFailed(f"cannot store weights as {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     path, is_gguf = _locate(source)
-    name = name or (source if source in BUILTIN_MODELS else _default_name(path))
+    if not name:
+        if source in BUILTIN_MODELS:
+            name = source
+        else:
+            assert path is not None  # only a built-in model has no path yet
+            name = _default_name(path)
     if not _NAME_RE.match(name):
         raise ImportFailed(
             f"{name!r} cannot be a model name: use letters, digits, '.', '_' and '-' (up to 128), e.g. --name my-model"
