@@ -1,7 +1,8 @@
 """Drafting ahead (SWARM_SERVE_SPECULATIVE): tokens/s of the built-in model over 2 stages in one process
 (swarm.stage.local: the real protocol and stage models, no sockets), with and without drafting, on a reply that
-repeats its input (a page edit), on a code edit that the model half rewrites and on an ordinary chat. The variants take turns, round after round, so a shared
-machine's swings fall on all of them alike; each greedy reply is checked to be the same with and without drafting.
+repeats its input (a page edit), on a code edit that the model half rewrites and on an ordinary chat. The variants take
+turns, round after round, so a shared machine's swings fall on all of them alike; each greedy reply is checked to be the
+same with and without drafting.
 
 With --draft-models, prompt lookup plus a draft model beside the last stage (SWARM_SERVE_DRAFT_MODEL) as well:
 ``self`` is the built-in model as its own draft model (every guess right, but it costs the whole model per guessed
@@ -71,7 +72,8 @@ PAGE = """<html>
 # to rename a variable in the Python code it rewrites only one of its functions, half of it copied and half its own.
 CHATS = {
     "page edit": f"Change the title to 'My shop' in this page and reply with the whole page:\n\n```html\n{PAGE}```",
-    "code edit": f"Rewrite this code with the variable `item` renamed to `product`. Reply with the code only.\n\n{CODE}",
+    "code edit": ("Rewrite this code with the variable `item` renamed to `product`. Reply with the code only."
+                  f"\n\n{CODE}"),
     "ordinary chat": "Tell me about the history of the bicycle, and why it became popular in cities.",
 }
 

@@ -24,9 +24,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ring_speed import builtin_pool, machine  # noqa: E402
-from swarm.demo import BUILTIN  # noqa: E402
-from swarm.leader.openai_params import choice_seed  # noqa: E402
+from ring_speed import builtin_pool, machine
+from swarm.demo import BUILTIN
+from swarm.leader.openai_params import choice_seed
 
 SEED = 1234
 STORY = ("The lighthouse keeper climbed the narrow stairs every evening, counting the steps and listening to the sea "

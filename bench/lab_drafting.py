@@ -9,11 +9,11 @@ links on (the hops move from the relay to a hole-punched tunnel between the home
 greedy. Drafting ahead is the leader's setting at load time (SWARM_SERVE_SPECULATIVE), so each variant restarts the
 leader with its setting and loads the model afresh; the variants (off, and ``--draft`` tokens guessed per pass) take
 turns for ``--rounds`` rounds, each round asking bench/drafting.py's chats: a page edit whose reply repeats its
-input, a code edit the model half rewrites, and an ordinary chat. Printed per reply: the decode rate (``swarm.timing``'s tokens_per_s: the steady rate
-after the first token), the ring's passes per token (spec_passes / spec_tokens), the guesses made and kept, the
-speed-up of drafting, and whether each reply was token for token the same with and without it. Each reply's line
-also gives the stages' compute and the links' time per token (``swarm.timing``'s compute_ms_per_token and
-link_ms_per_token).
+input, a code edit the model half rewrites, and an ordinary chat. Printed per reply: the decode rate (``swarm.timing``'s
+tokens_per_s: the steady rate after the first token), the ring's passes per token (spec_passes / spec_tokens), the
+guesses made and kept, the speed-up of drafting, and whether each reply was token for token the same with and without
+it. Each reply's line also gives the stages' compute and the links' time per token (``swarm.timing``'s
+compute_ms_per_token and link_ms_per_token).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # lab_transports puts tests/ on the path (netlab, test_lab_ring)
 from drafting import CHATS, machine
@@ -108,7 +107,8 @@ def main() -> None:
 
 def report(speeds: dict, counters: dict, replies: dict, variants: tuple[int, int]) -> None:
     off, on = variants
-    print("\n| reply | drafting | decode tok/s (median; runs) | passes per token | guessed / kept | speed-up of the medians (per round) |")
+    print("\n| reply | drafting | decode tok/s (median; runs) | passes per token | guessed / kept "
+          "| speed-up of the medians (per round) |")
     print("|---|---|---|---|---|---|")
     for name in CHATS:
         base = statistics.median(speeds[(name, off)])

@@ -25,9 +25,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ring_speed import bench_generate, builtin_pool, machine  # noqa: E402
-from swarm.demo import BUILTIN  # noqa: E402
-from swarm.model_import import ensure_imported  # noqa: E402
+from ring_speed import bench_generate, builtin_pool, machine
+from swarm.demo import BUILTIN
+from swarm.model_import import ensure_imported
 
 TOPICS = ["a lighthouse keeper", "a dragon who bakes", "the first city on Mars", "a clockmaker's apprentice",
           "a storm at sea", "a lost library", "a robot gardener", "two rival chess players"]

@@ -32,10 +32,8 @@ from pathlib import Path
 import trio
 
 from builtin_swarm import COUNT, main  # first: puts tests/ on the import path
-
-from harness import running_swarm  # noqa: E402
-
-from swarm.fellow import calibration  # noqa: E402
+from harness import running_swarm
+from swarm.fellow import calibration
 
 LONG = [{"role": "user", "content": "Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 98}]
 

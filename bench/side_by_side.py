@@ -27,10 +27,10 @@ while it was measured (steal, from /proc/stat): a round with much of it measured
 - Drafting ahead (SWARM_SERVE_SPECULATIVE, bench/drafting.py's chats): the same ring of 2 stages at
   --drafting-kind (float32 by default) on a reply that repeats its input (a page edit), a code edit the model half
   rewrites and an ordinary chat, each without drafting and with --draft tokens guessed per pass (4 by default), then
-  the speed-up of each and the passes the ring made per token. The setting is read when the leader starts, so the leader is restarted with it for the
-  drafting rows and again without it for the next round's other rows (the fellows stay; they rejoin). Each drafting
-  reply is checked to be word for word the reply without drafting (greedy): a WARNING line says where it is not.
-  --no-drafting leaves these rows out.
+  the speed-up of each and the passes the ring made per token. The setting is read when the leader starts, so the leader
+  is restarted with it for the drafting rows and again without it for the next round's other rows (the fellows stay;
+  they rejoin). Each drafting reply is checked to be word for word the reply without drafting (greedy): a WARNING line
+  says where it is not. --no-drafting leaves these rows out.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafting import CHATS
 from ring_speed import PROMPT, bench_generate, free_port, machine, stream_once
-
 from swarm.client import LeaderClient
 from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http
 from swarm.model_import import ensure_imported

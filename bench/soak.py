@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ring_speed import builtin_pool, machine  # noqa: E402
-from swarm.client import LeaderClient  # noqa: E402
-from swarm.demo import BUILTIN  # noqa: E402
-from swarm.model_import import ensure_imported  # noqa: E402
-from traffic import Traffic, build_prompts, rss_mb  # noqa: E402
+from ring_speed import builtin_pool, machine
+from swarm.client import LeaderClient
+from swarm.demo import BUILTIN
+from swarm.model_import import ensure_imported
+from traffic import Traffic, build_prompts, rss_mb
 
 LENGTHS = [10, 40, 120, 300, 700, 1200, 2000]
 

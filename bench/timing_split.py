@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 
 from builtin_swarm import COUNT, main  # first: puts tests/ on the import path
-
-from harness import running_swarm  # noqa: E402
+from harness import running_swarm
 
 
 async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:

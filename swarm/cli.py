@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
 import sys
 from pathlib import Path
 
 from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
 from swarm.quantization import KINDS
-
 
 # A fellow's OpenMP threads spin only briefly between two operations before they sleep: long enough to keep a pass
 # fast, short enough that another fellow on the same machine gets the cores between passes. Measured on the demo
@@ -425,7 +424,7 @@ def _infer(client, args) -> None:
     ended = time.monotonic()
     tokens = (usage or {}).get("completion_tokens", pieces)
     rate = None
-    if first is not None and tokens:
+    if first is not None and last is not None and tokens:
         # A reply that came in one burst (a buffering proxy) is rated over the whole request, as on the chat page.
         burst = last - first < 0.05 or pieces < 3
         rate = tokens / max(ended - started, 1e-3) if burst else (tokens - 1) / (last - first)

@@ -136,6 +136,7 @@ def split_parts(timing: dict | None) -> list[str]:
     stages = timing.get("stages") if isinstance(timing, dict) and timing.get("split") == "fellows" else None
     if not stages or any(not isinstance(s.get("compute_ms_per_token"), (int, float)) for s in stages):
         return []
+    assert timing is not None  # the stages came from it
     if len(stages) == 1:
         return [f"compute {_ms(stages[0]['compute_ms_per_token'])} ms/token"]
     parts = [f"stage {stages[0]['stage']} {_ms(stages[0]['compute_ms_per_token'])} ms/token"]

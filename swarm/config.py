@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 
@@ -77,7 +78,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each parsed to its field's type by _parse
         for field in dataclasses.fields(cls):
             name = "SWARM_" + field.name.upper()
             if field.name == "leader_url":

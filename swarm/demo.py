@@ -14,9 +14,9 @@ import httpx
 
 from swarm.client import LeaderClient
 from swarm.errors import SwarmError
-from swarm.tunnel.join_token import make_join_token
 from swarm.model_import import ensure_imported
 from swarm.store.db import Store
+from swarm.tunnel.join_token import make_join_token
 from swarm.tunnel.keys import load_or_create_identity
 
 BUILTIN = "smollm2-135m-instruct"

@@ -81,6 +81,7 @@ class _ProgressBar:
             self.phase = phase
             self.bar = self._tqdm(total=1000, desc=f"import: {phase}", file=sys.stderr,
                                   bar_format="{desc:<24} {bar} {percentage:3.0f}%{postfix}")
+        assert self.bar is not None  # opened for this phase, now or before
         self.bar.n = int(fraction * 1000)
         if detail:
             self.bar.set_postfix_str(detail, refresh=False)

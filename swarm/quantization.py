@@ -12,10 +12,10 @@ from swarm.errors import BadRequest
 KINDS = ("none", "int8", "nf4", "int4-fast")
 INT4_GROUP = 32  # weights per scale/offset on CPU: the smallest group torchao's int4 offers, the best perplexity
 
-# Bytes a quantized weight takes, scales included, for placement and the KV budget (what swarm.stage.quantize's modules hold):
-# CPU int8: 1 byte + a bfloat16 scale per row; CPU int4: half a byte + a bfloat16 scale and offset per 32 weights;
-# CUDA nf4: half a byte + bitsandbytes' absmax per 64 weights (double-quantized to ~0.127 bits); CUDA int4 (torchao):
-# half a byte + a bfloat16 scale and zero per 128 weights.
+# Bytes a quantized weight takes, scales included, for placement and the KV budget (what swarm.stage.quantize's modules
+# hold): CPU int8: 1 byte + a bfloat16 scale per row; CPU int4: half a byte + a bfloat16 scale and offset per 32
+# weights; CUDA nf4: half a byte + bitsandbytes' absmax per 64 weights (double-quantized to ~0.127 bits); CUDA int4
+# (torchao): half a byte + a bfloat16 scale and zero per 128 weights.
 _BYTES_PER_WEIGHT = {
     ("cpu", "int8"): 1.0, ("cpu", "nf4"): 0.5 + 4 / INT4_GROUP, ("cpu", "int4-fast"): 0.5 + 4 / INT4_GROUP,
     ("cuda", "int8"): 1.0, ("cuda", "nf4"): 0.5 + 0.127 / 8, ("cuda", "int4-fast"): 0.5 + 4 / 128,

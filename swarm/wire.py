@@ -13,7 +13,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, dataclass_transform
 
 import cbor2
 
@@ -43,8 +43,9 @@ _MAX_DIMS = 8
 def encode(msg: Any) -> bytes:
     """CBOR bytes of ``msg`` with the protocol version added: a typed message (see :func:`message`), or a map whose
     ``msg["t"]`` names the message type."""
-    if hasattr(msg, "TYPE") and dataclasses.is_dataclass(msg):
-        msg = {"t": msg.TYPE, **to_map(msg)}
+    wire_type = getattr(msg, "TYPE", None)
+    if wire_type is not None and dataclasses.is_dataclass(msg):
+        msg = {"t": wire_type, **to_map(msg)}
     t = msg.get("t")
     if not isinstance(t, str) or not t:
         raise ProtocolError(f"a wire message needs a type in key 't' (a non-empty string), got {t!r}")
@@ -100,7 +101,7 @@ def unpack(data: bytes) -> Any:
 
 
 
-def tensor_to_wire(t: "torch.Tensor") -> dict[str, Any]:
+def tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
     """``{"dtype", "shape", "data"}`` for a tensor: raw little-endian bytes of a contiguous CPU copy."""
     import torch
 
@@ -113,7 +114,7 @@ def tensor_to_wire(t: "torch.Tensor") -> dict[str, Any]:
     return {"dtype": name, "shape": list(t.shape), "data": data}
 
 
-def tensor_from_wire(d: Mapping[str, Any]) -> "torch.Tensor":
+def tensor_from_wire(d: Mapping[str, Any]) -> torch.Tensor:
     """The tensor described by a :func:`tensor_to_wire` map; ProtocolError if anything does not add up."""
     import torch
 
@@ -156,6 +157,9 @@ _MESSAGES: dict[str, type] = {}
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
+# dataclass_transform: type checkers see the frozen dataclass each of these decorators makes of its class (its
+# __init__ from the fields), as they would under @dataclasses.dataclass(frozen=True).
+@dataclass_transform(frozen_default=True)
 def message(wire_type: str):
     """Register a dataclass as the message ``wire_type``: ``encode_message(m)`` / ``decode_message(data)``."""
 
@@ -170,6 +174,7 @@ def message(wire_type: str):
     return register
 
 
+@dataclass_transform(frozen_default=True)
 def record(cls):
     """A dataclass that travels inside messages (a field of a message, or an item of a list field)."""
     return dataclasses.dataclass(frozen=True)(cls)
@@ -254,7 +259,7 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be a map, received a {type(value).__name__}")
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _from_map(hint, value, where)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

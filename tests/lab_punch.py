@@ -46,7 +46,7 @@ class Punchers:
                  leader: str = netlab.LEADER, timeout: float | None = None):
         self.lab = lab
         self.logs = {name: lab.workdir / f"punch-{name}.log" for name in ("rendezvous", host_a, host_b)}
-        self._files = [open(path, "ab") for path in self.logs.values()]  # noqa: SIM115 (closed by close())
+        self._files = [open(path, "ab") for path in self.logs.values()]  # closed by close()
         self.server = lab.run(leader, [sys.executable, "-c", _SERVER, str(RENDEZVOUS_PORT)], stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=self._files[0], text=True)
         _expect_ready(self.server, "the rendezvous server", self.logs["rendezvous"])

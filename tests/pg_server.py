@@ -56,8 +56,8 @@ class PostgresServer:
         self._run("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8",
                   "--no-sync")
         # Throwaway data: no fsync; its socket in the temp folder (not /var/run/postgresql).
-        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off " \
-                  "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         self._run("pg_ctl", "-D", str(data), "-o", options, "-l", str(self.dir / "log"), "-w", "-t", "60", "start")
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 

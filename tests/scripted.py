@@ -34,7 +34,7 @@ def build(folder: Path, scripts: dict[str, list[str]], chat_template: str = CHAT
     bpe.train_from_iterator(["hello world " * 10], vocab_size=260, min_frequency=2, show_progress=False)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|im_end|>")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tokenizer.add_tokens(sorted(set(["<think>", "</think>", "assistant\n", "\n\n", *pieces]), key=len, reverse=True))
+    tokenizer.add_tokens(sorted({"<think>", "</think>", "assistant\n", "\n\n", *pieces}, key=len, reverse=True))
     tokenizer.chat_template = chat_template
     vocab = len(tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

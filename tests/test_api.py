@@ -101,7 +101,8 @@ def test_browser_sessions_need_the_csrf_token(client, leader):
 
 
 def test_model_files_need_a_node_credential(client, leader):
-    check_error(client.get("/api/v1/models/qwen3/files/config.json", headers=_auth(leader.first_start.admin_token)), 401)
+    admin = _auth(leader.first_start.admin_token)
+    check_error(client.get("/api/v1/models/qwen3/files/config.json", headers=admin), 401)
 
 
 def test_our_own_bugs_are_500s_that_say_so_never_400s(client, leader, monkeypatch, caplog):
@@ -193,7 +194,8 @@ def test_completions_route_answers_in_the_openai_shape(client, leader):
     token = leader.first_start.admin_token
     check_error(client.post("/v1/completions", json={"model": "qwen3", "prompt": "hi"}), 401)
     message = check_error(client.post("/v1/completions", headers=_auth(token),
-                                 json={"model": "qwen3", "prompt": "hi", "suffix": "end"}), 400, "unsupported_parameter")
+                                      json={"model": "qwen3", "prompt": "hi", "suffix": "end"}),
+                          400, "unsupported_parameter")
     assert "'suffix'" in message
     check_error(client.post("/v1/completions", headers=_auth(token), json={"model": "qwen3", "prompt": "hi"}), 503,
            "model_not_loaded")

@@ -33,7 +33,8 @@ async def test_relay_and_tunnel_carry_no_plaintext(tmp_path, smollm_model_dir):
     name = smollm_model_dir.name
     capture = tmp_path / "lo.pcap"
     with trio.fail_after(300):
-        async with running_swarm(tmp_path, [smollm_model_dir], leader_env={"SWARM_PIPELINE_TRANSPORT": "auto"}) as swarm:
+        async with running_swarm(tmp_path, [smollm_model_dir],
+                                 leader_env={"SWARM_PIPELINE_TRANSPORT": "auto"}) as swarm:
             # Everything on loopback except the fellows' direct TCP ports (they are blocked below anyway).
             dump = subprocess.Popen(["tcpdump", "-i", "lo", "--immediate-mode", "-U", "-s", "0", "-w", str(capture)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

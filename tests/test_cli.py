@@ -93,7 +93,6 @@ def test_import_refuses_an_architecture_it_cannot_slice(tmp_path):
 @pytest.mark.e2e
 def test_import_a_transformers_folder_and_list_it_in_the_catalogue(tmp_path):
     from conftest import build_tiny_source
-
     from swarm.store.db import Store
 
     source = build_tiny_source(tmp_path / "src", "qwen3")

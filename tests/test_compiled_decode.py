@@ -57,7 +57,8 @@ def test_a_batch_of_single_rows_and_chunks_computes_each_request_as_alone(tiny_m
     hidden = stage.config.hidden_size
     generator = torch.Generator().manual_seed(3)
     prompts = {rid: torch.randn((1, n, hidden), generator=generator) for rid, n in (("a", 4), ("b", 6), ("c", 3))}
-    steps = {"a": torch.randn((1, 1, hidden), generator=generator), "b": torch.randn((1, 5, hidden), generator=generator),
+    steps = {"a": torch.randn((1, 1, hidden), generator=generator),
+             "b": torch.randn((1, 5, hidden), generator=generator),
              "c": torch.randn((1, 1, hidden), generator=generator)}
     alone = {}
     for rid in prompts:  # each request alone: its prompt, then its next rows
@@ -134,7 +135,8 @@ def test_a_batch_of_decode_passes_and_a_prompt_chunk_computes_each_request_as_al
     hidden = stage.config.hidden_size
     generator = torch.Generator().manual_seed(11)
     prompts = {rid: torch.randn((1, n, hidden), generator=generator) for rid, n in (("a", 4), ("b", 6), ("c", 3))}
-    rows = {"a": torch.randn((1, 3, hidden), generator=generator), "b": torch.randn((1, 5, hidden), generator=generator),
+    rows = {"a": torch.randn((1, 3, hidden), generator=generator),
+            "b": torch.randn((1, 5, hidden), generator=generator),
             "c": torch.randn((1, 1, hidden), generator=generator)}
     flags = {"a": True, "b": False, "c": True}  # a: a verifying pass, b: the prompt's next chunk, c: a decode step
     alone = {}
@@ -238,4 +240,5 @@ def test_decode_steps_write_the_cache_in_place_and_it_stays_the_librarys(tiny_mo
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     # consecutive decode steps kept the same buffer: written in place, not copied
     assert pointers[1] == pointers[2] == pointers[3] == ("step", pointers[1][1])
-    assert stage._caches["freshFalse-a"].layers[0].keys.data_ptr() != stage._caches["freshFalse-b"].layers[0].keys.data_ptr()
+    first, second = (stage._caches[f"freshFalse-{r}"].layers[0].keys for r in "ab")
+    assert first.data_ptr() != second.data_ptr()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from exactness import check_reply, reference
 
+from exactness import check_reply, reference
 from swarm.errors import PlacementError
 from swarm.leader.admission import budget
 from swarm.leader.draft_model import (

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 import trio
+
 from exactness import check_reply, reference
 from harness import install_model, running_swarm, wait_until
-
 from swarm.model_format import MANIFEST_FILE
 from swarm.store.manifest import load_manifest
 
@@ -97,7 +97,8 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             assert drafter.model.quantization == "int8"
             manifest = json.loads((smollm_model_dir / MANIFEST_FILE).read_text())
             plan = serving.models[model].stages[-1].plan
-            assert plan.draft_bytes == draft_size(manifest, True, "int8").weight_bytes < draft_size(manifest, True).weight_bytes
+            int8_bytes = draft_size(manifest, True, "int8").weight_bytes
+            assert plan.draft_bytes == int8_bytes < draft_size(manifest, True).weight_bytes
             want8, margins8 = reference(quantize_model(load_reference_model(smollm_model_dir), "int8"), ids, TOKENS,
                                         eos=eos)
             data = await swarm.chat(model, CHAT, max_tokens=TOKENS)

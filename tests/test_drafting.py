@@ -154,7 +154,7 @@ def test_no_drafting_while_more_chats_than_stages(qwen3):
     ring = ring_of(model_dir, 2)
     replies = [ring.submit(f"c{i}", prompt, 24, draft=3) for i in range(3)]
     ring.run()
-    for i, reply in enumerate(replies):
+    for reply in replies:
         check_reply(reply.tokens, want, margins)
     drafted = [ring.times[f"c{i}"][1].spec_drafted for i in range(3)]
     # the first chat starts alone for a pass or two (the others' prompts still on the way); once three run, none drafts

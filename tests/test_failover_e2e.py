@@ -16,7 +16,8 @@ from harness import running_swarm, wait_until
 
 pytestmark = pytest.mark.e2e
 
-PROMPT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]  # a long reply (200 tokens) with no near-tie: cut anywhere
+# a long reply (200 tokens) with no near-tie: cut anywhere
+PROMPT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
 TOKENS = 200
 
 

@@ -12,8 +12,8 @@ import importlib.util
 import pytest
 import torch
 import trio
-from harness import running_swarm
 
+from harness import running_swarm
 from swarm import messages
 from swarm.leader.requests import Reader, Request
 from swarm.stage.reference import load_reference_model

@@ -126,7 +126,7 @@ async def test_big_control_messages_are_decoded_off_the_event_loop(tmp_path, mon
         nursery.cancel_scope.cancel()
 
 
-# --- High 3: join tokens that expire and are used up, removing a fellow, what an enrolled fellow may do ----------------
+# --- High 3: join tokens that expire and are used up, removing a fellow, what an enrolled fellow may do ---------------
 
 
 @pytest.mark.e2e
@@ -242,7 +242,7 @@ async def test_a_fellow_cannot_speak_for_a_model_it_does_not_serve(tmp_path, mon
         nursery.cancel_scope.cancel()
 
 
-# --- Medium 4: sign-in --------------------------------------------------------------------------------------------------
+# --- Medium 4: sign-in ------------------------------------------------------------------------------------------------
 
 
 def _leader_client(tmp_path):
@@ -385,7 +385,7 @@ async def test_sign_ins_hash_in_a_bounded_pool_of_their_own(tmp_path, monkeypatc
         assert slowest[0] < 1.5, f"a signed-in request took {slowest[0]:.1f} s during a sign-in flood"
 
 
-# --- Medium 5: request sizes ---------------------------------------------------------------------------------------------
+# --- Medium 5: request sizes ------------------------------------------------------------------------------------------
 
 
 def test_bodies_over_their_route_limit_are_refused_unread(tmp_path):
@@ -420,7 +420,8 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
     monkeypatch.setattr(openai_api, "encode_chat", lambda *a, **k: tokenised.append(1) or [1, 2, 3])
     text = "word " * (leader.settings.serve_context_tokens * FALLBACK_TOKEN_BYTES // 5 + 1)
     with client:
-        response = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {leader.first_start.admin_token}"},
+        response = client.post("/v1/chat/completions",
+                               headers={"authorization": f"Bearer {leader.first_start.admin_token}"},
                                json={"model": name, "messages": [{"role": "user", "content": text}]})
     assert response.status_code == 413, response.text
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -428,7 +429,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
     assert tokenised == [], "the prompt was tokenised before it was refused"
 
 
-# --- Medium 6: who may cancel and unload --------------------------------------------------------------------------------
+# --- Medium 6: who may cancel and unload ------------------------------------------------------------------------------
 
 
 def test_users_cancel_only_their_own_requests_and_unload_only_what_nobody_else_uses(tmp_path, tiny_model_dirs):
@@ -503,7 +504,7 @@ def test_login_refuses_cross_site_forms_and_pages_send_security_headers(tmp_path
             assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
 
 
-# --- Medium 7: no fellow credential in clear -----------------------------------------------------------------------------
+# --- Medium 7: no fellow credential in clear --------------------------------------------------------------------------
 
 
 def self_signed(folder, name: str = "leader"):
@@ -517,7 +518,7 @@ def self_signed(folder, name: str = "leader"):
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=30))

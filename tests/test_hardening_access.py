@@ -16,7 +16,7 @@ from harness import running_swarm, wait_until
 pytestmark = pytest.mark.e2e
 
 
-# --- Medium 1: a websocket frame that announces a terabyte -------------------------------------------------------------
+# --- Medium 1: a websocket frame that announces a terabyte ------------------------------------------------------------
 
 
 async def _upgrade(url: str, path: str) -> trio.SocketStream:
@@ -59,13 +59,12 @@ async def test_a_stranger_announcing_a_huge_websocket_frame_is_cut_off_at_the_li
         assert (await swarm.http.get("/healthz")).status_code == 200
 
 
-# --- Medium 2: a reload that ends other users' replies -------------------------------------------------------------------
+# --- Medium 2: a reload that ends other users' replies ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def scripted_dir(module_tmp):
     from scripted import build
-
     from swarm.store.importer import import_model
 
     root = module_tmp("scripted")
@@ -141,7 +140,7 @@ async def test_a_user_cannot_end_another_users_reply_by_loading_the_model_again(
             assert response.status_code == 202, response.text
 
 
-# --- Low-medium 3: a forged hot-cover claim ----------------------------------------------------------------------------
+# --- Low-medium 3: a forged hot-cover claim ---------------------------------------------------------------------------
 
 
 async def _enrol(nursery, swarm, stages: list) -> tuple[object, dict]:
@@ -215,7 +214,7 @@ def test_a_cover_the_leader_gave_is_adopted_when_its_fellow_rejoins():
     assert recovery.keeps(fellow(11), claim) == []  # nor can stage 1's own fellow claim to cover stage 0
 
 
-# --- Low 4: MCP tool arguments as paths, an idle event stream, an over-size body ---------------------------------------
+# --- Low 4: MCP tool arguments as paths, an idle event stream, an over-size body --------------------------------------
 
 
 async def _tool(swarm, name: str, arguments: dict, auth: dict | None = None) -> tuple[bool, str]:
@@ -268,7 +267,7 @@ async def test_get_mcp_is_a_405_and_an_over_size_chunked_body_a_413(tmp_path):
         assert "larger than" in response.json()["error"]["message"]
 
 
-# --- Low 5: malformed input that was a 500 or a traceback --------------------------------------------------------------
+# --- Low 5: malformed input that was a 500 or a traceback -------------------------------------------------------------
 
 
 def _leader_client(tmp_path):
@@ -368,7 +367,7 @@ async def test_a_client_leaving_mid_body_is_not_logged_as_a_bug(tmp_path, caplog
         assert _errors(caplog) == []
 
 
-# --- Low 6: sign-out, lock-outs, token counts ---------------------------------------------------------------------------
+# --- Low 6: sign-out, lock-outs, token counts -------------------------------------------------------------------------
 
 
 def test_logout_needs_the_pages_csrf_token(tmp_path):

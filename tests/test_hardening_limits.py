@@ -143,6 +143,7 @@ def test_a_model_with_a_shorter_context_than_the_cap_is_held_to_its_own(bg, mode
 
 def test_the_mcp_chat_tool_refuses_a_conversation_longer_than_the_context(bg, model_dirs):
     from mcp import ClientSession
+
     from test_mcp import Mcp, mcp_session
 
     text = words(model_dirs["long"], 6000)
@@ -259,8 +260,8 @@ LEAVE_CASES = {
 @pytest.mark.parametrize("case", list(LEAVE_CASES))
 def test_a_client_that_leaves_cancels_every_reply_of_its_request(bg, case):
     """Long sampled replies (ignore_eos, up to 4,000 tokens each: seconds of work even on a fast machine); the client
-    waits half a second, then closes its connection. Every reply of the request ends as cancelled within seconds, the model's queue and slots are free
-    again, and the next request is answered at once."""
+    waits half a second, then closes its connection. Every reply of the request ends as cancelled within seconds,
+    the model's queue and slots are free again, and the next request is answered at once."""
     path, extra, replies = LEAVE_CASES[case]
     assert _idle(bg, "long")
     bg.sync(bg.ended.clear)

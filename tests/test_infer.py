@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+
 from fleet import Pool
 
 pytestmark = pytest.mark.e2e
@@ -85,9 +86,10 @@ def test_prompt_from_stdin_with_a_system_message_and_sampling_options(pool):
 def test_errors_are_one_line_and_status_1(pool, case):
     if case == "unknown model":
         result = infer(pool, "no-such-model", "Hello")
-        assert result.stderr == "error: The model 'no-such-model' does not exist or you do not have access to it: " \
-            "it is in none of your pools. GET /v1/models lists yours; an admin adds you to a pool with `swarm admin " \
-            "pool-member-add POOL USER`, or imports a model with `swarm model import`.\n"
+        assert result.stderr == (
+            "error: The model 'no-such-model' does not exist or you do not have access to it: "
+            "it is in none of your pools. GET /v1/models lists yours; an admin adds you to a pool with `swarm admin "
+            "pool-member-add POOL USER`, or imports a model with `swarm model import`.\n")
     elif case == "bad token":
         result = infer(pool, pool.name, "Hello", token="swt_not-a-token")
         assert result.stderr.startswith("error: the leader refused the token:") and result.stderr.count("\n") == 1

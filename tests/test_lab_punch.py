@@ -7,9 +7,10 @@ whole grid 20 times per cell."""
 
 from __future__ import annotations
 
+import pytest
+
 import lab_punch
 import netlab
-import pytest
 
 _reason = netlab.available()
 if _reason:

@@ -409,7 +409,7 @@ def check_case(ring: Ring, results: Results, reference: list[int], case: str) ->
         # Both hops' hidden states went over the LAN: tens of KB there, while the WAN carried only the leader's
         # traffic (request in, token batches out, heartbeats) and no relay.
         assert lan_bytes > 20_000, evidence
-        assert relay_dials == {r: 0 for r in routers}, evidence
+        assert relay_dials == dict.fromkeys(routers, 0), evidence
     else:
         # Both hops dialled the relay: one dial from each fellow, through its own router(s).
         for host in hosts:

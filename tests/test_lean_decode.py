@@ -7,13 +7,12 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_MODELS
-from test_stage_slicing import NEW_TOKENS, PREFILL_CHUNK, PROMPTS, reference_reply
 
-from swarm.stage import LocalRing, StageModel, stage_specs
-from swarm.stage import lean_decode
+from conftest import TINY_MODELS
+from swarm.stage import LocalRing, StageModel, lean_decode, stage_specs
 from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
+from test_stage_slicing import NEW_TOKENS, PREFILL_CHUNK, PROMPTS, reference_reply
 
 # Llama (the built-in model's family), Qwen3 (per-head query and key norms) and the DeepSeek-R1 distills' bodies:
 # Llama 3 (rope scaling) and Qwen2 (biases on q/k/v), without sliding windows. The others have a window on every layer,

@@ -47,15 +47,17 @@ async def test_concurrent_replies_match_generate_for_every_family(tmp_path, tiny
     with trio.fail_after(300):
         async with running_swarm(tmp_path, dirs, fellows=stages,
                                  fellow_env={"SWARM_SERVE_PREFILL_CHUNK": "8"}) as swarm:
+
+            async def ask_into(got: list, i: int, name: str) -> None:
+                got[i] = await ask(swarm, name, PROMPTS[i])
+
             for d in dirs:
                 await swarm.load(d.name, stages)
                 for concurrent in (1, 2, 4, 8):
                     got = [None] * concurrent
                     async with trio.open_nursery() as nursery:
                         for i in range(concurrent):
-                            async def one(i=i):
-                                got[i] = await ask(swarm, d.name, PROMPTS[i])
-                            nursery.start_soon(one)
+                            nursery.start_soon(ask_into, got, i, d.name)
                     for i in range(concurrent):
                         want, margins = expected[d.name][i]
                         outcome = check_reply(got[i], want, margins)
@@ -121,7 +123,7 @@ async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_pat
             with pytest.raises(ContextTooLong) as refused:
                 await swarm.leader.serving.submit(Request(model=d.name, prompt=[1] * 40, max_tokens=reply,
                                                           sampling=messages.Sampling(), eos=[]))
-            assert f"this conversation needs {budget.tokens + 1} tokens (40 in the prompt and up to {reply} in the " \
-                   "reply); the pool serving this model holds 48" in str(refused.value)
+            assert (f"this conversation needs {budget.tokens + 1} tokens (40 in the prompt and up to {reply} in the "
+                    "reply); the pool serving this model holds 48") in str(refused.value)
             assert "maximum context length" in str(refused.value)
             assert "SWARM_SERVE_CONTEXT_TOKENS" in str(refused.value)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import build_tiny_source
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from conftest import build_tiny_source
 from swarm.errors import ImportFailed, ModelNotFound, UnsupportedArchitecture
 from swarm.store.importer import import_model
 from swarm.store.manifest import Manifest, kv_bytes_per_token, load_manifest, sha256_file, stage_files
@@ -72,7 +72,10 @@ def test_stage_files_tied_and_untied(tiny_model_dirs):
     tied = load_manifest(tiny_model_dirs["llama"])  # 4 layers, tied
     with safe_open(tiny_model_dirs["llama"] / "weights/final.safetensors", framework="pt") as f:
         assert set(f.keys()) == {"norm.weight"}
-    paths = lambda entries: [e.path for e in entries]
+
+    def paths(entries):
+        return [e.path for e in entries]
+
     assert paths(stage_files(tied, 0, 2, True, False)) == [
         "config.json", "weights/embed.safetensors", "weights/layer_000.safetensors", "weights/layer_001.safetensors"
     ]
@@ -238,7 +241,6 @@ def test_refuses_when_the_disk_is_too_small_saying_how_much_it_needs(tmp_path, m
 
 def test_refuses_a_gguf_quant_type_it_cannot_read_before_writing(tmp_path, monkeypatch):
     from gguf_files import write_llama_gguf
-
     from swarm.store import gguf_source
 
     gguf = tmp_path / "q.gguf"
@@ -324,7 +326,8 @@ def test_budget_counts_what_a_stage_holds_not_what_the_file_holds(tmp_path):
     cpu16, cpu32, gpu16 = model_size(m16, cpu=True), model_size(m32, cpu=True), model_size(m16, cpu=False)
     assert abs(cpu16.layer_bytes[0] - cpu32.layer_bytes[0]) < 1000  # the file headers differ, not the weights
     assert abs(gpu16.layer_bytes[0] * 2 - cpu32.layer_bytes[0]) < 1000
-    assert cpu16.kv_bytes_per_token_per_layer == cpu32.kv_bytes_per_token_per_layer == 2 * gpu16.kv_bytes_per_token_per_layer
+    assert (cpu16.kv_bytes_per_token_per_layer == cpu32.kv_bytes_per_token_per_layer
+            == 2 * gpu16.kv_bytes_per_token_per_layer)
 
 
 def test_refuses_attention_soft_capping_before_writing(tmp_path):
@@ -345,8 +348,9 @@ def test_refuses_attention_soft_capping_before_writing(tmp_path):
 def test_gguf_stored_dtype_follows_the_file_and_values_follow_transformers(tmp_path, matrices, stored):
     """A quantized GGUF is stored in bfloat16, an F16 one in float16 (exactly), an F32 one in float32; every tensor
     is transformers' whole-file float32 load (Llama's q/k rows permuted back) rounded to that dtype."""
-    from gguf_files import write_llama_gguf
     from transformers import AutoModelForCausalLM
+
+    from gguf_files import write_llama_gguf
 
     gguf = tmp_path / "m.gguf"
     write_llama_gguf(gguf, hidden=128, intermediate=256, layers=2, vocab=320, heads=4, kv_heads=2, matrices=matrices)

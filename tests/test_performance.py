@@ -15,8 +15,19 @@ from swarm.errors import BadRequest
 from swarm.leader import history as history_module
 from swarm.leader.admission import Budget
 from swarm.leader.history import MEMORY_S, ServingHistory
-from swarm.leader.performance import (RANGES, bottleneck, hop_rate, live_rate, parse_range, percentile, pipeline_stage,
-                                      speed, speed_series, table, time_split)
+from swarm.leader.performance import (
+    RANGES,
+    bottleneck,
+    hop_rate,
+    live_rate,
+    parse_range,
+    percentile,
+    pipeline_stage,
+    speed,
+    speed_series,
+    table,
+    time_split,
+)
 from swarm.leader.requests import Request, RequestBook
 from swarm.messages import Gpu, Hardware
 from swarm.store.db import Store

@@ -71,7 +71,8 @@ def test_plan_before_loading_route_and_cli(pool):
         cached = json.loads((fellow.data_dir / "calibration.json").read_text())
         assert cached["key"] and len(cached["calibration"]["points"]) == 2
         for point in cached["calibration"]["points"]:  # the layer, the pass's own costs, the embedding, the head
-            assert all(point[k] > 0 for k in ("decode_ms", "prefill_ms", "pass_ms", "embed_ms", "head_bytes", "head_ms"))
+            assert all(point[k] > 0
+                       for k in ("decode_ms", "prefill_ms", "pass_ms", "embed_ms", "head_bytes", "head_ms"))
 
     one = plan(pool, "?num_stages=1").json()
     assert one["num_stages"] == 1 and one["links"] == []

@@ -14,9 +14,9 @@ import sys
 import httpx
 import pytest
 import trio
+
 from fleet import FellowProcess, LeaderProcess, free_port, logs
 from harness import wait_for
-
 from swarm.store.db import Store
 from swarm.store.fleet import model_id
 from swarm.store.manifest import load_manifest

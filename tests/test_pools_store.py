@@ -141,7 +141,6 @@ def test_import_into_a_pool(tmp_path) -> None:
     """`swarm model import SOURCE --name m --pool lab` writes models/m@lab and lists it in the lab's pool, beside an m
     of the default pool; an unknown pool, or an '@' in the name, is refused before anything is read."""
     from conftest import build_tiny_source
-
     from swarm.errors import ImportFailed
     from swarm.model_import import import_into_leader
 

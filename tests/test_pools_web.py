@@ -6,6 +6,7 @@ loaded."""
 from __future__ import annotations
 
 import pytest
+
 from web_helpers import CHROMIUM_ARGS, BackgroundSwarm, chromium_path
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 import trio
+
 from exactness import check_reply, reference
 from harness import running_swarm
 

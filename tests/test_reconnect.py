@@ -95,7 +95,8 @@ async def test_nothing_reaches_a_fellow_before_its_welcome(tmp_path):
 async def test_a_stall_of_the_process_itself_does_not_drop_the_link(tmp_path):
     """A process whose own loop is held longer than the silence limit (a full collection over a big heap, swap) must
     not blame the other side: what it sent meanwhile waits unread. Both ends used to give the link up (the leader
-    'went silent for 4 s', the fellow 'the leader went silent'), and the fellow rejoined -- a load in flight was lost."""
+    'went silent for 4 s', the fellow 'the leader went silent'), and the fellow rejoined -- a load in flight was
+    lost."""
     import time
 
     leader, settings, join = _leader(tmp_path)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+
 from conftest import TINY_MODELS
 from harness import running_swarm
-
 from swarm import messages
 from swarm.leader.requests import Reader, Request
 from swarm.stage.reference import load_reference_model

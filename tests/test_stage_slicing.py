@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_MODELS
 from safetensors.torch import load_file
 
+from conftest import TINY_MODELS
 from swarm import model_format
 from swarm.errors import ModelError
 from swarm.stage import LocalRing, StageModel, StageSpec, architectures, stage_specs

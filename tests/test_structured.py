@@ -100,7 +100,8 @@ async def test_a_reasoning_model_thinks_first_then_follows_the_schema(tmp_path, 
     schema = {"type": "object", "properties": {"answer": {"enum": [4]}}, "required": ["answer"],
               "additionalProperties": False}
     body = {"model": thinking_dir.name, "messages": [{"role": "user", "content": "What is 2+2?"}], "temperature": 0,
-            "max_tokens": 30, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+            "max_tokens": 30,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
     with trio.fail_after(120):
         async with running_swarm(tmp_path, [thinking_dir], fellows=2) as swarm:
             await swarm.load(thinking_dir.name, 2)

@@ -43,8 +43,8 @@ def test_two_stage_split_adds_up_and_links_share_by_round_trip():
         [(0, "a", 20.0, 300.0), (1, "b", 30.0, 200.0)]
     # the ring's 70 ms per step less stage 1's 30 ms of compute: 40 ms on the links, 3:1 by their round trips
     assert t["link_ms_per_token"] == pytest.approx(40.0)
-    assert [(l["from_stage"], l["to_stage"], l["transport"], l["ms_per_token"], l["bytes_per_token"])
-            for l in t["links"]] == [(0, 1, "relay", 30.0, 1200), (1, 0, "direct", 10.0, 90)]
+    assert [(link["from_stage"], link["to_stage"], link["transport"], link["ms_per_token"], link["bytes_per_token"])
+            for link in t["links"]] == [(0, 1, "relay", 30.0, 1200), (1, 0, "direct", 10.0, 90)]
     assert t["bytes_per_token"] == {"forward": 1200, "back": 90}
     assert t["split"] == "fellows"
     assert (t["spec_passes"], t["spec_tokens"], t["spec_drafted"], t["spec_accepted"]) == (0, 0, 0, 0)
@@ -71,7 +71,7 @@ def test_without_reports_only_the_leaders_figures():
     assert t["split"] is None and t["stages"] == [] and t["link_ms_per_token"] is None
     assert t["tokens_per_s"] is None  # one token: no steady rate
     assert t["ttft_ms"] == pytest.approx(300.0)
-    assert [l["transport"] for l in t["links"]] == ["relay", "relay"]
+    assert [link["transport"] for link in t["links"]] == ["relay", "relay"]
 
 
 def test_unknown_round_trips_split_the_links_evenly():
@@ -81,7 +81,7 @@ def test_unknown_round_trips_split_the_links_evenly():
                            1: _times(1, decode_s=0.02, decode_steps=2), 2: _times(2, decode_s=0.02, decode_steps=2)}
     t = reply_timing(request, ["a", "b", "c"], [{"rtt_ms": 5.0}, {"rtt_ms": None}, {}])
     assert t["link_ms_per_token"] == pytest.approx(70.0)
-    assert [l["ms_per_token"] for l in t["links"]] == pytest.approx([70 / 3] * 3, abs=0.01)
+    assert [link["ms_per_token"] for link in t["links"]] == pytest.approx([70 / 3] * 3, abs=0.01)
 
 
 def test_the_book_keeps_times_that_come_after_the_end():

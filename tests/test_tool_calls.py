@@ -87,7 +87,8 @@ def check_streamed(calls: list, deltas: list[dict]) -> None:
 
 
 def test_qwen_call_arguments_stream_piece_by_piece_and_add_up_to_the_whole():
-    args = '{ "city":"Paris",\n "days" : 3, "hours": [1.50, 2e1], "note": "caf\\u00e9 \\"ok\\" \\ud83d\\ude00", "x": null}'
+    args = ('{ "city":"Paris",\n "days" : 3, "hours": [1.50, 2e1], '
+            '"note": "caf\\u00e9 \\"ok\\" \\ud83d\\ude00", "x": null}')
     text = (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>\n'
             '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
     whole_content, whole = parse(text, "hermes")

@@ -64,7 +64,8 @@ def signed_in_page(bg, browser, user_id: int = 1, width: int = 1280, height: int
     context.add_init_script(f"""
         localStorage.setItem('swarm.maxTokens', '{max_tokens}');
         localStorage.setItem('swarm.temperature', '0');
-        if (!localStorage.getItem('swarm.column')) localStorage.setItem('swarm.column', {json.dumps(json.dumps(column))});
+        if (!localStorage.getItem('swarm.column'))
+            localStorage.setItem('swarm.column', {json.dumps(json.dumps(column))});
     """)
     page = context.new_page()
     page.set_default_timeout(20_000)
@@ -251,11 +252,13 @@ def test_rendering_math_code_table_mermaid_reasoning(bg, browser, model):
         {"role": "assistant", "content": "<think>The user wants a demo.</think>" + RICH, "model": model,
          "stats": {"tps": 12.5, "tokens": 80, "ttft_ms": 420},
          "timing": {"split": "fellows", "link_ms_per_token": 152.4,
-                    "stages": [{"stage": 0, "compute_ms_per_token": 4.04}, {"stage": 1, "compute_ms_per_token": 0.46}]}},
+                    "stages": [{"stage": 0, "compute_ms_per_token": 4.04},
+                               {"stage": 1, "compute_ms_per_token": 0.46}]}},
         {"role": "user", "content": "And briefly?"},
         {"role": "assistant", "content": "<think>\n\n</think>Short answer.", "model": model,
          "stats": {"tps": 80, "tokens": 3, "ttft_ms": 90},
-         "timing": {"split": "fellows", "link_ms_per_token": None, "stages": [{"stage": 0, "compute_ms_per_token": 12}]}},
+         "timing": {"split": "fellows", "link_ms_per_token": None,
+                    "stages": [{"stage": 0, "compute_ms_per_token": 12}]}},
     ]
     r = api(bg, "POST", "/api/v1/chats", json={"title": "Rendering", "model": model, "messages": messages})
     chat_id = r.json()["id"]
@@ -280,7 +283,8 @@ def test_rendering_math_code_table_mermaid_reasoning(bg, browser, model):
     expect(first.locator(".speed")).to_have_text(
         "12.5 tokens/s · 80 tokens · 0.42 s to first token · stage 0 4 ms/token · link 152 ms · stage 1 0.5 ms")
     last = page.locator(".msg.assistant").last
-    expect(last.locator(".speed")).to_have_text("80.0 tokens/s · 3 tokens · 0.09 s to first token · compute 12 ms/token")
+    expect(last.locator(".speed")).to_have_text(
+        "80.0 tokens/s · 3 tokens · 0.09 s to first token · compute 12 ms/token")
     expect(last.locator("details.reasoning")).to_be_hidden()  # an empty Reasoning block is hidden
     expect(last.get_by_role("button", name="Regenerate")).to_be_visible()
     first.scroll_into_view_if_needed()
@@ -309,7 +313,8 @@ def test_another_user_cannot_open_the_chat(bg, browser, model):
 def test_layout_wide_and_phone(bg, browser):
     page = signed_in_page(bg, browser, width=1280, height=800, column="settings")
     expect(page.locator("#panel-settings")).to_be_visible()
-    expect(page.locator("#model-facts .stage-lines li").first).to_contain_text(re.compile(r"Stage 0: fellow-\d · L0-14"))
+    expect(page.locator("#model-facts .stage-lines li").first).to_contain_text(
+        re.compile(r"Stage 0: fellow-\d · L0-14"))
     side = page.locator("#side-column").bounding_box()
     chat = page.locator("#chat-area").bounding_box()
     assert side["x"] >= chat["x"] + chat["width"] - 1  # the column is to the right of the chat
@@ -455,7 +460,8 @@ def test_performance_column(bg, browser, model):
     page.click('[data-column="performance"]')
     page.click('#perf-range [data-range="6h"]')
     expect(page.locator('#perf-range [data-range="6h"]')).to_have_attribute("aria-checked", "true")
-    expect(page.locator("svg.perf-chart")).to_have_attribute("aria-label", re.compile(r"last 6 hours in 15-minute steps"))
+    expect(page.locator("svg.perf-chart")).to_have_attribute("aria-label",
+                                                             re.compile(r"last 6 hours in 15-minute steps"))
     assert "range=6h" in asked[-1]
     page.reload()
     expect(page.locator('#perf-range [data-range="6h"]')).to_have_attribute("aria-checked", "true")

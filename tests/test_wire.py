@@ -14,7 +14,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32
 
 
 def test_map_round_trip_adds_the_version():
-    msg = {"t": "forward", "request": 7, "tokens": [1, 2, 3], "text": "héllo", "blob": b"\x00\xff", "nested": {"a": None}}
+    msg = {"t": "forward", "request": 7, "tokens": [1, 2, 3], "text": "héllo", "blob": b"\x00\xff",
+           "nested": {"a": None}}
     data = wire.encode(msg)
     out = wire.decode(data)
     assert out == {**msg, "v": wire.PROTOCOL_VERSION}

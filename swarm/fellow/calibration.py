@@ -37,9 +37,10 @@ HEAD_VOCAB = 32768  # the timed head's vocabulary (the planner scales it by a mo
 # for the other stages' passes and the links (the built-in model's other stage: 25-35 ms on this repository's VM).
 IDLE_GAP_S = 0.03
 # Decode steps per run timed after idle: 8 layers' worth, about as long as a small model's stage pass (the built-in
-# model's 15 layers at hidden 576). A core that waited runs slow for a while after it wakes, not for a fixed share of what follows: measured on
-# a 2-core VM, one 4-layer step after 20 ms ran +1.5-2.3 ms slower, two steps +1-5 ms, eight (a 32-layer pass)
-# +3-17 ms, so a run as long as DECODE_STEPS' dilutes it to a few percent where a ring's stages paid 20-45 %.
+# model's 15 layers at hidden 576). A core that waited runs slow for a while after it wakes, not for a fixed share of
+# what follows: measured on a 2-core VM, one 4-layer step after 20 ms ran +1.5-2.3 ms slower, two steps +1-5 ms, eight
+# (a 32-layer pass) +3-17 ms, so a run as long as DECODE_STEPS' dilutes it to a few percent where a ring's stages paid
+# 20-45 %.
 IDLE_DECODE_STEPS = 2
 
 
@@ -254,9 +255,9 @@ def measure(device: str = "cpu", threads: int | None = None) -> dict:
     """Time a stage's parts at each of HIDDEN_SIZES on ``device``: a list of points, each with one layer's weight
     bytes, its decode step's ms (one token over a KV_TOKENS-token cache; ``decode_idle_ms`` after the core waited
     IDLE_GAP_S), the same two through the lean decode step (``lean_decode_ms``, ``lean_decode_idle_ms``), and its
-    PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table, causal mask, the copy for the
-    wire); the first stage's embedding (``embed_ms``); and the last stage's final norm, head and greedy pick over
-    HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``)."""
+    PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table,
+    causal mask, the copy for the wire); the first stage's embedding (``embed_ms``); and the last stage's final norm,
+    head and greedy pick over HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``)."""
     import torch
 
     dtype = torch.float32 if device == "cpu" else torch.float16

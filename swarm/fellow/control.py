@@ -68,7 +68,7 @@ class ControlLink:
                 raise LinkClosed(f"cannot reach the leader: {exc}") from None
             channel = await NoiseChannel.connect(WebSocketFrameTransport(ws), fellow.private, fellow.leader_public)
             try:
-                await self._enrol(channel)
+                await self.enrol(channel)
                 nursery.start_soon(self._heartbeat, nursery)
                 nursery.start_soon(self._alive)
                 while True:
@@ -94,7 +94,9 @@ class ControlLink:
             return await channel.receive()
         raise LinkClosed(f"the leader went silent for {SILENT_S:.0f} s")
 
-    async def _enrol(self, channel: NoiseChannel) -> None:
+    async def enrol(self, channel: NoiseChannel) -> None:
+        """Say hello to the leader over ``channel`` and take its welcome: this fellow's id and credential, and the early
+        checks. AuthError if the leader refuses it."""
         fellow = self.fellow
         hello = {
             "t": "hello", "name": fellow.name, "version": __version__, "protocol": wire.PROTOCOL_VERSION,
@@ -127,7 +129,9 @@ class ControlLink:
         if isinstance(reply.get("checks"), str):
             fellow.checks = reply["checks"]
             log.info("what this PC can hold: %s", reply["checks"])
-        leader = reply.get("leader") if isinstance(reply.get("leader"), dict) else {}
+        leader = reply.get("leader")
+        if not isinstance(leader, dict):
+            leader = {}
         if leader.get("protocol", wire.PROTOCOL_VERSION) != wire.PROTOCOL_VERSION:
             log.warning("the leader runs swarm %s (protocol %s), this fellow swarm %s (protocol %s): it gets no "
                         "stage until it is updated -- run `swarm update` here, or Update on the admin page",

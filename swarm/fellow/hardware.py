@@ -129,5 +129,6 @@ def _runtime_dir() -> Path:
     import platformdirs
 
     if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(tempfile.gettempdir()) / f"swarm-{os.getuid()}"  # no session runtime folder (a service, a container)
+        # no session runtime folder (a service, a container)
+        return Path(tempfile.gettempdir()) / f"swarm-{os.getuid()}"
     return Path(platformdirs.user_runtime_dir("swarm"))

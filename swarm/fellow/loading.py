@@ -104,7 +104,7 @@ class StageLoader:
         fellow = self.fellow
         draft = _draft_part(message)
         wanted = [(message["model"], f) for f in message["files"]] + \
-            [(draft["model"], f) for f in (draft["files"] if draft else [])]
+            ([(draft["model"], f) for f in draft["files"]] if draft else [])
         total = sum(f["size"] for _, f in wanted) or 1
         done_before = 0
         local: dict[str, Path] = {}
@@ -138,9 +138,10 @@ class StageLoader:
             await self.fellow.connected.wait()
 
     async def _fetch_and_build(self, message: dict, progress: LoadProgress):
+        import torch
+
         from swarm.stage import int4_kernel
         from swarm.stage.slice import StageModel, StageSpec  # torch is heavy: import when a stage is placed here
-        import torch
 
         local, draft_local = await self._fetch(message, progress)
         await progress.report("download", 1.0)

@@ -31,8 +31,8 @@ from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
 from swarm.fellow.update import FellowUpdater, restart_command
 from swarm.tunnel.join_token import join_token_cert_pin, parse_join_token
-from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
+from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def check_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: 
 
     async def once() -> None:
         async with open_control(fellow) as channel:
-            await fellow.control._enrol(channel)
+            await fellow.control.enrol(channel)
 
     trio.run(once)
     print(f"Joined {leader_url} as {fellow.name}. What this PC can hold: {fellow.checks or 'the leader did not say'}",

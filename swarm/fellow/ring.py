@@ -111,6 +111,7 @@ class StageDriver:
                 if not batch:
                     await self._receive(*await self._inbox.receive())
                     continue
+                assert protocol is not None and self.timer is not None  # a batch came from the ring's protocol
                 timer = self.timer
                 try:
                     threads = self.threads(len(protocol.requests))

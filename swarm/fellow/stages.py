@@ -87,6 +87,7 @@ class LoadedStage:
         self.index, self.num_stages = message["index"], message["num_stages"]
         self.ring_id, self.hop_in = message["ring_id"], message.get("hop_in")
         self._links_scope = trio.CancelScope()
+        assert self.nursery is not None  # set while the fellow runs
         self.links_nursery = await self.nursery.start(self._hold_links, self._links_scope)
         out_hop = self._out_hop(message.get("hop_out"))
         self.driver.relink(self.ring_id, self.index, self.num_stages, out_hop)
@@ -119,6 +120,7 @@ class LoadedStage:
     def _out_hop(self, hop_out: dict | None) -> OutgoingHop | None:
         if not hop_out:
             return None
+        assert self.links_nursery is not None  # link() opened it first
         fellow = self.fellow
         hop = OutgoingHop(
             HopConfig(

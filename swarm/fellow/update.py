@@ -103,7 +103,7 @@ def restart(command: list[str]) -> None:
     sys.stderr.flush()
     if os.name == "posix":
         os.execv(command[0], command)
-    subprocess.Popen(command)  # noqa: S603 -- our own interpreter and arguments
+    subprocess.Popen(command)  # our own interpreter and arguments
     os._exit(0)
 
 
@@ -180,7 +180,8 @@ async def update_command(fellow, force: bool = False) -> str:
     if kind == "refused":
         raise AuthError(f"the leader refused the update: {reply.get('message')}")
     if kind == "current":
-        return f"{fellow.name} already runs swarm {__version__}, the leader's version (protocol {wire.PROTOCOL_VERSION})."
+        return (f"{fellow.name} already runs swarm {__version__}, the leader's version "
+                f"(protocol {wire.PROTOCOL_VERSION}).")
     if kind == "updating":
         return (f"{fellow.name} is running: it installs swarm {reply.get('version')} from the leader and restarts "
                 "itself, then rejoins.")

@@ -9,9 +9,9 @@ from starlette.routing import Route
 
 from swarm.errors import AuthError, BadRequest, Forbidden
 from swarm.leader.api import as_dict, handles_errors
-from swarm.leader.http_errors import json_body, problem
 from swarm.leader.auth import current_user
 from swarm.leader.direct_links import DIRECT_LINKS
+from swarm.leader.http_errors import json_body, problem
 from swarm.leader.recovery import HOT_COVER
 from swarm.leader.signin import check_password_rule
 

@@ -133,7 +133,8 @@ class ApiRoutes:
         user = await trio.to_thread.run_sync(self.store.use_login_link, token) if token else None
         if user is None:
             return RedirectResponse("/login?expired=1", status_code=303)
-        return await self._signed_in(request, user, RedirectResponse(await self.leader.home_path(user), status_code=303))
+        home = await self.leader.home_path(user)
+        return await self._signed_in(request, user, RedirectResponse(home, status_code=303))
 
     @handles_errors
     async def logout(self, request: Request):

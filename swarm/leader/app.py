@@ -19,26 +19,26 @@ from starlette.websockets import WebSocket
 
 from swarm.config import Settings
 from swarm.errors import AuthError, ConfigError
+from swarm.leader import timing
 from swarm.leader.admin_api import admin_routes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
-from swarm.leader.fellows import FellowHub
-from swarm.leader import timing
-from swarm.leader.history import ServingHistory
 from swarm.leader.completions import CompletionRoutes
-from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.direct_links import DirectLinkCoordinator
-from swarm.leader.relay import RelayHub
-from swarm.mesh.rendezvous import serve_rendezvous
-from swarm.leader.serving import Serving
-from swarm.leader.install import InstallRoutes
-from swarm.leader.updates import SelfWheel, UpdateRoutes
+from swarm.leader.fellows import FellowHub
 from swarm.leader.headers import SecurityHeaders
+from swarm.leader.history import ServingHistory
 from swarm.leader.hypercorn_close import guard_close_race
-from swarm.leader.ws_message_limit import close_on_oversize
+from swarm.leader.install import InstallRoutes
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
+from swarm.leader.openai_api import OpenAIRoutes
+from swarm.leader.relay import RelayHub
+from swarm.leader.serving import Serving
 from swarm.leader.signin import HashPool, SignInThrottle
+from swarm.leader.updates import SelfWheel, UpdateRoutes
+from swarm.leader.ws_message_limit import close_on_oversize
+from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.store.db import Store, leader_store
 from swarm.store.fleet import DEFAULT_POOL, JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
 from swarm.tunnel.join_token import make_join_token
@@ -66,7 +66,7 @@ class Leader:
         self.settings = settings
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("HTTPS needs both --tls-cert and --tls-key.")
-        self.tls = (Path(tls_cert), Path(tls_key)) if tls_cert is not None else None
+        self.tls = (Path(tls_cert), Path(tls_key)) if tls_cert is not None and tls_key is not None else None
         try:
             # Join tokens pin this certificate: fellows trust it alone (swarm.tunnel.tls).
             self.cert_pin = cert_pin_of_file(self.tls[0]) if self.tls else None
@@ -223,7 +223,9 @@ class Leader:
             await nursery.start(self.history.run)  # writes finished requests off the request path, prunes old ones
 
             async def http(task_status):
-                await serve(self.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+                # a Starlette-typed ASGI app: hypercorn's ASGIFramework spells the same protocol in TypedDicts
+                await serve(self.app, config, shutdown_trigger=shutdown_trigger,  # type: ignore[arg-type]
+                            task_status=task_status)
                 nursery.cancel_scope.cancel()  # HTTP has shut down gracefully: stop the rest
 
             urls = await nursery.start(http)
@@ -231,7 +233,8 @@ class Leader:
             udp_port = self.settings.rendezvous_port if self.settings.rendezvous_port is not None else bound_port
             try:
                 _, self.direct_links.rendezvous_port = await nursery.start(
-                    lambda task_status: serve_rendezvous(host, udp_port, self.direct_links.allow, task_status=task_status))
+                    lambda task_status: serve_rendezvous(host, udp_port, self.direct_links.allow,
+                                                         task_status=task_status))
             except OSError as exc:
                 log.warning("no UDP rendezvous on port %s (%s): direct links will use the relay", udp_port, exc)
             task_status.started(urls)

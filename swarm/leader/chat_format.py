@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
         last_user = max((i for i, m in enumerate(clean) if m["role"] == "user"), default=None)
         if last_user is not None and not clean[last_user]["content"].rstrip().endswith("/no_think"):
             clean[last_user]["content"] = clean[last_user]["content"].rstrip() + " /no_think"
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
     if tools:
@@ -146,7 +147,7 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
 
 
 def eos_ids(model_dir: Path, manifest: dict) -> list[int]:
-    ids = set(int(i) for i in manifest.get("eos_token_ids") or [])
+    ids = {int(i) for i in manifest.get("eos_token_ids") or []}
     tokenizer = load_tokenizer(str(model_dir))
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

@@ -19,8 +19,8 @@ from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader import timing
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
-from swarm.leader.limits import check_prompt_bytes, check_replies
 from swarm.leader.http_errors import json_body, openai_error
+from swarm.leader.limits import check_prompt_bytes, check_replies
 from swarm.leader.logprobs import token_text
 from swarm.leader.openai_api import Choice, ReplyStream, ReplyText, _error_events, next_event, read_choices
 from swarm.leader.openai_params import CompletionParams, parse_completion_body
@@ -66,7 +66,7 @@ class CompletionRoutes:
                 if isinstance(prompt, str):
                     # by its byte count before tokenising; both walk the whole text, in a worker thread
                     await trio.to_thread.run_sync(check_prompt_bytes, prompt, model_dir, context)
-                    ids = await trio.to_thread.run_sync(lambda p=prompt: list(tokenizer(p)["input_ids"]))
+                    ids = await trio.to_thread.run_sync(_token_ids, tokenizer, prompt)
                     serving.check_context(params.model, len(ids) + reply, len(ids), reply)
                     prompts.append((prompt, ids))
                 else:
@@ -89,8 +89,8 @@ class CompletionRoutes:
             return openai_error(exc)
         choices = []
         for i, ring_request in enumerate(ring_requests):
-            text = ReplyText(tokenizer, False, params.stop, reasoning=False)
-            choices.append(Completion(i, ring_request, text, self.routes._reader(ring_request), params.logprobs,
+            reply_text = ReplyText(tokenizer, False, params.stop, reasoning=False)
+            choices.append(Completion(i, ring_request, reply_text, self.routes.reader(ring_request), params.logprobs,
                                       prompt_text=prompts[i // params.n][0], limit=params.max_tokens))
         first = ring_requests[0]
         created = int(time.time())
@@ -189,6 +189,10 @@ class CompletionRoutes:
         finally:
             for choice in choices:
                 self.leader.serving.cancel(choice.request)
+
+
+def _token_ids(tokenizer, prompt: str) -> list[int]:
+    return list(tokenizer(prompt)["input_ids"])
 
 
 def _prompt_text(tokenizer, prompt: list[int], vocab: int, model: str) -> str:

@@ -57,9 +57,10 @@ class DirectLinkCoordinator:
                 await self.start(model)
 
     def on_message(self, conn, message: dict) -> None:
-        key = (message.get("hop_id"), message.get("role"), message["t"])
-        if not all(isinstance(part, str) for part in key):
+        hop_id, role, kind = message.get("hop_id"), message.get("role"), message["t"]
+        if not (isinstance(hop_id, str) and isinstance(role, str) and isinstance(kind, str)):
             return
+        key = (hop_id, role, kind)
         waiting = self._waiting.get(key)
         if waiting is None:
             return

@@ -8,6 +8,7 @@ and only to one with the stage's memory free by the same budgeting as a load; am
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Set as AbstractSet
 
 from swarm.leader.placement import GB, StagePlan
 
@@ -23,7 +24,7 @@ class Candidate:
     outdated: str = ""  # why it cannot take a stage: it speaks another wire protocol (never sent what it cannot read)
 
 
-def choose_replacement(plan: StagePlan, candidates: list[Candidate], exclude: set[int] = frozenset()
+def choose_replacement(plan: StagePlan, candidates: list[Candidate], exclude: AbstractSet[int] = frozenset()
                        ) -> Candidate | None:
     """The fellow that should take over ``plan``'s stage, or None when no fellow can."""
     usable = [c for c in candidates
@@ -33,7 +34,8 @@ def choose_replacement(plan: StagePlan, candidates: list[Candidate], exclude: se
     return usable[0] if usable else None
 
 
-def why_no_replacement(plan: StagePlan, candidates: list[Candidate], exclude: set[int] = frozenset()) -> str:
+def why_no_replacement(plan: StagePlan, candidates: list[Candidate],
+                       exclude: AbstractSet[int] = frozenset()) -> str:
     """One line a user can act on: what the stage needs and what each fellow has or does."""
     others = [c for c in candidates if c.fellow_id != plan.fellow_id]
     if not others:
@@ -53,7 +55,8 @@ def why_no_replacement(plan: StagePlan, candidates: list[Candidate], exclude: se
             + "; ".join(states))
 
 
-def choose_cover(plans: list[StagePlan], candidates: list[Candidate], covered: set[int]) -> tuple[int, Candidate] | None:
+def choose_cover(plans: list[StagePlan], candidates: list[Candidate],
+                 covered: set[int]) -> tuple[int, Candidate] | None:
     """(stage index, standby) for the next hot cover: the uncovered stage whose loss would cost most to reload (the
     most weight bytes to fetch and load), on a standby that holds no cover yet and has room for it."""
     standbys = [c for c in candidates if c.standby and not c.covering and not c.serving and not c.outdated]

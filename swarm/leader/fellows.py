@@ -5,17 +5,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from starlette.websockets import WebSocket
 
 from swarm import __version__, wire
 from swarm.errors import AuthError, ProtocolError, SwarmError
-from swarm.messages import Hardware
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
+from swarm.messages import Hardware
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, close_quietly
 from swarm.tunnel.keys import fingerprint
+
+if TYPE_CHECKING:
+    from swarm.leader.updates import SelfWheel
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,7 @@ class FellowHub:
         self.serving = serving
         self.online: dict[int, FellowConn] = {}
         self._decode_limiter = trio.CapacityLimiter(DECODE_THREADS)
-        self.updates = None  # set by the app: swarm.leader.updates.SelfWheel, the leader's own version for fellows
+        self.updates: SelfWheel | None = None  # set by the app: the leader's own version for fellows
 
     async def handle(self, ws: WebSocket) -> None:
         await ws.accept()
@@ -219,6 +222,7 @@ class FellowHub:
 
     async def ask_update(self, conn: FellowConn) -> None:
         """Tell ``conn`` to install the leader's version of swarm and restart (it reads this at any protocol)."""
+        assert self.updates is not None, "the app sets FellowHub.updates before the leader serves"
         offer = await self.updates.offer()
         log.info("asking %s (swarm %s, protocol %s) to update to swarm %s", conn.name, conn.version, conn.protocol,
                  offer["version"])
@@ -241,6 +245,7 @@ class FellowHub:
             if known is None or await trio.to_thread.run_sync(self.store.fellow_key_removed, key):
                 raise AuthError(f"this leader has no fellow with key {fingerprint(key)}; join it first with "
                                 "`swarm join URL --token <join token>`.")
+            assert self.updates is not None, "the app sets FellowHub.updates before the leader serves"
             offer = await self.updates.offer()
             conn = self.online.get(known.id)
             if hello.get("version") == offer["version"] and _protocol(hello) == offer["protocol"] and \

@@ -32,7 +32,8 @@ class ModelFit:
         if self.layers == 0:
             return f"{self.model} does not fit: not one of its layers ({where})"
         disk = ", limited by free disk" if self.limited_by == "disk" else ""
-        return f"This PC can hold up to {self.layers} of {self.of} layers of {self.model} at {bits} bits ({where}{disk})"
+        return (f"This PC can hold up to {self.layers} of {self.of} layers of {self.model} at {bits} bits "
+                f"({where}{disk})")
 
 
 def memory_of(hardware: Hardware, device: str = "auto") -> tuple[int, str, bool]:

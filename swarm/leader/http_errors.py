@@ -18,9 +18,8 @@ from swarm.errors import (
     AuthError,
     BadRequest,
     BodyTooLarge,
-    Forbidden,
-    TooManyAttempts,
     ContextTooLong,
+    Forbidden,
     ModelNotFound,
     ModelNotLoaded,
     PlacementError,
@@ -29,6 +28,7 @@ from swarm.errors import (
     QueueTimeout,
     StoreError,
     SwarmError,
+    TooManyAttempts,
 )
 from swarm.leader.limits import PARSE_IN_THREAD
 from swarm.store.accounts import TokenLimitReached
@@ -71,8 +71,8 @@ def classify(exc: BaseException) -> tuple[int, str, str, str]:
         return 400, "client_disconnected", "invalid_request_error", "the client went away while sending its request."
     log.error("unexpected error answering a request", exc_info=exc)
     return (500, "internal_error", "server_error",
-            f"internal error in the leader ({type(exc).__name__}); this is a bug in swarm, and the leader's log has "
-            "the details. Try again; report it if it keeps happening.")
+            (f"internal error in the leader ({type(exc).__name__}); this is a bug in swarm, and the leader's log has "
+             "the details. Try again; report it if it keeps happening."))
 
 
 def api_error(exc: BaseException) -> JSONResponse:

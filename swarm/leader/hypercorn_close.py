@@ -29,5 +29,5 @@ def guard_close_race() -> None:
         except trio.BusyResourceError:
             log.debug("dropped a send to a connection that was closing")
 
-    protocol_send.__wrapped__ = send
-    TCPServer.protocol_send = protocol_send
+    protocol_send.__wrapped__ = send  # type: ignore[attr-defined]  # the original, as functools.wraps keeps it
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]  # the patch this module makes

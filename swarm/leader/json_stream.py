@@ -22,12 +22,13 @@ class JsonRewriter:
         self.started = False
         self.complete = False
         self._in_string = False
-        self._escape = ""  # an escape sequence being read (from its backslash), or a high surrogate waiting for its pair
+        # an escape sequence being read (from its backslash), or a high surrogate waiting for its pair
+        self._escape = ""
         self._scalar = ""  # a number or literal being read
 
     def feed(self, text: str) -> tuple[str, int]:
         """(the rewritten piece, how many characters of ``text`` were read): all of them, or up to the value's end."""
-        out = []
+        out: list[str] = []
         for used, char in enumerate(text):
             if self.complete:
                 return "".join(out), used

@@ -206,5 +206,5 @@ async def _too_large(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["BodyLimit", "chat_body_limit", "check_prompt_bytes", "check_replies", "context_reason", "longest_token_bytes",
-           "model_context", "served_context", "text_bytes"]
+__all__ = ["BodyLimit", "chat_body_limit", "check_prompt_bytes", "check_replies", "context_reason",
+           "longest_token_bytes", "model_context", "served_context", "text_bytes"]

@@ -155,7 +155,7 @@ def build_server(leader) -> MCPServer:
                              "power, temperature; CPU and RAM without one); each hop (transport, bytes per token, "
                              "bytes/s, round trip); where each token's time goes and a bottleneck sentence; and the "
                              "last 15 minutes' replies, failures, tokens/s and first-token times at p50 and p95.")
-    async def models_performance(model: str, range: str = "15m") -> dict:  # noqa: A002 (the API's name)
+    async def models_performance(model: str, range: str = "15m") -> dict:  # `range`: the API's name
         return await call("GET", f"/api/v1/models/{segment(model, 'model id')}/performance", params={"range": range})
 
     @server.tool(description="Before loading: how fast a model would run on the pool now -- decode tokens/s, the "

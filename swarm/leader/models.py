@@ -4,6 +4,7 @@ generation and its hops, and the messages that load and link each stage."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import trio
 
@@ -137,7 +138,7 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
     from swarm.store.manifest import Manifest, stage_files
 
     plan, n = serving.stages[i].plan, len(serving.stages)
-    spec = {"index": i, "num_stages": n, "first_layer": plan.first_layer, "end_layer": plan.end_layer,
+    spec: dict[str, Any] = {"index": i, "num_stages": n, "first_layer": plan.first_layer, "end_layer": plan.end_layer,
             "is_first": i == 0, "is_last": i == n - 1}
     files = stage_files(Manifest.from_dict(serving.manifest), plan.first_layer, plan.end_layer, spec["is_first"],
                         spec["is_last"])
@@ -179,8 +180,8 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
     """Stage ``i``'s hops in the current ring generation: where it sends, and who may send to it."""
     plans = [s.plan for s in serving.stages]
     n = len(plans)
-    message = {"t": "link", "model": serving.name, "load_id": serving.load_id, "ring_id": serving.ring_id,
-               "index": i, "num_stages": n}
+    message: dict[str, Any] = {"t": "link", "model": serving.name, "load_id": serving.load_id,
+                               "ring_id": serving.ring_id, "index": i, "num_stages": n}
     if n > 1:
         nxt = online.get(plans[(i + 1) % n].fellow_id)
         direct = None

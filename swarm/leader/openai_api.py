@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from starlette.requests import Request as HttpRequest
@@ -79,7 +79,7 @@ class OpenAIRoutes:
                 return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
         tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
-        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self._reader(r), params.logprobs)
+        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self.reader(r), params.logprobs)
                    for i, r in enumerate(ring_requests)]
         if params.tools:
             for choice in choices:
@@ -95,7 +95,7 @@ class OpenAIRoutes:
         await timing.settle(self.leader.serving, first)
         out = []
         for choice in choices:
-            message = {"role": "assistant", "content": choice.content}
+            message: dict[str, Any] = {"role": "assistant", "content": choice.content}
             if choice.reasoning:
                 message["reasoning_content"] = choice.reasoning
             if choice.calls:
@@ -202,7 +202,8 @@ class OpenAIRoutes:
         for request in choices:
             out.append(await leader.serving.submit(request))
 
-    def _reader(self, ring_request: Request) -> Reader:
+    def reader(self, ring_request: Request) -> Reader:
+        """A reader of ``ring_request``'s tokens that gives up on it after the settings' stall and queue times."""
         settings = self.leader.settings
         return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 
@@ -361,7 +362,10 @@ class _AllContent:
         return "", ""
 
 
-async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
+_C = TypeVar("_C", bound="Choice")
+
+
+async def next_event(choices: list[_C]) -> tuple[_C, str, Any]:
     """The next thing that happens to any of ``choices``: (choice, kind, value) as Reader.next gives it."""
     for choice in choices:
         if choice.pending:
@@ -370,7 +374,7 @@ async def next_event(choices: list[Choice]) -> tuple[Choice, str, Any]:
         return (choices[0], *await choices[0].reader.next())
     done: list = []
     async with trio.open_nursery() as nursery:
-        async def read(choice: Choice) -> None:
+        async def read(choice: _C) -> None:
             result = await choice.reader.next()
             done.append((choice, *result))  # kept even if another read won the race: nothing is lost
             nursery.cancel_scope.cancel()

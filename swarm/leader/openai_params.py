@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+from typing import Any
 
 from swarm import messages
 from swarm.errors import BadRequest
@@ -151,7 +152,7 @@ def parse_logprobs(body: dict) -> int | None:
 
 def parse_sampling(body: dict) -> dict:
     """The sampling settings a request gives (the model's defaults fill in the rest)."""
-    sampling = {}
+    sampling: dict[str, Any] = {}
     for key in SAMPLING_KEYS:
         value = body.get(key)
         if value is not None:
@@ -232,6 +233,7 @@ def parse_response_format(value) -> str | None:
     if value is None or value == {"type": "text"}:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
+    schema: Any
     if kind == "json_object":
         schema = {"type": "object"}
     elif kind == "json_schema":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from swarm.errors import BadRequest
 from swarm.store.history import ServedRequest
@@ -128,7 +129,8 @@ def _numbers(items, key: str) -> list[float] | None:
     if not isinstance(items, list) or not items:
         return None
     values = [_num(item.get(key)) if isinstance(item, dict) else None for item in items]
-    return None if any(v is None for v in values) else values
+    numbers = [v for v in values if v is not None]
+    return numbers if len(numbers) == len(values) else None
 
 
 def split_of(timing: dict | None) -> tuple[list[float], list[float]] | None:
@@ -173,7 +175,7 @@ def time_split(records: Sequence[ServedRequest], hops: Sequence[dict], stage_nam
         rtts = [h["rtt_ms"] for h in hops if _num(h.get("rtt_ms")) is not None]
         link = min(per_token, sum(rtts) / 2) if n > 1 and rtts else 0.0
         compute, hop_ms, source = [per_token - link], ([link] if n > 1 else []), "round_trips"
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, ms in enumerate(compute):
         label = "compute" if len(compute) == 1 else f"stage {i}"
         parts.append({"label": label, "kind": "compute", "stage": i if len(compute) > 1 else None,
@@ -244,7 +246,7 @@ def pipeline_stage(stage: dict, hardware, placement: dict | None) -> dict:
             "gpus": [], "cpu": None}
     if hardware is None:
         return card
-    devices = (placement or {}).get("devices")
+    devices = (placement or {}).get("devices") or []
     on_cpu = bool(devices) and all(d == "cpu" for d in devices)
     if hardware.gpus and not on_cpu:
         running = _gpu_indices(devices) or [hardware.gpus[0].index]

@@ -12,10 +12,10 @@ link, per pass.
 One token passes every stage in turn and every hop once (the ring), so the time per token is the sum of the stages'
 compute and the hops' transit. A prompt's chunks go through the ring as a pipeline (each stage computes the next
 chunk while the one after it computes this one), so its time to first token is one chunk's way through the ring plus
-the slowest part once per further chunk. In a ring of several stages each stage waits for the others between its passes, and a
-core that waited computes slower (the calibration's decode step after idle: 15-40 % on a 2-core VM), so their layers
-count at that speed; a single stage decodes back to back; the bottleneck is the largest of those parts. A prompt goes through the ring in
-chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
+the slowest part once per further chunk. In a ring of several stages each stage waits for the others between its passes,
+and a core that waited computes slower (the calibration's decode step after idle: 15-40 % on a 2-core VM), so their
+layers count at that speed; a single stage decodes back to back; the bottleneck is the largest of those parts. A prompt
+goes through the ring in chunks of SWARM_SERVE_PREFILL_CHUNK tokens, each chunk paying the hops once.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 import trio
 
@@ -139,7 +140,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     the decode tokens/s, the time to first token of ``prompt_tokens``, and the bottleneck. ``hops[i]`` is the link
     from stage i to stage i+1 (the last one back to stage 0); none with one stage. ``speeds``: fellow id -> speed."""
     n = len(plans)
-    stages = []
+    stages: list[dict[str, Any]] = []
     chunk_ms: list[float] = []  # per stage, one prompt chunk's compute (the head apart: it runs once, at the end)
     head = 0.0
     chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
@@ -158,7 +159,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
             prefill += head
         stages.append({"index": plan.index, "fellow_id": plan.fellow_id, "fellow": plan.fellow_name,
                        "layers": [plan.first_layer, plan.end_layer], "decode_ms": decode, "prefill_ms": prefill})
-    links = []
+    links: list[dict[str, Any]] = []
     for i, hop in enumerate(hops[:n] if n > 1 else []):
         forward = i < n - 1  # hidden states forward; the last hop carries the token back
         per_token_bytes = hidden_bytes_per_token if forward else TOKEN_BACK_BYTES
@@ -201,7 +202,8 @@ def sentence(prediction: dict) -> str:
     rate_text = f"about {rate:.0f} tokens/s" if rate >= 10 else f"about {rate:.1f} tokens/s"
     over = f"over {n} stages" if n > 1 else f"on {prediction['stages'][0]['fellow']}"
     text = (f"{rate_text}, first token of a {prediction['prompt_tokens']:,}-token prompt in "
-            f"{prediction['time_to_first_token_s']:.1f} s {over}; the slowest part is {prediction['bottleneck']['text']}")
+            f"{prediction['time_to_first_token_s']:.1f} s {over}; the slowest part is "
+            f"{prediction['bottleneck']['text']}")
     assumed = [link for link in prediction["links"] if not link["rtt_measured"]]
     if assumed:
         text += f" (links not measured yet: assumed {ASSUMED_RTT_MS:g} ms round trip)"
@@ -226,7 +228,8 @@ def missing_speeds(plans: list[StagePlan], speeds: dict[int, LayerSpeed]) -> Non
     missing = sorted({p.fellow_name for p in plans if p.fellow_id not in speeds})
     if missing:
         raise PlacementError(
-            f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} not reported {'its' if len(missing) == 1 else 'their'} "
+            f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} not reported "
+            f"{'its' if len(missing) == 1 else 'their'} "
             "speed yet: a fellow times a decoder layer a few seconds after it joins (and not at all with "
             "SWARM_CALIBRATE=0). Try again in a few seconds."
         )
@@ -241,7 +244,8 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     kind = serving.quantization_of.get(name, "none")
     plans, size, kind, fellows, _ = serving.placement(name, manifest, num_stages, None, kind, row.pool_id)
     try:
-        config = await trio.to_thread.run_sync(lambda: json.loads((serving.models_root / name / CONFIG_FILE).read_text()))
+        config_file = serving.models_root / name / CONFIG_FILE
+        config = await trio.to_thread.run_sync(lambda: json.loads(config_file.read_text()))
     except (OSError, ValueError):
         config = {}  # a load says what is wrong with the model's files; the plan counts the library's layers
     lean = isinstance(config, dict) and takes_lean_step(manifest.get("architecture", ""), config)

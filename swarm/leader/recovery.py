@@ -23,8 +23,15 @@ import secrets
 import trio
 
 from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
-from swarm.leader.models import (LOAD_PHASES, ModelServing, StageState, full_weight_bytes, link_message, load_message,
-                                 model_size)
+from swarm.leader.models import (
+    LOAD_PHASES,
+    ModelServing,
+    StageState,
+    full_weight_bytes,
+    link_message,
+    load_message,
+    model_size,
+)
 from swarm.leader.placement import StagePlan
 from swarm.quantization import check_kind
 
@@ -296,7 +303,7 @@ class Recovery:
 
     def keeps(self, conn, stages: list) -> list[str]:
         """The models whose stage (or hot cover) a rejoining fellow keeps: what it holds of the current loads."""
-        keep = []
+        keep: list[str] = []
         if not conn.compatible:  # it speaks another protocol: it is sent nothing of a ring, and drops what it holds
             return keep
         for summary in stages:
@@ -336,7 +343,7 @@ class Recovery:
         return slot.cover_given == conn.id and slot.cover in (None, conn.id) and slot.plan.fellow_id != conn.id
 
     def _claim(self, conn, stages: list) -> list[str]:
-        adopted = []
+        adopted: list[str] = []
         if not conn.compatible:
             return adopted
         for summary in stages:
@@ -370,8 +377,8 @@ class Recovery:
             try:
                 row = await serving.model_row(name)
                 manifest = row.manifest
-                config = await trio.to_thread.run_sync(
-                    lambda: json.loads((serving.models_root / name / "config.json").read_text()))
+                config_file = serving.models_root / name / "config.json"
+                config = json.loads(await trio.to_thread.run_sync(config_file.read_text))
                 stages = [StageState(StagePlan(**{k: v for k, v in p.items()
                                                   if k not in ("free_bytes", "quantization", "draft", "cover")}),
                                      free_bytes=int(p.get("free_bytes", 0)),

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import itertools
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -185,7 +186,8 @@ class RequestBook:
         self.service_s: dict[str, float] = {}  # model -> how long a request ran, on average of the recent ones
         # Ring id -> request, of the last requests that ended: the stages' times come after the last token.
         self.recent: collections.OrderedDict[str, Request] = collections.OrderedDict()
-        self.on_end = None  # called with each request as it ends, once (the serving history); must not block
+        # called with each request as it ends, once (the serving history); must not block
+        self.on_end: Callable[[Request], None] | None = None
 
     def queued(self, model: str) -> int:
         """How many requests of ``model`` wait to start."""

@@ -12,24 +12,36 @@ import json
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from swarm import messages
 from swarm.config import Settings
-from swarm.errors import (ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout,
-                          counted)
+from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout, counted
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.limits import context_reason, model_context, served_context
-from swarm.leader.models import (ModelServing, StageState, check_quantization, draft_message, draft_size,
-                                 full_weight_bytes, load_message, model_size, quantized_fellows)
+from swarm.leader.models import (
+    ModelServing,
+    StageState,
+    check_quantization,
+    draft_message,
+    draft_size,
+    full_weight_bytes,
+    load_message,
+    model_size,
+    quantized_fellows,
+)
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
+
+if TYPE_CHECKING:
+    from swarm.leader.direct_links import DirectLinkCoordinator
+    from swarm.leader.fellows import FellowConn, FellowHub
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +52,9 @@ class Serving:
         self.settings = settings
         self.models_root = models_root
         self.relay = relay
-        self.hub = None  # set by the app: FellowHub
+        self.hub: FellowHub | None = None  # set by the app
         self.nursery: trio.Nursery | None = None  # set while the leader serves: background work
-        self.direct_links = None  # set by the app: swarm.leader.direct_links.DirectLinkCoordinator
+        self.direct_links: DirectLinkCoordinator | None = None  # set by the app
         self.models: dict[str, ModelServing] = {}
         self.book = RequestBook()
         self.hop_stats: dict[str, dict] = {}  # hop id -> what its sending fellow last reported
@@ -91,18 +103,18 @@ class Serving:
 
     def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str,
                   pool_id: int | None = None, draft_manifest: dict | None = None):
-        """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now (swarm.leader.placement.place): the
-        plans, the model's sizes, the quantization kind, the fellows it chose from and their capacities. Raises
-        PlacementError when nothing fits. The load and the planner (swarm.leader.planner) both use it.
-        ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL), counted in
-        its fellow's memory where the ring has several stages and that fellow runs draft models (else left out: the
-        last plan's draft_bytes say which)."""
+        """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now
+        (swarm.leader.placement.place): the plans, the model's sizes, the quantization kind, the fellows it chose from
+        and their capacities. Raises PlacementError when nothing fits. The load and the planner (swarm.leader.planner)
+        both use it. ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL),
+        counted in its fellow's memory where the ring has several stages and that fellow runs draft models (else left
+        out: the last plan's draft_bytes say which)."""
         # only the model's pool's fellows (swarm.store.fleet); standbys wait for failovers, unless one is asked for
-        if pool_id is not None and fellow_id is not None and fellow_id in self.hub.online and \
-                self.hub.online[fellow_id].pool_id != pool_id:
-            raise PlacementError(f"fellow {self.hub.online[fellow_id].name} is in another pool than {name}; a model "
+        if pool_id is not None and fellow_id is not None and fellow_id in self.online and \
+                self.online[fellow_id].pool_id != pool_id:
+            raise PlacementError(f"fellow {self.online[fellow_id].name} is in another pool than {name}; a model "
                                  "loads over its own pool's fellows only.")
-        fellows = [f for f in self.hub.online.values() if (not f.standby or f.id == fellow_id)
+        fellows = [f for f in self.online.values() if (not f.standby or f.id == fellow_id)
                    and (pool_id is None or f.pool_id == pool_id)]
         # A fellow on another wire protocol is never sent a message it cannot read: the load goes without it, or is
         # refused naming it when it was asked for or nothing fits without it.
@@ -119,7 +131,8 @@ class Serving:
         # fellows then keep room to spare, never too little).
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         size = model_size(manifest, cpu=cpu, quantization=kind)
-        capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device)) for f in fellows]
+        capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device))
+                      for f in fellows]
         try:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
             if draft_manifest is not None and len(plans) > 1:
@@ -144,6 +157,7 @@ class Serving:
             log.warning("%s loads without a draft model (SWARM_SERVE_DRAFT_MODEL=auto): it does not fit. %s", name,
                         exc)
             return plans
+        assert self.hub is not None  # set by the app
         last = self.hub.online[with_draft[-1].fellow_id]
         if not last.draft_model:
             log.info("%s drafts without its draft model: %s, which holds its last stage, runs a version without "
@@ -178,7 +192,8 @@ class Serving:
             # start over as asked
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
-        config = await trio.to_thread.run_sync(lambda: json.loads((self.models_root / name / "config.json").read_text()))
+        config_file = self.models_root / name / "config.json"
+        config = await trio.to_thread.run_sync(lambda: json.loads(config_file.read_text()))
         draft = None  # SWARM_SERVE_DRAFT_MODEL: checked before anything is placed (a wrong name refuses the load)
         if self.settings.serve_draft_model and self.settings.serve_speculative > 0 and num_stages != 1 \
                 and not sliding(config):  # a sliding model does not draft at all (swarm.leader.drafting)
@@ -201,7 +216,7 @@ class Serving:
         self.quantization_of[name] = asked
         self.reload_on_request.discard(name)
         for i, plan in enumerate(plans):
-            self.hub.online[plan.fellow_id].post(load_message(serving, i))
+            self.online[plan.fellow_id].post(load_message(serving, i))
         self._start(self._warm_tokenizer, name)
         serving.notify()
         return serving
@@ -212,7 +227,7 @@ class Serving:
         if serving is None:
             return
         for fellow_id in serving.fellow_ids | {s.cover for s in serving.stages if s.cover is not None}:
-            conn = self.hub.online.get(fellow_id)
+            conn = self.online.get(fellow_id)
             if conn is not None:
                 conn.post({"t": "unload", "model": name})
         self.recovery.close_ring(serving)
@@ -243,6 +258,12 @@ class Serving:
             await trio.to_thread.run_sync(warm_up, self.models_root / name)
         except Exception as exc:  # the first request reports whatever is wrong with the tokenizer
             log.warning("could not prepare the tokenizer of %s: %s", name, exc)
+
+    @property
+    def online(self) -> dict[int, FellowConn]:
+        """The fellows online now, by id (the app's FellowHub)."""
+        assert self.hub is not None, "the app sets Serving.hub before the leader serves"
+        return self.hub.online
 
     def _start(self, fn, *args) -> None:
         """Run ``fn(*args)`` in the background. These tasks share the leader's nursery: a bug in one is logged and
@@ -388,9 +409,9 @@ class Serving:
         for action in actions:
             if isinstance(action, ToStage0):
                 serving = self.models.get(action.model)
-                conn = self.hub.online.get(serving.stages[0].plan.fellow_id) if serving else None
+                conn = self.online.get(serving.stages[0].plan.fellow_id) if serving else None
                 if conn is not None:
-                    conn.post(with_drafting(action.message, serving, self.hub.online))
+                    conn.post(with_drafting(action.message, serving, self.online))
                 elif isinstance(action.message, messages.Generate):
                     for rid in action.message.rids:  # a group start: each of its choices
                         self._perform(self.book.on_failed(messages.Failed(
@@ -469,7 +490,7 @@ class Serving:
         return serving is not None and conn.id in serving.fellow_ids
 
     async def _idle(self, conn, message: dict) -> None:
-        serving = self.models.get(message.get("model"))
+        serving = self.models.get(message.get("model", ""))
         if serving is None or serving.load_id != message.get("load_id") or conn.id not in serving.fellow_ids:
             return
         log.info("%s went idle on %s: unloading it from every fellow", serving.name, conn.name)
@@ -483,7 +504,7 @@ class Serving:
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 
     async def _adopt(self, conn, stages: list) -> None:
-        if self.hub.online.get(conn.id) is conn:
+        if self.online.get(conn.id) is conn:
             self.recovery.adopt(conn, stages)
             self.recovery.fleet_changed()
 

@@ -66,7 +66,7 @@ class SignInThrottle:
 
     def __init__(self, clock=time.monotonic):
         self.clock = clock
-        self._entries: OrderedDict[tuple[str, str], _Failures] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, ...], _Failures] = OrderedDict()
 
     @staticmethod
     def _wait(entry: _Failures | None, free: int) -> float:

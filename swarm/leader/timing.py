@@ -33,7 +33,7 @@ step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -64,7 +64,7 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
     tokens_per_s = steady / (last - first) if first is not None and last is not None and last > first and steady > 0 \
         else None
     started = request.started_at
-    out = {
+    out: dict[str, Any] = {
         "queue_ms": _ms(request.queue_s),
         "ttft_ms": _ms(first - request.created_at) if first is not None else None,
         "prompt_ms": _ms(first - started) if first is not None and started is not None else None,
@@ -80,13 +80,13 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
     }
     reports: dict[int, messages.StageTimes] = request.stage_times
     n = len(fellows) or (max(reports) + 1 if reports else 0)
-    last = reports.get(n - 1) if n else None
+    last_stage = reports.get(n - 1) if n else None
     per_pass = 1.0  # decode passes per decode token (the first token comes from the prompt's pass)
-    if last is not None and last.spec_passes:
-        out.update(spec_passes=last.spec_passes, spec_tokens=last.spec_tokens, spec_drafted=last.spec_drafted,
-                   spec_accepted=last.spec_accepted)
-        if last.spec_tokens > 1:
-            per_pass = max(0, last.spec_passes - 1) / (last.spec_tokens - 1)
+    if last_stage is not None and last_stage.spec_passes:
+        out.update(spec_passes=last_stage.spec_passes, spec_tokens=last_stage.spec_tokens,
+                   spec_drafted=last_stage.spec_drafted, spec_accepted=last_stage.spec_accepted)
+        if last_stage.spec_tokens > 1:
+            per_pass = max(0, last_stage.spec_passes - 1) / (last_stage.spec_tokens - 1)
     for i in sorted(reports):
         r = reports[i]
         out["stages"].append({
@@ -103,14 +103,14 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
                          "ms_per_token": None, "bytes_per_token": _per_token(reports.get(i), per_pass)}
                         for i in range(n)]
         ring = reports.get(0)
-        others = [reports.get(i) for i in range(1, n)]
-        if ring is not None and ring.ring_steps and all(o is not None and o.decode_steps for o in others):
+        others = [reports[i] for i in range(1, n) if i in reports]
+        if ring is not None and ring.ring_steps and len(others) == n - 1 and all(o.decode_steps for o in others):
             link_s = max(0.0, ring.ring_s / ring.ring_steps - sum(o.decode_s / o.decode_steps for o in others))
             link_s *= per_pass
             out["link_ms_per_token"] = round(link_s * 1000, 2)
             rtts = [hops[i].get("rtt_ms") if i < len(hops) else None for i in range(n)]
-            known = all(isinstance(r, (int, float)) and r > 0 for r in rtts)
-            shares = [r / sum(rtts) for r in rtts] if known else [1 / n] * n
+            known = [r for r in rtts if isinstance(r, (int, float)) and r > 0]
+            shares = [r / sum(known) for r in known] if len(known) == n else [1 / n] * n
             for link, share in zip(out["links"], shares):
                 link["ms_per_token"] = round(link_s * share * 1000, 2)
     if n and len(reports) == n and all(r.decode_steps for r in reports.values()) and \

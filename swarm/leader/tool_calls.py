@@ -246,7 +246,7 @@ class ToolCallSplitter:
         content, calls = parse(rest, self.family)
         if not calls:
             return rest, []
-        streamed = list(self.streamed)
+        streamed: list[_Streamed | None] = list(self.streamed)
         whole = len(streamed)
         for call in calls:
             function = call["function"]
@@ -258,6 +258,7 @@ class ToolCallSplitter:
                 whole += 1
                 continue
             sent = streamed[match]
+            assert sent is not None  # matched above
             streamed[: match + 1] = [None] * (match + 1)  # in order: later calls match later streams
             call["id"] = sent.id
             call["_index"] = self.streamed.index(sent)

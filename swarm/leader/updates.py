@@ -186,8 +186,9 @@ class SelfWheel:
 
 
 class UpdateRoutes:
-    """GET /api/v1/update/{file}: the wheel, for a fellow's node credential (or a join token: the install script). POST /api/v1/fellows/update (admins):
-    ask every outdated fellow online (or those named in ``fellow_ids``) to update itself."""
+    """GET /api/v1/update/{file}: the wheel, for a fellow's node credential (or a join token: the install script).
+    POST /api/v1/fellows/update (admins): ask every outdated fellow online (or those named in ``fellow_ids``) to update
+    itself."""
 
     def __init__(self, leader):
         self.leader = leader
@@ -235,5 +236,5 @@ class UpdateRoutes:
                         "`swarm join` again.")})
             return JSONResponse({"version": __version__, "protocol": wire.PROTOCOL_VERSION, "updating": updating,
                                  "manual": manual})
-        except Exception as exc:  # one error shape, as every /api/v1 route answers (swarm.leader.http_errors)
+        except Exception as exc:  # noqa: BLE001 - one error shape, as every /api/v1 route answers (http_errors)
             return api_error(exc)

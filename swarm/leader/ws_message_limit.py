@@ -9,6 +9,8 @@ closes one whose peer sent a close frame: nothing more is read.
 
 from __future__ import annotations
 
+import functools
+
 from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.ws_stream import WSStream
 
@@ -25,5 +27,5 @@ def close_on_oversize() -> None:
         if self.buffer.length > self.buffer.max_length and not self.closed:
             await self.send(StreamClosed(stream_id=self.stream_id))
 
-    _handle_events.__wrapped__ = handle
-    WSStream._handle_events = _handle_events
+    functools.update_wrapper(_handle_events, handle)  # sets __wrapped__: patched once
+    WSStream._handle_events = _handle_events  # type: ignore[method-assign]  # hypercorn has no hook for this

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -76,12 +77,13 @@ class OutgoingHop:
         self.messages_sent = 0
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=64)
         # Called (async) when the path in use breaks under it: what was in flight on it may be lost.
-        self.on_lost = None
+        self.on_lost: Callable[[OutgoingHop], Awaitable[None]] | None = None
         self.closed = False
 
     async def _open(self) -> NoiseChannel:
         cfg = self.config
         if not self.direct_failed:
+            assert cfg.direct is not None  # direct_failed is set where there is none
             host, port = cfg.direct
             try:
                 channel = await paths.dial_direct(
@@ -121,6 +123,7 @@ class OutgoingHop:
         async with self._lock:
             if self._channel is None:
                 self._adopt(await self._open())
+            assert self._channel is not None  # adopted above
             frame = self._sequencer.wrap(message, reset=self._reset_next)
             try:
                 await self._channel.send(frame)

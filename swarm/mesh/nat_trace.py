@@ -65,7 +65,8 @@ def supported() -> bool:
 
 
 def is_ours(address: str, reflexive_ip: str | None = None) -> bool:
-    """Whether a router at ``address`` is inside our own NATs: a private/shared/link-local address, or our public one."""
+    """Whether a router at ``address`` is inside our own NATs: a private/shared/link-local address, or our public
+    one."""
     ip = plain_ip(address)
     if reflexive_ip is not None and ip == plain_ip(reflexive_ip):
         return True
@@ -166,7 +167,8 @@ async def trace(sock, server: Address, reflexive_ip: str | None = None, timeout:
     path = ", ".join(f"{ttl}: {addr}" for ttl, addr in sorted(routers.items())) or "no router answered"
     if low_ttl is None:
         return Trace(None, routers, f"not learned ({path})")
-    return Trace(low_ttl, routers, f"traced: the first router past this fellow's NATs is {counted(low_ttl, 'hop')} away ({path})")
+    return Trace(low_ttl, routers,
+                 f"traced: the first router past this fellow's NATs is {counted(low_ttl, 'hop')} away ({path})")
 
 
 async def _read_errors(sock, raw: socket.socket, token: bytes, routers: dict[int, str], reflexive_ip) -> None:

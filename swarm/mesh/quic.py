@@ -297,6 +297,13 @@ class QuicFrameTransport:
             await self.aclose()
             raise
 
+    async def start(self, nursery: trio.Nursery, handshake_timeout: float) -> QuicFrameTransport:
+        """Start the link's driver in ``nursery`` and wait until the link is up (it is closed if it does not come
+        up)."""
+        await nursery.start(self._run)
+        await self._wait_ready(handshake_timeout, "connect" if self.is_client else "accept")
+        return self
+
 
 # --- opening ---------------------------------------------------------------------------------------------------------
 
@@ -322,7 +329,7 @@ async def open_quic_client(
     connection.send_stream_data(STREAM_ID, PREFACE)
     transport = QuicFrameTransport(sock, peer, connection, is_client=True,
                                    idle_timeout=idle_timeout, keepalive=keepalive)
-    return await _drive(transport, nursery, handshake_timeout)
+    return await transport.start(nursery, handshake_timeout)
 
 
 async def accept_quic_server(
@@ -349,14 +356,7 @@ async def accept_quic_server(
     connection.receive_datagram(first, peer, now=trio.current_time())
     transport = QuicFrameTransport(sock, peer, connection, is_client=False,
                                    idle_timeout=idle_timeout, keepalive=keepalive)
-    return await _drive(transport, nursery, handshake_timeout)
-
-
-async def _drive(transport: QuicFrameTransport, nursery: trio.Nursery, handshake_timeout: float) -> QuicFrameTransport:
-    """Start the link's driver in ``nursery`` and wait until the link is up (it is closed if it does not come up)."""
-    await nursery.start(transport._run)
-    await transport._wait_ready(handshake_timeout, "connect" if transport.is_client else "accept")
-    return transport
+    return await transport.start(nursery, handshake_timeout)
 
 
 async def _first_initial(

@@ -48,7 +48,7 @@ def throwaway_certificate():
     """A fresh P-256 key and a self-signed certificate for it: QUIC needs one, nobody checks it."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _SERVER_NAME)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)

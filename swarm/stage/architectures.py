@@ -16,10 +16,14 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import UnsupportedArchitecture
 from swarm.model_format import SUPPORTED_ARCHITECTURES, check_sliceable  # noqa: F401 - re-exported for slice
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedConfig
 
 # model_type -> (transformers.models.<module>, class-name prefix, config class name), for every family in
 # swarm.model_format.SUPPORTED_ARCHITECTURES (a test checks none is missing).
@@ -35,10 +39,10 @@ _FAMILIES = {
 
 @dataclass(frozen=True)
 class Blocks:
-    config_class: type
-    decoder_layer: type
-    norm: type
-    rotary_embedding: type
+    config_class: type[PreTrainedConfig]
+    decoder_layer: type[nn.Module]
+    norm: type[nn.Module]
+    rotary_embedding: type[nn.Module]
     embedding: Any = None  # a class taking (config) -> nn.Embedding; None: a plain nn.Embedding
 
     @property

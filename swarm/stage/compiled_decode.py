@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -49,11 +49,12 @@ MAX_ALONE = 17
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("eps", ctypes.c_float),
-                ("scaling", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
-                    "in_norm", "post_norm", "q_norm", "k_norm", "w_qkv", "s_qkv", "b_qkv", "w_o", "s_o", "b_o",
-                    "w_gate_up", "s_gate_up", "w_down", "s_down")]
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("eps", ctypes.c_float),
+        ("scaling", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
+            "in_norm", "post_norm", "q_norm", "k_norm", "w_qkv", "s_qkv", "b_qkv", "w_o", "s_o", "b_o",
+            "w_gate_up", "s_gate_up", "w_down", "s_down")]
 
 
 class CompiledStep:
@@ -153,7 +154,7 @@ def _room(layer: Any, n: int, kv_heads: int, head_dim: int, dtype: torch.dtype =
     length = 0 if keys is None or keys.dim() < 4 else keys.shape[2]
     room = layer.__dict__.get("_room")
     if room is not None and length + n <= room[0].shape[2] and (length == 0 or (
-            keys.data_ptr() == room[0].data_ptr() and keys.stride() == room[0].stride()
+            keys is not None and keys.data_ptr() == room[0].data_ptr() and keys.stride() == room[0].stride()
             and layer.values.data_ptr() == room[1].data_ptr())):
         return room, length
     span = length + n + max(64, (length + n) // 8)
@@ -250,8 +251,10 @@ def _takes_layer(layer: Any, config: Any) -> bool:
     qkv, gate_up = getattr(getattr(attn, "q_proj", None), "fused", None), getattr(getattr(mlp, "gate_proj", None),
                                                                                    "fused", None)
     parts = (qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None))
-    if any(getattr(p, "kernel", None) is None for p in parts) or gate_up.bias is not None or \
-            mlp.down_proj.bias is not None:
+    if any(getattr(p, "kernel", None) is None for p in parts):
+        return False
+    assert attn is not None and mlp is not None and gate_up is not None  # their projections have kernels
+    if gate_up.bias is not None or mlp.down_proj.bias is not None:
         return False
     if attn.head_dim % 2 or config.num_attention_heads % config.num_key_value_heads:
         return False

@@ -136,6 +136,7 @@ class DraftModel:
             start = request.start
             if not drafting.eligible(start) or request.members:
                 continue  # a group's prompt (its carrier) guesses nothing: its choices do, once they have a token
+            assert start.context is not None  # eligible: the last stage has the prompt
             if work.prefill and not work.last:  # a prompt chunk: the small model reads it too, unless it is busy
                 if not request.crowded:
                     self._quietly(self.follow, work.rid, start.context[: work.pos + work.n])

@@ -10,8 +10,9 @@ import dataclasses
 import torch
 
 from swarm import messages, wire
-from swarm.stage.protocol import Output, Work
+from swarm.stage import verify
 from swarm.stage.grammar import constraint
+from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_batch, forward_one
 from swarm.stage.sampling import (
     IMPOSSIBLE,
@@ -22,7 +23,6 @@ from swarm.stage.sampling import (
     token_generator,
 )
 from swarm.stage.slice import StageModel
-from swarm.stage import verify
 
 
 def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) -> Output:
@@ -52,12 +52,14 @@ def _run(stage: StageModel, batch: list[Work]) -> Output:
                                 want_logits=work.last, alone=not work.prefill)
         else:
             rows = work.rows
+            assert rows is not None  # a work item carries its token ids or its rows of the hidden state
             hidden = rows.source.tensor()[:, rows.row : rows.row + rows.n]
             out = stage.forward(work.rid, work.pos, hidden=hidden, want_logits=work.last, alone=not work.prefill)
         fan_out(stage, work)
         if stage.spec.is_last:
             tokens.append(_pick(stage, work, out))
         else:
+            assert out is not None  # a stage before the last always passes its hidden state on
             hidden_out.append(out)
     if stage.spec.is_last:
         return _sampled(tokens)
@@ -77,12 +79,15 @@ def fan_out(stage: StageModel, work: Work) -> None:
         stage.fan_out(work.rid, [member.rid for member in work.request.members])
 
 
-def _pick(stage: StageModel, work: Work, logits: torch.Tensor):
+def _pick(stage: StageModel, work: Work, logits: torch.Tensor | None):
     """What the last stage draws after ``work``: nothing (a prompt chunk before the last), the request's next token
     with its logprobs, or -- a group's last prompt chunk -- each sibling's first, from the same logits."""
+    if not work.fans_out and not work.last:
+        return None
+    assert logits is not None  # the last chunk asked for its logits (want_logits=work.last)
     if work.fans_out:
         return [_sample(stage, member, logits) for member in work.request.members]
-    return _sample(stage, work.request, logits) if work.last else None
+    return _sample(stage, work.request, logits)
 
 
 def _sample(stage: StageModel, request, logits: torch.Tensor) -> tuple[int, messages.TokenLogprob | None]:
@@ -125,6 +130,7 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
     the logits of every row; the rest of the batch as usual."""
     rest = [work for work in batch if not _wants_prompt_logprobs(work)]
     done = _run(stage, rest) if rest else Output(tokens=[])
+    assert done.tokens is not None  # a last stage's output
     results = dict(zip(map(id, rest), zip(done.tokens, done.logprobs or [None] * len(rest),
                                           done.fanned or [None] * len(rest))))
     picked, prompt_logprobs = [], []
@@ -156,9 +162,10 @@ def prompt_entries(work: Work, logits: torch.Tensor) -> list[messages.TokenLogpr
     lp = torch.log_softmax(logits[:n].float(), dim=-1)
     targets = torch.tensor(context[work.pos + 1 : work.pos + 1 + n], dtype=torch.long)
     chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+    assert top is not None  # only a request that asked for prompt logprobs comes here
     if top > 0:
-        values, ids = torch.topk(lp, top, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        top_values, top_ids = torch.topk(lp, top, dim=-1)
+        values, ids = top_values.tolist(), top_ids.tolist()
     else:
         values, ids = [[]] * n, [[]] * n
     return [messages.TokenLogprob(max(c, IMPOSSIBLE), i, [max(v, IMPOSSIBLE) for v in vs])
@@ -185,6 +192,7 @@ def _run_together(stage: StageModel, batch: list[Work]) -> Output:
             x = torch.tensor([work.ids], dtype=torch.long)
         else:
             rows = work.rows
+            assert rows is not None  # a work item carries its token ids or its rows of the hidden state
             x = rows.source.tensor()[:, rows.row : rows.row + rows.n]
         items.append((work.rid, work.pos, x, work.last))
     out = forward_batch(stage, items, [not work.prefill for work in batch])

@@ -15,6 +15,8 @@ as vLLM does with a reasoning parser; a reply that does not think follows the gr
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,15 +24,17 @@ import torch
 from swarm.errors import ModelError
 
 _lock = threading.Lock()
+# Each stage's llguidance tokenizer, dropped with its stage.
+_tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _tokenizer(stage, eos: list[int]):
     """The llguidance tokenizer of ``stage``'s model (built once per stage: ~1-2 s)."""
-    cached = getattr(stage, "_ll_tokenizer", None)
+    cached = _tokenizers.get(stage)
     if cached is not None:
         return cached
     with _lock:
-        cached = getattr(stage, "_ll_tokenizer", None)
+        cached = _tokenizers.get(stage)
         if cached is None:
             folder = getattr(stage, "tokenizer_dir", None)
             if folder is None:
@@ -43,8 +47,9 @@ def _tokenizer(stage, eos: list[int]):
             hf = AutoTokenizer.from_pretrained(str(folder))
             vocab = int(stage.config.vocab_size)
             ends = sorted({int(e) for e in eos} | ({hf.eos_token_id} if hf.eos_token_id is not None else set()))
-            cached = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=ends or None)
-            stage._ll_tokenizer = cached
+            # llguidance takes a fast tokenizer; a slow one is refused there, in its own words
+            cached = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=ends or None)  # type: ignore[arg-type]
+            _tokenizers[stage] = cached
     return cached
 
 
@@ -52,7 +57,7 @@ class Constraint:
     """One request's grammar state on the last stage."""
 
     def __init__(self, stage, grammar: str, eos: list[int], reply: list[int], think: list[int] | None = None,
-                 prompt: list[int] = ()):
+                 prompt: Sequence[int] = ()):
         import llguidance
         import llguidance.torch
 
@@ -86,17 +91,19 @@ class Constraint:
         llguidance.torch.apply_token_bitmask_inplace(out, self.mask)
         out = out.reshape(-1)
         if self.state == "first":
+            assert self.think is not None  # the state is "grammar" without it
             out[self.think[0]] = logits[self.think[0]]
         return out
 
     def consume(self, token: int) -> None:
+        think = self.think or []  # the state is "grammar" without it
         if self.state == "first":
             self.state = "grammar"
-            if token == self.think[0]:
+            if token == think[0]:
                 self.state = "thinking"
                 return
         if self.state == "thinking":
-            if token == self.think[1]:
+            if token == think[1]:
                 self.state = "grammar"
             return
         self.matcher.consume_token(token)

@@ -106,8 +106,9 @@ class Int4Kernel:
         rows, k = x.shape
         y = torch.empty((rows, out_features), dtype=torch.float32)
         fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+        bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
         status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scale_zeros.data_ptr(),
-                          bias.data_ptr() if fused_bias else None, y.data_ptr(), torch.get_num_threads()) if rows else 0
+                          bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
         if status == -2:
             raise ValueError(f"the int4 kernel takes layers whose inputs are a multiple of {PAIR}, not {k}")
         if status:

@@ -87,6 +87,7 @@ class LeanDecode:
         sizes = sizes or ([1] * n if len(caches) == n else [n])
         if self._alone(sizes, flags):  # the layers' C step: single rows, or decode passes flagged to compute alone
             cos, sin = self._tables(states, position_ids)["full_attention"]
+            assert self._steps is not None  # _alone() said so
             return run_steps(self._steps, states.reshape(n, -1), cos.reshape(n, -1), sin.reshape(n, -1),
                              caches, sizes).view(1, n, -1)
         mask = None
@@ -180,9 +181,9 @@ def _rows(module: Any, x: torch.Tensor, n: int) -> torch.Tensor:
 def shaped_for(stage: Any) -> bool:
     """Whether ``stage``'s layers have the shape :class:`LeanDecode` computes (checked at warm-up to the bit)."""
     config = stage.config
-    if config.model_type not in LEAN_DECODE_FAMILIES or stage._rotary_per_type:
+    if config.model_type not in LEAN_DECODE_FAMILIES or stage.rotary_per_type:
         return False
-    if set(stage._mask_types) != {"full_attention"}:  # a sliding window needs a mask even for one row
+    if set(stage.mask_types) != {"full_attention"}:  # a sliding window needs a mask even for one row
         return False
     if any(device != stage.device for device in stage.layer_devices) or not len(stage.layers):
         return False

@@ -44,7 +44,9 @@ class LocalRing:
         if not stages:
             raise ModelError("a ring needs at least one stage")
         if execute is None:
-            from swarm.stage.execute import run_batch as execute
+            from swarm.stage.execute import run_batch
+
+            execute = run_batch
         self.stages = list(stages)
         self.execute = execute
         n = len(self.stages)
@@ -59,9 +61,11 @@ class LocalRing:
 
     # --- requests -----------------------------------------------------------------------------------------------
 
-    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int, sampling: messages.Sampling = messages.Sampling(),
-               eos: Iterable[int] = (), draft: int = 0) -> LocalReply:
-        """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass (swarm.stage.drafting)."""
+    def submit(self, rid: str, prompt: Sequence[int], max_tokens: int,
+               sampling: messages.Sampling = messages.Sampling(), eos: Iterable[int] = (),
+               draft: int = 0) -> LocalReply:
+        """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass
+        (swarm.stage.drafting)."""
         self.replies[rid] = LocalReply()
         self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling,
                                                  draft=draft))

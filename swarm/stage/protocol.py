@@ -38,12 +38,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm import messages, wire
 from swarm.errors import ProtocolError
 from swarm.stage import drafting
 
+if TYPE_CHECKING:
+    import torch
 
 # Requests one pass takes at most. Measured on the built-in model (2-core CPU): a pass of 8 decode rows costs ~1.7x
 # one row, of 16 ~2.6x; past that the rows' own arithmetic dominates and a bigger pass only adds latency.
@@ -132,7 +134,7 @@ class Rows:
 class RowSource:
     def __init__(self, x: dict):
         self.x = x
-        self._tensor = None
+        self._tensor: torch.Tensor | None = None
 
     def tensor(self):
         if self._tensor is None:
@@ -261,6 +263,7 @@ class StageProtocol:
         return self._end(rid)
 
     def _queue_next_chunk(self, request: StageRequest) -> None:
+        assert request.prompt is not None  # the first stage holds its requests' prompts
         pos = request.next_chunk
         ids = request.prompt[pos : pos + self.prefill_chunk]
         request.next_chunk = pos + len(ids)
@@ -355,6 +358,7 @@ class StageProtocol:
                 if work.fans_out:
                     self._fanned_out(work.request)
                     actions.append(Release(work.rid))  # its cache is the siblings' now: nothing left to drop
+            assert output.hidden is not None  # a stage before the last passes its hidden state on
             actions.append(Send(messages.Hidden(self.model, parts, output.hidden)))
             return actions
         sampled: list[messages.SampledToken] = []

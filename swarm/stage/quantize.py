@@ -30,7 +30,8 @@ The head (``lm_head``) is a linear layer too, and on a small model a large share
 at int8 for int8 and nf4 (the quality choice: 4 bits in the head cost the built-in model 9 % perplexity, where the
 layers at 4 bits cost 0.4 %; llama.cpp also keeps its output matrix wider), and at 4 bits for int4-fast (the speed
 choice: measured here, the built-in model's 49152 x 576 head took 2.1 ms at 4 bits, 6-10 ms at int8, 14-18 ms in
-float32 -- though in the whole built-in model that gain stayed within the VM's noise, bench/HISTORY.md). On CUDA it stays in half precision, as bitsandbytes' loaders leave it.
+float32 -- though in the whole built-in model that gain stayed within the VM's noise, bench/HISTORY.md). On CUDA it
+stays in half precision, as bitsandbytes' loaders leave it.
 
 Every function here is deterministic: the same weights quantized by the same kind give the same tensors, so a ring's
 stages and one whole model quantized alike (:func:`quantize_model`) compute the same tokens.
@@ -85,8 +86,8 @@ def _fuse_siblings(parent: Any, kind: str, skip: set[str]) -> None:
     from torch import nn
 
     for names in SIBLINGS:
-        members = [getattr(parent, name, None) for name in names]
-        if any(name in skip for name in names) or not all(isinstance(m, nn.Linear) for m in members):
+        members = [m for m in (getattr(parent, name, None) for name in names) if isinstance(m, nn.Linear)]
+        if any(name in skip for name in names) or len(members) != len(names):
             continue
         first = members[0]
         if (first.weight.device.type != "cpu" or first.in_features % INT4_GROUP
@@ -275,6 +276,9 @@ def _make_cpu_modules():
     class Int8Linear(nn.Module):
         """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
 
+        qweight: torch.Tensor  # buffers (register_buffer), declared for type checkers
+        scales: torch.Tensor
+
         def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
             super().__init__()
             self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
@@ -308,6 +312,9 @@ def _make_cpu_modules():
     class Int4Linear(nn.Module):
         """4-bit weights in groups of ``group`` inputs, each with a scale and an offset: w = (q - 8) * scale + zero,
         q in 0..15 (the int4 layout of torch's CPU kernel, torchao's Int4CPULayout)."""
+
+        packed: torch.Tensor  # buffers (register_buffer), declared for type checkers
+        scale_zeros: torch.Tensor
 
         def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
                      out_features: int, bias: torch.Tensor | None, kernel: Any = None):
@@ -352,7 +359,8 @@ def _make_cpu_modules():
 
         def extra_repr(self) -> str:
             kernel = f", swarm's {self.kernel.simd} kernel" if self.kernel is not None else ""
-            return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}{kernel}"
+            return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                    f"int4 groups of {self.group}{kernel}")
 
     return Int8Linear, Int4Linear
 

@@ -92,7 +92,7 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]], alone
 
     caches = []
     for rid, position, _, _ in items:
-        cache = stage._cache(rid)
+        cache = stage.request_cache(rid)
         if cache.get_seq_length() != position:
             raise ModelError(f"request {rid!r}: chunk starts at {position} but this stage holds "
                              f"{cache.get_seq_length()} tokens")
@@ -115,10 +115,11 @@ def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]], alone
             return states
         ends = torch.tensor(sizes, device=states.device).cumsum(0) - 1
         wanted = [i for i, (_, _, _, want) in enumerate(items) if want]
-        logits = stage.logits(states[:, ends[wanted], :])[0].float() if wanted else None
         out: list[torch.Tensor | None] = [None] * len(items)
-        for row, i in enumerate(wanted):
-            out[i] = logits[row]
+        if wanted:
+            logits = stage.logits(states[:, ends[wanted], :])[0].float()
+            for row, i in enumerate(wanted):
+                out[i] = logits[row]
         return out
 
 
@@ -132,7 +133,7 @@ def ragged_layers(stage, states: torch.Tensor, position_ids: torch.Tensor, cache
     stage.config._attn_implementation = ATTENTION
     copies = {states.device: position_embeddings}
     try:
-        for layer, kind, layer_device in zip(stage.layers, stage._mask_types, stage.layer_devices):
+        for layer, kind, layer_device in zip(stage.layers, stage.mask_types, stage.layer_devices):
             states = states.to(layer_device)  # a no-op unless the layers spread over several cards
             pe = copies.setdefault(layer_device, {k: tuple(t.to(layer_device) for t in v)
                                                   for k, v in position_embeddings.items()})
@@ -145,7 +146,8 @@ def ragged_layers(stage, states: torch.Tensor, position_ids: torch.Tensor, cache
 
 def forward_one(stage, work, **options):
     """One request's work through ``stage`` alone (``stage.forward``): its token ids on the first stage, else its rows
-    of the hidden state received; ``options`` as ``StageModel.forward`` takes them (``all_logits``, ``final_states``)."""
+    of the hidden state received; ``options`` as ``StageModel.forward`` takes them (``all_logits``,
+    ``final_states``)."""
     if work.ids is not None:
         return stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long), **options)
     rows = work.rows

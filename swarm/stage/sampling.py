@@ -10,7 +10,9 @@ is sent again after a failover (prompt plus the tokens already streamed) goes on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers.generation.logits_process import (
@@ -85,14 +87,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.float().reshape(1, -1)
-    # The warpers ignore input_ids; an empty tensor keeps their signature happy.
-    scores = params.warpers()(torch.empty((1, 0), dtype=torch.long, device=scores.device), scores)
+    scores = params.warpers()(no_input_ids(scores.device), scores)
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
 
 
+def no_input_ids(device: torch.device) -> torch.LongTensor:
+    """The warpers ignore input_ids; an empty (1, 0) tensor of them keeps their signature happy."""
+    return cast(torch.LongTensor, torch.empty((1, 0), dtype=torch.long, device=device))
+
+
 def penalise(logits: torch.Tensor, *, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0,
-             context: list[int] = (), reply: list[int] = ()) -> torch.Tensor:
+             context: Sequence[int] = (), reply: Sequence[int] = ()) -> torch.Tensor:
     """The logits (vocab,) with the penalties applied: transformers' RepetitionPenaltyLogitsProcessor over
     ``context`` (the prompt and the reply so far, as generate gives it), then OpenAI's presence penalty (once for
     every token the reply holds) and frequency penalty (once per occurrence) over ``reply``."""
@@ -114,7 +120,7 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams, generator
     the penalties given to :func:`penalise`); for greedy, the model's own. Ruled-out tokens are IMPOSSIBLE."""
     scores = logits.float().reshape(1, -1)
     if not params.greedy:
-        scores = params.warpers()(torch.empty((1, 0), dtype=torch.long, device=scores.device), scores)
+        scores = params.warpers()(no_input_ids(scores.device), scores)
     logprobs = torch.log_softmax(scores, dim=-1)[0]
     if params.greedy:
         token = int(torch.argmax(scores))
@@ -126,8 +132,8 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams, generator
 
 
 def _finite(value: torch.Tensor) -> float:
-    value = float(value)
-    return value if value > IMPOSSIBLE else IMPOSSIBLE
+    number = float(value)
+    return number if number > IMPOSSIBLE else IMPOSSIBLE
 
 
 def accept_drafted(probs: torch.Tensor, drafted: int, generator: torch.Generator | None = None) -> int:

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -30,6 +30,10 @@ from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, 
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
 from swarm.stage.quantize import quantize_head, quantize_linears
+
+if TYPE_CHECKING:
+    from swarm.stage.draft_model import DraftModel
+    from swarm.stage.lean_decode import LeanDecode
 
 _MASK_FUNCTIONS = {
     "full_attention": create_causal_mask,
@@ -103,16 +107,18 @@ class StageModel:
         self.rotary = rotary
         self.dtype = dtype
         self.device = device
-        self._mask_types = _layer_mask_types(config)
+        self.mask_types = _layer_mask_types(config)
         # Gemma 3: local and global layers rotate with different bases, one rotary table per layer type.
-        self._rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
+        self.rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._caches: dict[str, DynamicCache] = {}
         self.quantization = "none"  # set by load (swarm.stage.quantize.KINDS)
         self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
         # The lean decode step (swarm.stage.lean_decode): set by warm_up once it computes exactly the library's step.
-        self.lean = None
-        self.drafter = None  # the last stage's draft model (swarm.stage.draft_model.DraftModel), when it has one
+        self.lean: LeanDecode | None = None
+        self.drafter: DraftModel | None = None  # the last stage's draft model, when it has one
+        # the model's tokenizer files, set by the fellow's loader (swarm.stage.grammar reads them); None: not sent
+        self.tokenizer_dir: Path | None = None
 
     # --- building ----------------------------------------------------------------------------------------------------
 
@@ -134,7 +140,8 @@ class StageModel:
         (swarm.stage.devices); by default every layer is on ``device``. ``quantization`` (swarm.stage.quantize.KINDS)
         quantizes each layer's linear layers right after its weights are read, and the head after it.
         """
-        devices = [torch.device(d) for d in (layer_devices or [device] * spec.num_layers)]
+        wanted: list[str | torch.device] = list(layer_devices) if layer_devices else [device] * spec.num_layers
+        devices = [torch.device(d) for d in wanted]
         if len(devices) != spec.num_layers:
             raise ModelError(f"{len(devices)} devices given for a stage of {spec.num_layers} layers")
         device = devices[0]
@@ -255,11 +262,11 @@ class StageModel:
         return list(self._caches)
 
     def cached_length(self, rid: str) -> int:
-        return self._cache(rid).get_seq_length()
+        return self.request_cache(rid).get_seq_length()
 
     def rollback(self, rid: str, length: int) -> None:
         """Forget every cached token from position ``length`` on (rejected speculative tokens, a retried chunk)."""
-        cache = self._cache(rid)
+        cache = self.request_cache(rid)
         current = cache.get_seq_length()
         if not 0 <= length <= current:
             raise ModelError(f"cannot roll request {rid!r} back to {length} tokens: it has {current}")
@@ -274,12 +281,13 @@ class StageModel:
             window = getattr(layer, "sliding_window", None)
             if getattr(layer, "is_sliding", False) and window is not None and current >= window:
                 raise ModelError(
-                    f"cannot roll request {rid!r} back to {length} tokens: its sliding-window layers keep only the last "
-                    f"{window - 1} of {current} tokens; restart the request instead"
+                    f"cannot roll request {rid!r} back to {length} tokens: its sliding-window layers keep only the "
+                    f"last {window - 1} of {current} tokens; restart the request instead"
                 )
         cache.crop(length - current)  # v5: a negative count of tokens to remove
 
-    def _cache(self, rid: str) -> DynamicCache:
+    def request_cache(self, rid: str) -> DynamicCache:
+        """The KV cache of request ``rid``; ModelError if this stage holds none for it."""
         try:
             return self._caches[rid]
         except KeyError:
@@ -304,11 +312,11 @@ class StageModel:
         Returns hidden states (1, n, hidden_size), or on the last stage the float32 logits (vocab,) of the chunk's
         last position -- None when ``want_logits`` is False (a prefill chunk that is not the prompt's last); with
         ``all_logits``, those of every position (n, vocab) (a request that asked for its prompt's logprobs); with
-        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` a few rows at a time).
-        ``alone``: a decode pass (drafting's verifying pass), whose rows compute what each would as a decode step of
-        its own where the layers can (swarm.stage.compiled_decode.alone).
+        ``final_states``, the hidden states before the head (drafting ahead applies :meth:`logits` a few rows at a
+        time). ``alone``: a decode pass (drafting's verifying pass), whose rows compute what each would as a decode step
+        of its own where the layers can (swarm.stage.compiled_decode.alone).
         """
-        cache = self._cache(rid)
+        cache = self.request_cache(rid)
         cached = cache.get_seq_length()
         if position != cached:
             raise ModelError(f"request {rid!r}: chunk starts at {position} but this stage holds {cached} tokens")
@@ -316,6 +324,7 @@ class StageModel:
             if self.spec.is_first:
                 if input_ids is None:
                     raise ModelError("the first stage takes token ids")
+                assert self.embed is not None  # a first stage's
                 states = self.embed(input_ids.to(self.device))
             else:
                 if hidden is None:
@@ -344,9 +353,9 @@ class StageModel:
         mask_args = dict(
             config=self.config, inputs_embeds=states, attention_mask=None, cache=cache, position_ids=position_ids
         )
-        masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self._mask_types)}
+        masks = {kind: _MASK_FUNCTIONS[kind](**mask_args) for kind in set(self.mask_types)}
         on = _OnDevices(self.position_embeddings(states, position_ids), masks)
-        for layer, kind, device in zip(self.layers, self._mask_types, self.layer_devices):
+        for layer, kind, device in zip(self.layers, self.mask_types, self.layer_devices):
             states = states.to(device)  # a no-op unless the layers spread over several cards
             pe, layer_masks = on.device(device)
             states = layer(
@@ -361,14 +370,15 @@ class StageModel:
 
     def position_embeddings(self, states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
         """Each layer type's rotary (cos, sin) at ``position_ids``: one table for all but Gemma 3's."""
-        if self._rotary_per_type:
-            return {kind: self.rotary(states, position_ids, kind) for kind in set(self._mask_types)}
+        if self.rotary_per_type:
+            return {kind: self.rotary(states, position_ids, kind) for kind in set(self.mask_types)}
         shared = self.rotary(states, position_ids)
-        return {kind: shared for kind in set(self._mask_types)}
+        return dict.fromkeys(set(self.mask_types), shared)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states: norm, lm_head, and the family's logit soft-capping (Gemma) as its
         ForCausalLM applies it."""
+        assert self.lm_head is not None and self.norm is not None  # a last stage's
         logits = self.lm_head(self.norm(states))
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
@@ -398,8 +408,10 @@ class StageModel:
 def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device) -> tuple:
     """The embedding (first stage, with the first layer) and the final norm and head (last stage, with the last
     layer), or None where this stage has none."""
-    embed = norm = lm_head = None
-    embed_weight = None
+    embed: nn.Embedding | None = None
+    norm: nn.Module | None = None
+    lm_head: nn.Linear | None = None
+    embed_weight: torch.Tensor | None = None
     if spec.is_first or (spec.is_last and tied):
         embed_weight = read(EMBED_FILE, first if spec.is_first else last)["embed_tokens.weight"]
     if spec.is_first:
@@ -408,6 +420,7 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
                 embed = blocks.embedding(config)
             else:
                 embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        assert embed_weight is not None  # read above for a first stage
         _assign(embed, {"weight": embed_weight}, "embedding")
         _materialise_buffers(embed, first)
     if spec.is_last:
@@ -418,6 +431,7 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
         _assign(norm, {"weight": final["norm.weight"]}, "final norm")
         if tied:  # the head is the embedding matrix: share the stage's one copy (on the last card when it differs)
             head_weight = embed.weight if embed is not None else embed_weight
+            assert head_weight is not None  # the embedding was read above for a tied last stage
             head_weight = head_weight if head_weight.device == last else head_weight.to(last)
         else:
             head_weight = final.get("lm_head.weight")

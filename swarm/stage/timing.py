@@ -44,7 +44,8 @@ class StageTimer:
         self.index = index
         self.num_stages = num_stages
         self._totals: dict[str, _Totals] = {}
-        self._out: dict[str, tuple[int, float]] = {}  # stage 0: rid -> (position its token goes to, when it left)
+        # stage 0: rid -> (the positions its token may come back for: past the first, up to the second; when it left)
+        self._out: dict[str, tuple[int, int, float]] = {}
 
     def _of(self, rid: str) -> _Totals:
         totals = self._totals.get(rid)

@@ -18,8 +18,7 @@ import torch
 from swarm import messages
 from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_one
-from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, token_generator
-
+from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, no_input_ids, token_generator
 
 # Rows of the head computed in one call. On CPU torch's float32 matrix product costs about what one row costs for up to
 # 3 rows and twice that from 4 (bench/HISTORY.md). swarm's int4 kernel unpacks each weight once for up to 8 rows
@@ -49,11 +48,19 @@ def run(stage, batch: list[Work], run_rest) -> Output:
     rest = [work for work in batch if not verifying(work)]
     done = run_rest(rest) if rest else Output(tokens=[])
     index = {id(work): i for i, work in enumerate(rest)}
-    tokens, logprobs, fanned, prompt_lp, verified = [], [], [], [], []
+    assert done.tokens is not None  # a last stage's output
+    tokens: list[int | None] = []
+    logprobs: list[messages.TokenLogprob | None] = []
+    fanned: list[list[tuple[int, messages.TokenLogprob | None]] | None] = []
+    prompt_lp: list[list[messages.TokenLogprob] | None] = []
+    verified: list[list[tuple[int, messages.TokenLogprob | None]] | None] = []
     for work in batch:
         i = index.get(id(work))
         if i is None:
-            tokens.append(None), logprobs.append(None), fanned.append(None), prompt_lp.append(None)
+            tokens.append(None)
+            logprobs.append(None)
+            fanned.append(None)
+            prompt_lp.append(None)
             verified.append(verify(stage, work))
             continue
         tokens.append(done.tokens[i])
@@ -84,6 +91,7 @@ def verify(stage, work: Work) -> list[tuple[int, messages.TokenLogprob | None]]:
         if i % at_once == 0:
             with torch.inference_mode():
                 rows = stage.logits(states[:, i : i + at_once, :])[0].float().cpu()
+        assert rows is not None  # computed at i == 0
         logits = rows[i % at_once]
         if bias is not None:  # logit_bias, before everything else (OpenAI's order)
             logits = logits.clone()
@@ -109,7 +117,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logprobs when asked for, in the distribution it was drawn from (as swarm.stage.sampling.sample_with_logprobs)."""
     scores = logits.reshape(1, -1)
     if not params.greedy:
-        scores = params.warpers()(torch.empty((1, 0), dtype=torch.long), scores)
+        scores = params.warpers()(no_input_ids(scores.device), scores)
     if params.greedy:
         token = int(torch.argmax(scores))
     else:
@@ -126,5 +134,5 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def _finite(value: torch.Tensor) -> float:
-    value = float(value)
-    return value if value > IMPOSSIBLE else IMPOSSIBLE
+    number = float(value)
+    return number if number > IMPOSSIBLE else IMPOSSIBLE

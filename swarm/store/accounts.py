@@ -65,6 +65,7 @@ class AccountsMixin(StoreCore):
                 (name, password_hash, int(is_admin), self._now()),
             )
             user_id = cur.lastrowid
+            assert user_id is not None  # the row just inserted
             # A new user is a member of the default pool (as every user was before pools); an admin can take them
             # out of it and into others.
             db.execute("INSERT INTO pool_members (pool_id, user_id, added_at) SELECT id, ?, ? FROM pools "

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from swarm.errors import StoreError
+from swarm.store import dialect
 from swarm.store.db import Store
 
 
@@ -45,6 +46,7 @@ def _copy(source: Store, target: Store) -> dict[str, int]:
             raise StoreError(f"the PostgreSQL database {target.where} already holds leader data ({what}); "
                              "migrate-db copies into an empty database only, and changed nothing. Create a new "
                              "database (e.g. createdb swarm) and pass its URL, or drop this one's tables.")
+        assert isinstance(dst, dialect.Connection)  # the target is a PostgreSQL store
         raw = dst.raw
         for table in tables:
             columns = [row[1] for row in src.execute(f"PRAGMA table_info({table})")]

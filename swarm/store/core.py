@@ -271,7 +271,7 @@ class StoreCore:
         same SQL (swarm.store.dialect translates it), and the block's ``_one``/``_all`` read inside it."""
         if self._pg is not None:
             with self._pg_errors(), self._pg.transaction() as conn:
-                yield conn  # type: ignore[misc]
+                yield conn
             return
         with self._lock:
             # These messages can reach an HTTP client: they name no path (the log does), so a user of the API
@@ -356,4 +356,5 @@ class StoreCore:
                         db.execute(statement)
                 db.execute("UPDATE schema_version SET version = ?", (number + 1,))
             if self._pg is not None:
+                assert isinstance(db, dialect.Connection)  # a PostgreSQL store's transaction
                 self._pg.schema.refresh(db.raw)

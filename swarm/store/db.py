@@ -1,9 +1,10 @@
 """The leader's store: users, sign-in, API tokens, pools, join tokens, fellows, models, settings, chats,
 serving history -- in a SQLite file in the data dir, or on PostgreSQL when ``SWARM_DATABASE_URL`` says so.
 
-``Store(path_or_url)`` opens (and migrates) the database (``leader_store(data_dir)`` the leader's own); its methods block, so async code calls them through
-``trio.to_thread.run_sync``. The tables' methods live beside their records: ``accounts`` (users, sessions, login
-links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``, ``history`` (served requests);
+``Store(path_or_url)`` opens (and migrates) the database (``leader_store(data_dir)`` the leader's own); its methods
+block, so async code calls them through ``trio.to_thread.run_sync``. The tables' methods live beside their records:
+``accounts`` (users, sessions, login links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``,
+``history`` (served requests);
 ``core`` holds the connection, the transactions and the migrations. Import everything from here.
 """
 

@@ -151,7 +151,7 @@ class Row(tuple):
 
     _names: tuple[str, ...] = ()
 
-    def __getitem__(self, key):  # type: ignore[override]
+    def __getitem__(self, key):
         if isinstance(key, str):
             try:
                 return tuple.__getitem__(self, self._names.index(key))
@@ -286,6 +286,10 @@ class Postgres:
     def current(self) -> Connection | None:
         return getattr(self._local, "conn", None)
 
+    def set_current(self, conn: Connection | None) -> None:
+        """Make ``conn`` the current thread's transaction, which its reads join (None: it has none)."""
+        self._local.conn = conn
+
     def read(self, sql: str, args: Sequence[Any], many: bool):
         conn = self.current()
         if conn is not None:
@@ -302,6 +306,9 @@ class Postgres:
 class _Transaction:
     def __init__(self, pg: Postgres):
         self.pg = pg
+        self._outer: Connection | None = None  # the thread's transaction this one nests in (a savepoint)
+        self._pooled: Any = None  # the pool's connection context, when this transaction took one
+        self._tx: Any = None  # psycopg's transaction context
 
     def __enter__(self) -> Connection:
         outer = self.pg.current()
@@ -321,22 +328,23 @@ class _Transaction:
             self._pooled.__exit__(type(exc), exc, exc.__traceback__)
             raise
         conn = Connection(raw, self.pg.schema)
-        self.pg._local.conn = conn
+        self.pg.set_current(conn)
         return conn
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> None:  # never swallows the block's exception
         try:
             self._tx.__exit__(kind, exc, tb)
         finally:
             if self._pooled is not None:
-                self.pg._local.conn = None
+                self.pg.set_current(None)
                 self._pooled.__exit__(kind, exc, tb)
-        return False
 
 
 @functools.cache
 def _number_loader(psycopg):
-    class NumberLoader(psycopg.adapt.Loader):
+    from psycopg.adapt import Loader  # the module given: psycopg is imported only for a PostgreSQL store
+
+    class NumberLoader(Loader):
         """NUMERIC as int when whole, else float (text format)."""
 
         def load(self, data) -> int | float:

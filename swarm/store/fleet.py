@@ -108,8 +108,8 @@ class FleetMixin(StoreCore):
     def _pool(row: sqlite3.Row) -> Pool:
         return Pool(id=row["id"], owner_user_id=row["owner_user_id"], name=row["name"], created_at=row["created_at"])
 
-    def ensure_default_pool(self, owner_id: int) -> Pool:
-        """The pool named "default", created (owned by ``owner_id``) if there is none yet."""
+    def ensure_default_pool(self, owner_id: int | None) -> Pool:
+        """The pool named "default", created (owned by ``owner_id``, or by no one) if there is none yet."""
         with self._tx() as db:
             row = db.execute("SELECT * FROM pools WHERE name = ? ORDER BY id LIMIT 1", (DEFAULT_POOL,)).fetchone()
             if row is None:

@@ -6,6 +6,7 @@ converted holding one stage file's tensors at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -81,7 +82,7 @@ class FolderSource:
         for path in self.weight_files():
             try:
                 with safe_open(str(path), framework="pt") as handle:
-                    for key in handle.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                    for key in handle.keys():  # a safe_open handle is no dict
                         if key in seen:
                             raise ImportFailed(f"{self.folder}: tensor {key!r} is in both {seen[key].name} and "
                                                f"{path.name}; remove the stray copy")
@@ -89,9 +90,8 @@ class FolderSource:
                         piece = handle.get_slice(key)
                         shape = tuple(piece.get_shape())
                         floating = piece.get_dtype() in _SAFETENSORS_DTYPES
-                        write = (lambda dtype, f, p=path, k=key: _write(p, k, dtype, f)) if floating else None
-                        out.append(FolderTensor(key, shape, lambda dtype, p=path, k=key: _read(p, k, dtype), write,
-                                                floating))
+                        write = functools.partial(_write, path, key) if floating else None  # write(dtype, out)
+                        out.append(FolderTensor(key, shape, functools.partial(_read, path, key), write, floating))
             except ImportFailed:
                 raise
             except Exception as exc:
@@ -108,7 +108,7 @@ class FolderSource:
         counts: dict[str, int] = {}
         for path in self.weight_files():
             with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - a safe_open handle is no dict
+                for key in handle.keys():  # a safe_open handle is no dict
                     piece = handle.get_slice(key)
                     kind = _SAFETENSORS_DTYPES.get(piece.get_dtype())
                     if kind is not None:
@@ -116,7 +116,7 @@ class FolderSource:
                         for d in piece.get_shape():
                             n *= int(d)
                         counts[kind] = counts.get(kind, 0) + n
-        return max(counts, key=counts.get) if counts else "float32"
+        return max(counts, key=lambda kind: counts[kind]) if counts else "float32"
 
 
 # Values converted per slice when a tensor is written slice by slice: bounds the copy of a large embedding.
@@ -152,7 +152,8 @@ def _write(path: Path, key: str, dtype: Any, out: Any) -> None:
             if os.preadv(f.fileno(), [buf], base + start * row) != len(buf):
                 raise ImportFailed(f"{path} ends inside tensor {key!r}; the file is incomplete")
             chunk = torch.frombuffer(buf, dtype=source) if buf else torch.empty(0, dtype=source)
-            out.write(memoryview(chunk.to(dtype).contiguous().view(torch.uint8).numpy()))
+            # numpy's stubs make an array a buffer for Python 3.12 on only
+            out.write(memoryview(chunk.to(dtype).contiguous().view(torch.uint8).numpy()))  # type: ignore[arg-type]
 
 
 def _header(f: Any, path: Path) -> dict:

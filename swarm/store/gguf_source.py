@@ -20,6 +20,7 @@ them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -130,11 +131,12 @@ class GGUFSource:
                 return reader
             return original(path, *args, **kwargs)
 
-        gguf.GGUFReader = reader_for
+        # the patch: transformers' GGUF loader opens the file through gguf.GGUFReader
+        gguf.GGUFReader = reader_for  # type: ignore[misc, assignment]
         try:
             yield
         finally:
-            gguf.GGUFReader = original
+            gguf.GGUFReader = original  # type: ignore[misc]  # the patch undone
 
     # --- tensors -----------------------------------------------------------------------------------------------------
 
@@ -165,9 +167,9 @@ class GGUFSource:
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             write = None
             if _left_as_is(processor, tensor.name, shape):
-                write = lambda dtype, f, t=tensor, s=shape: self._write(t, s, dtype, f)
-            out.append(GGUFTensor(hf_name, shape,
-                                  lambda dtype, t=tensor, s=shape: self._read(t, s, dtype, processor), write))
+                write = functools.partial(self._write, tensor, shape)  # write(dtype, out)
+            out.append(GGUFTensor(hf_name, shape, functools.partial(self._read, tensor, shape, processor=processor),
+                                  write))
         return out
 
     def _read(self, tensor: Any, shape: tuple[int, ...], dtype: Any, processor: Any) -> Any:
@@ -212,7 +214,9 @@ class GGUFSource:
             for start in range(0, raw_rows, step):
                 rows = min(step, raw_rows - start)
                 raw = np.empty((rows, raw_shape[1]), dtype=tensor.data.dtype)
-                got = os.preadv(f.fileno(), [memoryview(raw).cast("B")], tensor.data_offset + start * row_bytes)
+                # numpy's stubs make an array a buffer for Python 3.12 on only
+                view = memoryview(raw).cast("B")  # type: ignore[arg-type]
+                got = os.preadv(f.fileno(), [view], tensor.data_offset + start * row_bytes)
                 if got != rows * row_bytes:
                     raise ImportFailed(f"{self.path} ends inside tensor {tensor.name}; the file is incomplete")
                 values = dequantize(raw, tensor.tensor_type)

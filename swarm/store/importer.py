@@ -123,7 +123,12 @@ def import_model(
     if dtype not in DTYPE_CHOICES:
         raise ImportFailed(f"cannot store weights as {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     path, is_gguf = _locate(source)
-    name = name or (source if source in BUILTIN_MODELS else _default_name(path))
+    if not name:
+        if source in BUILTIN_MODELS:
+            name = source
+        else:
+            assert path is not None  # only a built-in model has no path yet
+            name = _default_name(path)
     if not _NAME_RE.match(name):
         raise ImportFailed(
             f"{name!r} cannot be a model name: use letters, digits, '.', '_' and '-' (up to 128), e.g. --name my-model"
@@ -287,9 +292,11 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
         raise ImportFailed(f"transformers cannot read {folder / CONFIG_FILE}: {exc}") from exc
     check_sliceable(config)
     if any((folder / f).exists() for f in _TOKENIZER_MARKERS):
-        tokenizer = lambda: _load_tokenizer(lambda: _auto_tokenizer(folder))
+        def tokenizer() -> Any:
+            return _load_tokenizer(lambda: _auto_tokenizer(folder))
     else:
-        tokenizer = lambda: ImportFailed(f"no tokenizer files ({', '.join(_TOKENIZER_MARKERS)})")
+        def tokenizer() -> Any:
+            return ImportFailed(f"no tokenizer files ({', '.join(_TOKENIZER_MARKERS)})")
     return _Plan(str(folder), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
                  _load_generation_config(folder))
 
@@ -303,14 +310,17 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         kinds = ", ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in unsupported.items())
         raise ImportFailed(
             f"{path} stores tensors as {kinds}, which swarm cannot dequantize; it reads "
-            f"{', '.join(gguf_source.supported_quant_types())}. Use a GGUF of another quantization (Q4_K_M and Q8_0 are the "
-            "common ones) or the model's safetensors folder."
+            f"{', '.join(gguf_source.supported_quant_types())}. Use a GGUF of another quantization (Q4_K_M and Q8_0 "
+            "are the common ones) or the model's safetensors folder."
         )
     config = source.config()
     _check_architecture(config.model_type, path)
     check_sliceable(config)
     tensors = source.tensors(config)
-    tokenizer = lambda: _load_tokenizer(source.tokenizer)
+
+    def tokenizer() -> Any:
+        return _load_tokenizer(source.tokenizer)
+
     return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
                  source.generation_config(config))
 
@@ -511,7 +521,8 @@ def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: str) -> bytes
     offset = 0
     for key, shape in shapes.items():
         size = _nbytes(shape, dtype)
-        header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

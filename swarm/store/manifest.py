@@ -73,7 +73,8 @@ def load_manifest(model_dir: Path) -> Manifest:
     try:
         return Manifest.from_json(path.read_text())
     except FileNotFoundError:
-        raise ModelNotFound(f"no model at {model_dir}: {MANIFEST_FILE} is missing; import it with `swarm model import`")
+        raise ModelNotFound(
+            f"no model at {model_dir}: {MANIFEST_FILE} is missing; import it with `swarm model import`") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelError(f"the manifest {path} is damaged ({exc}); import the model again with --replace") from exc
 

@@ -43,7 +43,7 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Append bytes received from the stream (any amount, split anywhere)."""
         self._buffer += data
 

@@ -6,7 +6,7 @@ only when the leader serves HTTPS (swarm.tunnel.tls). The leader stores only a h
 
 from __future__ import annotations
 
-from swarm.errors import AuthError
+from swarm.errors import AuthError, ProtocolError
 from swarm.tunnel.keys import decode_key, encode_key
 from swarm.tunnel.tls import decode_pin, encode_pin
 
@@ -28,7 +28,7 @@ def parse_join_token(token: str) -> tuple[bytes, str]:
         )
     try:
         key = decode_key(parts[1])
-    except Exception:
+    except ProtocolError:
         raise AuthError("the join token's leader key is damaged; copy the whole token again.") from None
     return key, parts[2]
 
@@ -40,5 +40,5 @@ def join_token_cert_pin(token: str) -> bytes | None:
         return None
     try:
         return decode_pin(parts[3])
-    except Exception:
+    except ValueError:  # not url-safe base64 (binascii.Error is one), or not a pin's length
         raise AuthError("the join token's certificate pin is damaged; copy the whole token again.") from None
