@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import trio
-
 from harness import running_swarm, wait_until
+
 from swarm.fellow.idle import idle_seconds, unload_due
 
 LIMIT = 10.0
