@@ -40,6 +40,9 @@ class Settings:
     serve_max_batch: int = 16  # SWARM_SERVE_MAX_BATCH: requests one pass of a stage takes at most (1: no batching)
     threads: int = 0  # SWARM_THREADS: torch threads of a fellow (0: torch's choice, the machine's cores)
     calibrate: bool = True  # SWARM_CALIBRATE: time a decoder layer on this fellow's device for the planner (0: off)
+    # SWARM_CALIBRATE_CPU_S: the CPU time (all its threads) that calibration may spend; past it, each figure still to
+    # come is timed once. It runs at the lowest priority and is cached per machine and hardware, so it is paid once.
+    calibrate_cpu_s: float = 15.0
     # SWARM_INT4_KERNEL: int4-fast layers on CPU computed by swarm's own kernel, compiled for this CPU on first use
     # (needs a C compiler); 0: torch's int4 kernel, as nf4
     int4_kernel: bool = True
@@ -122,6 +125,9 @@ class Settings:
         if self.api_tokens_per_user < 1:
             raise ConfigError(f"SWARM_API_TOKENS_PER_USER is {self.api_tokens_per_user}; use at least 1 (the default "
                               "is 100).")
+        if self.calibrate_cpu_s <= 0:
+            raise ConfigError(f"SWARM_CALIBRATE_CPU_S is {self.calibrate_cpu_s:g}; use more than 0 seconds (15 is the "
+                              "default), or SWARM_CALIBRATE=0 to skip the calibration.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -13,7 +13,9 @@ from swarm.fellow import calibration
 def test_two_fellows_on_one_machine_calibrate_one_after_the_other(tmp_path, monkeypatch):
     spans: list[tuple[float, float]] = []
 
-    def timed(device, threads):  # what is timed here is when each calibration runs, not the layer itself
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the machine-wide cache, here
+
+    def timed(device, threads, cpu=None):  # what is timed here is when each calibration runs, not the layer itself
         start = time.monotonic()
         time.sleep(0.3)
         spans.append((start, time.monotonic()))
@@ -40,7 +42,9 @@ def test_a_fellow_waits_for_the_machine_to_quieten_before_timing_itself(tmp_path
     readings = iter([0.9, 0.6, 0.1])
     measured_after: list[float] = []
     monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: next(readings))
-    monkeypatch.setattr(calibration, "measure", lambda device, threads: measured_after.append(next(readings, None))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "measure",
+                        lambda device, threads, cpu=None: measured_after.append(next(readings, None))
                         or {"version": calibration.VERSION, "device": device, "points": []})
     calibration.cached_or_measure(tmp_path / "f", "cpu", {"cpu": 1})
     assert measured_after == [None]  # all three readings were taken (busy, busy, quiet) before it measured

@@ -1,5 +1,5 @@
 """The planner against a real leader process and two fellow processes holding the built-in model's catalogue entry:
-each fellow times a decoder layer when it joins (cached in its data dir), `GET /api/v1/models/{id}/plan` and `swarm
+each fellow times a decoder layer when it joins (cached for the machine), `GET /api/v1/models/{id}/plan` and `swarm
 plan` tell the speed a load would have before anything is loaded, and the API's usual errors come for an unknown
 model or a placement that cannot be made."""
 
@@ -16,6 +16,7 @@ import pytest
 
 from fleet import Pool
 from harness import wait_for
+from swarm.fellow import calibration, hardware
 
 pytestmark = pytest.mark.e2e
 
@@ -66,13 +67,12 @@ def test_plan_before_loading_route_and_cli(pool):
     total = sum(s["decode_ms"] for s in data["stages"]) + sum(link["ms_per_token"] for link in data["links"])
     assert data["tokens_per_s"] == pytest.approx(1000 / total)
     assert SENTENCE.match(data["text"]), data["text"]
-    # the calibration is cached in each fellow's data dir, keyed by its hardware
-    for fellow in pool.fellows:
-        cached = json.loads((fellow.data_dir / "calibration.json").read_text())
-        assert cached["key"] and len(cached["calibration"]["points"]) == 2
-        for point in cached["calibration"]["points"]:  # the layer, the pass's own costs, the embedding, the head
-            assert all(point[k] > 0
-                       for k in ("decode_ms", "prefill_ms", "pass_ms", "embed_ms", "head_bytes", "head_ms"))
+    # the calibration is cached for this machine (both fellows run here), keyed by its hardware
+    key = calibration.hardware_key("auto", hardware.probe().to_wire())
+    cached = json.loads(calibration.cache_file(key).read_text())
+    assert cached["key"] == key and len(cached["calibration"]["points"]) == 2
+    for point in cached["calibration"]["points"]:  # the layer, the pass's own costs, the embedding, the head
+        assert all(point[k] > 0 for k in ("decode_ms", "prefill_ms", "pass_ms", "embed_ms", "head_bytes", "head_ms"))
 
     one = plan(pool, "?num_stages=1").json()
     assert one["num_stages"] == 1 and one["links"] == []

@@ -498,6 +498,24 @@ def test_performance_column(bg, browser, model):
     page.context.close()
 
 
+def test_the_quantization_choice_shows_its_longest_option_whole(bg, browser):
+    """The choice beside the model picker was capped at 130 px: at 1280 px "Full precision" showed as "Full
+    precisior". It is as wide as its longest option, on a wide screen and on a phone."""
+    for width in (1280, 390):
+        page = signed_in_page(bg, browser, width=width)
+        sizes = page.locator("#quantization-picker").evaluate("""s => {
+            const shown = s.offsetWidth, scroll = s.scrollWidth, client = s.clientWidth;
+            s.style.maxWidth = "none"; s.style.flex = "none"; s.style.width = "auto";
+            const natural = s.offsetWidth;  /* a select's own width: its longest option's */
+            s.style.maxWidth = s.style.flex = s.style.width = "";
+            return {shown, natural, scroll, client};
+        }""")
+        assert sizes["shown"] >= sizes["natural"], (width, sizes)
+        assert sizes["scroll"] <= sizes["client"], (width, sizes)
+        assert page.evaluate("document.documentElement.scrollWidth") <= width  # nothing pushed out sideways
+        page.context.close()
+
+
 def test_sending_while_not_loaded_loads_first(bg, browser, model):
     """Near the end of the module: it unloads the model the other tests share (and loads it again)."""
     page = signed_in_page(bg, browser, height=800, max_tokens=8, not_loaded=model)

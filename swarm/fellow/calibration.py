@@ -11,8 +11,10 @@ the Llama-shaped families' stages take), each twice: back to back, as a stage
 that holds the whole model runs (its next pass starts at once), and in short runs each after the core waited
 IDLE_GAP_S, as a stage in a ring of several runs (it waits for the others between its passes; measured on a 2-core
 VM, a core that waited runs the next 20-30 ms ~20-40 % slower, and a PC's power saving does the same). Each figure
-is the median of its runs. It runs in a worker thread when the fellow starts, takes ~10 s on a 2-core
-CPU, and is cached in the fellow's data dir keyed by the hardware it ran on, so a restart does not redo it.
+is the median of its runs. It runs in a process of its own at the lowest priority when the fellow joins
+(swarm.fellow.calibration_process: serving never waits for it), takes ~10 s on a 2-core CPU, stops timing once it
+spent SWARM_CALIBRATE_CPU_S of CPU (:class:`CpuBudget`), and is cached for the whole machine keyed by the hardware it
+ran on (:func:`cache_file`), so a restart or another fellow's data dir on the same PC does not redo it.
 """
 
 from __future__ import annotations
@@ -186,13 +188,30 @@ class _Ends:
         return int(torch.argmax(logits))
 
 
-def _typical(fn, sync, repeats: int, budget_s: float, gap_s: float = 0.0) -> float:
+class CpuBudget:
+    """The CPU time (this process's, every thread's) a calibration may spend, SWARM_CALIBRATE_CPU_S: once it is
+    spent, each figure still to come is timed from one warm-up and one run -- coarser, but every figure is there and
+    the planner can use the fellow. ``until``: the process CPU time it ends at; None: no cap."""
+
+    def __init__(self, until: float | None = None):
+        self.until = until
+
+    @classmethod
+    def from_now(cls, seconds: float | None) -> CpuBudget:
+        return cls(None if seconds is None else time.process_time() + seconds)
+
+    def spent(self) -> bool:
+        return self.until is not None and time.process_time() >= self.until
+
+
+def _typical(fn, sync, repeats: int, budget_s: float, gap_s: float = 0.0, cpu: CpuBudget | None = None) -> float:
     """The median of ``repeats`` runs (seconds), after warm-ups; fewer runs once ``budget_s`` is spent (sleeps
-    included); with ``gap_s``, each run after the calling thread slept that long. (The first calls of a new shape are
-    far slower on CPU -- oneDNN picks its kernels -- so they do not count.) The median, not the fastest: on a machine
-    that other work shares, a stage meets the same contention as the typical run, and the fastest run is the lucky
-    moment nothing else ran; on an idle machine the two agree."""
-    for _ in range(3):
+    included) or the calibration's ``cpu`` budget is; with ``gap_s``, each run after the calling thread slept that
+    long. (The first calls of a new shape are far slower on CPU -- oneDNN picks its kernels -- so they do not count.)
+    The median, not the fastest: on a machine that other work shares, a stage meets the same contention as the typical
+    run, and the fastest run is the lucky moment nothing else ran; on an idle machine the two agree."""
+    cpu = cpu or CpuBudget()
+    for _ in range(1 if cpu.spent() else 3):
         fn()
     sync()
     times = []
@@ -204,12 +223,12 @@ def _typical(fn, sync, repeats: int, budget_s: float, gap_s: float = 0.0) -> flo
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
+        if time.perf_counter() - start > budget_s or cpu.spent():
             break
     return statistics.median(times)
 
 
-def _point(hidden: int, device: str, dtype, sync) -> dict:
+def _point(hidden: int, device: str, dtype, sync, cpu: CpuBudget) -> dict:
     import torch
 
     stack = _Stack(hidden, device, dtype)
@@ -234,16 +253,16 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
     def prefill_chunk():
         stack.run(chunk, 0, stack.new_cache(0))
 
-    decode = _typical(decode_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
+    decode = _typical(decode_steps, sync, 30, 1.0, cpu=cpu) / (LAYERS * DECODE_STEPS)
     decode_idle = _typical(lambda: decode_steps(IDLE_DECODE_STEPS), sync, 24, 1.5,
-                           gap_s=IDLE_GAP_S) / (LAYERS * IDLE_DECODE_STEPS)
-    lean_decode = _typical(lean_steps, sync, 30, 1.0) / (LAYERS * DECODE_STEPS)
+                           gap_s=IDLE_GAP_S, cpu=cpu) / (LAYERS * IDLE_DECODE_STEPS)
+    lean_decode = _typical(lean_steps, sync, 30, 1.0, cpu=cpu) / (LAYERS * DECODE_STEPS)
     lean_idle = _typical(lambda: lean_steps(IDLE_DECODE_STEPS), sync, 24, 1.5,
-                         gap_s=IDLE_GAP_S) / (LAYERS * IDLE_DECODE_STEPS)
-    prefill = _typical(prefill_chunk, sync, 5, 0.5) / LAYERS
-    per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2)
-    embed = _typical(ends.embed_step, sync, 30, 0.1)
-    head = _typical(lambda: ends.head_step(one), sync, 20, 0.5)
+                         gap_s=IDLE_GAP_S, cpu=cpu) / (LAYERS * IDLE_DECODE_STEPS)
+    prefill = _typical(prefill_chunk, sync, 5, 0.5, cpu=cpu) / LAYERS
+    per_pass = _typical(lambda: stack.pass_ends(one, KV_TOKENS, cache), sync, 30, 0.2, cpu=cpu)
+    embed = _typical(ends.embed_step, sync, 30, 0.1, cpu=cpu)
+    head = _typical(lambda: ends.head_step(one), sync, 20, 0.5, cpu=cpu)
     return {"hidden": hidden, "weight_bytes": stack.weight_bytes(), "decode_ms": round(decode * 1e3, 4),
             "decode_idle_ms": round(decode_idle * 1e3, 4), "lean_decode_ms": round(lean_decode * 1e3, 4),
             "lean_decode_idle_ms": round(lean_idle * 1e3, 4),
@@ -251,13 +270,14 @@ def _point(hidden: int, device: str, dtype, sync) -> dict:
             "embed_ms": round(embed * 1e3, 4), "head_bytes": ends.head_bytes(), "head_ms": round(head * 1e3, 4)}
 
 
-def measure(device: str = "cpu", threads: int | None = None) -> dict:
+def measure(device: str = "cpu", threads: int | None = None, cpu: CpuBudget | None = None) -> dict:
     """Time a stage's parts at each of HIDDEN_SIZES on ``device``: a list of points, each with one layer's weight
     bytes, its decode step's ms (one token over a KV_TOKENS-token cache; ``decode_idle_ms`` after the core waited
     IDLE_GAP_S), the same two through the lean decode step (``lean_decode_ms``, ``lean_decode_idle_ms``), and its
     PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table,
     causal mask, the copy for the wire); the first stage's embedding (``embed_ms``); and the last stage's final norm,
-    head and greedy pick over HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``)."""
+    head and greedy pick over HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``). ``cpu``: the CPU time it
+    may spend (:class:`CpuBudget`)."""
     import torch
 
     dtype = torch.float32 if device == "cpu" else torch.float16
@@ -267,7 +287,7 @@ def measure(device: str = "cpu", threads: int | None = None) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
     try:
         with torch.inference_mode():
-            points = [_point(hidden, device, dtype, sync) for hidden in HIDDEN_SIZES]
+            points = [_point(hidden, device, dtype, sync, cpu or CpuBudget()) for hidden in HIDDEN_SIZES]
     finally:
         torch.set_num_threads(old_threads)
     return {"version": VERSION, "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -331,37 +351,95 @@ def wait_until_quiet(wait_s: float = QUIET_WAIT_S) -> float:
             return share
 
 
-def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads: int | None = None) -> dict | None:
-    """The calibration for this hardware: from ``data_dir``/calibration.json when it was measured on the same
-    hardware, else measured now and written there. None when torch cannot run it (logged)."""
-    path = Path(data_dir) / "calibration.json"
-    key = hardware_key(device, hardware_wire)
+def cache_file(key: str) -> Path:
+    """Where the calibration for hardware ``key`` is kept for every fellow of this machine (platformdirs' user cache:
+    ~/.cache/swarm/calibration on Linux). Per machine, not per data dir: a second fellow, a fresh data dir or the demo
+    started again on the same PC measured the same figures again, 82-112 s of a busy PC's CPU each time."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("swarm")) / "calibration" / f"{key}.json"
+
+
+def _read(path: Path, key: str) -> dict | None:
     try:
         cached = json.loads(path.read_text())
-        if cached.get("key") == key and isinstance(cached.get("calibration"), dict):
-            return cached["calibration"]
-    except (OSError, ValueError, AttributeError):
-        pass
+    except (OSError, ValueError):
+        return None
+    if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("calibration"), dict):
+        return cached["calibration"]
+    return None
+
+
+def cached(key: str, data_dir: Path | None = None) -> dict | None:
+    """The calibration measured on hardware ``key`` on this machine, or -- a fellow's from before the machine-wide
+    cache -- in ``data_dir``/calibration.json (then kept machine-wide too); None when there is none."""
+    found = _read(cache_file(key), key)
+    if found is None and data_dir is not None:
+        found = _read(Path(data_dir) / "calibration.json", key)
+        if found is not None:
+            store(key, found)
+    return found
+
+
+def store(key: str, result: dict, data_dir: Path | None = None) -> None:
+    """Keep ``result`` for hardware ``key`` machine-wide, and as the fellow's own record in ``data_dir`` (given)."""
+    text = json.dumps({"key": key, "calibration": result})
+    targets = [cache_file(key)] + ([Path(data_dir) / "calibration.json"] if data_dir is not None else [])
+    for path in targets:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # written under another name, then renamed: a fellow reading at the same time gets a whole file
+            handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".part")
+            with open(handle, "w") as out:
+                out.write(text)
+            Path(temporary).replace(path)
+        except OSError as exc:
+            log.info("could not keep the calibration in %s: %s", path, exc)
+
+
+def measure_quietly(device: str, threads: int | None = None, cpu: CpuBudget | None = None,
+                    key: str | None = None) -> tuple[dict, bool]:
+    """:func:`measure`, one calibration at a time on this machine, after waiting (on the CPU) for other work to
+    quieten; logs what it found. -> (the calibration, whether it was measured here). With ``key``, the result is kept
+    machine-wide for that hardware, and one another fellow of this machine measured while this one waited for its
+    turn is taken instead (the demo's fellows join together and measure once)."""
+    t0 = time.perf_counter()
+    with _one_at_a_time():
+        found = cached(key) if key is not None else None
+        if found is not None:
+            return found, False
+        if device == "cpu":
+            share = wait_until_quiet()
+            if share >= QUIET_SHARE:
+                log.info("other work kept %.0f %% of this machine's CPU busy for %.0f s: calibrating anyway (the "
+                         "planner may count this fellow slower than it is)", share * 100, QUIET_WAIT_S)
+        result = measure(device, threads, cpu)
+        if key is not None:  # kept before the next fellow's turn, so that it finds it
+            store(key, result)
+    log.info("calibrated a decoder layer on %s in %.1f s (%.1f s of CPU): %s", device, time.perf_counter() - t0,
+             time.process_time(), describe(result))
+    return result, True
+
+
+def describe(result: dict) -> str:
+    return ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms ({p['decode_idle_ms']:.2f} after a wait; "
+                     f"lean {p['lean_decode_ms']:.2f}, {p['lean_decode_idle_ms']:.2f}), {PREFILL_TOKENS}-token "
+                     f"prefill {p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms" for p in result["points"])
+
+
+def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads: int | None = None,
+                      cpu_s: float | None = None) -> dict | None:
+    """The calibration for this hardware, in this process: cached (:func:`cached`), else measured now (at most
+    ``cpu_s`` of CPU) and kept. None when torch cannot run it (logged). A fellow calibrates in a process of its own
+    instead (swarm.fellow.calibration_process)."""
+    key = hardware_key(device, hardware_wire)
+    found = cached(key, data_dir)
+    if found is not None:
+        return found
     try:
-        t0 = time.perf_counter()
-        with _one_at_a_time():
-            if device == "cpu":
-                share = wait_until_quiet()
-                if share >= QUIET_SHARE:
-                    log.info("other work kept %.0f %% of this machine's CPU busy for %.0f s: calibrating anyway (the "
-                             "planner may count this fellow slower than it is)", share * 100, QUIET_WAIT_S)
-            result = measure(device, threads)
-        log.info("calibrated a decoder layer on %s in %.1f s: %s", device, time.perf_counter() - t0,
-                 ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms ({p['decode_idle_ms']:.2f} after a "
-                           f"wait; lean {p['lean_decode_ms']:.2f}, {p['lean_decode_idle_ms']:.2f}), "
-                           f"{PREFILL_TOKENS}-token prefill {p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms"
-                           for p in result["points"]))
+        result, _ = measure_quietly(device, threads, CpuBudget.from_now(cpu_s))
     except Exception as exc:  # noqa: BLE001 -- a planner without this fellow's speed is better than no fellow
         log.warning("could not calibrate this fellow's speed on %s (%s): the planner will not count it", device, exc)
         return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "calibration": result}))
-    except OSError as exc:
-        log.info("could not cache the calibration in %s: %s", path, exc)
+    store(key, result, data_dir)
     return result

@@ -13,7 +13,7 @@ import trio_websocket
 
 from swarm import __version__, messages, wire
 from swarm.errors import AuthError, LinkClosed, ProtocolError
-from swarm.fellow import calibration, compute, hardware
+from swarm.fellow import calibration, calibration_process, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -161,15 +161,14 @@ class ControlLink:
             await self.send({"t": "alive"})
 
     async def _calibrate(self, key: str, hw_wire: dict) -> None:
-        """Time a decoder layer on this fellow's device (once per hardware: cached in its data dir) for the planner;
-        the next heartbeat carries it. It runs in the fellow's own nursery, not the link's: the compute thread
-        cannot be interrupted, and a link that drops must not wait for it (the fellow would notice a lost leader
-        only once the calibration ended)."""
+        """How fast this fellow runs a layer, for the planner (swarm.fellow.calibration_process: cached for this
+        machine's hardware, else measured in a process of its own at the lowest priority); the next heartbeat
+        carries it. It runs in the fellow's own nursery, not the link's: a link that drops must not cancel it."""
         fellow = self.fellow
         try:
-            device = calibration.compute_device(fellow.settings.device)
-            fellow.calibration = await compute.run(
-                calibration.cached_or_measure, fellow.data_dir, device, hw_wire, fellow.threads_for(1))
+            fellow.calibration = await calibration_process.calibrate(
+                fellow.data_dir, fellow.settings.device, hw_wire, fellow.threads_for(1),
+                fellow.settings.calibrate_cpu_s)
             fellow.calibration_key = key
         finally:
             if fellow.calibrating_key == key:

@@ -1,6 +1,6 @@
 """Loading a stage on this fellow: fetch its files from the leader (only this stage's, resumed and verified, cached
-by content hash), build the slice of the model, warm it up, then hold it (swarm.fellow.stages) until it is
-unloaded; the leader links it into a ring once every stage is loaded.
+by content hash), build the slice of the model, warm it up (its first request's path too), then hold it
+(swarm.fellow.stages) until it is unloaded; the leader links it into a ring once every stage is loaded.
 
 Progress goes to the leader per load (download -> extract -> load), so the page and the CLI show each stage's bar.
 """
@@ -141,7 +141,11 @@ class StageLoader:
         import torch
 
         from swarm.stage import int4_kernel
-        from swarm.stage.slice import StageModel, StageSpec  # torch is heavy: import when a stage is placed here
+        from swarm.stage.slice import (  # torch is heavy: import when a stage is placed here
+            StageModel,
+            StageSpec,
+        )
+        from swarm.stage.warm_up import warm_up_batch_path
 
         local, draft_local = await self._fetch(message, progress)
         await progress.report("download", 1.0)
@@ -170,6 +174,9 @@ class StageLoader:
             stage_model.drafter = await compute.run(
                 lambda: _draft_model(draft, draft_local, message, dtype, device, quantization))
         await compute.run(stage_model.warm_up)
+        # then the first request's own path (swarm.stage.warm_up), on the threads a lone request gets: the leader
+        # hears "loaded" only after it, so the first chat does not pay for it
+        await compute.run(warm_up_batch_path, stage_model, self.fellow.threads_for(1))
         await progress.report("load", 1.0)
         return stage_model
 

@@ -13,6 +13,7 @@ import logging
 import trio
 
 from swarm.errors import SwarmError
+from swarm.fellow.idle import unload_due
 from swarm.fellow.ring import StageDriver
 from swarm.mesh.hop import HopConfig, OutgoingHop
 
@@ -42,6 +43,9 @@ class LoadedStage:
         self.links_nursery: trio.Nursery | None = None  # this ring generation's hops and tunnels
         self._links_scope: trio.CancelScope | None = None
         self._weight_bytes: int | None = None  # what its weights take (placement()), counted once
+        # When the leader said the whole ring is ready (ring_ready); None while the model loads, recovers, or this
+        # stage is a cover: the idle clock (swarm.fellow.idle) runs only from then on.
+        self.ready_since: float | None = None
 
     def summary(self) -> dict:
         """What the fellow tells the leader of this stage (in its hello: a restarted leader adopts it)."""
@@ -70,8 +74,7 @@ class LoadedStage:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 await nursery.start(self.driver.run)
-                if not self.cover:
-                    nursery.start_soon(self._unload_when_idle)
+                nursery.start_soon(self._unload_when_idle)  # a cover too: its clock starts once it is linked and ready
                 task_status.started()
                 try:
                     await trio.sleep_forever()
@@ -97,6 +100,8 @@ class LoadedStage:
     def ring_ready(self, ring_id: str) -> None:
         """Every stage is linked: open the outgoing link now, so the first reply does not wait for it. (Not at link
         time: the next stage may not know this hop yet, and a refused direct link would leave the hop on the relay.)"""
+        if ring_id == self.ring_id and self.ring_id is not None:
+            self.ready_since = trio.current_time()
         out_hop = self.driver.out_hop
         if ring_id == self.ring_id and out_hop is not None and self.links_nursery is not None:
             self.links_nursery.start_soon(_open_quietly, out_hop)
@@ -110,6 +115,7 @@ class LoadedStage:
         if self.hop_in:
             self.fellow.links.forget_hop(self.hop_in["hop_id"])
         self.ring_id = self.hop_in = self.links_nursery = None
+        self.ready_since = None
 
     async def _hold_links(self, scope: trio.CancelScope, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with scope:
@@ -150,15 +156,17 @@ class LoadedStage:
     # --- idle unload --------------------------------------------------------------------------------------------
 
     async def _unload_when_idle(self) -> None:
-        """Free the model once nobody has used it for SWARM_MODEL_IDLE_UNLOAD_S. Every stage sees the ring's work
-        (a later stage gets the hidden states of every chat), so all of a model's stages agree on when it was last
-        used; the leader unloads the other stages as soon as one reports it went."""
+        """Free the model once it has been ready and unused for SWARM_MODEL_IDLE_UNLOAD_S (swarm.fellow.idle). Every
+        stage sees the ring's work (a later stage gets the hidden states of every chat), and the leader tells every
+        stage when the ring is ready, so all of a model's stages agree on when it was last used; the leader unloads
+        the other stages as soon as one reports it went."""
         limit = self.fellow.settings.model_idle_unload_s
         if limit <= 0:
             return
         while True:
             await trio.sleep(min(IDLE_CHECK_S, limit))
-            if self.driver.busy or trio.current_time() - self.driver.last_used < limit:
+            if not unload_due(trio.current_time(), limit=limit, ready_since=self.ready_since,
+                              last_used=self.driver.last_used, busy=self.driver.busy):
                 continue
             log.info("unloading %s: unused for %.0f s (SWARM_MODEL_IDLE_UNLOAD_S)", self.model, limit)
             try:
