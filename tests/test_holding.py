@@ -16,7 +16,8 @@ from fleet import Pool
 from harness import wait_until
 from traffic import Traffic, build_prompts, rss_mb
 
-pytestmark = pytest.mark.e2e
+# Two minutes of traffic after a burst of 64 chats, on a fleet of processes: ~6 minutes where the run is busy.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 48
 LENGTHS = [10, 40, 120, 300, 700, 1200, 2000]
