@@ -72,3 +72,32 @@ def build(folder: Path, scripts: dict[str, list[str]], chat_template: str = CHAT
     data["chat_template"] = chat_template
     config_path.write_text(json.dumps(data))
     return folder
+
+
+def imported(root: Path, name: str, scripts: dict[str, list[str]]) -> Path:
+    """A scripted model built under ``root`` and imported as ``name``; its model dir."""
+    from swarm.store.importer import import_model
+
+    build(root / "src", scripts)
+    import_model(str(root / "src"), root / "models", name)
+    return root / "models" / name
+
+
+def hold_compute(monkeypatch):
+    """Stages compute requests only while the returned event is set: a reply in flight stays in flight until the
+    test sets it (or 120 s pass). A stage's warm-up at load (swarm.stage.warm_up) is not held: loads complete."""
+    import threading
+
+    from swarm.stage import execute
+    from swarm.stage.warm_up import WARM_UP_RID
+
+    opened = threading.Event()
+    original = execute.run_batch
+
+    def held(stage, batch, *args, **kwargs):
+        if any(work.request.rid != WARM_UP_RID for work in batch):
+            opened.wait(120)
+        return original(stage, batch, *args, **kwargs)
+
+    monkeypatch.setattr(execute, "run_batch", held)
+    return opened

@@ -64,30 +64,17 @@ async def test_a_stranger_announcing_a_huge_websocket_frame_is_cut_off_at_the_li
 
 @pytest.fixture(scope="module")
 def scripted_dir(module_tmp):
-    from scripted import build
-    from swarm.store.importer import import_model
+    from scripted import imported
 
-    root = module_tmp("scripted")
-    build(root / "src", {"assistant\n": ["The", " answer", " is", " 4."]})
-    import_model(str(root / "src"), root / "models", "qwen3-access")
-    return root / "models" / "qwen3-access"
+    return imported(module_tmp("scripted"), "qwen3-access", {"assistant\n": ["The", " answer", " is", " 4."]})
 
 
 @pytest.fixture
 def gate(monkeypatch):
     """Stages compute only while the gate is open: a reply in flight stays in flight."""
-    import threading
+    from scripted import hold_compute
 
-    from swarm.stage import execute
-
-    opened = threading.Event()
-    original = execute.run_batch
-
-    def held(*args, **kwargs):
-        opened.wait(120)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(execute, "run_batch", held)
+    opened = hold_compute(monkeypatch)
     yield opened
     opened.set()
 

@@ -8,16 +8,14 @@ a matter of timing; the pool runs one request at a time."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import trio
 
 from harness import running_swarm, wait_until
-from scripted import build
+from scripted import hold_compute, imported
 from swarm.leader.admission import Budget
 from swarm.leader.models import ModelServing
-from swarm.store.importer import import_model
 
 pytestmark = pytest.mark.e2e
 
@@ -26,25 +24,13 @@ QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def scripted_dir(module_tmp):
-    root = module_tmp("scripted")
-    build(root / "src", {"assistant\n": ["The", " answer", " is", " 4."]})
-    import_model(str(root / "src"), root / "models", "qwen3-queue")
-    return root / "models" / "qwen3-queue"
+    return imported(module_tmp("scripted"), "qwen3-queue", {"assistant\n": ["The", " answer", " is", " 4."]})
 
 
 @pytest.fixture
 def gate(monkeypatch):
     """Stages compute only while the gate is open."""
-    from swarm.stage import execute
-
-    opened = threading.Event()
-    original = execute.run_batch
-
-    def held(*args, **kwargs):
-        opened.wait(120)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(execute, "run_batch", held)
+    opened = hold_compute(monkeypatch)
     monkeypatch.setattr(ModelServing, "budget", lambda self, settings: Budget(max_requests=1, tokens=4096))
     yield opened
     opened.set()
