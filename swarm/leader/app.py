@@ -32,6 +32,7 @@ from swarm.leader.hypercorn_close import guard_close_race
 from swarm.leader.install import InstallRoutes
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
+from swarm.leader.ollama_api import OllamaRoutes
 from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.relay import RelayHub
 from swarm.leader.serving import Serving
@@ -97,7 +98,7 @@ class Leader:
         """The largest request body ``path`` accepts (swarm.leader.limits)."""
         if path == "/api/v1/auth/login":
             return SIGN_IN_BODY
-        if path in ("/v1/chat/completions", "/v1/completions"):
+        if path in ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate"):
             # no model serves a longer context than the admin's cap (never the pool's KV budget: issue 32)
             return chat_body_limit(self.settings.serve_context_tokens)
         if path.startswith("/api/v1/chats"):
@@ -130,6 +131,7 @@ class Leader:
     def _build_app(self) -> Starlette:
         api = ApiRoutes(self)
         oai = OpenAIRoutes(self)
+        ollama = OllamaRoutes(oai)
         updates = UpdateRoutes(self)
         install = InstallRoutes(self)
 
@@ -175,6 +177,13 @@ class Leader:
             Route("/v1/models", oai.models),
             Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
             Route("/v1/completions", CompletionRoutes(oai).completions, methods=["POST"]),
+            # Ollama's API (swarm.leader.ollama_api): the same requests as /v1, in Ollama's shapes
+            Route("/api/chat", ollama.chat, methods=["POST"]),
+            Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/tags", ollama.tags),
+            Route("/api/show", ollama.show, methods=["POST"]),
+            Route("/api/ps", ollama.ps),
+            Route("/api/version", ollama.version),
             Route("/api/v1/auth/login", api.login, methods=["POST"]),
             Route("/api/v1/auth/logout", api.logout, methods=["POST"]),
             Route("/api/v1/me", api.me),

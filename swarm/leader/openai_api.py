@@ -58,38 +58,26 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: HttpRequest):
         stream = False
-        ring_requests: list[Request] = []
         try:
             user = await current_user(request, self.leader.store)
             body = await json_body(request)
             stream = body.get("stream") is True
-            settings = self.leader.settings
-            # in a worker thread: it walks every message, and a body may hold megabytes of them
-            params = await trio.to_thread.run_sync(parse_chat_body, body, settings.max_tokens_limit)
-            check_replies(1, params.n, settings.serve_request_replies)
-            params.model = await self.resolve(params.model, user)
-            inside, tool_family = await self._submit(params, user.id, ring_requests)
-            # a 503 if they wait too long; a client that leaves meanwhile cancels them all
-            if await self.leader.serving.wait_started(ring_requests, request.receive):
+            opened = await self.open_chat(request, body, user)
+            if opened is None:
                 return Response(status_code=499)  # nobody reads it
         except Exception as exc:
-            for ring_request in ring_requests:
-                self.leader.serving.cancel(ring_request)
             if stream and isinstance(exc, ContextTooLong):  # the seed: context_length_exceeded in a stream
                 return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
-        tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
-        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self.reader(r), params.logprobs)
-                   for i, r in enumerate(ring_requests)]
-        if params.tools:
-            for choice in choices:
-                choice.tools = ToolCallSplitter(tool_family)
+        params, choices = opened
+        tokenizer = choices[0].text.text.tokenizer
+        ring_requests = [c.request for c in choices]
         first = ring_requests[0]
         created = int(time.time())
         if params.stream:
             return ReplyStream(self.leader.serving, ring_requests, self._stream(choices, created),
                                headers={"x-swarm-request-id": first.id, "cache-control": "no-cache"})
-        failed = await read_choices(self.leader.serving, choices, self._collect, request.receive)
+        failed = await read_choices(self.leader.serving, choices, self.collect, request.receive)
         if failed is not None:
             return failed
         await timing.settle(self.leader.serving, first)
@@ -113,6 +101,34 @@ class OpenAIRoutes:
             "model": params.model, "choices": out, "usage": _usage(choices),
             "swarm": {"timing": timing.of_request(self.leader.serving, first)},
         }, headers={"x-swarm-request-id": first.id})
+
+    async def open_chat(self, request: HttpRequest, body: dict, user) -> tuple[ChatParams, list[Choice]] | None:
+        """A chat completion ``body`` (the OpenAI route's, or another API's translated into it) checked, on its way
+        to the ring and started there: its parameters and its choices, ready to read. None when the client left
+        while the requests waited (they are cancelled then); a 503 if they wait too long. Whatever fails cancels
+        the requests already submitted, and raises."""
+        ring_requests: list[Request] = []
+        try:
+            settings = self.leader.settings
+            # in a worker thread: it walks every message, and a body may hold megabytes of them
+            params = await trio.to_thread.run_sync(parse_chat_body, body, settings.max_tokens_limit)
+            check_replies(1, params.n, settings.serve_request_replies)
+            params.model = await self.resolve(params.model, user)
+            inside, tool_family = await self._submit(params, user.id, ring_requests)
+            # a client that leaves meanwhile cancels them all
+            if await self.leader.serving.wait_started(ring_requests, request.receive):
+                return None
+            tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
+        except BaseException:
+            for ring_request in ring_requests:
+                self.leader.serving.cancel(ring_request)
+            raise
+        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self.reader(r), params.logprobs)
+                   for i, r in enumerate(ring_requests)]
+        if params.tools:
+            for choice in choices:
+                choice.tools = ToolCallSplitter(tool_family)
+        return params, choices
 
     async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> tuple[bool, str]:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
@@ -207,7 +223,7 @@ class OpenAIRoutes:
         settings = self.leader.settings
         return Reader(ring_request, settings.request_stall_s, settings.serve_queue_timeout_s)
 
-    async def _collect(self, choice: Choice) -> None:
+    async def collect(self, choice: Choice) -> None:
         """Read one choice to its end (its text, finish reason and token count in ``choice``)."""
         while True:
             kind, value = await choice.reader.next()
@@ -299,8 +315,9 @@ class ReplyStream(StreamingResponse):
     failed, or its client gone (Starlette cancels the stream when it hears the disconnect, and the generator may be
     suspended at a send rather than inside its own try block then)."""
 
-    def __init__(self, serving, requests: list[Request], content, headers: dict):
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+    def __init__(self, serving, requests: list[Request], content, headers: dict,
+                 media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type, headers=headers)
         self.serving = serving
         self.requests = requests
 
@@ -386,11 +403,12 @@ async def next_event(choices: list[_C]) -> tuple[_C, str, Any]:
     return done[0]
 
 
-async def read_choices(serving, choices: list, collect, receive=None) -> JSONResponse | None:
+async def read_choices(serving, choices: list, collect, receive=None, fail=None) -> JSONResponse | None:
     """``collect`` every choice at once (a stop string cancels its request at once); a 502 if the ring failed one.
     With ``receive`` (the ASGI receive of the client's connection), a client that goes away cancels every choice at
-    once (issue 32: they ran on for nobody). Afterwards the choices' ring requests are cancelled, whatever happened,
-    so no stage keeps working on them."""
+    once (issue 32: they ran on for nobody). ``fail(status, message)`` answers a failed ring in another API's shape
+    than OpenAI's. Afterwards the choices' ring requests are cancelled, whatever happened, so no stage keeps working
+    on them."""
 
     async def watch() -> None:
         await client_gone(receive)
@@ -409,6 +427,8 @@ async def read_choices(serving, choices: list, collect, receive=None) -> JSONRes
     except BaseException as exc:
         failure = first_leaf(exc)
         if isinstance(failure, SwarmError):
+            if fail is not None:  # another API's error shape
+                return fail(502, str(failure))
             return openai_problem(502, str(failure), "server_error", "ring_failed")
         raise
     finally:

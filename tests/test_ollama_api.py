@@ -1,0 +1,136 @@
+"""Ollama's API on the leader (swarm.leader.ollama_api) as Ollama's own clients use it: the real ``ollama`` package
+against a real leader and fellow, one fleet for the module.
+
+The model is tests/scripted.py's tiny Qwen3 with a tools template (tests/test_openai_compat.py's): its greedy first
+turn is a tool call, and with thinking off (the prompt then ends in an empty thinking block) it answers "It is sunny
+in Paris.", so every reply has an exact expected text."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import httpx
+import ollama
+import pytest
+import trio
+
+from harness import running_swarm
+from scripted import build
+from swarm import __version__
+from swarm.store.importer import import_model
+from test_openai_compat import CALL, CALL_PIECES, TOOLS_TEMPLATE, WEATHER
+
+pytestmark = pytest.mark.e2e
+
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+ANSWER = "It is sunny in Paris."
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def model_dir(module_tmp):
+    root = module_tmp("ollama")
+    build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"], "\n\n": [ANSWER]},
+          TOOLS_TEMPLATE)
+    import_model(str(root / "src"), root / "models", "weather")
+    return root / "models" / "weather"
+
+
+async def call(fn, *args, **kwargs):
+    """An ollama call in a worker thread (the client is synchronous; the leader runs in this trio loop)."""
+    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+async def streamed(fn, **kwargs) -> list:
+    return await trio.to_thread.run_sync(lambda: list(fn(stream=True, **kwargs)))
+
+
+async def test_the_ollama_client_against_the_pool(tmp_path, model_dir):
+    name = model_dir.name
+    with trio.fail_after(240):
+        async with running_swarm(tmp_path, [model_dir], fellows=1) as swarm:
+            client = ollama.Client(host=swarm.url, headers={"Authorization": f"Bearer {swarm.token}"}, timeout=60)
+
+            # the catalogue as the pool lists it; nothing loaded yet
+            listed = await call(client.list)
+            assert [m.model for m in listed.models] == [name]
+            assert listed.models[0].details.family == "qwen3"
+            assert (await call(client.ps)).models == []
+            shown = await call(client.show, name)
+            assert "tools" in shown.capabilities and "<tool_call>" in shown.template
+            assert (await swarm.http.get("/api/version")).json() == {"version": __version__}
+
+            # a model that is not loaded: Ollama's error shape, with what to do
+            with pytest.raises(ollama.ResponseError) as info:
+                await call(client.chat, model=name, messages=ASK, options=GREEDY)
+            assert info.value.status_code == 503 and "Load it first" in info.value.error
+
+            await swarm.load(name, 1)
+            (loaded,) = (await call(client.ps)).models
+            assert loaded.model == name and loaded.context_length > 0
+
+            # one JSON object (stream false), with Ollama's fields and durations; ":latest" names the same model
+            reply = await call(client.chat, model=f"{name}:latest", messages=ASK, think=False, options=GREEDY)
+            assert reply.message.role == "assistant" and reply.message.content == ANSWER
+            assert reply.done and reply.done_reason == "stop" and reply.model == name
+            assert reply.eval_count == 2  # the answer's token and the end of turn
+            assert reply.eval_duration > 0 and reply.prompt_eval_duration > 0
+            assert reply.total_duration >= reply.eval_duration + reply.prompt_eval_duration
+
+            # exactly the reply Chat Completions gives for the same conversation
+            openai = (await swarm.http.post("/v1/chat/completions", json={
+                "model": name, "messages": ASK, "temperature": 0, "max_tokens": 12,
+                "chat_template_kwargs": {"enable_thinking": False}})).json()
+            assert openai["choices"][0]["message"]["content"] == reply.message.content
+            assert openai["usage"]["prompt_tokens"] == reply.prompt_eval_count
+            assert openai["usage"]["completion_tokens"] == reply.eval_count
+
+            # streamed (the default): one line per token, then the last one with the counts
+            parts = await streamed(client.chat, model=name, messages=ASK, think=False, options=GREEDY)
+            assert "".join(p.message.content for p in parts) == ANSWER
+            assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+            assert parts[-1].done_reason == "stop" and parts[-1].eval_count == 2
+
+            # num_predict and stop: the reply is the tool call's text here (no tools given)
+            short = await call(client.chat, model=name, messages=ASK, options={"temperature": 0, "num_predict": 2})
+            assert short.message.content == "<tool_call>\n" + CALL_PIECES[0] and short.done_reason == "length"
+            cut = await call(client.chat, model=name, messages=ASK, options={**GREEDY, "stop": ['"Par']})
+            assert cut.message.content == "<tool_call>\n" + "".join(CALL_PIECES[:2]) and cut.done_reason == "stop"
+
+            # a tool call, and its round trip with the tool's answer
+            called = await call(client.chat, model=name, messages=ASK, tools=[WEATHER], options=GREEDY)
+            (tool_call,) = called.message.tool_calls
+            assert tool_call.function.name == "get_weather" and tool_call.function.arguments == {"city": "Paris"}
+            assert called.message.content == ""
+            parts = await streamed(client.chat, model=name, messages=ASK, tools=[WEATHER], options=GREEDY)
+            assert [c.function.name for p in parts for c in p.message.tool_calls or []] == ["get_weather"]
+            back = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": "sunny, 24 C", "tool_name": "get_weather"}]
+            answer = await call(client.chat, model=name, messages=back, tools=[WEATHER], think=False, options=GREEDY)
+            assert answer.message.content == ANSWER and not answer.message.tool_calls
+
+            # /api/generate: a prompt (and a system message) through the chat template
+            generated = await call(client.generate, model=name, prompt="Weather in Paris?", system="Be brief.",
+                                   think=False, options=GREEDY)
+            assert generated.response == ANSWER and generated.done_reason == "stop" and generated.eval_count == 2
+            parts = await streamed(client.generate, model=name, prompt="Weather in Paris?", options=GREEDY)
+            assert "".join(p.response for p in parts) == f"<tool_call>\n{CALL}\n</tool_call>"
+
+            # errors in Ollama's shape: an unknown model (404, as Ollama's), an option we do not have, no token
+            with pytest.raises(ollama.ResponseError) as info:
+                await call(client.chat, model="no-such-model", messages=ASK)
+            assert info.value.status_code == 404 and "no-such-model" in info.value.error
+            with pytest.raises(ollama.ResponseError) as info:
+                await call(client.chat, model=name, messages=ASK, options={"mirostat": 2})
+            assert info.value.status_code == 400 and "'mirostat'" in info.value.error
+            async with httpx.AsyncClient(base_url=swarm.url) as anonymous:
+                for method, path in (("POST", "/api/chat"), ("POST", "/api/generate"), ("GET", "/api/tags"),
+                                     ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version")):
+                    response = await anonymous.request(method, path, json={"model": name, "messages": ASK})
+                    assert response.status_code == 401, path
+                    error = response.json()["error"]
+                    assert isinstance(error, str) and "Bearer" in error, path
+            assert json.loads((await swarm.http.post("/api/chat", json={"model": name, "messages": "hi"})).text) == {
+                "error": "'messages' must be a non-empty list of {role, content} objects."}
