@@ -125,6 +125,17 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir):
             with pytest.raises(ollama.ResponseError) as info:
                 await call(client.chat, model=name, messages=ASK, options={"mirostat": 2})
             assert info.value.status_code == 400 and "'mirostat'" in info.value.error
+            with pytest.raises(ollama.ResponseError) as info:  # the check is Chat Completions', in Ollama's words
+                await call(client.chat, model=name, messages=ASK, options={"num_predict": 10**9})
+            assert info.value.status_code == 400 and "'num_predict'" in info.value.error
+            # a chat body has the /v1 routes' size limit (2 MiB here), not the 1 MiB of other routes: a prompt of
+            # 1.5 MB is read, then refused by the context check
+            big = await swarm.http.post("/api/chat", json={"model": name, "messages": [
+                {"role": "user", "content": "a" * 1_500_000}]})
+            assert big.status_code == 413 and "maximum context length" in big.json()["error"]
+            huge = await swarm.http.post("/api/chat", json={"model": name, "messages": [
+                {"role": "user", "content": "a" * 3_000_000}]})
+            assert huge.status_code == 413 and "larger than the" in huge.json()["error"]  # Ollama's shape here too
             async with httpx.AsyncClient(base_url=swarm.url) as anonymous:
                 for method, path in (("POST", "/api/chat"), ("POST", "/api/generate"), ("GET", "/api/tags"),
                                      ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version")):

@@ -32,7 +32,7 @@ from swarm.leader.hypercorn_close import guard_close_race
 from swarm.leader.install import InstallRoutes
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
-from swarm.leader.ollama_api import OllamaRoutes
+from swarm.leader.ollama_api import OLLAMA_CHAT_PATHS, OLLAMA_PATHS, OllamaRoutes
 from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.relay import RelayHub
 from swarm.leader.serving import Serving
@@ -92,13 +92,13 @@ class Leader:
         self.hashing = HashPool()
         self.first_start = initialize(self.store, self.public, self.cert_pin)
         self.mcp = McpEndpoint(self)  # its tools call self.app in-process, once it exists
-        self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit))
+        self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit, flat_errors=OLLAMA_PATHS))
 
     def body_limit(self, path: str) -> int:
         """The largest request body ``path`` accepts (swarm.leader.limits)."""
         if path == "/api/v1/auth/login":
             return SIGN_IN_BODY
-        if path in ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate"):
+        if path in ("/v1/chat/completions", "/v1/completions", *OLLAMA_CHAT_PATHS):
             # no model serves a longer context than the admin's cap (never the pool's KV budget: issue 32)
             return chat_body_limit(self.settings.serve_context_tokens)
         if path.startswith("/api/v1/chats"):

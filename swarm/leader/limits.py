@@ -147,25 +147,28 @@ class BodyLimit:
     """ASGI middleware: refuse an HTTP request body over its route's limit with 413, without reading the rest.
 
     ``limit_for(path) -> bytes`` picks the limit. A Content-Length over it is refused at once; a chunked body is
-    counted as it arrives and raises BodyTooLarge (mapped to 413) in whoever reads it.
+    counted as it arrives and raises BodyTooLarge (mapped to 413) in whoever reads it. The paths of ``flat_errors``
+    (Ollama's API) answer ``{"error": message}``, the others the /v1 and /api/v1 shape.
     """
 
-    def __init__(self, app: ASGIApp, limit_for):
+    def __init__(self, app: ASGIApp, limit_for, flat_errors: frozenset[str] = frozenset()):
         self.app = app
         self.limit_for = limit_for
+        self.flat_errors = flat_errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         limit = self.limit_for(scope["path"])
+        flat = scope["path"] in self.flat_errors
         length = dict(scope.get("headers") or []).get(b"content-length")
         try:
             declared = int(length) if length is not None else None
         except ValueError:
             declared = None
         if declared is not None and declared > limit:
-            await _too_large(send, limit)
+            await _too_large(send, limit, flat)
             return
         received = 0
         started = False
@@ -189,7 +192,7 @@ class BodyLimit:
             await self.app(scope, counted_receive, tracked_send)
         except BodyTooLarge:
             if not started:
-                await _too_large(send, limit)
+                await _too_large(send, limit, flat)
 
 
 def too_large(limit: int) -> str:
@@ -197,9 +200,10 @@ def too_large(limit: int) -> str:
             "batch of prompts split over several requests, a shorter conversation).")
 
 
-async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps({"error": {"message": too_large(limit), "type": "body_too_large",
-                                 "code": "body_too_large"}}).encode()
+async def _too_large(send: Send, limit: int, flat: bool = False) -> None:
+    error = too_large(limit) if flat else {"message": too_large(limit), "type": "body_too_large",
+                                           "code": "body_too_large"}
+    body = json.dumps({"error": error}).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -31,6 +31,9 @@ from swarm.leader.chat_format import load_tokenizer
 from swarm.leader.http_errors import classify, json_body
 from swarm.leader.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
 
+# The routes, for the leader's middleware: their errors' shape, and which take a conversation (the /v1 body limit).
+OLLAMA_CHAT_PATHS = frozenset({"/api/chat", "/api/generate"})
+OLLAMA_PATHS = OLLAMA_CHAT_PATHS | {"/api/tags", "/api/show", "/api/ps", "/api/version"}
 # Options that tune how Ollama's own runner loads and batches a model: the pool decides those, so they are ignored.
 RUNTIME_OPTIONS = frozenset({
     "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram",
@@ -55,8 +58,16 @@ def ollama_problem(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+# Chat Completions' names in a refusal, as the Ollama request spelled them.
+OLLAMA_NAMES = {"'max_tokens'": "'num_predict'", "'response_format'": "'format'",
+                "'repetition_penalty'": "'repeat_penalty'"}
+
+
 def ollama_error(exc: BaseException) -> JSONResponse:
     status, _, _, message = classify(exc)
+    if isinstance(exc, BadRequest):  # the Chat Completions checks name the fields they check
+        for theirs, ours in OLLAMA_NAMES.items():
+            message = message.replace(theirs, ours)
     return ollama_problem(status, message)
 
 
