@@ -37,6 +37,15 @@ def model_dir(module_tmp):
     return root / "models" / "weather"
 
 
+@pytest.fixture(scope="module")
+def thinking_dir(module_tmp):
+    root = module_tmp("ollama-thinks")
+    build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
+                         "\n\n": ["Just 4."]})
+    import_model(str(root / "src"), root / "models", "thinks")
+    return root / "models" / "thinks"
+
+
 async def call(fn, *args, **kwargs):
     """An ollama call in a worker thread (the client is synchronous; the leader runs in this trio loop)."""
     return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
@@ -46,16 +55,16 @@ async def streamed(fn, **kwargs) -> list:
     return await trio.to_thread.run_sync(lambda: list(fn(stream=True, **kwargs)))
 
 
-async def test_the_ollama_client_against_the_pool(tmp_path, model_dir):
+async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_dir):
     name = model_dir.name
     with trio.fail_after(240):
-        async with running_swarm(tmp_path, [model_dir], fellows=1) as swarm:
+        async with running_swarm(tmp_path, [model_dir, thinking_dir], fellows=1) as swarm:
             client = ollama.Client(host=swarm.url, headers={"Authorization": f"Bearer {swarm.token}"}, timeout=60)
 
             # the catalogue as the pool lists it; nothing loaded yet
             listed = await call(client.list)
-            assert [m.model for m in listed.models] == [name]
-            assert listed.models[0].details.family == "qwen3"
+            assert [m.model for m in listed.models] == [thinking_dir.name, name]
+            assert listed.models[1].details.family == "qwen3"
             assert (await call(client.ps)).models == []
             shown = await call(client.show, name)
             assert "tools" in shown.capabilities and "<tool_call>" in shown.template
@@ -117,6 +126,25 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir):
             assert generated.response == ANSWER and generated.done_reason == "stop" and generated.eval_count == 2
             parts = await streamed(client.generate, model=name, prompt="Weather in Paris?", options=GREEDY)
             assert "".join(p.response for p in parts) == f"<tool_call>\n{CALL}\n</tool_call>"
+
+            # format: a JSON schema is the structured output of Chat Completions (this one allows one reply only)
+            schema = {"type": "object", "properties": {"answer": {"enum": [4]}}, "required": ["answer"],
+                      "additionalProperties": False}
+            shaped = await call(client.chat, model=name, messages=ASK, format=schema, think=False, options=GREEDY)
+            assert json.loads(shaped.message.content) == {"answer": 4}
+
+            # think: the family's reasoning switch; the reasoning comes back as thinking
+            thinks = thinking_dir.name
+            await swarm.load(thinks, 1)
+            question = [{"role": "user", "content": "What is 2+2?"}]
+            thought = await call(client.chat, model=thinks, messages=question, think=True, options=GREEDY)
+            assert thought.message.thinking == "Two and two make four."
+            assert thought.message.content == "The answer is 4."
+            parts = await streamed(client.chat, model=thinks, messages=question, think=True, options=GREEDY)
+            assert "".join(p.message.thinking or "" for p in parts) == "Two and two make four."
+            assert "".join(p.message.content for p in parts) == "The answer is 4."
+            plain = await call(client.generate, model=thinks, prompt="What is 2+2?", think=False, options=GREEDY)
+            assert plain.response == "Just 4." and not plain.thinking
 
             # errors in Ollama's shape: an unknown model (404, as Ollama's), an option we do not have, no token
             with pytest.raises(ollama.ResponseError) as info:

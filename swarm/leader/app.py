@@ -1,4 +1,5 @@
-"""The leader process: one trio process serving the web app, /v1, /api/v1, the fellow links and the relay."""
+"""The leader process: one trio process serving the web app, /v1, /api/v1, Ollama's /api, the fellow links and the
+relay."""
 
 from __future__ import annotations
 

@@ -170,8 +170,8 @@ def chat_body(body: dict, route: str) -> dict:
         out["response_format"] = response_format
     think = body.get("think")
     if think is not None:
-        if not isinstance(think, (bool, str)):
-            raise BadRequest("'think' must be true or false.", "invalid_think")
+        if not isinstance(think, bool) and think not in ("low", "medium", "high"):
+            raise BadRequest("'think' must be true or false (or \"low\", \"medium\", \"high\").", "invalid_think")
         # "low"/"medium"/"high" (gpt-oss's levels): the families here have an on/off switch only
         out["chat_template_kwargs"] = {"enable_thinking": bool(think)}
     if body.get("tools"):
