@@ -150,6 +150,10 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
             with pytest.raises(ollama.ResponseError) as info:
                 await call(client.chat, model="no-such-model", messages=ASK)
             assert info.value.status_code == 404 and "no-such-model" in info.value.error
+            assert "GET /api/tags lists yours" in info.value.error
+            with pytest.raises(ollama.ResponseError) as info:
+                await call(client.chat, model="no-such-model:latest", messages=ASK)
+            assert info.value.status_code == 404 and "'no-such-model:latest'" in info.value.error
             with pytest.raises(ollama.ResponseError) as info:
                 await call(client.chat, model=name, messages=ASK, options={"mirostat": 2})
             assert info.value.status_code == 400 and "'mirostat'" in info.value.error

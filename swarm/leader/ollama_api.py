@@ -68,7 +68,7 @@ def ollama_error(exc: BaseException) -> JSONResponse:
     if isinstance(exc, BadRequest):  # the Chat Completions checks name the fields they check
         for theirs, ours in OLLAMA_NAMES.items():
             message = message.replace(theirs, ours)
-    return ollama_problem(status, message)
+    return ollama_problem(status, message.replace("GET /v1/models", "GET /api/tags"))
 
 
 def _now_iso() -> str:
@@ -329,10 +329,14 @@ class OllamaRoutes:
         """The model ``name`` names among the caller's pools; Ollama's clients add ":latest" to a bare name."""
         try:
             return await self.routes.resolve(name, user)
+        except ModelNotFound as exc:
+            if not name.endswith(":latest"):
+                raise
+            unfound = exc
+        try:
+            return await self.routes.resolve(name[: -len(":latest")], user)
         except ModelNotFound:
-            if name.endswith(":latest"):
-                return await self.routes.resolve(name[: -len(":latest")], user)
-            raise
+            raise unfound from None  # the name as the client gave it
 
     async def _rows(self, request: HttpRequest) -> list:
         user = await current_user(request, self.leader.store)
