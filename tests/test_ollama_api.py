@@ -78,6 +78,8 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
             await swarm.load(name, 1)
             (loaded,) = (await call(client.ps)).models
             assert loaded.model == name and loaded.context_length > 0
+            ready = await call(client.generate, model=name)  # no prompt: Ollama's "is it loaded"
+            assert ready.done and ready.done_reason == "load" and ready.response == ""
 
             # one JSON object (stream false), with Ollama's fields and durations; ":latest" names the same model
             reply = await call(client.chat, model=f"{name}:latest", messages=ASK, think=False, options=GREEDY)
@@ -177,3 +179,33 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
                     assert isinstance(error, str) and "Bearer" in error, path
             assert json.loads((await swarm.http.post("/api/chat", json={"model": name, "messages": "hi"})).text) == {
                 "error": "'messages' must be a non-empty list of {role, content} objects."}
+
+
+def test_malformed_ollama_bodies_are_a_400_never_a_crash():
+    """Junk in every field of /api/chat and /api/generate bodies: translated and checked as Chat Completions' are,
+    it is refused with a BadRequest (a 400 that says what to fix), never another exception (a 500)."""
+    import random
+
+    from swarm.errors import BadRequest
+    from swarm.leader.ollama_api import chat_body
+    from swarm.leader.openai_params import parse_chat_body
+    from test_fuzz import _json_junk
+
+    rng = random.Random(38)
+    keys = ["model", "messages", "prompt", "system", "options", "format", "think", "tools", "raw", "images",
+            "stream", "keep_alive"]
+    valid = {"model": "m", "messages": ASK, "prompt": "hi", "options": GREEDY}
+    refused = 0
+    for i in range(3000):
+        body = dict(valid)
+        for key in rng.sample(keys, rng.randrange(1, 4)):
+            body[key] = _json_junk(rng)
+        if i % 3 == 0:  # junk inside the options and messages too
+            body["options"] = {rng.choice([*GREEDY, "stop", "mirostat", "num_ctx", "repeat_penalty"]): _json_junk(rng)}
+            body["messages"] = [{"role": rng.choice(["user", "tool", "assistant"]), "content": "x",
+                                 rng.choice(["tool_calls", "images", "tool_name"]): _json_junk(rng)}]
+        try:
+            parse_chat_body(chat_body(body, rng.choice(["/api/chat", "/api/generate"])), 64)
+        except BadRequest:
+            refused += 1
+    assert refused > 1000  # most of it is junk, and said so
