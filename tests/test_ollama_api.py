@@ -177,6 +177,15 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
                     assert response.status_code == 401, path
                     error = response.json()["error"]
                     assert isinstance(error, str) and "Bearer" in error, path
+            # a browser's session works as on /api/v1: reading is fine, a reply needs the page's CSRF token (so no
+            # other site can make a signed-in browser run one)
+            async with httpx.AsyncClient(base_url=swarm.url) as browser:
+                signed_in = await browser.post("/api/v1/auth/login", json={
+                    "name": "admin", "password": swarm.leader.first_start.admin_password})
+                assert signed_in.status_code == 200
+                assert [m["model"] for m in (await browser.get("/api/tags")).json()["models"]] == [thinks, name]
+                forged = await browser.post("/api/chat", json={"model": name, "messages": ASK, "stream": False})
+                assert forged.status_code == 401 and "CSRF" in forged.json()["error"]
             assert json.loads((await swarm.http.post("/api/chat", json={"model": name, "messages": "hi"})).text) == {
                 "error": "'messages' must be a non-empty list of {role, content} objects."}
 
