@@ -15,8 +15,8 @@ import ollama
 import pytest
 import trio
 
-from harness import running_swarm
-from scripted import build
+from harness import running_swarm, wait_until
+from scripted import build, hold_compute
 from swarm import __version__
 from swarm.store.importer import import_model
 from test_openai_compat import CALL, CALL_PIECES, TOOLS_TEMPLATE, WEATHER
@@ -55,8 +55,10 @@ async def streamed(fn, **kwargs) -> list:
     return await trio.to_thread.run_sync(lambda: list(fn(stream=True, **kwargs)))
 
 
-async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_dir):
+async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_dir, monkeypatch):
     name = model_dir.name
+    gate = hold_compute(monkeypatch)  # open but for the last part: a client leaving while its reply is computed
+    gate.set()
     with trio.fail_after(240):
         async with running_swarm(tmp_path, [model_dir, thinking_dir], fellows=1) as swarm:
             client = ollama.Client(host=swarm.url, headers={"Authorization": f"Bearer {swarm.token}"}, timeout=60)
@@ -188,6 +190,22 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
                 assert forged.status_code == 401 and "CSRF" in forged.json()["error"]
             assert json.loads((await swarm.http.post("/api/chat", json={"model": name, "messages": "hi"})).text) == {
                 "error": "'messages' must be a non-empty list of {role, content} objects."}
+
+            # a client that leaves (streamed or not) ends its reply on the ring at once
+            book = swarm.leader.serving.book
+            for stream in (False, True):
+                gate.clear()
+                with trio.CancelScope() as scope:
+                    async def leave(stream=stream, scope=scope):
+                        await wait_until(lambda: len(book.of_model(name)) == 1, 20)
+                        scope.cancel()  # the client closes its connection without a word
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(leave)
+                        await swarm.http.post("/api/chat", json={"model": name, "messages": ASK, "stream": stream})
+                await wait_until(lambda: not book.of_model(name), 10)
+                gate.set()
+
 
 
 def test_malformed_ollama_bodies_are_a_400_never_a_crash():
