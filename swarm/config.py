@@ -72,6 +72,8 @@ class Settings:
     # tokenizer) or a model's name; unset: prompt lookup alone
     serve_draft_model: str | None = None
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
+    # SWARM_METRICS_TOKEN: a bearer token that may read GET /metrics (for a Prometheus server); admins always may
+    metrics_token: str | None = None
     # SWARM_API_TOKENS_PER_USER: API tokens one user may keep; creating one more is refused (409) until some are deleted
     api_tokens_per_user: int = 100
     # SWARM_DATABASE_URL: the leader's store on PostgreSQL (postgresql://user:password@host/db); unset, a SQLite file

@@ -316,3 +316,42 @@ async def test_longer_ranges_read_the_database_at_most_every_30_s(tmp_path: Path
     assert [r.id for r in await history.over("m", 3600)] == ["old", "new"] and len(reads) == 2  # read again
     assert [r.id for r in await history.over("m", 900)] == ["new"] and len(reads) == 2  # the live range: memory
     store.close()
+
+
+async def test_metrics_count_each_request_once_when_its_record_settles(tmp_path: Path):
+    """swarm.leader.metrics is fed as records settle, once each: a database write that fails and is retried does not
+    count a request twice, and the stages' times reach the per-stage histograms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from swarm.leader.metrics import Metrics
+
+    store = Store(tmp_path / "leader.db", password_hasher=CHEAP)
+    metrics = Metrics()
+    clock = Clock()
+    history = ServingHistory(store, keep_days=7, clock=clock, on_settled=metrics.observe)
+    written = store.add_served_requests
+    store.add_served_requests = lambda batch: (_ for _ in ()).throw(OSError("disk full"))  # the database refuses
+    history.add(served(10, tokens=40, rate=20.0, ttft=250.0, timing=fellows_timing([30.0, 12.0], [5.0, 3.0])))
+    history.add(served(12, tokens=3, rate=None, ttft=None, outcome="failed", rid="lost"))
+
+    def scraped() -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(metrics.exposition().decode()) for s in family.samples}
+
+    await history.flush()
+    await history.flush()  # retried: still refused
+    store.add_served_requests = written
+    await history.flush()
+    assert len(store.served_requests("m", 0)) == 2
+    found = scraped()
+    assert found[("swarm_requests_total", (("model", "m"), ("outcome", "done")))] == 1
+    assert found[("swarm_requests_total", (("model", "m"), ("outcome", "failed")))] == 1
+    assert found[("swarm_reply_tokens_total", (("model", "m"),))] == 43
+    assert found[("swarm_time_to_first_token_seconds_count", (("model", "m"),))] == 1  # the failed one had none
+    assert found[("swarm_time_to_first_token_seconds_sum", (("model", "m"),))] == pytest.approx(0.25)
+    assert found[("swarm_time_per_token_seconds_sum", (("model", "m"),))] == pytest.approx(1 / 20)
+    assert found[("swarm_stage_compute_seconds_per_token_sum", (("model", "m"), ("stage", "1")))] == \
+        pytest.approx(0.012)
+    assert found[("swarm_link_seconds_per_token_count", (("hop", "0->None"), ("model", "m"),
+                                                         ("transport", "unknown")))] == 1
+    store.close()

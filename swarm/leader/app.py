@@ -33,6 +33,7 @@ from swarm.leader.hypercorn_close import guard_close_race
 from swarm.leader.install import InstallRoutes
 from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
 from swarm.leader.mcp_tools import McpEndpoint
+from swarm.leader.metrics import Metrics, MetricsRoute
 from swarm.leader.ollama_api import OLLAMA_CHAT_PATHS, OLLAMA_PATHS, OllamaRoutes
 from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.relay import RelayHub
@@ -81,8 +82,10 @@ class Leader:
         self.relay = RelayHub()
         self.serving = Serving(self.store, settings, self.models_root, self.relay)
         # each record keeps its reply's swarm.timing, the fellows' split included, once their times came in
+        self.metrics = Metrics(self)
         self.history = ServingHistory(self.store, settings.serving_history_days,
-                                      timing=lambda request: timing.of_request(self.serving, request))
+                                      timing=lambda request: timing.of_request(self.serving, request),
+                                      on_settled=self.metrics.observe)
         self.serving.book.on_end = self.history.record
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
@@ -167,6 +170,7 @@ class Leader:
 
         routes = [
             Route("/healthz", health),
+            Route("/metrics", MetricsRoute(self).get),
             Route("/install.sh", install.script),
             Route("/install.ps1", install.script),
             Route("/", home),

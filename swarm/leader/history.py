@@ -101,10 +101,11 @@ class _Entry:
     """A finished request in memory: its record, and the request itself until the record is written (the fellows'
     time split may arrive just after the request ends)."""
 
-    __slots__ = ("record", "request", "timing")
+    __slots__ = ("counted", "record", "request", "timing")
 
     def __init__(self, record: ServedRequest, request=None, timing: Callable = timing_of):
         self.record, self.request, self.timing = record, request, timing
+        self.counted = False  # handed to ``on_settled`` (once, even when the database write is retried)
 
     def settled(self) -> ServedRequest:
         if self.request is not None:
@@ -122,8 +123,9 @@ class ServingHistory:
     """Finished requests: the last 15 minutes in memory, every one written to the store in batches."""
 
     def __init__(self, store, keep_days: float, clock: Callable[[], float] = time.time,
-                 timing: Callable = timing_of):
+                 timing: Callable = timing_of, on_settled: Callable[[ServedRequest], None] | None = None):
         self.store = store
+        self.on_settled = on_settled  # each finished request's final record, once (swarm.leader.metrics)
         self.timing = timing  # request -> its swarm.timing (swarm.leader.timing.of_request on the leader)
         self.keep_s = keep_days * 86400
         self.clock = clock
@@ -212,6 +214,10 @@ class ServingHistory:
         if not due:
             return
         batch = [e.settled() for e in due]
+        for entry in due:
+            if not entry.counted and self.on_settled is not None:
+                entry.counted = True
+                self.on_settled(entry.record)
         try:
             await trio.to_thread.run_sync(self.store.add_served_requests, batch)
         except Exception as exc:
