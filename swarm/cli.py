@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from swarm import cli_quotas
 from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
 from swarm.quantization import KINDS
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     ax = asub.add_parser("remove-fellow", help="remove a fellow: its link ends, its key and credential are refused")
     ax.add_argument("fellow", help="its id or name, from `swarm admin fellows`")
     _leader_options(ax)
+    cli_quotas.add_parsers(asub, _leader_options)
     am = asub.add_parser("migrate-db", help="copy a SQLite leader's store (stop the leader first) into an empty "
                                             "PostgreSQL database; then run it with SWARM_DATABASE_URL")
     am.add_argument("--to", required=True, metavar="URL", help="postgresql://user:password@host/db, empty")
@@ -273,7 +275,9 @@ def _admin(client, args) -> None:
     import time
 
     command = args.admin_command
-    if command == "direct-links":
+    if command.startswith("quota") or command == "usage":
+        cli_quotas.run(client, args)
+    elif command == "direct-links":
         if args.state is None:
             enabled = client.get("/api/v1/settings/direct-links")["enabled"]
         else:

@@ -49,6 +49,16 @@ class LeaderClient:
     def get(self, path: str) -> dict:
         return self._call("GET", path)
 
+    def get_text(self, path: str) -> str:
+        """A GET whose answer is text (CSV); errors as ``get``'s."""
+        try:
+            response = self.http.get(path)
+        except httpx.TransportError as exc:
+            raise SwarmError(f"cannot reach the leader at {self.url}: {exc}. Is `swarm leader` running?") from None
+        if response.status_code >= 400:
+            self._check(response)
+        return response.text
+
     def post(self, path: str, body: dict | None = None) -> dict:
         return self._call("POST", path, body if body is not None else {})
 

@@ -137,6 +137,15 @@ class PoolBusy(RequestFailed):
         self.retry_after = retry_after
 
 
+class QuotaExceeded(RequestFailed):
+    """A user or API token is over one of its quotas (swarm.leader.quotas); ``retry_after`` seconds until the request
+    would pass, None when it never can (a prompt larger than a limit)."""
+
+    def __init__(self, message: str, retry_after: int | None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class QueueTimeout(RequestFailed):
     """A request waited longer than SWARM_SERVE_QUEUE_TIMEOUT_S to start and was given up."""
 

@@ -36,10 +36,12 @@ from swarm.leader.mcp_tools import McpEndpoint
 from swarm.leader.metrics import Metrics, MetricsRoute
 from swarm.leader.ollama_api import OLLAMA_CHAT_PATHS, OLLAMA_PATHS, OllamaRoutes
 from swarm.leader.openai_api import OpenAIRoutes
+from swarm.leader.quotas import QuotaBook
 from swarm.leader.relay import RelayHub
 from swarm.leader.serving import Serving
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.leader.updates import SelfWheel, UpdateRoutes
+from swarm.leader.usage_api import usage_routes
 from swarm.leader.ws_message_limit import close_on_oversize
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.store.db import Store, leader_store
@@ -86,7 +88,14 @@ class Leader:
         self.history = ServingHistory(self.store, settings.serving_history_days,
                                       timing=lambda request: timing.of_request(self.serving, request),
                                       on_settled=self.metrics.observe)
-        self.serving.book.on_end = self.history.record
+        self.quotas = QuotaBook(self.store, self.serving.book)
+        self.serving.quotas = self.quotas
+
+        def ended(request) -> None:  # RequestBook.on_end: each must not block and never raises
+            self.history.record(request)
+            self.quotas.on_end(request)
+
+        self.serving.book.on_end = ended
         self.hub = FellowHub(self.store, self.private, self.serving)
         self.serving.hub = self.hub
         self.hub.updates = SelfWheel(data_dir / "updates")
@@ -212,6 +221,7 @@ class Leader:
             Route("/api/v1/join-tokens/{token_id:int}", api.join_token_revoke, methods=["DELETE"]),
             Route("/api/v1/fellows/{fellow_id:int}", api.fellow_remove, methods=["DELETE"]),
             *admin_routes(self, WEB_DIR),
+            *usage_routes(self),
             WebSocketRoute("/fellow/link", fellow_link),
             WebSocketRoute("/relay/{hop_id}", relay),
             Mount("/static", StaticFiles(directory=WEB_DIR / "static", check_dir=False), name="static"),
@@ -234,6 +244,7 @@ class Leader:
         async with self.mcp.run(), trio.open_nursery() as nursery:
             self.serving.nursery = nursery
             await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
+            await trio.to_thread.run_sync(self.quotas.load)  # the quotas, and the last day's usage they count
             await nursery.start(self.history.run)  # writes finished requests off the request path, prunes old ones
 
             async def http(task_status):

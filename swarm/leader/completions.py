@@ -77,7 +77,8 @@ class CompletionRoutes:
             prompt_logprobs = params.logprobs if params.echo else None
             for _, ids in prompts:
                 await self.routes.send(params.model, ids, reply, params.sampling, params,
-                                       user.id, ring_requests, prompt_logprobs=prompt_logprobs)
+                                       user.id, ring_requests, prompt_logprobs=prompt_logprobs,
+                                       token_id=user.token_id)
             # a client that leaves while they wait cancels them all
             if await serving.wait_started(ring_requests, request.receive):
                 return Response(status_code=499)  # nobody reads it

@@ -67,7 +67,8 @@ def served_from(request, wall_now: float, trio_now: float | None, timing: dict |
     record = ServedRequest(
         id=request.id, model=request.model, started_at=wall(request.created_at), ended_at=wall_now, outcome=outcome,
         prompt_tokens=len(request.prompt), reply_tokens=tokens, ttft_ms=_round(ttft_ms),
-        tokens_per_s=_round(tokens_per_s), queue_ms=_round(queue_ms), user_id=request.owner, error=request.error)
+        tokens_per_s=_round(tokens_per_s), queue_ms=_round(queue_ms), user_id=request.owner, error=request.error,
+        token_id=getattr(request, "token_id", None))
     return with_timing(record, timing)
 
 

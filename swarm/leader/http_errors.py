@@ -26,6 +26,7 @@ from swarm.errors import (
     PoolBusy,
     PoolNotFound,
     QueueTimeout,
+    QuotaExceeded,
     StoreError,
     SwarmError,
     TooManyAttempts,
@@ -51,6 +52,7 @@ _TABLE: list[tuple[type, int, str, str]] = [
     (PlacementError, 409, "placement_refused", "invalid_request_error"),
     (ModelNotLoaded, 503, "model_not_loaded", "server_error"),
     (PoolBusy, 429, "pool_busy", "rate_limit_error"),
+    (QuotaExceeded, 429, "quota_exceeded", "rate_limit_error"),
     (QueueTimeout, 503, "queue_timeout", "server_error"),
     (BadRequest, 400, "bad_request", "invalid_request_error"),
     (StoreError, 400, "store_refused", "invalid_request_error"),
@@ -87,7 +89,7 @@ def openai_error(exc: BaseException) -> JSONResponse:
 
 def _headers(exc: BaseException) -> dict | None:
     """Retry-After for a refusal that passes (a full queue): clients such as openai's wait that long and retry."""
-    if isinstance(exc, (PoolBusy, TooManyAttempts)):
+    if isinstance(exc, (PoolBusy, TooManyAttempts, QuotaExceeded)) and exc.retry_after is not None:
         return {"retry-after": str(exc.retry_after)}
     return None
 

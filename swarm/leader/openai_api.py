@@ -114,7 +114,7 @@ class OpenAIRoutes:
             params = await trio.to_thread.run_sync(parse_chat_body, body, settings.max_tokens_limit)
             check_replies(1, params.n, settings.serve_request_replies)
             params.model = await self.resolve(params.model, user)
-            inside, tool_family = await self._submit(params, user.id, ring_requests)
+            inside, tool_family = await self._submit(params, user, ring_requests)
             # a client that leaves meanwhile cancels them all
             if await self.leader.serving.wait_started(ring_requests, request.receive):
                 return None
@@ -130,7 +130,7 @@ class OpenAIRoutes:
                 choice.tools = ToolCallSplitter(tool_family)
         return params, choices
 
-    async def _submit(self, params: ChatParams, owner: int, out: list[Request]) -> tuple[bool, str]:
+    async def _submit(self, params: ChatParams, user, out: list[Request]) -> tuple[bool, str]:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
         cancel them if a later one is refused); whether the prompt opened a thinking block, and the format of the
         model's tool calls."""
@@ -155,8 +155,8 @@ class OpenAIRoutes:
         if params.forced_tool is not None and params.tools:  # tool_choice forces a call: a grammar makes the reply one
             params.grammar = forced_grammar(params.tools, family, None if params.forced_tool == "*" else
                                             params.forced_tool)
-        await self.send(params.model, prompt, params.max_tokens, params.sampling, params, owner, out,
-                        thinking=params.thinking is not False)
+        await self.send(params.model, prompt, params.max_tokens, params.sampling, params, user.id, out,
+                        thinking=params.thinking is not False, token_id=user.token_id)
         return inside, family
 
     async def resolve(self, name: str, user) -> str:
@@ -176,7 +176,8 @@ class OpenAIRoutes:
         return manifest, leader.models_root / name
 
     async def send(self, name: str, prompt: list[int], max_tokens: int | None, asked: dict, params, owner: int,
-                   out: list[Request], thinking: bool = True, prompt_logprobs: int | None = None) -> None:
+                   out: list[Request], thinking: bool = True, prompt_logprobs: int | None = None,
+                   token_id: int | None = None) -> None:
         """``params.n`` requests for ``prompt`` on their way to the ring, appended to ``out``: the sampling asked for
         over the model's defaults, choice i seeded from the request's seed (choice 0 is the reply n=1 gets)."""
         leader = self.leader
@@ -201,14 +202,16 @@ class OpenAIRoutes:
         first = to_sampling(sampling, params.logprobs, prompt_logprobs, grammar, think)
         if first.temperature <= 0:
             # Greedy choices are one reply: it runs once on the ring and every choice reads it.
-            request = Request(model=name, prompt=prompt, max_tokens=max_tokens, sampling=first, eos=eos, owner=owner)
+            request = Request(model=name, prompt=prompt, max_tokens=max_tokens, sampling=first, eos=eos, owner=owner,
+                              token_id=token_id)
             out.extend([await leader.serving.submit(request)] * params.n)
             return
         choices = []
         for i in range(params.n):
             seed = first.seed if i == 0 or first.seed is None else choice_seed(first.seed, i)
             choices.append(Request(model=name, prompt=prompt, max_tokens=max_tokens,
-                                   sampling=dataclasses.replace(first, seed=seed), eos=eos, owner=owner))
+                                   sampling=dataclasses.replace(first, seed=seed), eos=eos, owner=owner,
+                                   token_id=token_id))
         if len(choices) > 1 and prompt_logprobs is None:
             # One group: the ring prefills the prompt once and copies its cache to each choice. (Prompt logprobs come
             # from the prefill's rows, which a group computes under its carrier: such choices run on their own.)

@@ -64,6 +64,7 @@ class Request:
     id: str = ""  # stable across attempts
     rid: str = ""  # this attempt, on the ring
     owner: int | None = None  # the user who sent it
+    token_id: int | None = None  # the API token it came with (quotas and usage count per token); None: a session
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)  # one per token, when asked
     prompt_logprobs: list[messages.TokenLogprob] = dataclasses.field(default_factory=list)  # prompt tokens 1, 2...

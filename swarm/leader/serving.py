@@ -42,6 +42,7 @@ from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too
 if TYPE_CHECKING:
     from swarm.leader.direct_links import DirectLinkCoordinator
     from swarm.leader.fellows import FellowConn, FellowHub
+    from swarm.leader.quotas import QuotaBook
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Serving:
         self.models_root = models_root
         self.relay = relay
         self.hub: FellowHub | None = None  # set by the app
+        self.quotas: QuotaBook | None = None  # set by the app: per user and token limits (swarm.leader.quotas)
         self.nursery: trio.Nursery | None = None  # set while the leader serves: background work
         self.direct_links: DirectLinkCoordinator | None = None  # set by the app
         self.models: dict[str, ModelServing] = {}
@@ -291,13 +293,14 @@ class Serving:
     async def submit_group(self, requests: list[Request]) -> list[Request]:
         """Sampled choices of one prompt, as :meth:`submit`, started together so that the ring prefills the prompt
         once (RequestBook.submit_group)."""
-        for request in requests:
-            await self.check(request)
+        for i, request in enumerate(requests):
+            await self.check(request, group=len(requests) if i == 0 else 0)  # the quotas count the group once
         self._perform(self.book.submit_group(requests))
         return requests
 
-    async def check(self, request: Request) -> None:
-        """Refuses ``request`` when its model is not served, it is longer than the pool, or the queue is full."""
+    async def check(self, request: Request, group: int = 1) -> None:
+        """Refuses ``request`` when its model is not served, it is longer than the pool, its user or API token is
+        over a quota (counting ``group`` requests of its kind), or the queue is full."""
         serving = self.models.get(request.model)
         if serving is None and request.model in self.reload_on_request:
             log.info("loading %s again for a request (it was unloaded while idle)", request.model)
@@ -309,6 +312,8 @@ class Serving:
                 f"chat page), then send the request again."
             )
         self.check_context(request.model, request.need, len(request.prompt), request.max_tokens)
+        if self.quotas is not None:
+            self.quotas.check(request, serving.pool_id, group)
         limit = self.settings.serve_queue_limit
         if self.book.queued(request.model) >= limit:
             wait = self.book.retry_after(request.model)

@@ -31,6 +31,8 @@ class User:
     name: str
     is_admin: bool
     created_at: float
+    # the API token a request came with (swarm.store api_token_user); None: a session. Not part of who the user is.
+    token_id: int | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,10 @@ class AccountsMixin(StoreCore):
     def delete_user(self, user_id: int) -> bool:
         """Delete a user with their chats, API tokens, sessions and login links (foreign keys cascade)."""
         with self._tx() as db:
+            tokens = [r["id"] for r in db.execute("SELECT id FROM api_tokens WHERE user_id = ?", (user_id,))]
+            for token_id in tokens:  # their quotas go with them (quotas has no foreign keys: its subjects vary)
+                db.execute("DELETE FROM quotas WHERE scope = 'token' AND subject_id = ?", (token_id,))
+            db.execute("DELETE FROM quotas WHERE scope = 'user' AND subject_id = ?", (user_id,))
             return db.execute("DELETE FROM users WHERE id = ?", (user_id,)).rowcount > 0
 
     # --- browser sessions and login links ----------------------------------------------------------------------------
@@ -207,17 +213,18 @@ class AccountsMixin(StoreCore):
         return plaintext, self._api_token(row)
 
     def api_token_user(self, plaintext: str) -> User | None:
+        """The token's user, with ``token_id`` set to the token's id (quotas and usage count per token too)."""
         digest = sha256_hex(plaintext)
         with self._tx() as db:
             row = db.execute(
-                "SELECT users.* FROM api_tokens JOIN users ON users.id = api_tokens.user_id "
-                "WHERE api_tokens.token_hash = ?",
+                "SELECT users.*, api_tokens.id AS api_token_id FROM api_tokens "
+                "JOIN users ON users.id = api_tokens.user_id WHERE api_tokens.token_hash = ?",
                 (digest,),
             ).fetchone()
             if row is None:
                 return None
             db.execute("UPDATE api_tokens SET last_used_at = ? WHERE token_hash = ?", (self._now(), digest))
-        return self._user(row)
+        return dataclasses.replace(self._user(row), token_id=row["api_token_id"])
 
     def list_api_tokens(self, user_id: int) -> list[ApiToken]:
         rows = self._all("SELECT * FROM api_tokens WHERE user_id = ? ORDER BY id", (user_id,))
@@ -226,6 +233,8 @@ class AccountsMixin(StoreCore):
     def delete_api_token(self, user_id: int, token_id: int) -> bool:
         with self._tx() as db:
             cur = db.execute("DELETE FROM api_tokens WHERE id = ? AND user_id = ?", (token_id, user_id))
+            if cur.rowcount > 0:
+                db.execute("DELETE FROM quotas WHERE scope = 'token' AND subject_id = ?", (token_id,))
             return cur.rowcount > 0
 
     # --- pool membership ---------------------------------------------------------------------------------------------

@@ -184,6 +184,19 @@ MIGRATIONS: list[str] = [
     UPDATE join_tokens SET pool_id = (SELECT id FROM pools WHERE name = 'default')
         WHERE EXISTS (SELECT 1 FROM pools WHERE name = 'default');
     """,
+    # Quotas and usage (issue 39): limits per pool (its users' default), per user and per API token; the serving
+    # history says which token each request came with, so usage reads per user, token and model.
+    """
+    CREATE TABLE quotas (
+        scope TEXT NOT NULL,
+        subject_id INTEGER NOT NULL,
+        limits_json TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (scope, subject_id)
+    );
+    ALTER TABLE serving_history ADD COLUMN token_id INTEGER;
+    CREATE INDEX serving_history_user_ended ON serving_history(user_id, ended_at);
+    """,
 ]
 
 

@@ -22,6 +22,7 @@ from swarm.store.chats import Chat, ChatLimitReached, ChatsMixin, ChatSummary, C
 from swarm.store.core import MAX_CHAT_BYTES, MAX_CHATS_PER_USER, MIGRATIONS
 from swarm.store.fleet import DEFAULT_POOL, Fellow, FleetMixin, JoinToken, Model, Pool
 from swarm.store.history import HistoryMixin, ServedRequest
+from swarm.store.quotas import Quota, QuotasMixin, UsageRow
 
 __all__ = [
     "DEFAULT_POOL",
@@ -39,14 +40,16 @@ __all__ = [
     "JoinToken",
     "Model",
     "Pool",
+    "Quota",
     "ServedRequest",
     "Store",
+    "UsageRow",
     "User",
     "leader_store",
 ]
 
 
-class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin):
+class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin, QuotasMixin):
     """The leader's database. Methods block; call them through ``trio.to_thread.run_sync`` from async code.
 
     ``password_hasher`` defaults to argon2-cffi's; ``max_chats_per_user`` and ``max_chat_bytes`` to the seed's

@@ -166,6 +166,7 @@ class FleetMixin(StoreCore):
                     f"pool {row['name']!r} still has {fellows} fellow{'s' if fellows != 1 else ''} and {models} "
                     f"model{'s' if models != 1 else ''}; remove them first (swarm admin remove-fellow ID; "
                     "a model goes with its folder under the data dir).", "pool_not_empty")
+            db.execute("DELETE FROM quotas WHERE scope = 'pool' AND subject_id = ?", (pool_id,))
             db.execute("DELETE FROM pools WHERE id = ?", (pool_id,))
         return self._pool(row)
 

@@ -33,6 +33,7 @@ class ServedRequest:
     queue_ms: float | None = None
     user_id: int | None = None
     error: str | None = None
+    token_id: int | None = None  # the API token it came with; None: the page (a session) or the CLI's admin token
     timing: dict[str, Any] | None = None  # the reply's swarm.timing as the leader had it (the fellows' split)
 
     @property
@@ -43,15 +44,15 @@ class ServedRequest:
         return (self.reply_tokens - 1) / self.tokens_per_s
 
 
-_COLUMNS = ("id", "model", "user_id", "started_at", "ended_at", "outcome", "prompt_tokens", "reply_tokens", "ttft_ms",
-            "tokens_per_s", "queue_ms", "error", "timing_json")
+_COLUMNS = ("id", "model", "user_id", "token_id", "started_at", "ended_at", "outcome", "prompt_tokens", "reply_tokens",
+            "ttft_ms", "tokens_per_s", "queue_ms", "error", "timing_json")
 
 
 class HistoryMixin(StoreCore):
     def add_served_requests(self, records: list[ServedRequest]) -> None:
         """Keep ``records`` (one transaction for the batch); a record whose id is kept already replaces it."""
-        rows = [(r.id, r.model, r.user_id, r.started_at, r.ended_at, r.outcome, r.prompt_tokens, r.reply_tokens,
-                 r.ttft_ms, r.tokens_per_s, r.queue_ms, r.error,
+        rows = [(r.id, r.model, r.user_id, r.token_id, r.started_at, r.ended_at, r.outcome, r.prompt_tokens,
+                 r.reply_tokens, r.ttft_ms, r.tokens_per_s, r.queue_ms, r.error,
                  json.dumps(r.timing, separators=(",", ":")) if r.timing is not None else None) for r in records]
         if not rows:
             return
