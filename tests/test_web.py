@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -372,6 +373,48 @@ def test_admin_page(bg, browser):
     expect(page.locator("dialog .token-once")).to_contain_text(f"curl -fsSL \"{bg.swarm.url}/install.sh?token=swj1.")
     shot(page, "admin")
     page.locator("dialog").get_by_role("button", name="Done").click()
+    page.context.close()
+
+
+def test_a_user_over_a_quota_is_told_when_to_chat_again_and_the_admin_sees_usage(bg, browser):
+    page = signed_in_page(bg, browser, max_tokens=8)
+    box = page.locator("#composer-input")
+    box.fill("Hello")
+    box.press("Enter")
+    expect(page.locator(".msg.assistant .speed")).to_contain_text("tokens/s", timeout=60_000)
+    assert api(bg, "PUT", "/api/v1/quotas/user/admin", json={"completion_tokens_per_day": 1}).status_code == 200
+    try:
+        box.fill("Hello again")
+        box.press("Enter")
+        refused = page.locator(".msg.assistant .msg-error").last
+        expect(refused).to_contain_text(
+            re.compile(r"you have used \d+ of the 1 completion tokens per day .* your account allows"))
+        expect(refused).to_contain_text(re.compile(r"You can send again at \d\d:\d\d:\d\d UTC \(in 2\d h"))
+    finally:
+        assert api(bg, "DELETE", "/api/v1/quotas/user/admin").status_code == 200
+
+    # the admin page: usage per period as a chart and a table; quotas set and removed from the form
+    bg.sync(bg.swarm.leader.store.create_user, "quota-user", "a long enough password")
+    for _ in range(40):  # finished requests reach the store a few seconds after their reply
+        if api(bg, "GET", "/api/v1/usage").json()["rows"]:
+            break
+        time.sleep(0.25)
+    page.goto(f"{bg.swarm.url}/admin")
+    expect(page.locator("#usage-table")).to_contain_text("admin · ")
+    assert page.locator("#usage-chart svg rect.completion").count() >= 1
+    assert "format=csv" in page.locator("#usage-csv").get_attribute("href")
+    page.select_option("#quota-scope", "user")
+    page.fill("#quota-ref", "quota-user")
+    page.fill("#quota-concurrent_requests", "2")
+    page.fill("#quota-completion_tokens_per_day", "50000")
+    page.get_by_role("button", name="Set quota").click()
+    expect(page.locator("#quotas-table")).to_contain_text("User quota-user")
+    expect(page.locator("#quotas-table")).to_contain_text("50,000 completion tokens/day, 2 at once")
+    shot(page, "admin-usage")
+    page.get_by_role("button", name="Remove the quota of User quota-user").click()
+    expect(page.locator("#quotas-table")).to_contain_text("No quotas")
+    assert api(bg, "GET", "/api/v1/quotas").json()["quotas"] == []
+    assert not page.errors, page.errors
     page.context.close()
 
 

@@ -158,6 +158,8 @@ class QuotaBook:
         if used + need <= limit:
             return
         what = f"{limit:,} {kind} tokens per {'minute' if window == MINUTE else 'day'} ({name})"
+        if need > limit and kind == "completion":  # a limit of 0: no replies at all
+            raise QuotaExceeded(f"{whose} allows no replies ({name} is 0); ask an admin to raise the limit.", None)
         if need > limit:
             raise QuotaExceeded(
                 f"this prompt alone is {need:,} tokens, more than the {what} {whose} allows, so it cannot be sent "

@@ -1,7 +1,9 @@
-// The admin page: users, pools, fellows (hardware, state, standby), join tokens, the Direct links and Hot cover switches.
+// The admin page: users, pools, fellows (hardware, state, standby), join tokens, usage and quotas (admin_usage.js),
+// the Direct links and Hot cover switches.
 import { api, get, post, del, setCsrf } from "./api.js";
 import { h, formatWhen } from "./dom.js";
 import { confirmAction, showOnce, showError } from "./ui.js";
+import { initUsage, loadUsage } from "./admin_usage.js";
 
 const $ = (id) => document.getElementById(id);
 let me;
@@ -210,10 +212,11 @@ async function main() {
     try { await api("PUT", "/api/v1/settings/hot-cover", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
     loadHotCover();
   });
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover()]);
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), initUsage()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
+  setInterval(() => loadUsage().catch(() => {}), 60_000);
 }
 
 main().catch((err) => { if (err?.status !== 401) showError(`The page could not start: ${err.message}`); });
