@@ -183,11 +183,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
     from swarm.model_import import ensure_imported
     from swarm.stage import int4_kernel
     from swarm.stage.quantize import KINDS, quantize_model
-    from swarm.stage.reference import load_reference_model
 
     ensure_imported("smollm2-135m-instruct", args.data_dir / "leader", "smollm2-135m-instruct", show_progress=False)
     model_dir = args.data_dir / "leader" / "models" / "smollm2-135m-instruct"
