@@ -75,9 +75,8 @@ def other_paths(base):
     import torch
     from torch import nn
 
-    from swarm.stage.quantize import cpu_modules, quantize_linears
+    from swarm.stage.quantize import quantize_linears
 
-    int8, _ = cpu_modules()
 
     def dynamic_int8():  # torch.ao: int8 weights, activations quantized per pass (fbgemm/oneDNN)
         model = copy.deepcopy(base)
@@ -115,7 +114,6 @@ def other_paths(base):
     def bfloat16():
         return copy.deepcopy(base).to(torch.bfloat16)
 
-    del int8
     return {
         "bfloat16 (not a kind)": bfloat16,
         "int8 dynamic (torch.ao), layers": dynamic_int8,
