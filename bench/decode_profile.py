@@ -84,10 +84,9 @@ def instrument(clock: Clock) -> None:
 
     from swarm.stage import execute
     from swarm.stage import slice as stage_slice
-    from swarm.stage.quantize import cpu_modules
+    from swarm.stage.quantize import Int4Linear, Int8Linear
 
-    int8, int4 = cpu_modules()
-    for cls, name in ((nn.Linear, "linear (float32)"), (int8, "linear (int8)"), (int4, "linear (int4)")):
+    for cls, name in ((nn.Linear, "linear (float32)"), (Int8Linear, "linear (int8)"), (Int4Linear, "linear (int4)")):
         cls.forward = clock.wrap(name, cls.forward)
     ml.LlamaRMSNorm.forward = clock.wrap("rmsnorm", ml.LlamaRMSNorm.forward)
     ml.LlamaMLP.forward = clock.wrap("mlp: act, product", ml.LlamaMLP.forward)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # swarm, and tests/reference_model.py
 
 PROMPT = "The three largest cities of France are"
 
@@ -59,8 +60,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - loaded before the RSS baseline
 
+    from reference_model import load_reference_model
     from swarm.stage import LocalRing, StageModel, stage_specs
-    from swarm.stage.reference import load_reference_model
     from swarm.store.importer import import_model
 
     print(f"machine: {machine()}")

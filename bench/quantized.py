@@ -75,9 +75,8 @@ def other_paths(base):
     import torch
     from torch import nn
 
-    from swarm.stage.quantize import cpu_modules, quantize_linears
+    from swarm.stage.quantize import quantize_linears
 
-    int8, _ = cpu_modules()
 
     def dynamic_int8():  # torch.ao: int8 weights, activations quantized per pass (fbgemm/oneDNN)
         model = copy.deepcopy(base)
@@ -115,7 +114,6 @@ def other_paths(base):
     def bfloat16():
         return copy.deepcopy(base).to(torch.bfloat16)
 
-    del int8
     return {
         "bfloat16 (not a kind)": bfloat16,
         "int8 dynamic (torch.ao), layers": dynamic_int8,
@@ -183,11 +181,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
     from swarm.model_import import ensure_imported
     from swarm.stage import int4_kernel
     from swarm.stage.quantize import KINDS, quantize_model
-    from swarm.stage.reference import load_reference_model
 
     ensure_imported("smollm2-135m-instruct", args.data_dir / "leader", "smollm2-135m-instruct", show_progress=False)
     model_dir = args.data_dir / "leader" / "models" / "smollm2-135m-instruct"

@@ -53,7 +53,7 @@ class Settings:
     # reply) any model serves: a model's served context is its own, capped by this
     serve_context_tokens: int = 4096
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
-    max_tokens_limit: int = 4096  # hard cap on max_tokens per request
+    max_tokens_limit: int = 4096  # SWARM_MAX_TOKENS_LIMIT: the most tokens one reply may ask for (max_tokens)
     rendezvous_port: int | None = None  # SWARM_RENDEZVOUS_PORT: UDP port telling fellows their public address
     direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
     request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
@@ -84,10 +84,9 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}  # each parsed to its field's type by _parse
+        names = cls.variables()
         for field in dataclasses.fields(cls):
-            name = "SWARM_" + field.name.upper()
-            if field.name == "leader_url":
-                name = "SWARM_LEADER"
+            name = names[field.name]
             raw = env.get(name)
             if raw is None or raw == "":
                 continue
@@ -95,6 +94,12 @@ class Settings:
         settings = cls(**values)
         settings.validate()
         return settings
+
+    @classmethod
+    def variables(cls) -> dict[str, str]:
+        """Each setting's field name -> the SWARM_* variable it is read from (the README's settings table)."""
+        return {f.name: "SWARM_LEADER" if f.name == "leader_url" else "SWARM_" + f.name.upper()
+                for f in dataclasses.fields(cls)}
 
     def validate(self) -> None:
         if self.pipeline_transport not in ("auto", "direct", "relay"):
@@ -152,8 +157,3 @@ def _parse(name: str, raw: str, annotation: object) -> object:
         return raw
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind.split()[0]}; fix or unset it.") from None
-
-
-def settings() -> Settings:
-    """The settings of this process, read from the environment."""
-    return Settings.from_env()

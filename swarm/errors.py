@@ -54,6 +54,12 @@ class UnsupportedArchitecture(ModelError):
     """The model's architecture is not one the stage code can slice into layers."""
 
 
+class KernelMismatch(ModelError, ValueError):
+    """swarm's compiled kernel was handed a tensor of the wrong shape, dtype, layout or device, or was built with
+    another struct layout than its Python mirror: a bug in swarm, refused before the C code could corrupt memory.
+    A ValueError too, as torch's own operations raise one for such inputs."""
+
+
 class ModelNotFound(ModelError):
     """No model of that name is in the catalogue."""
 

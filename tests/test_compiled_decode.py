@@ -181,9 +181,9 @@ def test_drafting_at_int4_fast_keeps_the_reply_without_drafting_to_the_bit(tiny_
     passes = []
     step = compiled_decode.CompiledStep.step
 
-    def counted(self, x, cos, sin, caches, sizes=None):
+    def counted(self, x, cos, sin, caches, sizes=None, **kwargs):
         passes.append(max(sizes or [1]))
-        return step(self, x, cos, sin, caches, sizes)
+        return step(self, x, cos, sin, caches, sizes, **kwargs)
 
     monkeypatch.setattr(compiled_decode.CompiledStep, "step", counted)
     ring = LocalRing(stages, prefill_chunk=4)

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from exactness import check_reply, reference
+from reference_model import load_reference_model
 from swarm.errors import PlacementError
 from swarm.leader.admission import budget
 from swarm.leader.draft_model import (
@@ -23,7 +24,6 @@ from swarm.leader.draft_model import (
 from swarm.leader.placement import DraftSize, FellowCapacity, ModelSize, place
 from swarm.stage import LocalRing, StageModel, StageSpec, drafting, stage_specs
 from swarm.stage.draft_model import DraftModel
-from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]

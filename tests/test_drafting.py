@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from exactness import check_reply, reference
+from reference_model import load_reference_model
 from swarm import messages
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.drafting import propose
-from swarm.stage.reference import load_reference_model
 from swarm.stage.sampling import SamplingParams, accept_drafted, token_generator
 from swarm.store.manifest import load_manifest
 

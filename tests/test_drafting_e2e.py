@@ -23,8 +23,8 @@ TOKENS = 32
 
 
 async def test_code_edit_with_drafting_is_generate_in_fewer_passes(tmp_path, smollm_model_dir):
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.reference import load_reference_model
 
     model = smollm_model_dir.name
     ids = encode_chat(smollm_model_dir, EDIT, None)

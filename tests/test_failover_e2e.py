@@ -23,8 +23,8 @@ TOKENS = 200
 
 @pytest.fixture(scope="module")
 def expected(smollm_model_dir):
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     prompt = encode_chat(smollm_model_dir, PROMPT, None)

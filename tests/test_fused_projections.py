@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm.stage.quantize import (
-    fused_part,
+    FusedPart,
     module_bytes,
     quantize_linear,
     quantize_linears,
@@ -34,7 +34,7 @@ def test_fused_parts_compute_what_each_layer_quantized_alone_computes(kind):
     plain = _Projections()
     alone = {name: quantize_linear(getattr(plain, name), kind) for name in ("q_proj", "k_proj", "v_proj")}
     fused = quantize_linears(_Projections(), kind)
-    part = fused_part()
+    part = FusedPart
     assert all(isinstance(getattr(fused, n), part) for n in ("q_proj", "k_proj", "v_proj"))
     assert not isinstance(fused.o_proj, part)  # o reads the attention's output: a layer of its own
     assert fused.q_proj.fused is fused.k_proj.fused is fused.v_proj.fused
@@ -60,4 +60,4 @@ def test_only_cpu_layers_of_one_shape_are_fused():
     module.gate_proj = nn.Linear(64, 96, bias=False)
     module.up_proj = nn.Linear(64, 96, bias=True)  # a bias on one of them only: not one matrix
     quantize_linears(module, "int8")
-    assert not isinstance(module.gate_proj, fused_part()) and not isinstance(module.up_proj, fused_part())
+    assert not isinstance(module.gate_proj, FusedPart) and not isinstance(module.up_proj, FusedPart)

@@ -14,9 +14,9 @@ import torch
 import trio
 
 from harness import running_swarm
+from reference_model import load_reference_model
 from swarm import messages
 from swarm.leader.requests import Reader, Request
-from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
 pytestmark = [

@@ -89,7 +89,7 @@ async def test_the_linux_script_installs_swarm_from_the_leader_and_joins(tmp_pat
         assert command == f'"{swarm_home}/venv/bin/swarm" join {s.url} --data-dir "{swarm_home}/fellow"'
         if "no systemd user session here" in out:  # a container: start it as the unit would
             args = [a.strip('"') for a in command.split(" ")]
-            proc = await trio.lowlevel.open_process(args, env={**env, "SWARM_SERVICE": "1"}, cwd=tmp_path,
+            proc = await trio.lowlevel.open_process(args, env=env, cwd=tmp_path,
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 await wait_until(lambda: any(c.name == "pc-1" for c in s.leader.hub.online.values()), 90)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swarm.stage import int4_kernel
-from swarm.stage.quantize import cpu_modules, quantize_linears
+from swarm.stage.quantize import Int4Linear, quantize_linears
 
 pytestmark = pytest.mark.skipif(int4_kernel.kernel() is None, reason="no C compiler here to build the kernel")
 
@@ -92,7 +92,6 @@ def test_the_steps_exponential_is_exp_to_float_rounding():
 
 
 def test_int4_fast_layers_take_the_kernel_and_nf4_keeps_torchs():
-    _, Int4Linear = cpu_modules()
     linear = torch.nn.Linear(576, 96, bias=True)
     fast = quantize_linears(torch.nn.Linear(576, 96).requires_grad_(False), "int4-fast")
     assert fast.kernel is not None and "kernel" in repr(fast)

@@ -90,8 +90,8 @@ for line in sys.stdin:
 
 @pytest.fixture(scope="module")
 def reference(smollm_model_dir):
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": PROMPT}], None)
@@ -540,8 +540,8 @@ def test_j_routers_that_answer_strangers_still_punch_with_a_coordinated_low_ttl_
 def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, results, smollm_model_dir):
     """Direct links switched on while a long reply streams over the relay: the hop moves to the tunnel between two
     tokens and the reply is still exactly generate's."""
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.reference import load_reference_model
 
     long_prompt, n = "Write a long story about a lighthouse keeper.", 160
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import TINY_MODELS
+from reference_model import load_reference_model
 from swarm.stage import LocalRing, StageModel, lean_decode, stage_specs
-from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 from test_stage_slicing import NEW_TOKENS, PREFILL_CHUNK, PROMPTS, reference_reply
 

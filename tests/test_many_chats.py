@@ -13,9 +13,9 @@ import trio
 
 from exactness import check_reply, reference
 from harness import running_swarm
+from reference_model import load_reference_model
 from swarm import messages
 from swarm.leader.requests import Reader, Request
-from swarm.stage.reference import load_reference_model
 
 pytestmark = pytest.mark.e2e
 

@@ -98,8 +98,8 @@ async def test_stop_strings_across_tokens_and_chunks_and_refused_parameters(tmp_
 async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
     import torch
 
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import load_tokenizer
-    from swarm.stage.reference import load_reference_model
 
     name = scripted_dir.name
     seen = []
@@ -200,7 +200,7 @@ async def test_the_built_in_model_sampled_choices_and_filtered_logprobs(tmp_path
     sampled reply are transformers' log_softmax after its warpers; a frequency penalty changes a greedy reply."""
     import torch
 
-    from swarm.stage.reference import load_reference_model
+    from reference_model import load_reference_model
     from swarm.stage.sampling import SamplingParams
 
     name = smollm_model_dir.name

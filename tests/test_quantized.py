@@ -54,10 +54,9 @@ def test_cpu_4bit_linear_holds_half_a_byte_per_weight_and_stays_close(kind):
 
 
 def test_a_layer_whose_inputs_do_not_fill_whole_groups_keeps_8_bits():
-    from swarm.stage.quantize import cpu_modules, quantize_linear
+    from swarm.stage.quantize import Int8Linear, quantize_linear
 
-    int8, _ = cpu_modules()
-    assert isinstance(quantize_linear(_linear(64, 48), "int4-fast"), int8)
+    assert isinstance(quantize_linear(_linear(64, 48), "int4-fast"), Int8Linear)
 
 
 def test_unknown_kind_is_a_bad_request():
@@ -72,9 +71,9 @@ def test_unknown_kind_is_a_bad_request():
 @pytest.mark.parametrize("kind", QUANTIZED)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_quantized_ring_over_two_stages_is_the_quantized_model_in_one_process(tiny_model_dirs, family, kind):
+    from reference_model import load_reference_model
     from swarm.stage.local import LocalRing
     from swarm.stage.quantize import quantize_model
-    from swarm.stage.reference import load_reference_model
     from swarm.stage.slice import StageModel, stage_specs
 
     model_dir = tiny_model_dirs[family]
@@ -171,9 +170,9 @@ PROMPT = "Write a haiku about the sea."
 async def test_quantized_loads_over_two_fellows_reply_as_the_same_quantization_in_one_process(
     tmp_path, smollm_model_dir
 ):
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
     from swarm.stage.quantize import quantize_model
-    from swarm.stage.reference import load_reference_model
 
     name = smollm_model_dir.name
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": PROMPT}], None)

@@ -19,8 +19,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference(smollm_model_dir):
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     out = {}

@@ -11,9 +11,9 @@ import trio
 
 from conftest import TINY_MODELS
 from harness import running_swarm
+from reference_model import load_reference_model
 from swarm import messages
 from swarm.leader.requests import Reader, Request
-from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
 pytestmark = pytest.mark.e2e

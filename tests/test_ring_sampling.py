@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from reference_model import load_reference_model
 from swarm import messages
 from swarm.stage import LocalRing, StageModel, stage_specs
-from swarm.stage.reference import load_reference_model
 from swarm.stage.sampling import SamplingParams
 from swarm.store.manifest import load_manifest
 

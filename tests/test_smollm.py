@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reference_model import load_reference_model
 from swarm.stage import LocalRing, StageModel, stage_specs
-from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
 pytestmark = pytest.mark.e2e

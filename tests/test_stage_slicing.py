@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_MODELS
+from reference_model import load_reference_model
 from swarm import model_format
 from swarm.errors import ModelError
 from swarm.stage import LocalRing, StageModel, StageSpec, architectures, stage_specs
 from swarm.stage.local import forward_through
-from swarm.stage.reference import load_reference_model
 from swarm.store.manifest import load_manifest
 
 PROMPTS = [

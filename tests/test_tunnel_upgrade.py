@@ -19,8 +19,8 @@ LONG_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def long_reference(smollm_model_dir):
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.reference import load_reference_model
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": LONG}], None)

@@ -54,8 +54,8 @@ def build_prompts(model_dir: Path, lengths: list[int], max_tokens: int, eos: lis
     import torch
 
     from exactness import reference
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat, load_tokenizer
-    from swarm.stage.reference import load_reference_model
 
     tokenizer = load_tokenizer(str(model_dir))
     model = load_reference_model(model_dir, dtype=torch.float32)

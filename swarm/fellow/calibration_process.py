@@ -102,7 +102,7 @@ def lower_priority() -> None:
     if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:
+        except OSError:  # refused (a container's seccomp, say): nice 19 alone
             pass
 
 
@@ -115,7 +115,7 @@ def cap_cpu(cpu_s: float) -> None:
     limit = hard_limit_s(cpu_s)
     try:
         resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
-    except (ValueError, OSError):
+    except (ValueError, OSError):  # a lower hard limit is already set: the cooperative budget alone
         pass
 
 

@@ -39,7 +39,7 @@ def nvidia_gpus() -> list[Gpu]:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
+        except pynvml.NVMLError:  # NVML did not start (no driver): nothing to shut down
             pass
 
 

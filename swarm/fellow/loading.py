@@ -39,7 +39,7 @@ class LoadProgress:
         try:
             await self.fellow.send_to_leader({"t": "load_progress", "model": self.model, "load_id": self.load_id,
                                               "phase": phase, "fraction": round(fraction, 4)})
-        except SwarmError:
+        except SwarmError:  # progress is for the page only: a lost link must not stop the load
             pass
 
     async def pump(self) -> None:
@@ -86,14 +86,14 @@ class StageLoader:
                 stage_model = await self._fetch_and_build(message, progress)
             except BaseExceptionGroup as group:
                 raise first_leaf(group) from None
-        except Exception as exc:
+        except Exception as exc:  # any failure is told to the leader (load_failed); the fellow runs on
             if not isinstance(exc, SwarmError):
                 log.exception("loading %s failed", model)
             text = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
             try:
                 await fellow.send_to_leader({"t": "load_failed", "model": model, "load_id": load_id,
                                              "message": f"stage {message['stage']['index']} on {fellow.name}: {text}"})
-            except SwarmError:
+            except SwarmError:  # the leader is out of reach: the heartbeat once it is back says what is held
                 pass
             return
         await self._serve(message, stage_model)
@@ -267,7 +267,7 @@ def _free_memory(stage_model) -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except ImportError:
+    except ImportError:  # no torch: no CUDA cache to give back
         pass
 
 

@@ -147,7 +147,7 @@ class LoadedStage:
             try:
                 await fellow.send_to_leader({"t": "hop_lost", "model": self.model, "hop_id": hop.config.hop_id,
                                              "path": hop.path})
-            except SwarmError:
+            except SwarmError:  # the link to the leader is down: the heartbeat after it is back reports the hops
                 pass
 
         hop.on_lost = lost
@@ -172,7 +172,7 @@ class LoadedStage:
             try:
                 await self.fellow.send_to_leader({"t": "unloaded", "model": self.model, "load_id": self.load_id,
                                                   "reason": "idle"})
-            except SwarmError:
+            except SwarmError:  # the leader is out of reach: the heartbeat once it is back says what is held
                 pass
             self.fellow.unload(self.model)  # cancels this task too
             return

@@ -136,7 +136,7 @@ class FellowUpdater:
             log.error("swarm update failed: %s", exc)
             try:
                 await fellow.send_to_leader({"t": "update_failed", "message": str(exc)[:500]})
-            except SwarmError:
+            except SwarmError:  # the link to the leader is down: the failure is in this fellow's log, it runs on
                 pass
             return
         finally:

@@ -35,7 +35,9 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import DynamicCache
 
+from swarm.errors import KernelMismatch
 from swarm.model_format import LEAN_DECODE_FAMILIES
+from swarm.stage.int4_kernel import GROUP, expect
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +90,48 @@ class CompiledStep:
             s_gate_up=gate_up.scale_zeros.data_ptr(), w_down=mlp.down_proj.packed.data_ptr(),
             s_down=mlp.down_proj.scale_zeros.data_ptr())
         self._tensors = (qkv, attn.o_proj, gate_up, mlp.down_proj)  # the buffers the pointers point into
-        self._qkv_call, self._rest_call = kernel.layer_calls()
+        self._check_weights()
+        self._qkv_call, self._rest_call = kernel.layer_calls(_Layer)
         self._queries: dict[int, torch.Tensor] = {}
 
+    def _check_weights(self) -> None:
+        """Every tensor the struct points into has the shape, dtype and layout the C step reads (KernelMismatch)."""
+        hidden, hd, inter = self.hidden, self.head_dim, self.struct.inter
+        width = (self.heads + 2 * self.kv_heads) * hd
+        for name, part, n, k in (("q, k, v", self._tensors[0], width, hidden), ("o", self._tensors[1], hidden,
+                                 self.heads * hd), ("gate, up", self._tensors[2], 2 * inter, hidden),
+                                 ("down", self._tensors[3], hidden, inter)):
+            expect(part.packed, f"layer {self.index}'s {name} weights", torch.uint8, (n, k // 2))
+            expect(part.scale_zeros, f"layer {self.index}'s {name} scales", torch.bfloat16, (n, 2, k // GROUP))
+        for name, t, size in (("input norm", self._in_norm, hidden), ("post-attention norm", self._post_norm, hidden),
+                              ("q norm", self._q_norm, hd), ("k norm", self._k_norm, hd),
+                              ("q, k, v bias", self._qkv_bias, width), ("o bias", self._o_bias, hidden)):
+            if t is not None:
+                expect(t, f"layer {self.index}'s {name}", torch.float32, (size,))
+
+    def check(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
+              sizes: list[int] | None) -> None:
+        """KernelMismatch unless the inputs are what :meth:`step` hands to C. Every layer of a stage takes the same
+        (one config), so a pass checks them once for all its layers (:func:`run_steps`)."""
+        rows, hd = x.shape[0], self.head_dim
+        expect(x, "the decode step's rows", torch.float32, (rows, self.hidden))
+        expect(cos, "the rotary cosines", torch.float32, (rows, hd))
+        expect(sin, "the rotary sines", torch.float32, (rows, hd))
+        counts = sizes or [1] * len(caches)
+        if len(counts) != len(caches) or sum(counts) != rows:
+            raise KernelMismatch(f"the compiled decode step got {rows} rows for {len(caches)} caches of "
+                                 f"{len(counts)} sizes summing to {sum(counts)}: this is a bug in swarm; report it, "
+                                 "and run with SWARM_INT4_KERNEL=0 meanwhile")
+
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
-             sizes: list[int] | None = None) -> torch.Tensor:
+             sizes: list[int] | None = None, checked: bool = False) -> torch.Tensor:
         """``x`` (rows, hidden) float32, contiguous, at the positions of ``cos`` and ``sin`` (rows, head_dim): the
         layer's output, written over ``x``. The rows are ``sizes[i]`` new rows of the request whose cache is
         ``caches[i]``, in order (one each without ``sizes``); each cache that many rows longer. A request's rows each
-        attend to its keys up to their own, so every row computes what it would as a decode step of its own."""
+        attend to its keys up to their own, so every row computes what it would as a decode step of its own.
+        ``checked``: the caller has checked the inputs (:meth:`check`)."""
+        if not checked:
+            self.check(x, cos, sin, caches, sizes)
         rows = x.shape[0]
         hd = self.head_dim
         q = self._queries.get(rows)  # scratch the first call fills and the second reads, kept per row count
@@ -111,6 +146,11 @@ class CompiledStep:
             layer = cache.layers[self.index]
             (k_room, v_room), length = _room(layer, n, self.kv_heads, hd)
             span, k_at, v_at = k_room.shape[2], k_room.data_ptr(), v_room.data_ptr()
+            # _room made the buffers (1, kv_heads, span, head_dim) and contiguous; its dtype and device are its
+            # caller's, which another path (append) may have chosen
+            if k_room.dtype != torch.float32 or v_room.dtype != torch.float32 or not k_room.is_cpu:
+                expect(k_room, "a cache's keys", torch.float32, (1, self.kv_heads, span, hd))
+                expect(v_room, "a cache's values", torch.float32, (1, self.kv_heads, span, hd))
             for j in range(n):  # the new keys and values go into the cache's buffer at their positions
                 keys[row], values[row] = k_at, v_at
                 k_rows[row], v_rows[row] = k_at + 4 * hd * (length + j), v_at + 4 * hd * (length + j)
@@ -227,8 +267,10 @@ def run_steps(steps: list[CompiledStep], rows: torch.Tensor, cos: torch.Tensor, 
     see CompiledStep.step), at the rotary tables ``cos`` and ``sin`` (rows, head_dim); the input is left as it was."""
     x = rows.clone().contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if steps:
+        steps[0].check(x, cos, sin, caches, sizes)  # once for all: the layers of a stage share their shapes
     for step in steps:
-        x = step.step(x, cos, sin, caches, sizes)
+        x = step.step(x, cos, sin, caches, sizes, checked=True)
     return x
 
 
@@ -271,6 +313,7 @@ def install(layers: Any, config: Any) -> int:
     kernel = int4_kernel.kernel()
     if kernel is None:
         return 0
+    kernel.layer_calls(_Layer)  # refused (KernelMismatch) where the C struct's layout is not the mirror's
     taken = 0
     for layer in layers:
         if getattr(layer, "compiled_step", None) is not None or not _takes_layer(layer, config):

@@ -29,6 +29,7 @@
  * over OpenMP threads (torch's own runtime: libgomp is loaded once per process).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -516,6 +517,24 @@ typedef struct {
     const uint8_t *w_down;
     const uint16_t *s_down;
 } swarm_layer;
+
+/* swarm_layer's size, then each field's offset in the order declared: the Python side (compiled_decode._Layer, a ctypes
+ * mirror of this struct) refuses to call the layer step where they differ. Writes at most n numbers; returns how many
+ * there are. */
+int swarm_layer_layout(long long *out, int n) {
+    const long long layout[] = {
+        sizeof(swarm_layer), offsetof(swarm_layer, hidden), offsetof(swarm_layer, heads),
+        offsetof(swarm_layer, kv_heads), offsetof(swarm_layer, head_dim), offsetof(swarm_layer, inter),
+        offsetof(swarm_layer, eps), offsetof(swarm_layer, scaling), offsetof(swarm_layer, in_norm),
+        offsetof(swarm_layer, post_norm), offsetof(swarm_layer, q_norm), offsetof(swarm_layer, k_norm),
+        offsetof(swarm_layer, w_qkv), offsetof(swarm_layer, s_qkv), offsetof(swarm_layer, b_qkv),
+        offsetof(swarm_layer, w_o), offsetof(swarm_layer, s_o), offsetof(swarm_layer, b_o),
+        offsetof(swarm_layer, w_gate_up), offsetof(swarm_layer, s_gate_up), offsetof(swarm_layer, w_down),
+        offsetof(swarm_layer, s_down)};
+    const int count = (int)(sizeof layout / sizeof layout[0]);
+    for (int i = 0; i < count && i < n; i++) out[i] = layout[i];
+    return count;
+}
 
 static float *layer_scratch(size_t floats) {
     static __thread float *held = NULL;

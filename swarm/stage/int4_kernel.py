@@ -33,6 +33,8 @@ from typing import Any
 import platformdirs
 import torch
 
+from swarm.errors import KernelMismatch
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_kernel.c")
@@ -63,16 +65,37 @@ class Int4Kernel:
         rest.argtypes = [pointer, pointer, number, pointer, ctypes.POINTER(pointer), ctypes.POINTER(pointer),
                          ctypes.POINTER(number), ctypes.POINTER(number), number]
         self._layer = (qkv, rest)
+        layout = lib.swarm_layer_layout
+        layout.restype = ctypes.c_int
+        layout.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
+        numbers = (ctypes.c_longlong * layout(None, 0))()
+        layout(numbers, len(numbers))
+        self.layer_layout = tuple(numbers)  # the C struct swarm_layer: its size, then each field's offset
+        self._mirrors: set[type] = set()
 
     def exp(self, x: torch.Tensor) -> torch.Tensor:
         """e^x as the C decode step's SiLU and softmax compute it (float32), for the tests."""
+        if not x.is_cpu:
+            raise _mismatch("e^x's input", "a CPU tensor", f"on {x.device}")
         x = x.float().contiguous()
         out = torch.empty_like(x)
         self._lib.swarm_exp(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.numel()), ctypes.c_void_p(out.data_ptr()))
         return out
 
-    def layer_calls(self) -> tuple[Any, Any]:
-        """The C file's decoder-layer step (swarm.stage.compiled_decode): swarm_layer_qkv and swarm_layer_rest."""
+    def layer_calls(self, mirror: type[ctypes.Structure]) -> tuple[Any, Any]:
+        """The C file's decoder-layer step (swarm.stage.compiled_decode): swarm_layer_qkv and swarm_layer_rest, once
+        ``mirror`` -- the ctypes copy of the C struct swarm_layer they take -- is checked to have its size and field
+        offsets (KernelMismatch otherwise: a struct read at the wrong offsets would follow garbage pointers)."""
+        if mirror not in self._mirrors:
+            ours = (ctypes.sizeof(mirror), *(getattr(mirror, field[0]).offset for field in mirror._fields_))
+            if ours != self.layer_layout:
+                raise KernelMismatch(
+                    f"swarm's int4 kernel ({self.path}) lays out its layer struct as {self.layer_layout[0]} bytes "
+                    f"with fields at {list(self.layer_layout[1:])}, but the Python side's mirror {mirror.__name__} "
+                    f"is {ours[0]} bytes with fields at {list(ours[1:])}, so the compiled decode step is refused: "
+                    "this is a bug in swarm (the C file and compiled_decode._Layer differ); report it, and run "
+                    "with SWARM_INT4_KERNEL=0 meanwhile")
+            self._mirrors.add(mirror)
         return self._layer
 
     @staticmethod
@@ -101,21 +124,46 @@ class Int4Kernel:
                bias: torch.Tensor | None) -> torch.Tensor:
         """x (rows, in) @ W.T (+ bias) in float32: x is taken as float32 rows, the bias where it is float32 (else
         added after)."""
+        if x.dim() != 2 or not x.is_cpu:
+            raise _mismatch("the activations", "a 2-D CPU tensor (rows, in)", _describe(x))
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         rows, k = x.shape
+        if k % PAIR:
+            raise KernelMismatch(f"the int4 kernel takes layers whose inputs are a multiple of {PAIR}, not {k}: "
+                                 "this is a bug in swarm (int4_kernel.takes decides which layers it gets)")
+        expect(packed, "the packed weights", torch.uint8, (out_features, k // 2))
+        expect(scale_zeros, "the scales and offsets", torch.bfloat16, (out_features, 2, k // GROUP))
+        if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
+            raise _mismatch("the bias", f"a CPU tensor ({out_features},)", _describe(bias))
         y = torch.empty((rows, out_features), dtype=torch.float32)
         fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
         bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
         status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scale_zeros.data_ptr(),
                           bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
-        if status == -2:
-            raise ValueError(f"the int4 kernel takes layers whose inputs are a multiple of {PAIR}, not {k}")
         if status:
             raise MemoryError(f"the int4 kernel could not allocate scratch for {rows} rows of {k} inputs")
         if bias is not None and not fused_bias:
             y = y + bias
         return y
+
+
+def expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise KernelMismatch unless ``t`` is a contiguous CPU tensor of ``dtype`` and ``shape``: what the C code reads
+    through a raw pointer. One test of four attributes where it is so (under a microsecond)."""
+    if t.dtype != dtype or t.shape != shape or not t.is_cpu or not t.is_contiguous():
+        raise _mismatch(name, f"a contiguous CPU tensor of {dtype} {tuple(shape)}", _describe(t))
+
+
+def _describe(t: torch.Tensor) -> str:
+    layout = "contiguous" if t.is_contiguous() else "not contiguous"
+    return f"{t.dtype} {tuple(t.shape)}, {layout}, on {t.device}"
+
+
+def _mismatch(name: str, wanted: str, got: str) -> KernelMismatch:
+    return KernelMismatch(f"swarm's int4 kernel takes {name} as {wanted}, not {got}: this is a bug in swarm, refused "
+                          "before the C code read the wrong memory; report it, and run with SWARM_INT4_KERNEL=0 "
+                          "meanwhile")
 
 
 def takes(in_features: int) -> bool:

@@ -519,7 +519,3 @@ class StageProtocol:
     @property
     def busy(self) -> bool:
         return bool(self.requests)
-
-
-def prompt_chunks(prompt_len: int, chunk: int) -> int:
-    return math.ceil(prompt_len / chunk)

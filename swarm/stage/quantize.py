@@ -44,8 +44,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+from torch import nn
+
 from swarm.errors import ModelError
 from swarm.quantization import INT4_GROUP, KINDS, check_kind, cuda_path, needs  # noqa: F401 (re-exported)
+from swarm.stage import int4_kernel
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +59,6 @@ log = logging.getLogger(__name__)
 def quantize_linears(module: Any, kind: str, *, skip: Iterable[str] = ()) -> Any:
     """Replace every ``nn.Linear`` inside ``module`` (at any depth) by its ``kind`` counterpart on the device its
     weight is on; ``module`` itself is returned (or its replacement, when it is a Linear itself)."""
-    from torch import nn
-
     kind = check_kind(kind)
     if kind == "none":
         return module
@@ -82,9 +84,6 @@ def _fuse_siblings(parent: Any, kind: str, skip: set[str]) -> None:
     inputs in a row), so the stacked matrix holds exactly the weights each member would hold alone. Measured on the
     built-in model (bench/decode_profile.py): a decoder layer makes 4 kernel calls instead of 7, each with its casts
     to and from bfloat16."""
-    import torch
-    from torch import nn
-
     for names in SIBLINGS:
         members = [m for m in (getattr(parent, name, None) for name in names) if isinstance(m, nn.Linear)]
         if any(name in skip for name in names) or len(members) != len(names):
@@ -103,7 +102,7 @@ def _fuse_siblings(parent: Any, kind: str, skip: set[str]) -> None:
         fused = _cpu_linear(stacked, kind)
         shared = _Computed()
         for index, name in enumerate(names):
-            setattr(parent, name, fused_part()(fused, sizes, index, shared))
+            setattr(parent, name, FusedPart(fused, sizes, index, shared))
 
 
 class _Computed:
@@ -115,43 +114,31 @@ class _Computed:
         self.input = self.parts = None
 
 
-_FUSED_PART: type | None = None
-
-
-def fused_part() -> type:
-    """The FusedPart module class (built on first use, as the CPU modules: importing this module imports no torch).
-
-    A FusedPart is one member of a fused group (q_proj of q/k/v): the first member called computes the whole stacked
+class FusedPart(nn.Module):
+    """One member of a fused group (q_proj of q/k/v): the first member called computes the whole stacked
     matrix once and keeps the parts; the members after it that are called with the same input tensor -- the decoder
     layer's own order, q then k then v -- take their part without computing, and the last one lets the parts go. A
     member called with another input (or on its own) computes the stacked matrix itself and returns its part: always
     correct, only slower."""
-    global _FUSED_PART
-    if _FUSED_PART is None:
-        from torch import nn
 
-        class FusedPart(nn.Module):
-            def __init__(self, fused: nn.Module, sizes: list[int], index: int, shared: _Computed):
-                super().__init__()
-                self.fused = fused  # the same module in every member: its buffers are held (and counted) once
-                self.sizes, self.index, self._shared = list(sizes), index, shared
-                self.in_features, self.out_features = fused.in_features, sizes[index]
+    def __init__(self, fused: nn.Module, sizes: list[int], index: int, shared: _Computed):
+        super().__init__()
+        self.fused = fused  # the same module in every member: its buffers are held (and counted) once
+        self.sizes, self.index, self._shared = list(sizes), index, shared
+        self.in_features, self.out_features = fused.in_features, sizes[index]
 
-            def forward(self, x):
-                shared = self._shared
-                if self.index == 0 or shared.input is not x or shared.parts is None:
-                    shared.parts = self.fused(x).split(self.sizes, dim=-1)
-                    shared.input = x
-                part = shared.parts[self.index]
-                if self.index == len(self.sizes) - 1:
-                    shared.input = shared.parts = None
-                return part
+    def forward(self, x):
+        shared = self._shared
+        if self.index == 0 or shared.input is not x or shared.parts is None:
+            shared.parts = self.fused(x).split(self.sizes, dim=-1)
+            shared.input = x
+        part = shared.parts[self.index]
+        if self.index == len(self.sizes) - 1:
+            shared.input = shared.parts = None
+        return part
 
-            def extra_repr(self) -> str:
-                return f"part {self.index} ({self.out_features} outputs) of {len(self.sizes)}"
-
-        _FUSED_PART = FusedPart
-    return _FUSED_PART
+    def extra_repr(self) -> str:
+        return f"part {self.index} ({self.out_features} outputs) of {len(self.sizes)}"
 
 
 def quantize_head(lm_head: Any, kind: str) -> Any:
@@ -194,13 +181,12 @@ def quantize_linear(linear: Any, kind: str) -> Any:
 
 
 def _cpu_linear(linear: Any, kind: str) -> Any:
-    int8, int4 = cpu_modules()
     if kind == "int8":
-        return int8.from_linear(linear)
+        return Int8Linear.from_linear(linear)
     if linear.in_features % INT4_GROUP:
         # The int4 kernel needs whole groups along the input; such a layer (no real model has one) keeps 8 bits.
-        return int8.from_linear(linear)
-    return int4.from_linear(linear, INT4_GROUP, fast=kind == "int4-fast")
+        return Int8Linear.from_linear(linear)
+    return Int4Linear.from_linear(linear, INT4_GROUP, fast=kind == "int4-fast")
 
 
 def _cuda_linear(linear: Any, kind: str) -> Any:
@@ -232,7 +218,6 @@ def _cuda_linear(linear: Any, kind: str) -> Any:
 
 
 def _torchao_int4(linear: Any) -> Any:
-    import torch
     from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
     # tinygemm's kernel takes bfloat16 activations and weights, in groups of 128 (torchao's default); a stage that
@@ -240,141 +225,119 @@ def _torchao_int4(linear: Any) -> Any:
     dtype = linear.weight.dtype
     quantized = copy.deepcopy(linear).to(torch.bfloat16)
     quantize_(quantized, Int4WeightOnlyConfig(group_size=128))
-    return quantized if dtype == torch.bfloat16 else _cast_around(quantized, torch.bfloat16)
+    return quantized if dtype == torch.bfloat16 else CastAround(quantized, torch.bfloat16)
 
 
-def _cast_around(module: Any, dtype: Any) -> Any:
-    from torch import nn
+class CastAround(nn.Module):
+    """``inner`` computed in ``dtype``, its output back in the input's."""
 
-    class CastAround(nn.Module):
-        def __init__(self, inner: nn.Module):
-            super().__init__()
-            self.inner = inner
+    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.compute_dtype = inner, dtype
 
-        def forward(self, x):
-            return self.inner(x.to(dtype)).to(x.dtype)
-
-    return CastAround(module)
+    def forward(self, x):
+        return self.inner(x.to(self.compute_dtype)).to(x.dtype)
 
 
 # --- the CPU modules ------------------------------------------------------------------------------------------------
 
-def _make_cpu_modules():
-    import torch
-    from torch import nn
-
-    from swarm.stage import int4_kernel
-
-    # Both kernels take their activations in bfloat16 on CPU: measured here with float32 ones they ran 5-40x slower
-    # than with bfloat16 (a generic loop instead of the AVX-512 one), slower than float32 itself.
-    ACTIVATIONS = torch.bfloat16
-    # The kernels through torch's own bindings: the same kernels as torch.ops.aten's, ~1.5 us less per call (121 calls
-    # per token for the built-in model).
-    int8_mm = getattr(torch, "_weight_int8pack_mm", torch.ops.aten._weight_int8pack_mm)
-    int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", torch.ops.aten._weight_int4pack_mm_for_cpu)
-
-    class Int8Linear(nn.Module):
-        """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
-
-        qweight: torch.Tensor  # buffers (register_buffer), declared for type checkers
-        scales: torch.Tensor
-
-        def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-            super().__init__()
-            self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
-            self.register_buffer("qweight", qweight)
-            self.register_buffer("scales", scales)
-            self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-        @classmethod
-        def from_linear(cls, linear: nn.Linear) -> nn.Module:
-            w = linear.weight.detach().float()
-            # the scale as the kernel will hold it (bfloat16), so the weights round to the grid it computes with
-            scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-30).to(ACTIVATIONS)
-            q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-            bias = linear.bias.detach() if linear.bias is not None else None
-            return cls(q.contiguous(), scales, bias)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
-
-        def rows(self, flat: torch.Tensor) -> torch.Tensor:
-            """The layer over a 2-D input (rows, in_features), in the input's dtype."""
-            y = int8_mm(flat.to(ACTIVATIONS), self.qweight, self.scales).to(flat.dtype)
-            return y + self.bias if self.bias is not None else y
-
-        def dequantized(self) -> torch.Tensor:
-            return self.qweight.float() * self.scales.float()[:, None]
-
-        def extra_repr(self) -> str:
-            return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-    class Int4Linear(nn.Module):
-        """4-bit weights in groups of ``group`` inputs, each with a scale and an offset: w = (q - 8) * scale + zero,
-        q in 0..15 (the int4 layout of torch's CPU kernel, torchao's Int4CPULayout)."""
-
-        packed: torch.Tensor  # buffers (register_buffer), declared for type checkers
-        scale_zeros: torch.Tensor
-
-        def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
-                     out_features: int, bias: torch.Tensor | None, kernel: Any = None):
-            super().__init__()
-            self.in_features, self.out_features, self.group = in_features, out_features, group
-            self.kernel = kernel  # swarm's int4 kernel (its layout), or None: torch's
-            self.register_buffer("packed", packed)
-            # torch's layout: (in / group, out, 2); swarm's kernel's: (out, 2, in / group) -- see int4_kernel.pack
-            self.register_buffer("scale_zeros", scale_zeros)
-            self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-        @classmethod
-        def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP, fast: bool = False) -> nn.Module:
-            """``fast``: computed by swarm's int4 kernel where it runs here (int4-fast), else by torch's."""
-            w = linear.weight.detach().float()
-            n, k = w.shape
-            groups = w.reshape(n, k // group, group)
-            low, high = groups.amin(-1), groups.amax(-1)
-            # scale and offset as the kernel will hold them (bfloat16), so the weights round to its grid
-            scale = ((high - low) / 15).clamp(min=1e-30).to(ACTIVATIONS)
-            zero = (low + 8 * scale.float()).to(ACTIVATIONS)
-            q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
-            bias = linear.bias.detach() if linear.bias is not None else None
-            kernel = int4_kernel.kernel() if fast and group == int4_kernel.GROUP and int4_kernel.takes(k) else None
-            if kernel is not None:
-                packed, scale_zeros = kernel.pack(q.reshape(n, k), scale, zero)
-                return cls(packed, scale_zeros, group, k, n, bias, kernel)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k).contiguous(), 1)
-            scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-            return cls(packed, scale_zeros, group, k, n, bias)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
-
-        def rows(self, flat: torch.Tensor) -> torch.Tensor:
-            """The layer over a 2-D input (rows, in_features), in the input's dtype."""
-            if self.kernel is not None:
-                y = self.kernel.matmul(flat, self.packed, self.scale_zeros, self.out_features, self.bias)
-                return y if flat.dtype == torch.float32 else y.to(flat.dtype)
-            y = int4_mm(flat.to(ACTIVATIONS), self.packed, self.group, self.scale_zeros).to(flat.dtype)
-            return y + self.bias if self.bias is not None else y
-
-        def extra_repr(self) -> str:
-            kernel = f", swarm's {self.kernel.simd} kernel" if self.kernel is not None else ""
-            return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                    f"int4 groups of {self.group}{kernel}")
-
-    return Int8Linear, Int4Linear
+# Both kernels take their activations in bfloat16 on CPU: measured here with float32 ones they ran 5-40x slower
+# than with bfloat16 (a generic loop instead of the AVX-512 one), slower than float32 itself.
+ACTIVATIONS = torch.bfloat16
+# The kernels through torch's own bindings: the same kernels as torch.ops.aten's, ~1.5 us less per call (121 calls
+# per token for the built-in model).
+int8_mm = getattr(torch, "_weight_int8pack_mm", torch.ops.aten._weight_int8pack_mm)
+int4_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", torch.ops.aten._weight_int4pack_mm_for_cpu)
 
 
-_CPU_MODULES: tuple | None = None
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + b: int8 weights, one float scale per output row (symmetric, absmax / 127)."""
 
+    qweight: torch.Tensor  # buffers (register_buffer), declared for type checkers
+    scales: torch.Tensor
 
-def cpu_modules() -> tuple:
-    """(Int8Linear, Int4Linear). They subclass nn.Module, so they are built on first use: importing this module does
-    not import torch (the fellow's hardware report calls kinds_on without it)."""
-    global _CPU_MODULES
-    if _CPU_MODULES is None:
-        _CPU_MODULES = _make_cpu_modules()
-    return _CPU_MODULES
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> nn.Module:
+        w = linear.weight.detach().float()
+        # the scale as the kernel will hold it (bfloat16), so the weights round to the grid it computes with
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-30).to(ACTIVATIONS)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls(q.contiguous(), scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer over a 2-D input (rows, in_features), in the input's dtype."""
+        y = int8_mm(flat.to(ACTIVATIONS), self.qweight, self.scales).to(flat.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+class Int4Linear(nn.Module):
+    """4-bit weights in groups of ``group`` inputs, each with a scale and an offset: w = (q - 8) * scale + zero,
+    q in 0..15 (the int4 layout of torch's CPU kernel, torchao's Int4CPULayout)."""
+
+    packed: torch.Tensor  # buffers (register_buffer), declared for type checkers
+    scale_zeros: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, in_features: int,
+                 out_features: int, bias: torch.Tensor | None, kernel: Any = None):
+        super().__init__()
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.kernel = kernel  # swarm's int4 kernel (its layout), or None: torch's
+        self.register_buffer("packed", packed)
+        # torch's layout: (in / group, out, 2); swarm's kernel's: (out, 2, in / group) -- see int4_kernel.pack
+        self.register_buffer("scale_zeros", scale_zeros)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP, fast: bool = False) -> nn.Module:
+        """``fast``: computed by swarm's int4 kernel where it runs here (int4-fast), else by torch's."""
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        groups = w.reshape(n, k // group, group)
+        low, high = groups.amin(-1), groups.amax(-1)
+        # scale and offset as the kernel will hold them (bfloat16), so the weights round to its grid
+        scale = ((high - low) / 15).clamp(min=1e-30).to(ACTIVATIONS)
+        zero = (low + 8 * scale.float()).to(ACTIVATIONS)
+        q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        kernel = int4_kernel.kernel() if fast and group == int4_kernel.GROUP and int4_kernel.takes(k) else None
+        if kernel is not None:
+            packed, scale_zeros = kernel.pack(q.reshape(n, k), scale, zero)
+            return cls(packed, scale_zeros, group, k, n, bias, kernel)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k).contiguous(), 1)
+        scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, scale_zeros, group, k, n, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer over a 2-D input (rows, in_features), in the input's dtype."""
+        if self.kernel is not None:
+            y = self.kernel.matmul(flat, self.packed, self.scale_zeros, self.out_features, self.bias)
+            return y if flat.dtype == torch.float32 else y.to(flat.dtype)
+        y = int4_mm(flat.to(ACTIVATIONS), self.packed, self.group, self.scale_zeros).to(flat.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        kernel = f", swarm's {self.kernel.simd} kernel" if self.kernel is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 groups of {self.group}{kernel}")
 
 
 def module_bytes(module: Any) -> int:

@@ -109,7 +109,6 @@ case "$(uname -s)" in
     <string>$SWARM</string><string>join</string><string>$LEADER_URL</string>
     <string>--data-dir</string><string>$DATA</string>
   </array>
-  <key>EnvironmentVariables</key><dict><key>SWARM_SERVICE</key><string>1</string></dict>
   <key>RunAtLoad</key><true/>
   <key>KeepAlive</key><true/>
   <key>StandardErrorPath</key><string>$HOME_DIR/fellow.log</string>
@@ -132,7 +131,6 @@ After=network-online.target
 
 [Service]
 ExecStart="$SWARM" join $LEADER_URL --data-dir "$DATA"
-Environment=SWARM_SERVICE=1
 Restart=always
 RestartSec=5
 

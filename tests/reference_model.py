@@ -1,5 +1,5 @@
 """The whole model in one process, assembled from an imported model's per-layer files: the reference that the ring
-is checked against (tests, benchmarks)."""
+is checked against (tests, benchmarks). A test helper, not part of the package: the benches put tests/ on their path."""
 
 from __future__ import annotations
 
