@@ -3,8 +3,10 @@
 Sources: a transformers folder (safetensors, one file or sharded with its index; swarm.store.folder_source), a .gguf
 file (swarm.store.gguf_source), or a built-in name. The import streams: tensors are read, dequantized and converted
 one at a time and written one stage file at a time, so memory holds about one layer whatever the model's size
-(measured in tests/test_model_import.py). Weights are stored in the checkpoint's 16-bit dtype -- half of float32 on
-the leader's disk and in every fellow's download; stages widen them to the dtype they compute in when they load.
+(measured in tests/test_model_import.py). A safetensors folder's weights are stored in the checkpoint's 16-bit
+dtype -- half of float32 on the leader's disk and in every fellow's download; stages widen them to the dtype they
+compute in when they load. A GGUF's tensors are stored as the file has them, quantized blocks and all
+(swarm.store.gguf_blocks): about the file's size, and the file's exact values; stages dequantize them at load.
 
 Every refusal (name, architecture, GGUF tensor types, free disk) comes before anything is written. The result is
 written to a temporary folder next to the target and renamed into place, so an interrupted import leaves nothing that
@@ -36,13 +38,14 @@ from swarm.model_format import (
     EMBED_FILE,
     FINAL_FILE,
     GENERATION_CONFIG_FILE,
+    GGUF_STORAGE,
     MANIFEST_FILE,
     SUPPORTED_ARCHITECTURES,
     WEIGHTS_DIR,
     check_sliceable,
     layer_file,
 )
-from swarm.store import gguf_source
+from swarm.store import gguf_blocks, gguf_source
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 
@@ -111,9 +114,11 @@ def import_model(
 ) -> Manifest:
     """Import SOURCE (a transformers folder, a .gguf file, or a built-in name) as ``models_root / name``.
 
-    The weights are stored in ``dtype``; "auto" is the checkpoint's own precision (the 16-bit dtype its config names,
-    bfloat16 for a quantized GGUF; see GGUFSource.stored_dtype). Everything that can refuse the import -- the name,
-    the architecture, the GGUF's tensor types, free disk space -- is checked before anything is written. The tensors
+    The weights are stored in ``dtype``; "auto" is the checkpoint's own precision: the 16-bit dtype a folder's config
+    names, and a GGUF's tensors as the file has them (its quantized blocks kept; the manifest's dtype is then the
+    float type a GPU computes them in, GGUFSource.stored_dtype). A float ``dtype`` dequantizes a GGUF into it.
+    Everything that can refuse the import -- the name, the architecture, the GGUF's tensor types, free disk space --
+    is checked before anything is written. The tensors
     are then read, converted and written one stage file at a time, into a temporary folder next to the target that is
     renamed into place once complete: an interrupted import leaves nothing that looks like a model, and --replace
     swaps the old model out only for a complete new one.
@@ -266,12 +271,18 @@ class _Plan:
     dtype: str
     tokenizer: Callable[[], Any]
     generation_config: Any
+    # a GGUF's tensors kept as the file has them (swarm.store.gguf_blocks), and the file's general.architecture
+    keep_blocks: bool = False
+    architecture: str = ""
 
     def weight_bytes(self) -> int:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         total = 0
         for tensor in self.tensors:
             if tied and tensor.hf_name == "lm_head.weight":
+                continue
+            if self.keep_blocks:
+                total += tensor.raw_bytes
                 continue
             n = 1
             for d in tensor.shape:
@@ -322,7 +333,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         return _load_tokenizer(source.tokenizer)
 
     return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
-                 source.generation_config(config))
+                 source.generation_config(config), keep_blocks=dtype == "auto", architecture=source.architecture)
 
 
 # GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
@@ -336,9 +347,13 @@ def _check_disk(plan: _Plan, models_root: Path) -> None:
     if free < need:
         raise ImportFailed(
             f"importing {plan.source} needs {need / 1e9:.1f} GB free in {models_root} "
-            f"({plan.weight_bytes() / 1e9:.1f} GB of weights in {plan.dtype} + {DISK_MARGIN_BYTES >> 20} MB for "
+            f"({plan.weight_bytes() / 1e9:.1f} GB of weights {_stored_as(plan)} + {DISK_MARGIN_BYTES >> 20} MB for "
             f"tokenizer and config), has {free / 1e9:.1f} GB free; free some space or import into another data dir"
         )
+
+
+def _stored_as(plan: _Plan) -> str:
+    return "as the GGUF's blocks" if plan.keep_blocks else f"in {plan.dtype}"
 
 
 def _free_bytes(path: Path) -> int:
@@ -380,7 +395,11 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
-    _write_weights(work, groups, num_layers, plan.dtype, report)
+    if plan.keep_blocks:
+        params = _write_blocks(work, groups, num_layers, plan.architecture, report)
+    else:
+        params = {}
+        _write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype
     config.dtype = dtype
     config.save_pretrained(work)
@@ -403,9 +422,9 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     for rel in [CONFIG_FILE, *([GENERATION_CONFIG_FILE] if (work / GENERATION_CONFIG_FILE).exists() else [])]:
         entries.append(_entry(work, rel, "config"))
     entries += [_entry(work, rel, "tokenizer") for rel in tokenizer_files]
-    entries.append(_entry(work, EMBED_FILE, "embed"))
-    entries += [_entry(work, layer_file(i), "layer", i) for i in range(num_layers)]
-    entries.append(_entry(work, FINAL_FILE, "final"))
+    entries.append(_entry(work, EMBED_FILE, "embed", params=params.get(EMBED_FILE, 0)))
+    entries += [_entry(work, layer_file(i), "layer", i, params.get(layer_file(i), 0)) for i in range(num_layers)]
+    entries.append(_entry(work, FINAL_FILE, "final", params=params.get(FINAL_FILE, 0)))
 
     raw_config = json.loads((work / CONFIG_FILE).read_text())
     manifest = Manifest(
@@ -423,6 +442,7 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
         kv_bytes_per_token=kv_bytes_per_token(raw_config, dtype),
         source=plan.source,
         warnings=warnings,
+        storage=GGUF_STORAGE if plan.keep_blocks else "",
     )
     (work / MANIFEST_FILE).write_text(manifest.to_json())
     report("checksum", 1.0)
@@ -457,6 +477,28 @@ def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
     if not tied and "lm_head.weight" not in groups[FINAL_FILE]:
         raise ImportFailed(f"{source} has untied embeddings but no lm_head.weight; the checkpoint is incomplete")
     return groups
+
+
+def _write_blocks(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, architecture: str,
+                  report: Progress) -> dict[str, int]:
+    """Write every weight file with a GGUF's tensors as the file has them (swarm.store.gguf_blocks), one tensor at a
+    time and a chunk at a time; returns each file's number of weight values. Progress as _write_weights'."""
+    (work / WEIGHTS_DIR).mkdir()
+    order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
+    total = sum(len(groups[rel]) for rel in order)
+    done = 0
+    params = {}
+    for rel in order:
+        what = _file_label(rel, num_layers)
+
+        def on_tensor(key: str, what: str = what) -> None:
+            nonlocal done
+            report("write layers", done / total, f"{what}: {key}")
+            done += 1
+
+        params[rel] = gguf_blocks.write_file(work / rel, groups[rel], architecture, on_tensor)
+        report("write layers", done / total, f"{what} written")
+    return params
 
 
 def _write_weights(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, dtype: str,
@@ -537,9 +579,10 @@ def _file_label(rel: str, num_layers: int) -> str:
     return f"layer {int(rel.rsplit('_', 1)[1].split('.')[0]) + 1} of {num_layers}"
 
 
-def _entry(work: Path, rel: str, kind: str, layer: int | None = None) -> FileEntry:
+def _entry(work: Path, rel: str, kind: str, layer: int | None = None, params: int = 0) -> FileEntry:
     path = work / rel
-    return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size, kind=kind, layer=layer)
+    return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size, kind=kind, layer=layer,
+                     params=params)
 
 
 def _eos_token_ids(*sources: Any) -> list[int]:
