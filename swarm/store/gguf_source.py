@@ -91,7 +91,7 @@ class GGUFSource:
     # --- checks made before anything is written ---------------------------------------------------------------------
 
     def unsupported_types(self) -> dict[str, list[str]]:
-        """Tensor type -> tensors of that type this import cannot dequantize (empty when every one is readable)."""
+        """Tensor type -> tensors of that type this import does not take (empty when every one is taken)."""
         supported = set(supported_quant_types())
         out: dict[str, list[str]] = {}
         for tensor in self.reader.tensors:

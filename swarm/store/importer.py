@@ -320,7 +320,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
     if unsupported:
         kinds = ", ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in unsupported.items())
         raise ImportFailed(
-            f"{path} stores tensors as {kinds}, which swarm cannot dequantize; it reads "
+            f"{path} stores tensors as {kinds}, which swarm does not run; it runs "
             f"{', '.join(gguf_source.supported_quant_types())}. Use a GGUF of another quantization (Q4_K_M and Q8_0 "
             "are the common ones) or the model's safetensors folder."
         )
