@@ -107,3 +107,34 @@ def test_the_leader_budgets_the_values_a_stage_holds_not_the_blocks(tmp_path):
     assert manifest.storage == "" and stage_files(manifest, 0, 1, True, False)
     assert model_size(old, cpu=True) == want
     assert load_manifest(tmp_path / "models/blocks").storage == "gguf"
+
+
+def test_a_model_imported_before_blocks_were_kept_still_loads_as_it_did(tmp_path):
+    """A GGUF imported as bfloat16 files with a manifest as older leaders wrote it (no storage, no params) loads into
+    a stage that holds exactly those bfloat16 values widened to float32, and answers like the reference assembled
+    from the same files."""
+    from safetensors.torch import load_file
+
+    from swarm.stage import StageModel, StageSpec
+    from swarm.stage.reference import load_reference_model
+
+    gguf = tmp_path / "m.gguf"
+    write_llama_gguf(gguf, hidden=256, intermediate=512, layers=2, vocab=256, heads=4, kv_heads=2)
+    import_model(str(gguf), tmp_path / "models", "old", dtype="bfloat16")
+    path = tmp_path / "models/old/manifest.json"
+    data = json.loads(path.read_text())
+    data.pop("storage")
+    data["files"] = [{k: v for k, v in f.items() if k != "params"} for f in data["files"]]
+    path.write_text(json.dumps(data))
+    assert load_manifest(tmp_path / "models/old").dtype == "bfloat16"
+    stage = StageModel.load_dir(tmp_path / "models/old", StageSpec(0, 2, True, True))
+    stored = load_file(tmp_path / "models/old" / layer_file(1))
+    held = dict(stage.named_parameters())
+    for key, value in stored.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(held[f"layers.1.{key}"], value.float()), key
+    stage.new_request("r")
+    logits = stage.forward("r", 0, input_ids=torch.tensor([[1, 2, 3]]))
+    model = load_reference_model(tmp_path / "models/old")
+    with torch.inference_mode():
+        want = model(torch.tensor([[1, 2, 3]])).logits[0, -1]
+    assert torch.allclose(logits, want, atol=1e-5)

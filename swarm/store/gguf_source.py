@@ -100,10 +100,10 @@ class GGUFSource:
         return out
 
     def stored_dtype(self) -> str:
-        """The 16-bit dtype to store the weights in: the file's own float type where its matrices are plain floats;
-        bfloat16 where they are quantized (bf16 has float32's range, so a model trained in bf16 -- Gemma 3 --
-        cannot overflow where a GPU computes in the stored dtype; its rounding, 2^-9 relative, is far below a 4-8 bit
-        quantization step); float32 only for a file whose matrices are all float32."""
+        """The manifest's dtype: the float type a GPU computes the file's tensors in (a CPU computes in float32), and
+        the dtype an import asked for ``--dtype auto`` would once have stored them in: the file's own float type where
+        its matrices are plain floats; bfloat16 where they are quantized (bf16 has float32's range, so a model trained
+        in bf16 -- Gemma 3 -- cannot overflow on a GPU); float32 only for a file whose matrices are all float32."""
         kinds = {t.tensor_type.name for t in self.reader.tensors if len(t.shape) >= 2}
         if kinds - set(_FLOAT_TYPES):
             return "bfloat16"
