@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -41,11 +40,10 @@ from swarm.model_format import (
     GGUF_STORAGE,
     MANIFEST_FILE,
     SUPPORTED_ARCHITECTURES,
-    WEIGHTS_DIR,
     check_sliceable,
     layer_file,
 )
-from swarm.store import gguf_blocks, gguf_source
+from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 
@@ -396,10 +394,10 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     tied = bool(getattr(config, "tie_word_embeddings", False))
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
     if plan.keep_blocks:
-        params = _write_blocks(work, groups, num_layers, plan.architecture, report)
+        params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
         params = {}
-        _write_weights(work, groups, num_layers, plan.dtype, report)
+        weight_files.write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype
     config.dtype = dtype
     config.save_pretrained(work)
@@ -477,106 +475,6 @@ def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
     if not tied and "lm_head.weight" not in groups[FINAL_FILE]:
         raise ImportFailed(f"{source} has untied embeddings but no lm_head.weight; the checkpoint is incomplete")
     return groups
-
-
-def _write_blocks(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, architecture: str,
-                  report: Progress) -> dict[str, int]:
-    """Write every weight file with a GGUF's tensors as the file has them (swarm.store.gguf_blocks), one tensor at a
-    time and a chunk at a time; returns each file's number of weight values. Progress as _write_weights'."""
-    (work / WEIGHTS_DIR).mkdir()
-    order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
-    total = sum(len(groups[rel]) for rel in order)
-    done = 0
-    params = {}
-    for rel in order:
-        what = _file_label(rel, num_layers)
-
-        def on_tensor(key: str, what: str = what) -> None:
-            nonlocal done
-            report("write layers", done / total, f"{what}: {key}")
-            done += 1
-
-        params[rel] = gguf_blocks.write_file(work / rel, groups[rel], architecture, on_tensor)
-        report("write layers", done / total, f"{what} written")
-    return params
-
-
-def _write_weights(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, dtype: str,
-                   report: Progress) -> None:
-    """Write every weight file, one at a time and one tensor at a time: a tensor the source can hand over in slices
-    (most of them; a GGUF's embedding and head included) is never whole in memory, the others (Llama's q/k
-    projections of a GGUF, norms) are held one at a time. Progress goes per tensor ("write layers", the fraction
-    of all tensors, and which file and tensor)."""
-    import torch
-    from safetensors.torch import save_file
-
-    (work / WEIGHTS_DIR).mkdir()
-    torch_dtype = getattr(torch, dtype)
-    order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
-    total = sum(len(groups[rel]) for rel in order)
-    done = 0
-    for rel in order:
-        what = _file_label(rel, num_layers)
-        group = groups[rel]
-        if all(getattr(t, "floating", True) for t in group.values()):
-            with open(work / rel, "wb") as out:
-                out.write(_safetensors_header({k: t.shape for k, t in group.items()}, dtype))
-                for key, tensor in group.items():
-                    report("write layers", done / total, f"{what}: {key}")
-                    start = out.tell()
-                    if tensor.write is not None:
-                        tensor.write(torch_dtype, out)
-                    else:
-                        value = tensor.read(torch_dtype).contiguous()
-                        out.write(memoryview(value.view(-1).view(torch.uint8).numpy()))
-                        del value
-                    if out.tell() - start != _nbytes(tensor.shape, dtype):
-                        raise ImportFailed(f"{key} of {rel}: wrote {out.tell() - start} bytes, expected "
-                                           f"{_nbytes(tensor.shape, dtype)}; the source may be damaged")
-                    done += 1
-        else:  # integer tensors kept as they are: the library's writer, the file's tensors together
-            tensors_out = {}
-            for key, tensor in group.items():
-                report("write layers", done / total, f"{what}: {key}")
-                tensors_out[key] = tensor.read(torch_dtype).contiguous()
-                done += 1
-            save_file(tensors_out, str(work / rel), metadata={"format": "pt"})
-            del tensors_out
-        report("write layers", done / total, f"{what} written")
-
-
-# torch dtype names -> safetensors' (https://github.com/huggingface/safetensors, "Format")
-_SAFETENSORS_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: str) -> bytes:
-    """A safetensors header for these tensors, all in ``dtype``, laid out in this order: an 8-byte length, then the
-    JSON (padded with spaces to a multiple of 8, as the library writes it) -- so the tensors can follow one by one."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, shape in shapes.items():
-        size = _nbytes(shape, dtype)
-        header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
-                       "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-def _file_label(rel: str, num_layers: int) -> str:
-    if rel == EMBED_FILE:
-        return "embedding"
-    if rel == FINAL_FILE:
-        return "final norm and head"
-    return f"layer {int(rel.rsplit('_', 1)[1].split('.')[0]) + 1} of {num_layers}"
 
 
 def _entry(work: Path, rel: str, kind: str, layer: int | None = None, params: int = 0) -> FileEntry:
