@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--replace", action="store_true",
                     help="replace a model of the same name (the old one stays if the import fails)")
     mi.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                    help="store the weights in this dtype; auto: the checkpoint's own 16-bit dtype "
-                         "(bfloat16 for a quantized GGUF)")
+                    help="store the weights in this dtype; auto: the checkpoint's own precision (a folder's "
+                         "16-bit dtype; a GGUF's tensors as the file has them, quantized blocks and all)")
 
     p = sub.add_parser("model-load", help="load a model over the fellows")
     p.add_argument("model")
@@ -209,7 +209,8 @@ def _dispatch(args) -> int | None:
         manifest = import_into_leader(args.source, data_dir, args.name, replace=args.replace, show_progress=True,
                                       dtype=args.dtype, pool=args.pool)
         print(f"Imported {manifest.name}: {manifest.architecture}, {manifest.num_layers} layers, "
-              f"{manifest.total_bytes / 1e9:.2f} GB in {manifest.dtype}")
+              f"{manifest.total_bytes / 1e9:.2f} GB "
+              f"{'as the GGUF has it' if manifest.storage == 'gguf' else 'in ' + manifest.dtype}")
     elif args.command == "plan":
         from swarm.client import LeaderClient
 

@@ -13,6 +13,15 @@ Layout of one imported model::
     weights/embed.safetensors     embed_tokens.weight
     weights/layer_000.safetensors one decoder layer, tensor names relative to it ("self_attn.q_proj.weight")
     weights/final.safetensors     norm.weight (and lm_head.weight when embeddings are not tied)
+
+A model imported from a GGUF keeps the file's tensors as the file has them (``Manifest.storage == "gguf"``): each
+weight file carries, in its safetensors metadata under GGUF_TENSORS_KEY, a JSON map of every tensor it holds to its
+GGUF type, its logical (transformers) shape, its GGUF name and whether transformers' per-family fix-up
+(``TENSOR_PROCESSORS``: Llama's q/k row permutation, Gemma's norm offset) is still to be applied; and under
+GGUF_ARCHITECTURE_KEY the file's ``general.architecture``, which picks that fix-up. A quantized tensor is a uint8
+tensor of its block bytes, (rows, bytes per row); an F32/F16/BF16 one is the safetensors tensor of that dtype. Stages
+dequantize them with gguf-py at load (swarm.stage.weights). Files without that metadata (safetensors folders, and
+every model imported before) hold their tensors in the manifest's ``dtype``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,17 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
 # planner (swarm.leader.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+# The GGUF tensor types an import keeps as they are: the plain floats, and the quantized types of the common
+# downloads (Q*_0/1, the K-quants, IQ4, MXFP4 for gpt-oss), which gguf-py's ``gguf.quants.dequantize`` reads and
+# which the block kernels are to compute on. A file with any other type is refused before anything is written.
+GGUF_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                    "MXFP4")
+GGUF_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_BLOCK_TYPES)
+GGUF_TENSORS_KEY = "swarm.gguf_tensors"
+GGUF_ARCHITECTURE_KEY = "swarm.gguf_architecture"
+GGUF_STORAGE = "gguf"  # Manifest.storage of a model whose files keep a GGUF's tensors
 
 # Bytes of one element, by the dtype names torch prints without the "torch." prefix.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

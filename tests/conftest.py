@@ -118,8 +118,8 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm_model_dir(tmp_path_factory) -> Path:
-    """The built-in SmolLM2-135M-Instruct, imported once per test run (~20 s: GGUF dequantization, the tokenizer
-    rebuilt from the GGUF's vocabulary), stored in bfloat16."""
+    """The built-in SmolLM2-135M-Instruct, imported once per test run (~15 s: the tokenizer rebuilt from the GGUF's
+    vocabulary), its Q4_1 blocks kept as the file has them (stages dequantize them at load)."""
     from swarm.store.importer import builtin_gguf_path, import_model
 
     try:

@@ -1,5 +1,8 @@
 """GGUF files made up for tests: a Llama-shaped model of any size whose matrices are Q8_0 blocks of random bytes
-(written directly, no quantizer: generating a few hundred MB takes a second or two)."""
+(written directly, no quantizer: generating a few hundred MB takes a second or two), or blocks of any other type:
+random data quantized by gguf-py where it has a quantizer for the type, else random block bytes (gguf-py has no
+quantizer for the K-quants and IQ4 types; their bytes are any bytes, with the fp16 scales set to small finite
+values so that the values are finite)."""
 
 from __future__ import annotations
 
@@ -19,10 +22,36 @@ def _q8_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return data.reshape(rows, blocks * (2 + Q8_0_BLOCK))
 
 
+# Where each type without a gguf-py quantizer keeps its fp16 scales (byte offsets in its block; ggml-common.h's
+# block_q2_K ... block_iq4_xs): set to a small finite value so random blocks dequantize to finite values.
+_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+           "IQ4_XS": (0,)}
+
+
+def quantized_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, bytes per row) uint8 blocks of ``kind`` for a random (rows, cols) matrix: quantized by gguf-py where it
+    can, else random bytes with finite scales. Q8_0 is random int8 with scale 0.01 (fast at any size)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    if kind == "Q8_0":
+        return _q8_0(rows, cols, rng)
+    qtype = GGMLQuantizationType[kind]
+    try:
+        return quants.quantize((0.05 * rng.standard_normal((rows, cols))).astype(np.float32), qtype)
+    except NotImplementedError:
+        pass
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    for at in _SCALES.get(kind, ()):
+        data[:, :, at : at + 2] = scale
+    return data.reshape(rows, -1)
+
+
 def write_llama_gguf(path: Path, *, hidden: int, intermediate: int, layers: int, vocab: int, heads: int = 8,
                      kv_heads: int = 4, tied: bool = False, seed: int = 0, matrices: str = "Q8_0") -> int:
-    """Write a random Llama GGUF to ``path`` with its matrices in ``matrices`` (Q8_0, F16 or F32); returns the
-    number of weight values (for its dequantized size)."""
+    """Write a random Llama GGUF to ``path`` with its matrices in ``matrices`` (F16, F32, or any quantized type,
+    see quantized_blocks); returns the number of weight values (for its dequantized size)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
@@ -36,17 +65,18 @@ def write_llama_gguf(path: Path, *, hidden: int, intermediate: int, layers: int,
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    writer.add_file_type({"Q8_0": 7, "F16": 1, "F32": 0}[matrices])
+    writer.add_file_type({"Q8_0": 7, "F16": 1, "F32": 0}.get(matrices, 7))
 
     values = 0
 
     def matrix(name: str, rows: int, cols: int) -> None:
         nonlocal values
-        if matrices == "Q8_0":
-            writer.add_tensor(name, _q8_0(rows, cols, rng), raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
+        if matrices in ("F16", "F32"):
             dtype = np.float16 if matrices == "F16" else np.float32
             writer.add_tensor(name, (0.02 * rng.standard_normal((rows, cols))).astype(dtype))
+        else:
+            writer.add_tensor(name, quantized_blocks(matrices, rows, cols, rng),
+                              raw_dtype=GGMLQuantizationType[matrices])
         values += rows * cols
 
     def vector(name: str, n: int) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import ModelError
-from swarm.model_format import EMBED_FILE, FINAL_FILE, GENERATION_CONFIG_FILE, layer_file
+from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, GENERATION_CONFIG_FILE, layer_file
 from swarm.store.manifest import load_manifest
 
 
@@ -16,14 +16,22 @@ def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
 
     The single-process reference that stages are checked against (tests, benchmarks); float32 by default.
     """
+    import json
+
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from swarm.stage.weights import read_weights
 
     dtype = dtype or torch.float32
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
+    raw_config = json.loads((model_dir / CONFIG_FILE).read_text())
+
+    def load_file(path: Path) -> dict[str, torch.Tensor]:  # a GGUF's blocks dequantized as a stage does
+        return read_weights(path, raw_config)
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     state: dict[str, torch.Tensor] = {}

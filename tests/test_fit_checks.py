@@ -53,3 +53,17 @@ def test_free_disk_limits_what_a_roomy_pc_holds_and_a_tiny_one_holds_nothing():
     assert tiny["text"] == "Qwen3-14B does not fit: not one of its layers (0.3 GB of RAM free)."
     empty = fit_report(gpu_pc(10**9), None, [])
     assert empty["text"].startswith("The leader's catalogue is empty")
+
+
+def test_a_gguf_kept_as_blocks_is_held_as_its_values_and_stored_as_its_blocks():
+    """A Q4 GGUF's layer: 100 MB of blocks on disk holding 350 M values -- 1.4 GB in float32 on a CPU; the disk limit
+    counts the blocks, the memory limit the values."""
+    blocks = manifest(40, 100 * MB, 200 * MB, 10240)
+    for f in blocks["files"]:
+        f["params"] = f["size"] * 7 // 2
+    blocks["storage"] = "gguf"
+    roomy_disk = fit_report(Hardware(4, 64 * 10**9, 3 * 10**9), 10 * GB, [("q4", blocks)], context_tokens=1024)
+    per_layer = 4 * 350 * MB + 2 * 10240 * 1024
+    assert roomy_disk["models"][0]["layers"] == (3 * 10**9 - OVERHEAD_BYTES) // per_layer == 1
+    small_disk = fit_report(Hardware(4, 64 * 10**9, 60 * 10**9), 350 * MB, [("q4", blocks)], context_tokens=1024)
+    assert small_disk["models"][0]["layers"] == 3 and small_disk["models"][0]["limited_by"] == "disk"

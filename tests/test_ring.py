@@ -19,10 +19,17 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference(smollm_model_dir):
-    from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    """transformers' own float32 load of the packaged GGUF file: the imported model keeps the file's blocks and the
+    stages widen them to float32 at `none`, so the ring must answer what the file's model answers."""
+    from transformers import AutoModelForCausalLM
 
-    model = load_reference_model(smollm_model_dir, dtype=torch.float32)
+    from swarm.leader.chat_format import encode_chat
+    from swarm.store.importer import builtin_gguf_path
+    from swarm.store.manifest import load_manifest
+
+    assert load_manifest(smollm_model_dir).storage == "gguf"
+    path = builtin_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     out = {}
     for prompt in PROMPTS:
         ids = encode_chat(smollm_model_dir, [{"role": "user", "content": prompt}], None)

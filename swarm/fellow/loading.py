@@ -235,7 +235,9 @@ def _spread_over_cards(message: dict, spec, device: str, dtype) -> list[str] | N
     if len(gpus) < 2:
         return None
     scale = dtype.itemsize / dtype_bytes(message.get("stored_dtype") or "float32")  # file bytes -> memory bytes
-    sizes = {f["path"]: f["size"] * scale for f in message["files"]}
+    # a GGUF's blocks: their weight values at the compute dtype, not the stored bytes
+    sizes = {f["path"]: f["params"] * dtype.itemsize if f.get("params") else f["size"] * scale
+             for f in message["files"]}
 
     layers = [int(sizes.get(layer_file(i), 0)) for i in range(spec.first_layer, spec.end_layer)]
     first = int(sizes.get(EMBED_FILE, 0)) if spec.is_first else 0

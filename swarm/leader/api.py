@@ -192,6 +192,7 @@ class ApiRoutes:
             "architecture": manifest.get("architecture"),
             "num_layers": manifest.get("num_layers"),
             "dtype": manifest.get("dtype"),
+            "storage": manifest.get("storage") or "",  # "gguf": the GGUF's tensors as the file has them
             "total_bytes": manifest.get("total_bytes"),
             "status": self.leader.serving.status(row.name),
             # Every file of the manifest is on the leader (imports are atomic); a model missing a shard is listed

@@ -46,7 +46,9 @@ def memory_of(hardware: Hardware, device: str = "auto") -> tuple[int, str, bool]
 
 def fit(name: str, manifest: dict, free: int, disk_free: int | None, on_gpu: bool, context_tokens: int) -> ModelFit:
     size = model_size(manifest, cpu=not on_gpu)
-    stored = model_size(manifest, cpu=False)  # what the files take on disk
+    # what the files take on disk: their own sizes (a GGUF's blocks are budgeted in memory by their values)
+    stored = model_size({**manifest, "files": [{k: v for k, v in f.items() if k != "params"}
+                                               for f in manifest["files"]]}, cpu=False)
     layers = len(size.layer_bytes)
     whole_bytes = sum(size.layer_bytes) + size.embed_bytes + size.final_bytes
     stored_whole = sum(stored.layer_bytes) + stored.embed_bytes + stored.final_bytes

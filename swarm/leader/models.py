@@ -145,11 +145,17 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
     dtype = serving.manifest.get("dtype")
     return {
         "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": serving.config,
-        "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
+        "files": [_file_message(f) for f in files],
         "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
         "stored_dtype": dtype or "float32", "quantization": serving.quantization,
         **({"draft": serving.draft} if serving.draft is not None and spec["is_last"] else {}),
     }
+
+
+def _file_message(f) -> dict:
+    """A file of a load message: what to fetch, and (a GGUF's blocks) how many weight values it holds, which a fellow
+    spreading a stage over its cards sizes the layers by."""
+    return {"path": f.path, "sha256": f.sha256, "size": f.size, **({"params": f.params} if f.params else {})}
 
 
 def draft_message(chosen) -> dict:
@@ -162,7 +168,7 @@ def draft_message(chosen) -> dict:
     files = [manifest.file(p) for p in stage_file_paths(0, manifest.num_layers, True, True,
                                                         manifest.tie_word_embeddings)]
     return {"model": chosen.name, "config": chosen.config, "num_layers": manifest.num_layers,
-            "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files],
+            "files": [_file_message(f) for f in files],
             "stored_dtype": chosen.manifest.get("dtype") or "float32"}
 
 
@@ -195,7 +201,9 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
 
 
 def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSize:
-    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32. A quantized load
+    """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32. A file that keeps
+    a GGUF's blocks (its entry counts its weight values: ``params``) is counted as those values in the manifest's
+    dtype -- what a stage dequantizes it to -- not as its stored bytes, which only the download takes. A quantized load
     holds what swarm.stage.quantize quantizes at the kind's bytes per weight (swarm.quantization): every linear layer
     of the decoder layers, and on CPU the head too (4 bits at int4-fast, int8 otherwise; a tied head is then a
     quantized copy, so the last stage holds no float embedding for it). The embedding, the norms and the KV cache stay
@@ -222,14 +230,15 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSi
     layers = [0] * manifest["num_layers"]
     embed = final = 0
     for f in manifest["files"]:
+        size = int(f.get("params") or 0) * stored or f["size"]  # as if stored in `stored`
         if f["kind"] == "layer":
-            layers[f["layer"]] = quantized(f["size"], layer_q, 2 * norm)  # its two norms
+            layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms
         elif f["kind"] == "embed":
-            embed = int(f["size"] * scale)
+            embed = int(size * scale)
             if tied and head_q is not None:
-                final += int(f["size"] * head_q / stored)  # the head: a quantized copy of the embedding
+                final += int(size * head_q / stored)  # the head: a quantized copy of the embedding
         elif f["kind"] == "final":
-            final += quantized(f["size"], None if tied else head_q, norm)  # the final norm (and an untied head)
+            final += quantized(size, None if tied else head_q, norm)  # the final norm (and an untied head)
     kv = manifest.get("kv_bytes_per_token") or 0  # per token, per layer, at the stored dtype
     return ModelSize(tuple(layers), embed, final, tied and head_q is None, int(kv * scale))
 

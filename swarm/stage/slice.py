@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -30,6 +29,7 @@ from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, 
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
 from swarm.stage.quantize import quantize_head, quantize_linears
+from swarm.stage.weights import read_weights
 
 if TYPE_CHECKING:
     from swarm.stage.draft_model import DraftModel
@@ -163,11 +163,8 @@ class StageModel:
         stage_config._attn_implementation = "sdpa"
 
         def read(rel: str, on: torch.device = device) -> dict[str, torch.Tensor]:
-            try:
-                tensors = load_file(str(files[rel]), device="cpu")
-            except Exception as exc:
-                raise ModelError(f"cannot read {rel} from {files[rel]} ({exc}); fetch it again") from exc
-            return {k: v.to(device=on, dtype=dtype) for k, v in tensors.items()}
+            # a GGUF's blocks are dequantized here, one tensor at a time (swarm.stage.weights)
+            return read_weights(files[rel], config, dtype, on, what=f"{rel} from {files[rel]}")
 
         with torch.device("meta"):
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))

@@ -13,6 +13,11 @@ tensor processors (Llama's q/k row permutation, Gemma's norm offset) from ``TENS
 imported here equals the one ``from_pretrained(gguf_file=...)`` produces (tests/test_model_import.py compares them on
 the built-in model).
 
+By default an import keeps the file's tensors as they are (swarm.store.gguf_blocks writes them): each tensor's
+``copy_raw`` copies its bytes from the file, and ``fixup`` says whether transformers' processor still changes it
+(asked of the processor itself, as ``_left_as_is`` does); the dequantizing ``read``/``write`` serve an import asked
+for a float dtype (``--dtype``).
+
 gguf, torch and transformers are imported inside the functions that need them (the leader reads manifests without
 them).
 """
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import ImportFailed
+from swarm.model_format import GGUF_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +45,13 @@ DEQUANT_SLICE_ELEMENTS = 4 << 20
 # The plain float types a GGUF may store as they are.
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
+# Bytes copied from the file at a time when its tensors are kept as they are.
+COPY_CHUNK_BYTES = 16 << 20
+
 
 def supported_quant_types() -> list[str]:
-    """Names of the GGUF tensor types this import can read: plain floats and every type gguf-py dequantizes."""
-    from gguf import quants
-
-    traits = getattr(quants, "_type_traits", {})
-    return sorted({"F32", "F16", *(q.name for q in traits)})
+    """Names of the GGUF tensor types this import keeps (swarm.model_format.GGUF_TYPES)."""
+    return list(GGUF_TYPES)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,15 @@ class GGUFTensor:
     # where the family's fix-up needs the whole tensor (Llama's q/k permutation, norms)
     write: Callable[[Any, Any], None] | None = None
     floating: bool = True
+    # the tensor as the file has it: GGUF name and type, the shape of its stored bytes (rows, bytes per row) for a
+    # quantized type or its logical shape for a float one, their size, whether transformers' fix-up still applies,
+    # and copy_raw(binary file), which copies those bytes from the GGUF a slice at a time
+    gguf_name: str = ""
+    gguf_type: str = ""
+    raw_shape: tuple[int, ...] = ()
+    raw_bytes: int = 0
+    fixup: bool = False
+    copy_raw: Callable[[Any], None] | None = None
 
 
 class GGUFSource:
@@ -76,7 +91,7 @@ class GGUFSource:
     # --- checks made before anything is written ---------------------------------------------------------------------
 
     def unsupported_types(self) -> dict[str, list[str]]:
-        """Tensor type -> tensors of that type this import cannot dequantize (empty when every one is readable)."""
+        """Tensor type -> tensors of that type this import does not take (empty when every one is taken)."""
         supported = set(supported_quant_types())
         out: dict[str, list[str]] = {}
         for tensor in self.reader.tensors:
@@ -85,10 +100,10 @@ class GGUFSource:
         return out
 
     def stored_dtype(self) -> str:
-        """The 16-bit dtype to store the weights in: the file's own float type where its matrices are plain floats;
-        bfloat16 where they are quantized (bf16 has float32's range, so a model trained in bf16 -- Gemma 3 --
-        cannot overflow where a GPU computes in the stored dtype; its rounding, 2^-9 relative, is far below a 4-8 bit
-        quantization step); float32 only for a file whose matrices are all float32."""
+        """The manifest's dtype: the float type a GPU computes the file's tensors in (a CPU computes in float32), and
+        the dtype an import asked for ``--dtype auto`` would once have stored them in: the file's own float type where
+        its matrices are plain floats; bfloat16 where they are quantized (bf16 has float32's range, so a model trained
+        in bf16 -- Gemma 3 -- cannot overflow on a GPU); float32 only for a file whose matrices are all float32."""
         kinds = {t.tensor_type.name for t in self.reader.tensors if len(t.shape) >= 2}
         if kinds - set(_FLOAT_TYPES):
             return "bfloat16"
@@ -165,12 +180,31 @@ class GGUFSource:
                          config.model_type)
                 continue
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            as_is = _left_as_is(processor, tensor.name, shape)
             write = None
-            if _left_as_is(processor, tensor.name, shape):
+            if as_is and len(shape) >= 2:
                 write = functools.partial(self._write, tensor, shape)  # write(dtype, out)
+            kind = tensor.tensor_type.name
+            raw_bytes = int(tensor.n_bytes)
+            rows = int(tensor.n_elements) // shape[-1]
+            raw_shape = shape if kind in _FLOAT_TYPES else (rows, raw_bytes // rows)
             out.append(GGUFTensor(hf_name, shape, functools.partial(self._read, tensor, shape, processor=processor),
-                                  write))
+                                  write, gguf_name=tensor.name, gguf_type=kind, raw_shape=raw_shape,
+                                  raw_bytes=raw_bytes, fixup=not as_is,
+                                  copy_raw=functools.partial(self._copy_raw, tensor)))
         return out
+
+    def _copy_raw(self, tensor: Any, out: Any) -> None:
+        """Copy the tensor's bytes, as the file has them, to ``out`` a chunk at a time (plain reads: no page of the
+        file's memory map is touched)."""
+        with open(self.path, "rb", buffering=0) as f:
+            done, size = 0, int(tensor.n_bytes)
+            while done < size:
+                chunk = os.pread(f.fileno(), min(COPY_CHUNK_BYTES, size - done), tensor.data_offset + done)
+                if not chunk:
+                    raise ImportFailed(f"{self.path} ends inside tensor {tensor.name}; the file is incomplete")
+                out.write(chunk)
+                done += len(chunk)
 
     def _read(self, tensor: Any, shape: tuple[int, ...], dtype: Any, processor: Any) -> Any:
         """Dequantize one tensor slice by slice into ``dtype``, then apply the family's fix-up.
@@ -229,14 +263,12 @@ class GGUFSource:
 
 
 def _left_as_is(processor: Any, name: str, shape: tuple[int, ...]) -> bool:
-    """Whether the family's fix-up leaves this (two-dimensional or larger) tensor as it is -- then it can be written
-    slice by slice. Asked of the processor itself with a probe of the tensor's row count (its fix-ups act on rows:
-    Llama's q/k permutation), so no family's rules are repeated here."""
+    """Whether the family's fix-up leaves this tensor as it is -- then it can be written slice by slice, or kept as
+    the file has it. Asked of the processor itself with a probe of the tensor's row count (its fix-ups act on rows:
+    Llama's q/k permutation; on a vector's values: Gemma's norm offset), so no family's rules are repeated here."""
     import torch
 
-    if len(shape) < 2:
-        return False
-    probe = torch.arange(shape[0], dtype=torch.float32).reshape(shape[0], 1)
+    probe = torch.arange(shape[0], dtype=torch.float32).reshape(shape[0], *([1] if len(shape) >= 2 else []))
     try:
         result = processor.process(weights=probe, name=name).weights
     except Exception:  # a fix-up that needs the real shape: write the tensor whole

@@ -3,8 +3,10 @@
 Sources: a transformers folder (safetensors, one file or sharded with its index; swarm.store.folder_source), a .gguf
 file (swarm.store.gguf_source), or a built-in name. The import streams: tensors are read, dequantized and converted
 one at a time and written one stage file at a time, so memory holds about one layer whatever the model's size
-(measured in tests/test_model_import.py). Weights are stored in the checkpoint's 16-bit dtype -- half of float32 on
-the leader's disk and in every fellow's download; stages widen them to the dtype they compute in when they load.
+(measured in tests/test_model_import.py). A safetensors folder's weights are stored in the checkpoint's 16-bit
+dtype -- half of float32 on the leader's disk and in every fellow's download; stages widen them to the dtype they
+compute in when they load. A GGUF's tensors are stored as the file has them, quantized blocks and all
+(swarm.store.gguf_blocks): about the file's size, and the file's exact values; stages dequantize them at load.
 
 Every refusal (name, architecture, GGUF tensor types, free disk) comes before anything is written. The result is
 written to a temporary folder next to the target and renamed into place, so an interrupted import leaves nothing that
@@ -22,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,13 +37,13 @@ from swarm.model_format import (
     EMBED_FILE,
     FINAL_FILE,
     GENERATION_CONFIG_FILE,
+    GGUF_STORAGE,
     MANIFEST_FILE,
     SUPPORTED_ARCHITECTURES,
-    WEIGHTS_DIR,
     check_sliceable,
     layer_file,
 )
-from swarm.store import gguf_source
+from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 
@@ -111,9 +112,11 @@ def import_model(
 ) -> Manifest:
     """Import SOURCE (a transformers folder, a .gguf file, or a built-in name) as ``models_root / name``.
 
-    The weights are stored in ``dtype``; "auto" is the checkpoint's own precision (the 16-bit dtype its config names,
-    bfloat16 for a quantized GGUF; see GGUFSource.stored_dtype). Everything that can refuse the import -- the name,
-    the architecture, the GGUF's tensor types, free disk space -- is checked before anything is written. The tensors
+    The weights are stored in ``dtype``; "auto" is the checkpoint's own precision: the 16-bit dtype a folder's config
+    names, and a GGUF's tensors as the file has them (its quantized blocks kept; the manifest's dtype is then the
+    float type a GPU computes them in, GGUFSource.stored_dtype). A float ``dtype`` dequantizes a GGUF into it.
+    Everything that can refuse the import -- the name, the architecture, the GGUF's tensor types, free disk space --
+    is checked before anything is written. The tensors
     are then read, converted and written one stage file at a time, into a temporary folder next to the target that is
     renamed into place once complete: an interrupted import leaves nothing that looks like a model, and --replace
     swaps the old model out only for a complete new one.
@@ -266,12 +269,18 @@ class _Plan:
     dtype: str
     tokenizer: Callable[[], Any]
     generation_config: Any
+    # a GGUF's tensors kept as the file has them (swarm.store.gguf_blocks), and the file's general.architecture
+    keep_blocks: bool = False
+    architecture: str = ""
 
     def weight_bytes(self) -> int:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         total = 0
         for tensor in self.tensors:
             if tied and tensor.hf_name == "lm_head.weight":
+                continue
+            if self.keep_blocks:
+                total += tensor.raw_bytes
                 continue
             n = 1
             for d in tensor.shape:
@@ -309,7 +318,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
     if unsupported:
         kinds = ", ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in unsupported.items())
         raise ImportFailed(
-            f"{path} stores tensors as {kinds}, which swarm cannot dequantize; it reads "
+            f"{path} stores tensors as {kinds}, which swarm does not run; it runs "
             f"{', '.join(gguf_source.supported_quant_types())}. Use a GGUF of another quantization (Q4_K_M and Q8_0 "
             "are the common ones) or the model's safetensors folder."
         )
@@ -322,7 +331,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         return _load_tokenizer(source.tokenizer)
 
     return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
-                 source.generation_config(config))
+                 source.generation_config(config), keep_blocks=dtype == "auto", architecture=source.architecture)
 
 
 # GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
@@ -336,9 +345,13 @@ def _check_disk(plan: _Plan, models_root: Path) -> None:
     if free < need:
         raise ImportFailed(
             f"importing {plan.source} needs {need / 1e9:.1f} GB free in {models_root} "
-            f"({plan.weight_bytes() / 1e9:.1f} GB of weights in {plan.dtype} + {DISK_MARGIN_BYTES >> 20} MB for "
+            f"({plan.weight_bytes() / 1e9:.1f} GB of weights {_stored_as(plan)} + {DISK_MARGIN_BYTES >> 20} MB for "
             f"tokenizer and config), has {free / 1e9:.1f} GB free; free some space or import into another data dir"
         )
+
+
+def _stored_as(plan: _Plan) -> str:
+    return "as the GGUF's blocks" if plan.keep_blocks else f"in {plan.dtype}"
 
 
 def _free_bytes(path: Path) -> int:
@@ -380,7 +393,11 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
-    _write_weights(work, groups, num_layers, plan.dtype, report)
+    if plan.keep_blocks:
+        params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
+    else:
+        params = {}
+        weight_files.write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype
     config.dtype = dtype
     config.save_pretrained(work)
@@ -403,9 +420,9 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     for rel in [CONFIG_FILE, *([GENERATION_CONFIG_FILE] if (work / GENERATION_CONFIG_FILE).exists() else [])]:
         entries.append(_entry(work, rel, "config"))
     entries += [_entry(work, rel, "tokenizer") for rel in tokenizer_files]
-    entries.append(_entry(work, EMBED_FILE, "embed"))
-    entries += [_entry(work, layer_file(i), "layer", i) for i in range(num_layers)]
-    entries.append(_entry(work, FINAL_FILE, "final"))
+    entries.append(_entry(work, EMBED_FILE, "embed", params=params.get(EMBED_FILE, 0)))
+    entries += [_entry(work, layer_file(i), "layer", i, params.get(layer_file(i), 0)) for i in range(num_layers)]
+    entries.append(_entry(work, FINAL_FILE, "final", params=params.get(FINAL_FILE, 0)))
 
     raw_config = json.loads((work / CONFIG_FILE).read_text())
     manifest = Manifest(
@@ -423,6 +440,7 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
         kv_bytes_per_token=kv_bytes_per_token(raw_config, dtype),
         source=plan.source,
         warnings=warnings,
+        storage=GGUF_STORAGE if plan.keep_blocks else "",
     )
     (work / MANIFEST_FILE).write_text(manifest.to_json())
     report("checksum", 1.0)
@@ -459,87 +477,10 @@ def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
     return groups
 
 
-def _write_weights(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, dtype: str,
-                   report: Progress) -> None:
-    """Write every weight file, one at a time and one tensor at a time: a tensor the source can hand over in slices
-    (most of them; a GGUF's embedding and head included) is never whole in memory, the others (Llama's q/k
-    projections of a GGUF, norms) are held one at a time. Progress goes per tensor ("write layers", the fraction
-    of all tensors, and which file and tensor)."""
-    import torch
-    from safetensors.torch import save_file
-
-    (work / WEIGHTS_DIR).mkdir()
-    torch_dtype = getattr(torch, dtype)
-    order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
-    total = sum(len(groups[rel]) for rel in order)
-    done = 0
-    for rel in order:
-        what = _file_label(rel, num_layers)
-        group = groups[rel]
-        if all(getattr(t, "floating", True) for t in group.values()):
-            with open(work / rel, "wb") as out:
-                out.write(_safetensors_header({k: t.shape for k, t in group.items()}, dtype))
-                for key, tensor in group.items():
-                    report("write layers", done / total, f"{what}: {key}")
-                    start = out.tell()
-                    if tensor.write is not None:
-                        tensor.write(torch_dtype, out)
-                    else:
-                        value = tensor.read(torch_dtype).contiguous()
-                        out.write(memoryview(value.view(-1).view(torch.uint8).numpy()))
-                        del value
-                    if out.tell() - start != _nbytes(tensor.shape, dtype):
-                        raise ImportFailed(f"{key} of {rel}: wrote {out.tell() - start} bytes, expected "
-                                           f"{_nbytes(tensor.shape, dtype)}; the source may be damaged")
-                    done += 1
-        else:  # integer tensors kept as they are: the library's writer, the file's tensors together
-            tensors_out = {}
-            for key, tensor in group.items():
-                report("write layers", done / total, f"{what}: {key}")
-                tensors_out[key] = tensor.read(torch_dtype).contiguous()
-                done += 1
-            save_file(tensors_out, str(work / rel), metadata={"format": "pt"})
-            del tensors_out
-        report("write layers", done / total, f"{what} written")
-
-
-# torch dtype names -> safetensors' (https://github.com/huggingface/safetensors, "Format")
-_SAFETENSORS_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: str) -> bytes:
-    """A safetensors header for these tensors, all in ``dtype``, laid out in this order: an 8-byte length, then the
-    JSON (padded with spaces to a multiple of 8, as the library writes it) -- so the tensors can follow one by one."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, shape in shapes.items():
-        size = _nbytes(shape, dtype)
-        header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
-                       "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-def _file_label(rel: str, num_layers: int) -> str:
-    if rel == EMBED_FILE:
-        return "embedding"
-    if rel == FINAL_FILE:
-        return "final norm and head"
-    return f"layer {int(rel.rsplit('_', 1)[1].split('.')[0]) + 1} of {num_layers}"
-
-
-def _entry(work: Path, rel: str, kind: str, layer: int | None = None) -> FileEntry:
+def _entry(work: Path, rel: str, kind: str, layer: int | None = None, params: int = 0) -> FileEntry:
     path = work / rel
-    return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size, kind=kind, layer=layer)
+    return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size, kind=kind, layer=layer,
+                     params=params)
 
 
 def _eos_token_ids(*sources: Any) -> list[int]:

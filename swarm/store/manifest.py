@@ -27,6 +27,8 @@ class FileEntry:
     size: int
     kind: str  # "embed" | "layer" | "final" | "config" | "tokenizer"
     layer: int | None = None
+    # weight values the file holds, where its size does not say (a GGUF's blocks); 0: size / the manifest's dtype
+    params: int = 0
 
 
 @dataclasses.dataclass
@@ -36,7 +38,9 @@ class Manifest:
     num_layers: int
     hidden_size: int
     vocab_size: int
-    dtype: str  # of the stored weights: "float32", "bfloat16", "float16"
+    # of the stored weights: "float32", "bfloat16", "float16"; with storage "gguf", the float type a GPU computes
+    # the GGUF's tensors in (a CPU computes in float32)
+    dtype: str
     tie_word_embeddings: bool
     eos_token_ids: list[int]
     bytes_per_layer: int  # the largest layer file
@@ -46,6 +50,9 @@ class Manifest:
     source: str = ""
     warnings: list[str] = dataclasses.field(default_factory=list)
     version: int = MANIFEST_VERSION
+    # "": every weight file holds its tensors in ``dtype`` (safetensors folders, and every import before GGUFs kept
+    # their blocks); "gguf": the files keep a GGUF's tensors as it has them (swarm.model_format, GGUF_TENSORS_KEY)
+    storage: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -58,7 +65,8 @@ class Manifest:
     def from_dict(cls, data: dict) -> Manifest:
         known = {f.name for f in dataclasses.fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
-        data["files"] = [FileEntry(**f) for f in data.get("files", [])]
+        fields = {f.name for f in dataclasses.fields(FileEntry)}
+        data["files"] = [FileEntry(**{k: v for k, v in f.items() if k in fields}) for f in data.get("files", [])]
         return cls(**data)
 
     def file(self, path: str) -> FileEntry:

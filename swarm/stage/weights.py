@@ -1,0 +1,110 @@
+"""Reading one of an imported model's weight files (swarm.model_format) into torch tensors, one tensor at a time.
+
+A file from a safetensors folder, or from any import before GGUFs kept their blocks, holds float tensors: they are
+converted to the compute dtype. A file that keeps a GGUF's tensors (its metadata names them under GGUF_TENSORS_KEY)
+holds quantized block bytes and the file's own float tensors: each is dequantized with gguf-py -- the function
+transformers' own GGUF loader calls, so the values are the file's, bit for bit -- a slice of rows at a time (gguf's
+numpy dequantizers make a few arrays of the slice's size, so the intermediates stay tens of MB whatever the
+tensor's size), then given transformers' per-family fix-up (``TENSOR_PROCESSORS``: Llama's q/k row permutation,
+Gemma's norm offset) in float32, as ``from_pretrained(gguf_file=...)`` does, and only then converted to the compute
+dtype. In float32 a stage so holds exactly what transformers' float32 load of the GGUF holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.errors import ModelError
+from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_TENSORS_KEY, GGUF_TYPES
+
+# Values dequantized per slice of rows (the importer's bound before blocks were kept: swarm.store.gguf_source).
+DEQUANT_SLICE_ELEMENTS = 4 << 20
+
+
+def read_weights(path: Path, config: Mapping[str, Any], dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", what: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of the weight file at ``path`` (names as in the file), in ``dtype`` (None: float32 for a GGUF's
+    tensors, the stored dtype otherwise) on ``device``. ``config``: the model's config.json contents (the GGUF
+    fix-ups read the head counts from it). ``what``: the file as messages name it."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            kept = json.loads(meta[GGUF_TENSORS_KEY]) if GGUF_TENSORS_KEY in meta else {}
+            processor = None
+            for key in f.keys():
+                info = kept.get(key)
+                if info is None:
+                    value = f.get_tensor(key)
+                else:
+                    value = dequantize(f.get_tensor(key), info["type"], tuple(info["shape"]),
+                                       f"{key} of {what or path}")
+                    if info.get("fixup"):
+                        if processor is None:
+                            processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
+                        value = processor.process(weights=value, name=info["name"]).weights.contiguous()
+                out[key] = value.to(device=device, dtype=dtype or value.dtype)
+                del value
+    except ModelError:
+        raise
+    except Exception as exc:  # safetensors and gguf raise many kinds for a damaged file
+        raise ModelError(f"cannot read {what or path} ({exc}); fetch it again") from exc
+    return out
+
+
+def dequantize(stored: torch.Tensor, gguf_type: str, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:
+    """The float32 values of a tensor kept as the GGUF had it: ``stored`` is the file's float tensor, or its block
+    bytes (rows, bytes per row) for a quantized type; ``shape`` its logical (transformers) shape."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+
+    if gguf_type not in GGUF_TYPES:
+        raise ModelError(f"{what} is stored as the GGUF type {gguf_type}, which this version of swarm does not read; "
+                         f"it reads {', '.join(GGUF_TYPES)}. Update swarm on this fellow.")
+    if gguf_type in GGUF_FLOAT_TYPES:
+        # a copy even where it is float32 already: safetensors hands out tensors over its map of the file, which
+        # would keep every page of the file's blocks read here in the stage's memory (measured: 40 MB a stage of the
+        # built-in model)
+        widened = stored.to(torch.float32, copy=True)
+        if tuple(widened.shape) != shape:
+            raise ModelError(f"{what} has shape {tuple(widened.shape)} where its metadata says {shape}")
+        return widened
+    kind = GGMLQuantizationType[gguf_type]
+    raw = stored.numpy()
+    rows = raw.shape[0]
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if raw.ndim != 2 or rows == 0 or numel % rows:
+        raise ModelError(f"{what}: {tuple(raw.shape)} bytes of {gguf_type} blocks cannot hold a tensor of shape "
+                         f"{shape}")
+    step = max(1, DEQUANT_SLICE_ELEMENTS // max(1, numel // rows))
+    out: torch.Tensor | None = None
+    for start in range(0, rows, step):
+        values: Any = gguf_dequantize(raw[start : start + step], kind)
+        if values.shape != (min(step, rows - start), numel // rows):
+            raise ModelError(f"{what}: its {gguf_type} blocks hold {values.shape[-1]} values a row, its shape says "
+                             f"{numel // rows}")
+        piece = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        if rows <= step:  # one slice: gguf's own array, not copied
+            return piece.view(shape)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32)
+        out.view(rows, numel // rows)[start : start + step] = piece
+    assert out is not None  # rows > 0
+    return out
+
+
+def _processor(architecture: str, config: Mapping[str, Any]) -> Any:
+    """transformers' fix-up of the GGUF's family, as its GGUF loader builds it."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=dict(config))
