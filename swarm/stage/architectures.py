@@ -8,6 +8,8 @@ the Llama shape, its Blocks say how:
   embedding per layer type (local layers use another base than global ones: ``rotary_per_layer_type``), and may
   soft-cap its logits (``final_logit_softcapping``, applied by the last stage as Gemma3ForCausalLM applies it).
 - Phi-3 and Mistral use one attention kind for every layer, sliding when the config has a window.
+- The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe) are the Llama shape with a routed MLP:
+  their layers hold the experts fused (swarm.store.moe_layout), and route in transformers' own code.
 - The DeepSeek-R1 distills are Qwen2 and Llama models (model_type qwen2 / llama): nothing of their own.
 """
 
@@ -34,6 +36,10 @@ _FAMILIES = {
     "qwen3": ("qwen3", "Qwen3", "Qwen3Config"),
     "phi3": ("phi3", "Phi3", "Phi3Config"),
     "gemma3_text": ("gemma3", "Gemma3", "Gemma3TextConfig"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3Moe", "Qwen3MoeConfig"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2Moe", "Qwen2MoeConfig"),
+    "mixtral": ("mixtral", "Mixtral", "MixtralConfig"),
+    "olmoe": ("olmoe", "Olmoe", "OlmoeConfig"),
 }
 
 

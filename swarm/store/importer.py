@@ -46,6 +46,7 @@ from swarm.model_format import (
 from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
+from swarm.store.moe_layout import fuse_layer
 
 log = logging.getLogger(__name__)
 
@@ -393,9 +394,11 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
-    if plan.keep_blocks:
+    if plan.keep_blocks:  # a GGUF's blocks as the file has them (MoE GGUF imports are not supported yet)
         params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
+        for i in range(num_layers):  # MoE layers: per-expert checkpoint tensors fused as the decoder layer holds them
+            groups[layer_file(i)] = fuse_layer(config.model_type, i, groups[layer_file(i)])
         params = {}
         weight_files.write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype
