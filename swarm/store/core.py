@@ -184,6 +184,19 @@ MIGRATIONS: list[str] = [
     UPDATE join_tokens SET pool_id = (SELECT id FROM pools WHERE name = 'default')
         WHERE EXISTS (SELECT 1 FROM pools WHERE name = 'default');
     """,
+    # Stored responses of the Responses API (issue 38, swarm.store.responses): each belongs to one user, as chats do.
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        model TEXT NOT NULL,
+        response_json TEXT NOT NULL,
+        input_json TEXT NOT NULL,
+        messages_json TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX responses_user_created ON responses(user_id, created_at);
+    """,
 ]
 
 

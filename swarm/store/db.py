@@ -4,7 +4,7 @@ serving history -- in a SQLite file in the data dir, or on PostgreSQL when ``SWA
 ``Store(path_or_url)`` opens (and migrates) the database (``leader_store(data_dir)`` the leader's own); its methods
 block, so async code calls them through ``trio.to_thread.run_sync``. The tables' methods live beside their records:
 ``accounts`` (users, sessions, login links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``,
-``history`` (served requests);
+``history`` (served requests), ``responses`` (the Responses API's stored responses);
 ``core`` holds the connection, the transactions and the migrations. Import everything from here.
 """
 
@@ -22,6 +22,7 @@ from swarm.store.chats import Chat, ChatLimitReached, ChatsMixin, ChatSummary, C
 from swarm.store.core import MAX_CHAT_BYTES, MAX_CHATS_PER_USER, MIGRATIONS
 from swarm.store.fleet import DEFAULT_POOL, Fellow, FleetMixin, JoinToken, Model, Pool
 from swarm.store.history import HistoryMixin, ServedRequest
+from swarm.store.responses import ResponsesMixin, StoredResponse
 
 __all__ = [
     "DEFAULT_POOL",
@@ -40,13 +41,14 @@ __all__ = [
     "Model",
     "Pool",
     "ServedRequest",
+    "StoredResponse",
     "Store",
     "User",
     "leader_store",
 ]
 
 
-class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin):
+class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin, ResponsesMixin):
     """The leader's database. Methods block; call them through ``trio.to_thread.run_sync`` from async code.
 
     ``password_hasher`` defaults to argon2-cffi's; ``max_chats_per_user`` and ``max_chat_bytes`` to the seed's

@@ -1,0 +1,213 @@
+"""OpenAI's Responses API on the leader (swarm.leader.responses_api) as OpenAI's own clients use it: the ``openai``
+package's ``client.responses`` and the ``openai-agents`` package against a real leader and fellow, one fleet for the
+module.
+
+The models are tests/scripted.py's (as tests/test_ollama_api.py's): a tiny Qwen3 with a tools template whose greedy
+first turn is a tool call, and which answers "It is sunny in Paris." with thinking off; and one that thinks first.
+So every reply has an exact expected text."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+
+import openai
+import pytest
+import trio
+
+from harness import running_swarm
+from scripted import build
+from swarm.store.importer import import_model
+from test_openai_compat import TOOLS_TEMPLATE, WEATHER
+
+pytestmark = pytest.mark.e2e
+
+ANSWER = "It is sunny in Paris."
+ASK = "Weather in Paris?"
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+NO_THINKING = {"effort": "none"}
+TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+CALL_PIECES = ['{"name": "get_weather", ', '"arguments": {"city": ', '"Par', 'is"}}']
+
+
+@pytest.fixture(scope="module")
+def model_dir(module_tmp):
+    root = module_tmp("responses")
+    build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"], "\n\n": [ANSWER]},
+          TOOLS_TEMPLATE)
+    import_model(str(root / "src"), root / "models", "weather")
+    return root / "models" / "weather"
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(module_tmp):
+    root = module_tmp("responses-thinks")
+    build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
+                         "\n\n": ["Just 4."]})
+    import_model(str(root / "src"), root / "models", "thinks")
+    return root / "models" / "thinks"
+
+
+async def call(fn, *args, **kwargs):
+    """An openai call in a worker thread (the client is synchronous; the leader runs in this trio loop)."""
+    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+async def streamed(fn, **kwargs) -> list:
+    return await trio.to_thread.run_sync(lambda: list(fn(stream=True, **kwargs)))
+
+
+def run_agent(url: str, token: str, model: str) -> tuple[str, list]:
+    """One agent with one function tool, run by the Agents SDK against the leader (in its own asyncio loop)."""
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    asked: list = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        asked.append(city)
+        return f"sunny in {city}"
+
+    async def main() -> str:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=token)
+        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                      model=OpenAIResponsesModel(model=model, openai_client=client),
+                      tool_use_behavior="stop_on_first_tool")
+        result = await Runner.run(agent, ASK, max_turns=3)
+        await client.close()
+        return result.final_output
+
+    return asyncio.run(main()), asked
+
+
+async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir, thinking_dir):
+    name = model_dir.name
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [model_dir, thinking_dir], fellows=1) as swarm:
+            client = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key=swarm.token, timeout=60, max_retries=0)
+            await swarm.load(name, 1)
+
+            # plain: a string input; the reply, its usage, and exactly the reply Chat Completions gives
+            reply = await call(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING, **GREEDY)
+            assert reply.status == "completed" and reply.output_text == ANSWER and reply.model == name
+            (message,) = reply.output
+            assert message.type == "message" and message.role == "assistant"
+            chat = (await swarm.http.post("/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": ASK}], "temperature": 0, "max_tokens": 12,
+                "chat_template_kwargs": {"enable_thinking": False}})).json()
+            assert chat["choices"][0]["message"]["content"] == reply.output_text
+            assert reply.usage.input_tokens == chat["usage"]["prompt_tokens"]
+            assert reply.usage.output_tokens == chat["usage"]["completion_tokens"] == 2
+            assert reply.usage.output_tokens_details.reasoning_tokens == 0
+
+            # stored: read back, its input items listed, continued with previous_response_id
+            assert (await call(client.responses.retrieve, reply.id)).output_text == ANSWER
+            items = await call(client.responses.input_items.list, reply.id)
+            assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", ASK)]
+            more = await call(client.responses.create, model=name, input="And tomorrow?",
+                              previous_response_id=reply.id, instructions="Be brief.", reasoning=NO_THINKING,
+                              **GREEDY)
+            conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK},
+                            {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "And tomorrow?"}]
+            chat = (await swarm.http.post("/v1/chat/completions", json={
+                "model": name, "messages": conversation, "temperature": 0, "max_tokens": 12,
+                "chat_template_kwargs": {"enable_thinking": False}})).json()
+            assert more.output_text == chat["choices"][0]["message"]["content"] == ANSWER
+            assert more.usage.input_tokens == chat["usage"]["prompt_tokens"] > reply.usage.input_tokens
+            assert more.previous_response_id == reply.id
+
+            # streamed: the typed events in order, the text in the deltas, the stored response at the end
+            events = await streamed(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING, **GREEDY)
+            kinds = [e.type for e in events]
+            deltas = kinds.count("response.output_text.delta")
+            assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added", *["response.output_text.delta"] * deltas,
+                             "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                             "response.completed"]
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            done = events[-1].response
+            assert done.output_text == ANSWER and done.usage.output_tokens == 2
+            assert (await call(client.responses.retrieve, done.id)).output_text == ANSWER
+
+            # a tool round trip: the function call, then its output with previous_response_id
+            called = await call(client.responses.create, model=name, input=ASK, tools=[TOOL], **GREEDY)
+            (function_call,) = called.output
+            assert function_call.type == "function_call" and function_call.name == "get_weather"
+            assert json.loads(function_call.arguments) == {"city": "Paris"}
+            answer = await call(client.responses.create, model=name, previous_response_id=called.id, tools=[TOOL],
+                                input=[{"type": "function_call_output", "call_id": function_call.call_id,
+                                        "output": "sunny, 24 C"}], reasoning=NO_THINKING, **GREEDY)
+            assert answer.output_text == ANSWER
+            # the same with the whole conversation as input, forced by tool_choice, streamed
+            events = await streamed(client.responses.create, model=name, input=ASK, tools=[TOOL],
+                                    tool_choice={"type": "function", "name": "get_weather"}, **GREEDY)
+            kinds = [e.type for e in events]
+            assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+            (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+            pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+            assert json.loads(args_done.arguments) == json.loads(pieces) == {"city": "Paris"}
+            (item,) = events[-1].response.output
+            whole = await call(client.responses.create, model=name, tools=[TOOL], reasoning=NO_THINKING, input=[
+                {"role": "user", "content": ASK},
+                {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
+                {"type": "function_call_output", "call_id": item.call_id, "output": "sunny, 24 C"}], **GREEDY)
+            assert whole.output_text == ANSWER
+
+            # text.format json_schema: the structured output of Chat Completions
+            schema = {"type": "object", "properties": {"answer": {"enum": [4]}}, "required": ["answer"],
+                      "additionalProperties": False}
+            shaped = await call(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING, text={
+                "format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}, **GREEDY)
+            assert json.loads(shaped.output_text) == {"answer": 4}
+
+            # reasoning: the effort turns the family's switch; the reasoning comes back as a reasoning item
+            thinks = thinking_dir.name
+            await swarm.load(thinks, 1)
+            thought = await call(client.responses.create, model=thinks, input="What is 2+2?",
+                                 reasoning={"effort": "high"}, **GREEDY)
+            reasoning, message = thought.output
+            assert reasoning.type == "reasoning" and reasoning.content[0].text == "Two and two make four."
+            assert thought.output_text == "The answer is 4."
+            assert 0 < thought.usage.output_tokens_details.reasoning_tokens < thought.usage.output_tokens
+            plain = await call(client.responses.create, model=thinks, input="What is 2+2?", reasoning=NO_THINKING,
+                               **GREEDY)
+            assert plain.output_text == "Just 4." and [o.type for o in plain.output] == ["message"]
+
+            # delete; not stored; another user's: all a 404
+            deleted = await call(client.responses.delete, reply.id)
+            assert deleted is None or getattr(deleted, "deleted", True)
+            with pytest.raises(openai.NotFoundError):
+                await call(client.responses.retrieve, reply.id)
+            unstored = await call(client.responses.create, model=name, input=ASK, store=False,
+                                  reasoning=NO_THINKING, **GREEDY)
+            assert unstored.output_text == ANSWER
+            with pytest.raises(openai.NotFoundError):
+                await call(client.responses.retrieve, unstored.id)
+            store = swarm.leader.store
+            eve = await trio.to_thread.run_sync(store.create_user, "eve", "correct horse battery")
+            eve_token, _ = await trio.to_thread.run_sync(store.create_api_token, eve.id, "eve")
+            eve_client = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key=eve_token, max_retries=0)
+            eves = eve_client.responses
+            for fn in (eves.retrieve, eves.delete, eves.input_items.list):
+                with pytest.raises(openai.NotFoundError) as info:
+                    await call(fn, more.id)
+                assert more.id in info.value.message
+            with pytest.raises(openai.NotFoundError):
+                await call(eve_client.responses.create, model=name, input="hi", previous_response_id=more.id)
+            assert (await call(client.responses.retrieve, more.id)).output_text == ANSWER  # still there for its user
+
+            # a field this server does not implement: a 400 that names it
+            with pytest.raises(openai.BadRequestError) as info:
+                await call(client.responses.create, model=name, input=ASK, background=True)
+            assert "'background'" in info.value.message
+            with pytest.raises(openai.BadRequestError) as info:
+                await call(client.responses.create, model=name, input=ASK, tools=[{"type": "web_search"}])
+            assert "web_search" in info.value.message
+
+            # the Agents SDK: one agent, one function tool, run to the tool's result
+            final, asked = await trio.to_thread.run_sync(run_agent, swarm.url, swarm.token, name)
+            assert asked == ["Paris"] and final == "sunny in Paris"
