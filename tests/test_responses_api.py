@@ -211,3 +211,33 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
             # the Agents SDK: one agent, one function tool, run to the tool's result
             final, asked = await trio.to_thread.run_sync(run_agent, swarm.url, swarm.token, name)
             assert asked == ["Paris"] and final == "sunny in Paris"
+
+
+def test_malformed_responses_bodies_are_a_400_never_a_crash():
+    """Junk in every field of a /v1/responses body: translated and checked as Chat Completions' are, it is refused
+    with a BadRequest (a 400 that says what to fix), never another exception (a 500)."""
+    import random
+
+    from swarm.errors import BadRequest
+    from swarm.leader.openai_params import parse_chat_body
+    from swarm.leader.responses_format import chat_body, input_items
+    from test_fuzz import _json_junk
+
+    rng = random.Random(38)
+    keys = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+            "text", "reasoning", "truncation", "include"]
+    valid = {"model": "m", "input": ASK, "tools": [TOOL], "reasoning": NO_THINKING, **GREEDY}
+    refused = 0
+    for i in range(3000):
+        body = dict(valid)
+        for key in rng.sample(keys, rng.randrange(1, 4)):
+            body[key] = _json_junk(rng)
+        if i % 3 == 0:  # junk inside the items too
+            body["input"] = [{"type": rng.choice(["message", "function_call", "function_call_output"]),
+                              "role": "user", "call_id": "c", "name": "f", "arguments": "{}",
+                              rng.choice(["content", "output", "arguments"]): _json_junk(rng)}]
+        try:
+            parse_chat_body(chat_body(body, [], input_items(body.get("input"))), 64)
+        except BadRequest:
+            refused += 1
+    assert refused > 1000  # most of it is junk, and said so

@@ -72,6 +72,8 @@ def input_items(value: Any) -> list[dict]:
     out = []
     for item in value:
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise BadRequest("an 'input' item's 'type' must be a string such as \"message\".", "invalid_input")
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}.get(kind)
         if prefix is None:
             raise BadRequest(f"'input' has an item of type '{kind}': this server takes message, function_call, "
