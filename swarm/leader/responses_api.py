@@ -94,7 +94,13 @@ class Reply:
             self.reasoning = (index, text + reasoning)
             out.append(self.event("response.reasoning_text.delta", item_id=self.output[index]["id"],
                                   output_index=index, content_index=0, delta=reasoning))
-        content = self.choice.content_delta(content)
+        out += self._content(self.choice.content_delta(content))
+        out += self._call_deltas()
+        return out
+
+    def _content(self, content: str) -> list[dict]:
+        """Events for content that goes out now (past the tool-call splitter)."""
+        out: list[dict] = []
         if content:
             out += self._close_reasoning()
             if self.message is None:
@@ -108,7 +114,6 @@ class Reply:
             self.message = (index, text + content)
             out.append(self.event("response.output_text.delta", item_id=self.output[index]["id"], output_index=index,
                                   content_index=0, delta=content, logprobs=[]))
-        out += self._call_deltas()
         return out
 
     def _call_deltas(self) -> list[dict]:
@@ -132,15 +137,13 @@ class Reply:
 
     async def finish(self, finish: str) -> list[dict]:
         choice = self.choice
-        out = self.piece("", choice.end_content()) if choice.tools is not None else []
+        out = self._content(choice.end_content())  # what the tool-call splitter held back, the calls parsed
         out += self._call_deltas()
         choice.finish = choice.finish_reason(finish)
         out += self._close_reasoning() + self._close_message()
-        for number, index in sorted(self.calls.items(), key=lambda kv: kv[1]):
+        for index in sorted(self.calls.values()):
             item = self.output[index]
-            final = next((c for c in choice.calls if c.get("_index", -1) == number), None)
-            if final is None and number < len(choice.calls):
-                final = choice.calls[number]
+            final = next((c for c in choice.calls if c.get("id") == item["call_id"]), None)
             if final is not None:
                 item["arguments"] = final["function"]["arguments"]
             item["status"] = "completed"
