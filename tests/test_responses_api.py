@@ -83,10 +83,10 @@ def run_agent(url: str, token: str, model: str) -> tuple[str, list]:
     return asyncio.run(main()), asked
 
 
-async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir, thinking_dir):
+async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir, thinking_dir, smollm_model_dir):
     name = model_dir.name
     with trio.fail_after(280):
-        async with running_swarm(tmp_path, [model_dir, thinking_dir], fellows=1) as swarm:
+        async with running_swarm(tmp_path, [model_dir, thinking_dir, smollm_model_dir], fellows=1) as swarm:
             client = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key=swarm.token, timeout=60, max_retries=0)
             await swarm.load(name, 1)
 
@@ -207,6 +207,23 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
             with pytest.raises(openai.BadRequestError) as info:
                 await call(client.responses.create, model=name, input=ASK, tools=[{"type": "web_search"}])
             assert "web_search" in info.value.message
+
+            # the real built-in model: a greedy reply, streamed or not, is token for token Chat Completions' one
+            smol = smollm_model_dir.name
+            await swarm.load(smol, 1)
+            question = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+            chat = (await swarm.http.post("/v1/chat/completions", json={
+                "model": smol, "messages": question, "temperature": 0, "max_tokens": 16})).json()
+            expected = chat["choices"][0]["message"]["content"]
+            real = await call(client.responses.create, model=smol, instructions="You are terse.",
+                              input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}],
+                              temperature=0, max_output_tokens=16)
+            assert expected and real.output_text == expected
+            assert real.usage.output_tokens == chat["usage"]["completion_tokens"]
+            assert real.status == ("incomplete" if chat["choices"][0]["finish_reason"] == "length" else "completed")
+            events = await streamed(client.responses.create, model=smol, instructions="You are terse.",
+                                    input="Name a color.", temperature=0, max_output_tokens=16)
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
 
             # the Agents SDK: one agent, one function tool, run to the tool's result
             final, asked = await trio.to_thread.run_sync(run_agent, swarm.url, swarm.token, name)
