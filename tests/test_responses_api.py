@@ -16,8 +16,8 @@ import openai
 import pytest
 import trio
 
-from harness import running_swarm
-from scripted import build
+from harness import running_swarm, wait_until
+from scripted import build, hold_compute
 from swarm.store.importer import import_model
 from test_openai_compat import TOOLS_TEMPLATE, WEATHER
 
@@ -83,8 +83,11 @@ def run_agent(url: str, token: str, model: str) -> tuple[str, list]:
     return asyncio.run(main()), asked
 
 
-async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir, thinking_dir, smollm_model_dir):
+async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir, thinking_dir, smollm_model_dir,
+                                                            monkeypatch):
     name = model_dir.name
+    gate = hold_compute(monkeypatch)  # open but for the last part: a client leaving while its reply is computed
+    gate.set()
     with trio.fail_after(280):
         async with running_swarm(tmp_path, [model_dir, thinking_dir, smollm_model_dir], fellows=1) as swarm:
             client = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key=swarm.token, timeout=60, max_retries=0)
@@ -228,6 +231,21 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
             # the Agents SDK: one agent, one function tool, run to the tool's result
             final, asked = await trio.to_thread.run_sync(run_agent, swarm.url, swarm.token, name)
             assert asked == ["Paris"] and final == "sunny in Paris"
+
+            # a client that leaves (streamed or not) ends its reply on the ring at once
+            book = swarm.leader.serving.book
+            for stream in (False, True):
+                gate.clear()
+                with trio.CancelScope() as scope:
+                    async def leave(scope=scope):
+                        await wait_until(lambda: len(book.of_model(name)) == 1, 20)
+                        scope.cancel()  # the client closes its connection without a word
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(leave)
+                        await swarm.http.post("/v1/responses", json={"model": name, "input": ASK, "stream": stream})
+                await wait_until(lambda: not book.of_model(name), 10)
+                gate.set()
 
 
 def test_malformed_responses_bodies_are_a_400_never_a_crash():
