@@ -180,6 +180,21 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
                                **GREEDY)
             assert plain.output_text == "Just 4." and [o.type for o in plain.output] == ["message"]
 
+            # a response too large to keep: streamed, it still comes, after an error event that says so
+            with monkeypatch.context() as small:
+                small.setattr(swarm.leader.store, "max_chat_bytes", 300)
+                events = await streamed(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING,
+                                        **GREEDY)
+                assert [e.type for e in events[-2:]] == ["error", "response.completed"]
+                assert events[-2].code == "store_refused" and "\"store\": false" in events[-2].message
+                assert events[-1].response.output_text == ANSWER and events[-1].response.store is False
+                assert [e.sequence_number for e in events] == list(range(len(events)))
+                with pytest.raises(openai.NotFoundError):
+                    await call(client.responses.retrieve, events[-1].response.id)
+                with pytest.raises(openai.APIStatusError) as too_large:
+                    await call(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING, **GREEDY)
+                assert too_large.value.status_code == 413
+
             # delete; not stored; another user's: all a 404
             deleted = await call(client.responses.delete, reply.id)
             assert deleted is None or getattr(deleted, "deleted", True)

@@ -19,7 +19,7 @@ import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from swarm.errors import BadRequest, ResponseNotFound, SwarmError
+from swarm.errors import BadRequest, ResponseNotFound, StoreError, SwarmError
 from swarm.leader import responses_format as fmt
 from swarm.leader import timing
 from swarm.leader.auth import current_user
@@ -262,7 +262,14 @@ class ResponsesRoutes:
             try:
                 async for event in reply.events():
                     if event["type"] in ("response.completed", "response.incomplete") and kept is not None:
-                        await self._save(reply, kept)
+                        try:
+                            await self._save(reply, kept)
+                        except StoreError as exc:  # too large to keep: the reply still goes out, said so first
+                            event["response"]["store"] = False
+                            yield sse({"type": "error", "sequence_number": event["sequence_number"],
+                                       "code": "store_refused", "message": str(exc), "param": "store"})
+                            event["sequence_number"] = reply.seq
+                            reply.seq += 1
                     yield sse(event)
             except SwarmError as exc:
                 error = {"code": "server_error", "message": str(exc)}
