@@ -9,6 +9,7 @@ So every reply has an exact expected text."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 
@@ -261,6 +262,18 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
                         await swarm.http.post("/v1/responses", json={"model": name, "input": ASK, "stream": stream})
                 await wait_until(lambda: not book.of_model(name), 10)
                 gate.set()
+
+            # a ring that stops answering: the stream ends with response.failed, which says what happened
+            with monkeypatch.context() as stalled:
+                stalled.setattr(swarm.leader, "settings", dataclasses.replace(swarm.leader.settings,
+                                                                              request_stall_s=1.0))
+                gate.clear()
+                events = await streamed(client.responses.create, model=name, input=ASK, **GREEDY)
+                gate.set()
+            assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+            failed = events[-1].response
+            assert failed.status == "failed" and "stopped answering" in failed.error.message
+            await wait_until(lambda: not book.of_model(name), 10)
 
 
 def test_malformed_responses_bodies_are_a_400_never_a_crash():
