@@ -202,7 +202,7 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
             with pytest.raises(openai.NotFoundError):
                 await call(client.responses.retrieve, reply.id)
             unstored = await call(client.responses.create, model=name, input=ASK, store=False,
-                                  reasoning=NO_THINKING, **GREEDY)
+                                  include=["reasoning.encrypted_content"], reasoning=NO_THINKING, **GREEDY)
             assert unstored.output_text == ANSWER
             with pytest.raises(openai.NotFoundError):
                 await call(client.responses.retrieve, unstored.id)
@@ -223,6 +223,9 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
             with pytest.raises(openai.BadRequestError) as info:
                 await call(client.responses.create, model=name, input=ASK, background=True)
             assert "'background'" in info.value.message
+            with pytest.raises(openai.BadRequestError) as info:
+                await call(client.responses.create, model=name, input=ASK, include=["message.output_text.logprobs"])
+            assert "'message.output_text.logprobs'" in info.value.message
             with pytest.raises(openai.BadRequestError) as info:
                 await call(client.responses.create, model=name, input=ASK, tools=[{"type": "web_search"}])
             assert "web_search" in info.value.message

@@ -21,8 +21,9 @@ FIELDS = frozenset({
     "reasoning", "stream", "previous_response_id",
 })
 # Fields we do not implement, accepted at the value that means "off" (what clients such as the Agents SDK send).
-OFF_VALUES: dict[str, tuple] = {"truncation": ("disabled",), "background": (False,), "include": ([],),
-                                "top_logprobs": (0,), "max_tool_calls": ()}
+OFF_VALUES: dict[str, tuple] = {"truncation": ("disabled",), "background": (False,), "top_logprobs": (0,)}
+# What ``include`` may ask for: encrypted reasoning (Codex asks with "store": false) is none here, so nothing to add.
+INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -41,6 +42,12 @@ def check_fields(body: dict) -> None:
             continue
         if value in OFF_VALUES.get(key, ()):
             continue
+        if key == "include" and isinstance(value, list):
+            extra = [v for v in value if not (isinstance(v, str) and v in INCLUDABLE)]
+            if not extra:
+                continue
+            raise BadRequest(f"'include' asks for {extra[0]!r}, which this server does not return, so the request "
+                             "was not run. Leave it out of 'include'.", "unsupported_parameter")
         raise _unsupported(key)
 
 
