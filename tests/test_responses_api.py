@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 
+import httpx
 import openai
 import pytest
 import trio
@@ -168,6 +169,13 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
                 "format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}, **GREEDY)
             assert json.loads(shaped.output_text) == {"answer": 4}
 
+            # the input items of a stored response, oldest first on request
+            listed = await call(client.responses.input_items.list, whole.id, order="asc")
+            assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output"]
+            assert listed.data[1].call_id == item.call_id and listed.data[2].output == "sunny, 24 C"
+            newest = await call(client.responses.input_items.list, whole.id, limit=1)
+            assert [i.type for i in newest.data] == ["function_call_output"] and newest.has_more
+
             # reasoning: the effort turns the family's switch; the reasoning comes back as a reasoning item
             thinks = thinking_dir.name
             await swarm.load(thinks, 1)
@@ -218,6 +226,15 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
             with pytest.raises(openai.NotFoundError):
                 await call(eve_client.responses.create, model=name, input="hi", previous_response_id=more.id)
             assert (await call(client.responses.retrieve, more.id)).output_text == ANSWER  # still there for its user
+
+            # the same API tokens: no token, a 401 in OpenAI's shape on every route
+            async with httpx.AsyncClient(base_url=swarm.url) as anonymous:
+                for method, path in (("POST", "/v1/responses"), ("GET", f"/v1/responses/{more.id}"),
+                                     ("DELETE", f"/v1/responses/{more.id}"),
+                                     ("GET", f"/v1/responses/{more.id}/input_items")):
+                    response = await anonymous.request(method, path, json={"model": name, "input": ASK})
+                    assert response.status_code == 401, path
+                    assert response.json()["error"]["code"] == "invalid_api_key", path
 
             # a field this server does not implement: a 400 that names it
             with pytest.raises(openai.BadRequestError) as info:
