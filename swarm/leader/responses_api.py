@@ -205,7 +205,7 @@ class ResponsesRoutes:
             body = await json_body(request)
             stream = body.get("stream") is True
             store = body.get("store") is not False
-            if not isinstance(body.get("store", True), bool) or not isinstance(body.get("stream", False), bool):
+            if body.get("store") not in (None, True, False) or body.get("stream") not in (None, True, False):
                 raise BadRequest("'store' and 'stream' must be true or false.", "invalid_request")
             history: list[dict] = []
             previous = body.get("previous_response_id")
