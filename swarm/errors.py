@@ -64,6 +64,10 @@ class ModelNotFound(ModelError):
     """No model of that name is in the catalogue."""
 
 
+class ResponseNotFound(SwarmError):
+    """No stored response of that id belongs to the caller (the Responses API)."""
+
+
 class PoolNotFound(SwarmError):
     """No pool of that name (or id) on this leader."""
 

@@ -409,3 +409,23 @@ def test_the_database_file_is_private_and_errors_do_not_name_it(tmp_path) -> Non
     path.chmod(0o644)  # a database from before: made private when opened
     Store(path).close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+# --- stored responses (the Responses API) ---------------------------------------------------------------------------
+
+
+def test_stored_responses_belong_to_their_user_and_the_oldest_go(db_path: Path) -> None:
+    with Store(db_path, password_hasher=CHEAP, max_chats_per_user=2) as s:
+        ada, bob = s.create_user("ada", "pw"), s.create_user("bob", "pw")
+        conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        for n in range(3):
+            s.save_response(ada.id, f"resp_{n}", "m", {"id": f"resp_{n}", "n": n}, [{"id": "msg_1"}], conversation)
+        assert s.get_response(ada.id, "resp_0") is None  # past the 2 one user keeps: the oldest went
+        kept = s.get_response(ada.id, "resp_2")
+        assert kept is not None and kept.response == {"id": "resp_2", "n": 2} and kept.messages == conversation
+        assert kept.input_items == [{"id": "msg_1"}] and kept.model == "m"
+        assert s.get_response(bob.id, "resp_2") is None and not s.delete_response(bob.id, "resp_2")
+        assert s.delete_response(ada.id, "resp_2") and s.get_response(ada.id, "resp_2") is None
+        assert s.get_response(ada.id, "resp_1") is not None
+        with pytest.raises(ChatTooLarge):
+            s.save_response(ada.id, "resp_big", "m", {}, [], [{"role": "user", "content": "a" * 3_000_000}])

@@ -38,6 +38,7 @@ from swarm.leader.ollama_api import OLLAMA_CHAT_PATHS, OLLAMA_PATHS, OllamaRoute
 from swarm.leader.openai_api import OpenAIRoutes
 from swarm.leader.quotas import QuotaBook
 from swarm.leader.relay import RelayHub
+from swarm.leader.responses_api import RESPONSES_PATH, ResponsesRoutes
 from swarm.leader.serving import Serving
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.leader.updates import SelfWheel, UpdateRoutes
@@ -111,7 +112,7 @@ class Leader:
         """The largest request body ``path`` accepts (swarm.leader.limits)."""
         if path == "/api/v1/auth/login":
             return SIGN_IN_BODY
-        if path in ("/v1/chat/completions", "/v1/completions", *OLLAMA_CHAT_PATHS):
+        if path in ("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, *OLLAMA_CHAT_PATHS):
             # no model serves a longer context than the admin's cap (never the pool's KV budget: issue 32)
             return chat_body_limit(self.settings.serve_context_tokens)
         if path.startswith("/api/v1/chats"):
@@ -145,6 +146,7 @@ class Leader:
         api = ApiRoutes(self)
         oai = OpenAIRoutes(self)
         ollama = OllamaRoutes(oai)
+        responses = ResponsesRoutes(oai)
         updates = UpdateRoutes(self)
         install = InstallRoutes(self)
 
@@ -191,6 +193,11 @@ class Leader:
             Route("/v1/models", oai.models),
             Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
             Route("/v1/completions", CompletionRoutes(oai).completions, methods=["POST"]),
+            # OpenAI's Responses API (swarm.leader.responses_api): the same requests as /v1, stored per user
+            Route(RESPONSES_PATH, responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", responses.input_items),
             # Ollama's API (swarm.leader.ollama_api): the same requests as /v1, in Ollama's shapes
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),

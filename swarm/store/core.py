@@ -197,6 +197,19 @@ MIGRATIONS: list[str] = [
     ALTER TABLE serving_history ADD COLUMN token_id INTEGER;
     CREATE INDEX serving_history_user_ended ON serving_history(user_id, ended_at);
     """,
+    # Stored responses of the Responses API (issue 38, swarm.store.responses): each belongs to one user, as chats do.
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        user_id INTEGER NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+        model TEXT NOT NULL,
+        response_json TEXT NOT NULL,
+        input_json TEXT NOT NULL,
+        messages_json TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX responses_user_created ON responses(user_id, created_at);
+    """,
 ]
 
 

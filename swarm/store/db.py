@@ -4,7 +4,7 @@ serving history -- in a SQLite file in the data dir, or on PostgreSQL when ``SWA
 ``Store(path_or_url)`` opens (and migrates) the database (``leader_store(data_dir)`` the leader's own); its methods
 block, so async code calls them through ``trio.to_thread.run_sync``. The tables' methods live beside their records:
 ``accounts`` (users, sessions, login links, API tokens), ``fleet`` (pools, join tokens, fellows, models), ``chats``,
-``history`` (served requests);
+``history`` (served requests), ``responses`` (the Responses API's stored responses);
 ``core`` holds the connection, the transactions and the migrations. Import everything from here.
 """
 
@@ -23,6 +23,7 @@ from swarm.store.core import MAX_CHAT_BYTES, MAX_CHATS_PER_USER, MIGRATIONS
 from swarm.store.fleet import DEFAULT_POOL, Fellow, FleetMixin, JoinToken, Model, Pool
 from swarm.store.history import HistoryMixin, ServedRequest
 from swarm.store.quotas import Quota, QuotasMixin, UsageRow
+from swarm.store.responses import ResponsesMixin, StoredResponse
 
 __all__ = [
     "DEFAULT_POOL",
@@ -42,6 +43,7 @@ __all__ = [
     "Pool",
     "Quota",
     "ServedRequest",
+    "StoredResponse",
     "Store",
     "UsageRow",
     "User",
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 
-class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin, QuotasMixin):
+class Store(AccountsMixin, FleetMixin, ChatsMixin, HistoryMixin, QuotasMixin, ResponsesMixin):
     """The leader's database. Methods block; call them through ``trio.to_thread.run_sync`` from async code.
 
     ``password_hasher`` defaults to argon2-cffi's; ``max_chats_per_user`` and ``max_chat_bytes`` to the seed's
