@@ -257,3 +257,39 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             huge = await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 4, "messages": [
                 {"role": "user", "content": "a" * 3_000_000}]})
             assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
+
+
+def test_malformed_messages_bodies_are_a_400_never_a_crash():
+    """Junk in every field of a /v1/messages body, and inside its blocks and tools: translated and checked as Chat
+    Completions' are, it is refused with a BadRequest (a 400 that says what to fix), never another exception (a
+    500)."""
+    import random
+
+    from swarm.errors import BadRequest
+    from swarm.leader.anthropic_params import chat_body
+    from swarm.leader.openai_params import parse_chat_body
+    from test_fuzz import _json_junk
+
+    rng = random.Random(38)
+    keys = ["model", "messages", "max_tokens", "system", "stop_sequences", "tools", "tool_choice", "thinking",
+            "output_config", "top_k", "stream", "metadata"]
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
+    valid = {"model": "m", "max_tokens": 8, "tools": [TOOL], "messages": [
+        *ASK, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]}
+    parse_chat_body(chat_body(valid), 64)  # the body itself is fine
+    refused = 0
+    for i in range(3000):
+        body = dict(valid)
+        for key in rng.sample(keys, rng.randrange(1, 4)):
+            body[key] = _json_junk(rng)
+        if i % 3 == 0:  # junk inside the blocks and tools too
+            block = dict(rng.choice([use, result, {"type": "text", "text": "x"}]))
+            block[rng.choice(["input", "content", "text", "id", "tool_use_id", "type", "is_error"])] = _json_junk(rng)
+            body["messages"] = [*ASK, {"role": rng.choice(["user", "assistant"]), "content": [block]}, *ASK]
+            body["tools"] = [{**TOOL, rng.choice(["name", "input_schema", "type", "strict"]): _json_junk(rng)}]
+        try:
+            parse_chat_body(chat_body(body, counting=i % 5 == 0), 64)
+        except BadRequest:
+            refused += 1
+    assert refused > 1000  # most of it is junk, and said so
