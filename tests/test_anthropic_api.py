@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-from harness import running_swarm
-from scripted import build
+from harness import running_swarm, wait_until
+from scripted import build, hold_compute
 from swarm.store.importer import import_model
 from test_openai_compat import CALL_PIECES, TOOLS_TEMPLATE, WEATHER
 
@@ -89,8 +89,11 @@ def texts(reply) -> list[tuple[str, str]]:
     return [(b.type, b.text if b.type == "text" else getattr(b, "thinking", b.type)) for b in reply.content]
 
 
-async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinking_dir, smollm_model_dir):
+async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinking_dir, smollm_model_dir,
+                                                     monkeypatch):
     name = model_dir.name
+    gate = hold_compute(monkeypatch)  # open but for the last part: a client leaving while its reply is computed
+    gate.set()
     with trio.fail_after(270), contextlib.ExitStack() as clients:
         async with running_swarm(tmp_path, [model_dir, thinking_dir, smollm_model_dir], fellows=1) as swarm:
             client = anthropic.Anthropic(base_url=swarm.url, api_key=swarm.token, max_retries=0, timeout=60)
@@ -185,6 +188,14 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             assert [(b.type, b.name, sorted(b.input)) for b in forced.content] == [("tool_use", "get_weather",
                                                                                     ["city"])]
 
+            # output_config.format: a JSON schema is the structured output of Chat Completions
+            schema = {"type": "object", "properties": {"answer": {"enum": [4]}}, "required": ["answer"],
+                      "additionalProperties": False}
+            shaped = await call(client.messages.create, model=name, max_tokens=12, messages=ASK, **GREEDY,
+                                thinking=NO_THINKING,
+                                output_config={"format": {"type": "json_schema", "schema": schema}})
+            assert json.loads(shaped.content[0].text) == {"answer": 4}
+
             # thinking: the family's reasoning switch; the reasoning comes back as a thinking block
             thinks = thinking_dir.name
             await swarm.load(thinks, 1)
@@ -257,6 +268,21 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             huge = await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 4, "messages": [
                 {"role": "user", "content": "a" * 3_000_000}]})
             assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
+            # a client that leaves (streamed or not) ends its reply on the ring at once
+            book = swarm.leader.serving.book
+            for stream in (False, True):
+                gate.clear()
+                with trio.CancelScope() as scope:
+                    async def leave(scope=scope):
+                        await wait_until(lambda: len(book.of_model(name)) == 1, 20)
+                        scope.cancel()  # the client closes its connection without a word
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(leave)
+                        await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 12,
+                                                                    "messages": ASK, "stream": stream})
+                await wait_until(lambda: not book.of_model(name), 10)
+                gate.set()
 
 
 def test_malformed_messages_bodies_are_a_400_never_a_crash():
