@@ -99,6 +99,11 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             client = anthropic.Anthropic(base_url=swarm.url, api_key=swarm.token, max_retries=0, timeout=60)
             clients.enter_context(client)
 
+            # the models of the caller's pools, in Anthropic's shape (its clients send anthropic-version)
+            listed = await call(lambda: [(m.id, m.type) for m in client.models.list()])
+            assert sorted(listed) == sorted((d.name, "model") for d in (model_dir, thinking_dir, smollm_model_dir))
+            assert (await swarm.http.get("/v1/models")).json()["object"] == "list"  # OpenAI's clients: theirs
+
             # a model that is not loaded: Anthropic's error shape, saying what to do
             with pytest.raises(anthropic.APIStatusError) as info:
                 await call(client.messages.create, model=name, max_tokens=12, messages=ASK)

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from swarm.errors import AuthError
 from swarm.leader import timing
 from swarm.leader.anthropic_params import anthropic_error, anthropic_problem, chat_body
-from swarm.leader.auth import SESSION_COOKIE, bearer, current_user
+from swarm.leader.auth import SESSION_COOKIE, api_key, current_user
 from swarm.leader.http_errors import json_body
 from swarm.leader.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
 from swarm.leader.openai_params import parse_chat_body
@@ -32,14 +32,7 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 async def caller(request: HttpRequest, store):
     """The user behind an ``x-api-key`` (Anthropic's clients), a Bearer token or a browser session."""
-    key = request.headers.get("x-api-key", "").strip()
-    if key and not bearer(request):
-        user = await trio.to_thread.run_sync(store.api_token_user, key)
-        if user is None:
-            raise AuthError("the API key is not valid: create an API token under Settings > API (or with the admin "
-                            "token) and send it as 'x-api-key' (ANTHROPIC_API_KEY).")
-        return user
-    if not bearer(request) and SESSION_COOKIE not in request.cookies:
+    if api_key(request) is None and SESSION_COOKIE not in request.cookies:
         raise AuthError("sign in, or send an API token as 'x-api-key: <token>' (ANTHROPIC_API_KEY) or "
                         "'Authorization: Bearer <token>'.")
     return await current_user(request, store)

@@ -7,6 +7,7 @@ As on /v1/chat/completions, every field is one we implement, one that changes no
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -283,3 +284,11 @@ def chat_body(body: dict, counting: bool = False) -> dict:
         if form is not None:
             out["response_format"] = form
     return out
+
+
+def anthropic_models(rows: list) -> dict:
+    """GET /v1/models as Anthropic's clients read it (they send ``anthropic-version``): the caller's models."""
+    data = [{"type": "model", "id": m.name, "display_name": m.name,
+             "created_at": datetime.datetime.fromtimestamp(m.created_at, datetime.UTC).isoformat()} for m in rows]
+    return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError, first_leaf
 from swarm.leader import timing
+from swarm.leader.anthropic_params import anthropic_models
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import (
     TextStream,
@@ -52,6 +53,8 @@ class OpenAIRoutes:
             rows = await trio.to_thread.run_sync(lambda: store.list_models(store.visible_pool_ids(user)))
         except Exception as exc:
             return openai_error(exc)
+        if "anthropic-version" in request.headers:  # Anthropic's clients (swarm.leader.anthropic_api): their shape
+            return JSONResponse(anthropic_models(rows))
         data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": "swarm",
                  "status": self.leader.serving.status(m.name)} for m in rows]
         return JSONResponse({"object": "list", "data": data})
