@@ -159,7 +159,8 @@ class AnthropicRoutes:
             for line in pieces("", choice.end_content()):
                 yield line
             choice.finish = choice.finish_reason(finish)
-            yield "".join(blocks.close())
+            for line in blocks.close():
+                yield line
             await timing.settle(self.leader.serving, request)
             reason, sequence = stop_reason(choice)
             yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
