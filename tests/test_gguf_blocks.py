@@ -115,8 +115,8 @@ def test_a_model_imported_before_blocks_were_kept_still_loads_as_it_did(tmp_path
     from the same files."""
     from safetensors.torch import load_file
 
-    from swarm.stage import StageModel, StageSpec
     from reference_model import load_reference_model
+    from swarm.stage import StageModel, StageSpec
 
     gguf = tmp_path / "m.gguf"
     write_llama_gguf(gguf, hidden=256, intermediate=512, layers=2, vocab=256, heads=4, kv_heads=2)

@@ -1,5 +1,5 @@
-"""The leader process: one trio process serving the web app, /v1, /api/v1, Ollama's /api, the fellow links and the
-relay."""
+"""The leader process: one trio process serving the web app, /v1 (Anthropic's /v1/messages too), /api/v1, Ollama's
+/api, the fellow links and the relay."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from swarm.config import Settings
 from swarm.errors import AuthError, ConfigError
 from swarm.leader import timing
 from swarm.leader.admin_api import admin_routes
+from swarm.leader.anthropic_api import ANTHROPIC_PATHS, AnthropicRoutes
 from swarm.leader.api import ApiRoutes
 from swarm.leader.auth import bearer, current_user
 from swarm.leader.completions import CompletionRoutes
@@ -106,13 +107,14 @@ class Leader:
         self.hashing = HashPool()
         self.first_start = initialize(self.store, self.public, self.cert_pin)
         self.mcp = McpEndpoint(self)  # its tools call self.app in-process, once it exists
-        self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit, flat_errors=OLLAMA_PATHS))
+        self.app = SecurityHeaders(BodyLimit(self._build_app(), self.body_limit, flat_errors=OLLAMA_PATHS,
+                                             anthropic_errors=ANTHROPIC_PATHS))
 
     def body_limit(self, path: str) -> int:
         """The largest request body ``path`` accepts (swarm.leader.limits)."""
         if path == "/api/v1/auth/login":
             return SIGN_IN_BODY
-        if path in ("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, *OLLAMA_CHAT_PATHS):
+        if path in ("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, *OLLAMA_CHAT_PATHS, *ANTHROPIC_PATHS):
             # no model serves a longer context than the admin's cap (never the pool's KV budget: issue 32)
             return chat_body_limit(self.settings.serve_context_tokens)
         if path.startswith("/api/v1/chats"):
@@ -147,6 +149,7 @@ class Leader:
         oai = OpenAIRoutes(self)
         ollama = OllamaRoutes(oai)
         responses = ResponsesRoutes(oai)
+        anthropic = AnthropicRoutes(oai)
         updates = UpdateRoutes(self)
         install = InstallRoutes(self)
 
@@ -198,6 +201,9 @@ class Leader:
             Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/input_items", responses.input_items),
+            # Anthropic's Messages API (swarm.leader.anthropic_api): the same requests, in Anthropic's shapes
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             # Ollama's API (swarm.leader.ollama_api): the same requests as /v1, in Ollama's shapes
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),

@@ -21,9 +21,14 @@ def bearer(conn: HTTPConnection) -> str | None:
     return None
 
 
+def api_key(conn: HTTPConnection) -> str | None:
+    """An API token sent as Bearer, or as Anthropic's clients send theirs (``x-api-key``)."""
+    return bearer(conn) or conn.headers.get("x-api-key", "").strip() or None
+
+
 async def current_user(conn: HTTPConnection, store):
     """The signed-in user, or AuthError. Cookie-authenticated unsafe requests must carry the CSRF token."""
-    token = bearer(conn)
+    token = api_key(conn)
     if token:
         user = await trio.to_thread.run_sync(store.api_token_user, token)
         if user is None:

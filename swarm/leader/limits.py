@@ -148,27 +148,31 @@ class BodyLimit:
 
     ``limit_for(path) -> bytes`` picks the limit. A Content-Length over it is refused at once; a chunked body is
     counted as it arrives and raises BodyTooLarge (mapped to 413) in whoever reads it. The paths of ``flat_errors``
-    (Ollama's API) answer ``{"error": message}``, the others the /v1 and /api/v1 shape.
+    (Ollama's API) answer ``{"error": message}``, those of ``anthropic_errors`` (Anthropic's Messages API) its
+    ``{"type": "error", "error": {"type", "message"}}``, the others the /v1 and /api/v1 shape.
     """
 
-    def __init__(self, app: ASGIApp, limit_for, flat_errors: frozenset[str] = frozenset()):
+    def __init__(self, app: ASGIApp, limit_for, flat_errors: frozenset[str] = frozenset(),
+                 anthropic_errors: frozenset[str] = frozenset()):
         self.app = app
         self.limit_for = limit_for
         self.flat_errors = flat_errors
+        self.anthropic_errors = anthropic_errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         limit = self.limit_for(scope["path"])
-        flat = scope["path"] in self.flat_errors
+        shape = "flat" if scope["path"] in self.flat_errors else (
+            "anthropic" if scope["path"] in self.anthropic_errors else "openai")
         length = dict(scope.get("headers") or []).get(b"content-length")
         try:
             declared = int(length) if length is not None else None
         except ValueError:
             declared = None
         if declared is not None and declared > limit:
-            await _too_large(send, limit, flat)
+            await _too_large(send, limit, shape)
             return
         received = 0
         started = False
@@ -192,7 +196,7 @@ class BodyLimit:
             await self.app(scope, counted_receive, tracked_send)
         except BodyTooLarge:
             if not started:
-                await _too_large(send, limit, flat)
+                await _too_large(send, limit, shape)
 
 
 def too_large(limit: int) -> str:
@@ -200,10 +204,15 @@ def too_large(limit: int) -> str:
             "batch of prompts split over several requests, a shorter conversation).")
 
 
-async def _too_large(send: Send, limit: int, flat: bool = False) -> None:
-    error = too_large(limit) if flat else {"message": too_large(limit), "type": "body_too_large",
-                                           "code": "body_too_large"}
-    body = json.dumps({"error": error}).encode()
+async def _too_large(send: Send, limit: int, shape: str = "openai") -> None:
+    message = too_large(limit)
+    if shape == "anthropic":
+        answer: dict = {"type": "error", "error": {"type": "request_too_large", "message": message}}
+    elif shape == "flat":
+        answer = {"error": message}
+    else:
+        answer = {"error": {"message": message, "type": "body_too_large", "code": "body_too_large"}}
+    body = json.dumps(answer).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError, first_leaf
 from swarm.leader import timing
+from swarm.leader.anthropic_params import anthropic_models
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import (
     TextStream,
@@ -52,6 +53,8 @@ class OpenAIRoutes:
             rows = await trio.to_thread.run_sync(lambda: store.list_models(store.visible_pool_ids(user)))
         except Exception as exc:
             return openai_error(exc)
+        if "anthropic-version" in request.headers:  # Anthropic's clients (swarm.leader.anthropic_api): their shape
+            return JSONResponse(anthropic_models(rows))
         data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": "swarm",
                  "status": self.leader.serving.status(m.name)} for m in rows]
         return JSONResponse({"object": "list", "data": data})
@@ -136,20 +139,7 @@ class OpenAIRoutes:
         model's tool calls."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
-        # Refused by its byte count before the tokenizer sees it (swarm.leader.limits): a 24 MB prompt took 11 s. In a
-        # worker thread, as the tokenizer: both walk the whole text.
-        context = await self.leader.serving.context_of(params.model)
-        await trio.to_thread.run_sync(check_prompt_bytes, params.messages, model_dir, context)
-        try:
-            prompt = await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
-                                                   architecture, params.tools)
-        except Exception as exc:
-            from jinja2 import TemplateError
-
-            if isinstance(exc, TemplateError):  # the template refused these messages (roles out of order, say)
-                raise BadRequest(f"the messages cannot be put through the model's chat template: {exc}",
-                                 "invalid_messages") from None
-            raise
+        prompt = await self.encode(params, architecture)
         inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
         family = "llama" if architecture == "llama" else "hermes"
         if params.forced_tool is not None and params.tools:  # tool_choice forces a call: a grammar makes the reply one
@@ -158,6 +148,25 @@ class OpenAIRoutes:
         await self.send(params.model, prompt, params.max_tokens, params.sampling, params, user.id, out,
                         thinking=params.thinking is not False, token_id=user.token_id)
         return inside, family
+
+    async def encode(self, params: ChatParams, architecture: str) -> list[int]:
+        """The prompt of ``params`` as token ids: its messages, tools and thinking switch through the model's chat
+        template (Anthropic's count_tokens counts the same)."""
+        model_dir = self.leader.models_root / params.model
+        # Refused by its byte count before the tokenizer sees it (swarm.leader.limits): a 24 MB prompt took 11 s. In a
+        # worker thread, as the tokenizer: both walk the whole text.
+        context = await self.leader.serving.context_of(params.model)
+        await trio.to_thread.run_sync(check_prompt_bytes, params.messages, model_dir, context)
+        try:
+            return await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
+                                                 architecture, params.tools)
+        except Exception as exc:
+            from jinja2 import TemplateError
+
+            if isinstance(exc, TemplateError):  # the template refused these messages (roles out of order, say)
+                raise BadRequest(f"the messages cannot be put through the model's chat template: {exc}",
+                                 "invalid_messages") from None
+            raise
 
     async def resolve(self, name: str, user) -> str:
         """The id of the model ``name`` names among ``user``'s pools (swarm.store.fleet.FleetMixin.resolve_model):

@@ -15,6 +15,7 @@ class StopFinder:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.stopped = False
+        self.found: str | None = None  # the stop string that ended the reply (Anthropic's ``stop_sequence``)
         self._held = ""
 
     def push(self, text: str) -> str:
@@ -23,9 +24,9 @@ class StopFinder:
         if not self.stops:
             return text
         buf = self._held + text
-        at = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if at >= 0:
-            self.stopped, self._held = True, ""
+        at, found = min(((buf.find(s), s) for s in self.stops if s in buf), default=(-1, None))
+        if found is not None:
+            self.stopped, self.found, self._held = True, found, ""
             return buf[:at]
         hold = max(_partial(buf, s) for s in self.stops)
         self._held = buf[len(buf) - hold:]
