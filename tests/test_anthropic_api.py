@@ -8,7 +8,6 @@ built-in SmolLM2 for a reply nobody scripted, compared with the one Chat Complet
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 
 import anthropic
@@ -16,15 +15,14 @@ import httpx
 import pytest
 import trio
 
+from api_faces import ANSWER, call, thinking_model, weather_model
 from harness import running_swarm, wait_until
-from scripted import build, hold_compute
-from swarm.store.importer import import_model
-from test_openai_compat import CALL_PIECES, TOOLS_TEMPLATE, WEATHER
+from scripted import hold_compute
+from test_openai_compat import CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-ANSWER = "It is sunny in Paris."
 NO_THINKING = {"type": "disabled"}
 # The client's own arguments no longer include the sampling fields; the API still takes them
 GREEDY = {"extra_body": {"temperature": 0}}
@@ -34,25 +32,12 @@ TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"]
 
 @pytest.fixture(scope="module")
 def model_dir(module_tmp):
-    root = module_tmp("anthropic")
-    build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"], "\n\n": [ANSWER]},
-          TOOLS_TEMPLATE)
-    import_model(str(root / "src"), root / "models", "weather")
-    return root / "models" / "weather"
+    return weather_model(module_tmp, "anthropic")
 
 
 @pytest.fixture(scope="module")
 def thinking_dir(module_tmp):
-    root = module_tmp("anthropic-thinks")
-    build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
-                         "\n\n": ["Just 4."]})
-    import_model(str(root / "src"), root / "models", "thinks")
-    return root / "models" / "thinks"
-
-
-async def call(fn, *args, **kwargs):
-    """An anthropic call in a worker thread (the client is synchronous; the leader runs in this trio loop)."""
-    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+    return thinking_model(module_tmp, "anthropic")
 
 
 async def events(client, **kwargs) -> list:

@@ -7,7 +7,6 @@ in Paris.", so every reply has an exact expected text."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import httpx
@@ -15,44 +14,26 @@ import ollama
 import pytest
 import trio
 
+from api_faces import ANSWER, call, streamed, thinking_model, weather_model
 from harness import running_swarm, wait_until
-from scripted import build, hold_compute
+from scripted import hold_compute
 from swarm import __version__
-from swarm.store.importer import import_model
-from test_openai_compat import CALL, CALL_PIECES, TOOLS_TEMPLATE, WEATHER
+from test_openai_compat import CALL, CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-ANSWER = "It is sunny in Paris."
 GREEDY = {"temperature": 0, "num_predict": 12}
 
 
 @pytest.fixture(scope="module")
 def model_dir(module_tmp):
-    root = module_tmp("ollama")
-    build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"], "\n\n": [ANSWER]},
-          TOOLS_TEMPLATE)
-    import_model(str(root / "src"), root / "models", "weather")
-    return root / "models" / "weather"
+    return weather_model(module_tmp, "ollama")
 
 
 @pytest.fixture(scope="module")
 def thinking_dir(module_tmp):
-    root = module_tmp("ollama-thinks")
-    build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
-                         "\n\n": ["Just 4."]})
-    import_model(str(root / "src"), root / "models", "thinks")
-    return root / "models" / "thinks"
-
-
-async def call(fn, *args, **kwargs):
-    """An ollama call in a worker thread (the client is synchronous; the leader runs in this trio loop)."""
-    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-
-
-async def streamed(fn, **kwargs) -> list:
-    return await trio.to_thread.run_sync(lambda: list(fn(stream=True, **kwargs)))
+    return thinking_model(module_tmp, "ollama")
 
 
 async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_dir, monkeypatch):

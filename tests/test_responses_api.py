@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 
 import httpx
@@ -18,46 +17,27 @@ import openai
 import pytest
 import trio
 
+from api_faces import ANSWER, call, streamed, thinking_model, weather_model
 from harness import running_swarm, wait_until
-from scripted import build, hold_compute
-from swarm.store.importer import import_model
-from test_openai_compat import TOOLS_TEMPLATE, WEATHER
+from scripted import hold_compute
+from test_openai_compat import WEATHER
 
 pytestmark = pytest.mark.e2e
 
-ANSWER = "It is sunny in Paris."
 ASK = "Weather in Paris?"
 GREEDY = {"temperature": 0, "max_output_tokens": 12}
 NO_THINKING = {"effort": "none"}
 TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
-CALL_PIECES = ['{"name": "get_weather", ', '"arguments": {"city": ', '"Par', 'is"}}']
 
 
 @pytest.fixture(scope="module")
 def model_dir(module_tmp):
-    root = module_tmp("responses")
-    build(root / "src", {"assistant\n": ["<tool_call>\n", *CALL_PIECES, "\n</tool_call>"], "\n\n": [ANSWER]},
-          TOOLS_TEMPLATE)
-    import_model(str(root / "src"), root / "models", "weather")
-    return root / "models" / "weather"
+    return weather_model(module_tmp, "responses")
 
 
 @pytest.fixture(scope="module")
 def thinking_dir(module_tmp):
-    root = module_tmp("responses-thinks")
-    build(root / "src", {"assistant\n": ["<think>", "Two and two make four.", "</think>", "The answer is 4."],
-                         "\n\n": ["Just 4."]})
-    import_model(str(root / "src"), root / "models", "thinks")
-    return root / "models" / "thinks"
-
-
-async def call(fn, *args, **kwargs):
-    """An openai call in a worker thread (the client is synchronous; the leader runs in this trio loop)."""
-    return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-
-
-async def streamed(fn, **kwargs) -> list:
-    return await trio.to_thread.run_sync(lambda: list(fn(stream=True, **kwargs)))
+    return thinking_model(module_tmp, "responses")
 
 
 def run_agent(url: str, token: str, model: str) -> tuple[str, list]:
