@@ -104,7 +104,6 @@ def test_stages_in_one_process_match_generate(moe_dirs, kind, stages):
 
 def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_dirs):
     from reference_model import load_reference_model
-
     from swarm.stage.local import LocalRing
     from swarm.stage.quantize import quantize_model
     from swarm.stage.slice import StageModel, stage_specs

@@ -138,6 +138,9 @@ class StageLoader:
             await self.fellow.connected.wait()
 
     async def _fetch_and_build(self, message: dict, progress: LoadProgress):
+        # torch, transformers and the stage code take seconds to import, more on a busy machine: in a worker thread,
+        # so that the control link's heartbeats go on meanwhile (a loop held that long is a fellow gone silent)
+        await trio.to_thread.run_sync(_import_stage_code)
         import torch
 
         from swarm.stage import int4_kernel
@@ -291,3 +294,12 @@ def _tokenizer_dir(local: dict[str, Path], cache_dir: Path, message: dict) -> Pa
                 link.unlink()
             link.symlink_to(Path(local[name]).resolve())
     return folder
+
+
+def _import_stage_code() -> None:
+    """Import what a stage computes with (the fellow joins without it: swarm/stage/__init__.py is lazy)."""
+    import importlib
+
+    for module in ("torch", "transformers", "swarm.stage.slice", "swarm.stage.execute", "swarm.stage.int4_kernel",
+                   "swarm.stage.warm_up", "swarm.stage.draft_model", "swarm.stage.devices"):
+        importlib.import_module(module)
