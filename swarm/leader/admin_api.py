@@ -9,7 +9,7 @@ from starlette.routing import Route
 
 from swarm.errors import AuthError, BadRequest, Forbidden
 from swarm.leader.api import as_dict, handles_errors
-from swarm.leader.auth import current_user
+from swarm.leader.auth import current_admin, current_user
 from swarm.leader.direct_links import DIRECT_LINKS
 from swarm.leader.http_errors import json_body, problem
 from swarm.leader.recovery import HOT_COVER
@@ -23,10 +23,7 @@ class AdminRoutes:
         self.web_dir = web_dir
 
     async def _admin(self, request: Request):
-        user = await current_user(request, self.store)
-        if not user.is_admin:
-            raise Forbidden("this needs an admin account.")
-        return user
+        return await current_admin(request, self.store)
 
     async def page(self, request: Request):
         try:

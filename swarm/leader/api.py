@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from swarm import __version__
 from swarm.errors import AuthError, BadRequest, Forbidden, PlacementError, PoolNotFound
-from swarm.leader.auth import SESSION_COOKIE, current_fellow, current_user
+from swarm.leader.auth import SESSION_COOKIE, current_admin, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
 from swarm.leader.performance import parse_range, performance_view
@@ -57,10 +57,7 @@ class ApiRoutes:
         self.store = leader.store
 
     async def _admin(self, request: Request):
-        user = await current_user(request, self.store)
-        if not user.is_admin:
-            raise Forbidden("this needs an admin account.")
-        return user
+        return await current_admin(request, self.store)
 
     async def _json(self, request: Request) -> dict:
         return await json_body(request)

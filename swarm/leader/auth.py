@@ -7,7 +7,7 @@ import hmac
 import trio
 from starlette.requests import HTTPConnection
 
-from swarm.errors import AuthError
+from swarm.errors import AuthError, Forbidden
 
 SESSION_COOKIE = "swarm_session"
 CSRF_HEADER = "x-csrf-token"
@@ -44,6 +44,14 @@ async def current_user(conn: HTTPConnection, store):
                 raise AuthError("the request lacks the page's CSRF token; reload the page and try again.")
             return user
     raise AuthError("sign in, or send an API token as 'Authorization: Bearer <token>'.")
+
+
+async def current_admin(conn: HTTPConnection, store, why: str = "this needs an admin account."):
+    """The signed-in user if an admin, else Forbidden saying ``why``."""
+    user = await current_user(conn, store)
+    if not user.is_admin:
+        raise Forbidden(why)
+    return user
 
 
 async def current_fellow(conn: HTTPConnection, store):

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from swarm.errors import BadRequest, Forbidden
 from swarm.leader.api import handles_errors
-from swarm.leader.auth import current_user
+from swarm.leader.auth import current_admin, current_user
 from swarm.leader.http_errors import json_body
 from swarm.leader.quotas import LIMITS, parse_limits
 
@@ -97,10 +97,8 @@ class UsageRoutes:
         self.store = leader.store
 
     async def _admin(self, request: Request):
-        user = await current_user(request, self.store)
-        if not user.is_admin:
-            raise Forbidden("quotas are set by admins; ask one, or see your own usage at GET /api/v1/usage.")
-        return user
+        return await current_admin(
+            request, self.store, "quotas are set by admins; ask one, or see your own usage at GET /api/v1/usage.")
 
     @handles_errors
     async def quotas(self, request: Request):
