@@ -108,6 +108,15 @@ def test_the_leader_budgets_the_values_a_stage_holds_not_the_blocks(tmp_path):
     assert model_size(old, cpu=True) == want
     assert load_manifest(tmp_path / "models/blocks").storage == "gguf"
 
+    # Ollama's clients see the file's quantization as llama.cpp names it, a float import its dtype
+    from types import SimpleNamespace
+
+    from swarm.leader.ollama_api import tag_entry
+
+    assert blocks["file_type"] == "Q8_0" and f32["file_type"] == ""
+    details = [tag_entry(SimpleNamespace(name="m", manifest=m, created_at=0))["details"] for m in (blocks, f32)]
+    assert [(d["format"], d["quantization_level"]) for d in details] == [("gguf", "Q8_0"), ("safetensors", "float32")]
+
 
 def test_a_model_imported_before_blocks_were_kept_still_loads_as_it_did(tmp_path):
     """A GGUF imported as bfloat16 files with a manifest as older leaders wrote it (no storage, no params) loads into

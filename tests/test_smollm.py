@@ -34,6 +34,7 @@ def test_two_stage_greedy_reply_matches_generate(smollm_model_dir):
     assert manifest.architecture == "llama" and manifest.num_layers == 30 and manifest.tie_word_embeddings
     # The GGUF's Q4_1 blocks kept as they are; the stages and the reference both dequantize them to float32 at load.
     assert manifest.storage == "gguf" and 2 in manifest.eos_token_ids
+    assert (manifest.file_type, manifest.size_label) == ("Q4_1", "135M")
     assert any(e.kind == "tokenizer" for e in manifest.files)
 
     tokenizer = AutoTokenizer.from_pretrained(smollm_model_dir)

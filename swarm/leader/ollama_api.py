@@ -211,6 +211,20 @@ def _calls(choice: Choice) -> list[dict]:
     return out
 
 
+def tag_entry(row) -> dict:
+    """A model as /api/tags lists it: a GGUF import shows the file's quantization ("Q4_K_M") and size label."""
+    manifest = row.manifest
+    family = manifest.get("architecture") or ""
+    return {
+        "name": row.name, "model": row.name, "modified_at": _iso(row.created_at),
+        "size": int(manifest.get("total_bytes") or 0), "digest": "",
+        "details": {"parent_model": "", "format": "gguf" if manifest.get("storage") == "gguf" else "safetensors",
+                    "family": family, "families": [family] if family else None,
+                    "parameter_size": str(manifest.get("size_label") or ""),
+                    "quantization_level": str(manifest.get("file_type") or manifest.get("dtype") or "")},
+    }
+
+
 class OllamaRoutes:
     def __init__(self, routes: OpenAIRoutes):
         self.routes = routes
@@ -343,24 +357,13 @@ class OllamaRoutes:
         store = self.leader.store
         return await trio.to_thread.run_sync(lambda: store.list_models(store.visible_pool_ids(user)))
 
-    def _entry(self, row) -> dict:
-        manifest = row.manifest
-        family = manifest.get("architecture") or ""
-        return {
-            "name": row.name, "model": row.name, "modified_at": _iso(row.created_at),
-            "size": int(manifest.get("total_bytes") or 0), "digest": "",
-            "details": {"parent_model": "", "format": "safetensors", "family": family,
-                        "families": [family] if family else None, "parameter_size": "",
-                        "quantization_level": str(manifest.get("dtype") or "")},
-        }
-
     async def tags(self, request: HttpRequest):
         """The models of the caller's pools, as GET /v1/models lists them."""
         try:
             rows = await self._rows(request)
         except Exception as exc:
             return ollama_error(exc)
-        return JSONResponse({"models": [self._entry(row) for row in rows]})
+        return JSONResponse({"models": [tag_entry(row) for row in rows]})
 
     async def ps(self, request: HttpRequest):
         """The models of the caller's pools that are loaded on the ring (ready to answer)."""
@@ -373,7 +376,7 @@ class OllamaRoutes:
             serving = self.leader.serving.models.get(row.name)
             if serving is None or serving.status != "ready":
                 continue
-            entry = self._entry(row)
+            entry = tag_entry(row)
             weight = int(serving.describe().get("weight_bytes") or 0)
             entry.update({"size": weight, "size_vram": weight, "expires_at": "0001-01-01T00:00:00Z",
                           "context_length": await self.leader.serving.context_of(row.name)})
@@ -394,7 +397,7 @@ class OllamaRoutes:
             context = await self.leader.serving.context_of(model)
         except Exception as exc:
             return ollama_error(exc)
-        entry = self._entry(row)
+        entry = tag_entry(row)
         manifest = row.manifest
         template = getattr(tokenizer, "chat_template", None) or ""
         capabilities = ["completion"]

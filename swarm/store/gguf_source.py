@@ -99,6 +99,29 @@ class GGUFSource:
                 out.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         return out
 
+    def file_type(self) -> str:
+        """The file's quantization as llama.cpp names it ("Q4_K_M", "Q8_0", "F16"), from general.file_type; else the
+        type most of its matrices' bytes are in."""
+        import gguf
+
+        field = self.reader.fields.get("general.file_type")
+        if field is not None and field.data:
+            try:
+                name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+            except (ValueError, IndexError):
+                name = ""
+            if name and name != "GUESSED":
+                return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        sizes: dict[str, int] = {}
+        for tensor in self.reader.tensors:
+            if len(tensor.shape) >= 2:
+                sizes[tensor.tensor_type.name] = sizes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+        return max(sizes, key=sizes.__getitem__) if sizes else ""
+
+    def size_label(self) -> str:
+        """The file's own size label ("135M", "8x7B"), where it has one."""
+        return _field(self.reader, "general.size_label") or ""
+
     def stored_dtype(self) -> str:
         """The manifest's dtype: the float type a GPU computes the file's tensors in (a CPU computes in float32), and
         the dtype an import asked for ``--dtype auto`` would once have stored them in: the file's own float type where

@@ -273,6 +273,9 @@ class _Plan:
     # a GGUF's tensors kept as the file has them (swarm.store.gguf_blocks), and the file's general.architecture
     keep_blocks: bool = False
     architecture: str = ""
+    # a GGUF's quantization as llama.cpp names it ("Q4_K_M") and its size label ("135M"), for the model lists
+    file_type: str = ""
+    size_label: str = ""
 
     def weight_bytes(self) -> int:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -332,7 +335,8 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         return _load_tokenizer(source.tokenizer)
 
     return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
-                 source.generation_config(config), keep_blocks=dtype == "auto", architecture=source.architecture)
+                 source.generation_config(config), keep_blocks=dtype == "auto", architecture=source.architecture,
+                 file_type=source.file_type() if dtype == "auto" else "", size_label=source.size_label())
 
 
 # GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
@@ -444,6 +448,8 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
         source=plan.source,
         warnings=warnings,
         storage=GGUF_STORAGE if plan.keep_blocks else "",
+        file_type=plan.file_type,
+        size_label=plan.size_label,
     )
     (work / MANIFEST_FILE).write_text(manifest.to_json())
     report("checksum", 1.0)

@@ -53,6 +53,10 @@ class Manifest:
     # "": every weight file holds its tensors in ``dtype`` (safetensors folders, and every import before GGUFs kept
     # their blocks); "gguf": the files keep a GGUF's tensors as it has them (swarm.model_format, GGUF_TENSORS_KEY)
     storage: str = ""
+    # with storage "gguf": the file's quantization as llama.cpp names it ("Q4_K_M", "Q8_0"); and the source's own size
+    # label where it has one ("135M")
+    file_type: str = ""
+    size_label: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
