@@ -221,8 +221,26 @@ async def test_the_openai_responses_client_against_the_pool(tmp_path, model_dir,
                 await call(client.responses.create, model=name, input=ASK, background=True)
             assert "'background'" in info.value.message
             with pytest.raises(openai.BadRequestError) as info:
-                await call(client.responses.create, model=name, input=ASK, include=["message.output_text.logprobs"])
-            assert "'message.output_text.logprobs'" in info.value.message
+                await call(client.responses.create, model=name, input=ASK, include=["file_search_call.results"])
+            assert "'file_search_call.results'" in info.value.message
+
+            # logprobs, asked with include: the output text's tokens, each with Chat Completions' numbers; streamed,
+            # each delta carries its own tokens'
+            wanted = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+            reply = await call(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING, **GREEDY,
+                               **wanted)
+            logprobs = reply.output[0].content[0].logprobs
+            chat = (await swarm.http.post("/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": ASK}], "temperature": 0, "max_tokens": 12,
+                "chat_template_kwargs": {"enable_thinking": False}, "logprobs": True, "top_logprobs": 2})).json()
+            assert "".join(p.token for p in logprobs) == ANSWER and all(len(p.top_logprobs) == 2 for p in logprobs)
+            entries = chat["choices"][0]["logprobs"]["content"]  # Chat Completions' adds the end token's
+            assert [(p.token, p.logprob) for p in logprobs] == [(p["token"], p["logprob"]) for p in entries][:-1]
+            events = await streamed(client.responses.create, model=name, input=ASK, reasoning=NO_THINKING, **GREEDY,
+                                    **wanted)
+            pieces = [p for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+            assert [(p.token, p.logprob) for p in pieces] == [(p.token, p.logprob) for p in logprobs]
+            assert events[-1].response.output[0].content[0].logprobs == logprobs
             with pytest.raises(openai.BadRequestError) as info:
                 await call(client.responses.create, model=name, input=ASK, tools=[{"type": "web_search"}])
             assert "web_search" in info.value.message

@@ -46,6 +46,7 @@ class Reply:
         self.calls: dict[int, int] = {}  # a call's index among the reply's calls -> its output index
         self.reasoning_tokens = 0
         self.response: dict | None = None  # the finished response object
+        self.logprobs: list[dict] = []  # the open message's tokens' logprobs, when asked for
 
     def event(self, kind: str, **fields: Any) -> dict:
         self.seq += 1
@@ -74,10 +75,11 @@ class Reply:
             return []
         index, text = self.message
         self.message = None
-        item = self.output[index] = fmt.message_item(self.output[index]["id"], text)
+        item = self.output[index] = fmt.message_item(self.output[index]["id"], text, logprobs=self.logprobs)
+        self.logprobs = []
         part = item["content"][0]
         return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=text, logprobs=[]),
+                           text=text, logprobs=part["logprobs"]),
                 self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                            part=part),
                 self.event("response.output_item.done", output_index=index, item=item)]
@@ -94,6 +96,8 @@ class Reply:
             self.reasoning = (index, text + reasoning)
             out.append(self.event("response.reasoning_text.delta", item_id=self.output[index]["id"],
                                   output_index=index, content_index=0, delta=reasoning))
+            if not content and self.choice.top is not None:
+                self.choice.sent = self.choice.text.used  # thinking's tokens are no part of output_text's logprobs
         out += self._content(self.choice.content_delta(content))
         out += self._call_deltas()
         return out
@@ -112,9 +116,20 @@ class Reply:
                 self.message = (index, "")
             index, text = self.message
             self.message = (index, text + content)
+            logprobs = self._new_logprobs()
             out.append(self.event("response.output_text.delta", item_id=self.output[index]["id"], output_index=index,
-                                  content_index=0, delta=content, logprobs=[]))
+                                  content_index=0, delta=content, logprobs=logprobs))
         return out
+
+    def _new_logprobs(self) -> list[dict]:
+        """The logprobs of the tokens whose text went out since the last call (none unless asked for)."""
+        choice = self.choice
+        if choice.top is None:
+            return []
+        entries = choice.logprobs(choice.text.text.tokenizer, choice.text.used, choice.sent)
+        choice.sent = choice.text.used
+        self.logprobs += entries
+        return entries
 
     def _call_deltas(self) -> list[dict]:
         out: list[dict] = []

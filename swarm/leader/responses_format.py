@@ -18,12 +18,14 @@ IGNORED = frozenset({
 # Fields we implement (store, previous_response_id and stream by swarm.leader.responses_api).
 FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "text",
-    "reasoning", "stream", "previous_response_id",
+    "reasoning", "stream", "previous_response_id", "top_logprobs",
 })
 # Fields we do not implement, accepted at the value that means "off" (what clients such as the Agents SDK send).
-OFF_VALUES: dict[str, tuple] = {"truncation": ("disabled",), "background": (False,), "top_logprobs": (0,)}
-# What ``include`` may ask for: encrypted reasoning (Codex asks with "store": false) is none here, so nothing to add.
-INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+OFF_VALUES: dict[str, tuple] = {"truncation": ("disabled",), "background": (False,)}
+# What ``include`` may ask for: the reply's logprobs; encrypted reasoning (Codex asks with "store": false) is none here,
+# so nothing to add for it.
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = frozenset({"reasoning.encrypted_content", LOGPROBS})
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -215,13 +217,23 @@ def chat_body(body: dict, history: list[dict], items: list[dict]) -> dict:
     think = thinking(body.get("reasoning"))
     if think is not None:
         out["chat_template_kwargs"] = {"enable_thinking": think}
+    if wants_logprobs(body):  # Chat Completions' checks apply (top_logprobs 0-20)
+        out["logprobs"] = True
+        out["top_logprobs"] = body.get("top_logprobs") or 0
     return out
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+def wants_logprobs(body: dict) -> bool:
+    """Whether the reply's output_text carries its tokens' logprobs: asked with ``include`` (top_logprobs alone, as
+    OpenAI's API has it, asks too)."""
+    include = body.get("include")
+    return (isinstance(include, list) and LOGPROBS in include) or bool(body.get("top_logprobs"))
+
+
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status ==
-            "completed" else []}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]
+            if status == "completed" else []}
 
 
 def reasoning_item(item_id: str, text: str) -> dict:
