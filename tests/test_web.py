@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 import time
 
 import httpx
@@ -612,3 +615,48 @@ def test_settings_shows_the_planned_speed(bg, browser, model):
     shot(page, "settings-planned-speed")
     assert not page.errors, page.errors
     page.context.close()
+
+
+def test_the_api_examples_run_as_shown_for_every_face(bg, browser, model):
+    """Settings -> API: each face's Python example, copied from the page with a pasted token, runs and prints the
+    model's reply through that vendor's client against this leader -- with the page's temperature 0 and max tokens
+    in it, the same greedy reply through every face; the curl examples answer too where curl is."""
+    token = api(bg, "POST", "/api/v1/tokens", json={"name": "examples"}).json()["token"]
+    page = signed_in_page(bg, browser, column="settings")
+    page.fill("input[aria-label='Paste a token']", token)
+    page.get_by_role("button", name="Add", exact=True).click()
+    faces = {"chat": "openai", "responses": "openai", "messages": "anthropic", "ollama": "ollama"}
+    shown: dict[tuple[str, str], str] = {}
+    for face in faces:
+        page.select_option("#api-face-picker", face)
+        for tab in ("Python", "curl"):
+            page.get_by_role("tab", name=tab).click()
+            shown[face, tab] = page.locator("pre.example").inner_text()
+    shot(page, "settings-api-examples")
+    assert not page.errors, page.errors
+    page.context.close()
+    assert all(token in text and model in text for text in shown.values())
+    for face, package in faces.items():
+        assert f"import {package}" in shown[face, "Python"] or f"from {package} import" in shown[face, "Python"]
+    commands = {(face, "Python"): [sys.executable, "-c", shown[face, "Python"]] for face in faces}
+    if shutil.which("curl") is not None:
+        # curl for two faces: the four share one builder; chat streams (SSE), messages sends Anthropic's headers
+        commands.update({(face, "curl"): ["bash", "-c", shown[face, "curl"]] for face in ("chat", "messages")})
+    runs = {key: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for key, command in commands.items()}  # all at once: the pool batches them
+    deadline = time.monotonic() + 200
+    replies: dict[tuple[str, str], str] = {}
+    for (face, tab), run in runs.items():
+        try:
+            out, err = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            run.kill()
+            out, err = run.communicate()
+        assert run.returncode == 0 and out.strip(), (face, tab, out, err[-2000:])
+        replies[face, tab] = out
+        if tab == "curl" and face == "chat":
+            assert out.startswith("data: ") and "[DONE]" in out, out[:500]
+        elif tab == "curl":
+            assert "error" not in json.loads(out), out[:500]
+    assert len({replies[face, "Python"].strip() for face in faces}) == 1, replies
+    assert all('"max_tokens": 24, "temperature": 0' in shown[face, "curl"] for face in ("chat", "messages"))

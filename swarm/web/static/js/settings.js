@@ -4,6 +4,7 @@ import { h, icon, copyText, formatBytes, store } from "./dom.js";
 import { state, selectedModel, saveSetting, selectedApiToken, on } from "./state.js";
 import { refreshModels } from "./models.js";
 import { askText, showOnce, showError } from "./ui.js";
+import { FACES, LANGUAGES, examples } from "./api_examples.js";
 
 const PHASES = [["download", "Download"], ["extract", "Extract"], ["load", "Load into memory"]];
 const STATUS_TEXT = { ready: "Ready", loading: "Loading", recovering: "Recovering", not_loaded: "Not loaded", failed: "Load failed" };
@@ -11,6 +12,7 @@ let panel;
 let modelBox;
 let apiBox;
 let exampleTab = store.get("exampleTab", "curl");
+let exampleFace = store.get("exampleFace", "chat");
 
 function stageLine(stage) {
   const [first, end] = stage.layers || [0, 0];
@@ -101,6 +103,7 @@ function generation() {
     temp.value = tempNum.value = String(value);
     saveSetting("temperature", value);
     showNote();
+    renderApi();
   };
   temp.addEventListener("input", () => setTemp(temp.value));
   tempNum.addEventListener("change", () => setTemp(tempNum.value));
@@ -108,6 +111,7 @@ function generation() {
     saveSetting("temperature", null);
     temp.value = tempNum.value = "0.7";
     showNote();
+    renderApi();
   });
   showNote();
   const reasoning = h("input", { type: "checkbox", role: "switch", checked: state.settings.reasoning || undefined, id: "reasoning-switch" });
@@ -117,6 +121,7 @@ function generation() {
     const value = Math.min(4096, Math.max(1, Math.round(Number(maxTokens.value) || 1024)));
     maxTokens.value = String(value);
     saveSetting("maxTokens", value);
+    renderApi();
   });
   return h("section", { "aria-labelledby": "gen-title" },
     h("h3", { id: "gen-title" }, "Generation"),
@@ -126,23 +131,6 @@ function generation() {
       h("label", { class: "switch" }, reasoning, h("span", {}, "Reasoning"),
         h("span", { class: "muted", style: "font-size:12.5px" }, "off answers without thinking first")),
       h("label", { class: "field" }, "Max tokens (up to 4096)", maxTokens)));
-}
-
-function examples(token) {
-  const base = `${location.origin}/v1`;
-  const key = token || "YOUR_API_TOKEN";
-  const model = state.modelId || "MODEL";
-  return {
-    curl: `curl ${base}/chat/completions \\\n  -H "Authorization: Bearer ${key}" \\\n  -H "Content-Type: application/json" \\\n` +
-      `  -d '{"model": "${model}", "stream": true,\n       "messages": [{"role": "user", "content": "Hello!"}]}'`,
-    python: `from openai import OpenAI\n\nclient = OpenAI(base_url="${base}", api_key="${key}")\n` +
-      `stream = client.chat.completions.create(\n    model="${model}",\n    messages=[{"role": "user", "content": "Hello!"}],\n    stream=True,\n)\n` +
-      `for chunk in stream:\n    print(chunk.choices[0].delta.content or "", end="", flush=True)`,
-    javascript: `const response = await fetch("${base}/chat/completions", {\n  method: "POST",\n  headers: {\n` +
-      `    "Authorization": "Bearer ${key}",\n    "Content-Type": "application/json",\n  },\n` +
-      `  body: JSON.stringify({\n    model: "${model}",\n    messages: [{ role: "user", content: "Hello!" }],\n  }),\n});\n` +
-      `const data = await response.json();\nconsole.log(data.choices[0].message.content);`,
-  };
 }
 
 function persistTokens() {
@@ -164,7 +152,7 @@ async function newToken() {
 }
 
 function renderApi() {
-  const base = `${location.origin}/v1`;
+  const base = exampleFace === "chat" || exampleFace === "responses" ? `${location.origin}/v1` : location.origin;
   const picker = h("select", { "aria-label": "API token", id: "api-token-picker" },
     h("option", { value: "" }, `No token (chat as ${state.me?.user?.name || "you"})`),
     state.apiTokens.map((t) => h("option", { value: t.name, selected: t.name === state.apiTokenName || undefined }, t.name)));
@@ -185,9 +173,12 @@ function renderApi() {
     persistTokens();
     renderApi();
   } }, "Forget this token") : null;
-  const code = examples(selectedApiToken());
+  const code = examples(exampleFace, selectedApiToken() || "YOUR_API_TOKEN", state.modelId || "MODEL", state.settings);
   const pre = h("pre", { class: "example", tabindex: "0", "aria-label": "Example request" }, code[exampleTab]);
-  const tabs = h("div", { class: "tabs", role: "tablist" }, [["curl", "curl"], ["python", "Python"], ["javascript", "JavaScript"]].map(([key, label]) =>
+  const face = h("select", { "aria-label": "Example API", id: "api-face-picker" },
+    FACES.map(([key, label]) => h("option", { value: key, selected: key === exampleFace || undefined }, label)));
+  face.addEventListener("change", () => { exampleFace = face.value; store.set("exampleFace", face.value); renderApi(); });
+  const tabs = h("div", { class: "tabs", role: "tablist" }, LANGUAGES.map(([key, label]) =>
     h("button", { type: "button", role: "tab", "aria-selected": key === exampleTab ? "true" : "false",
       onclick: () => { exampleTab = key; store.set("exampleTab", key); renderApi(); } }, label)));
   apiBox.replaceChildren(...[
@@ -198,6 +189,7 @@ function renderApi() {
       h("button", { class: "btn", type: "button", onclick: newToken }, icon("plus"), "New token"))),
     h("div", { class: "row" }, paste, add), forget,
     h("p", { class: "muted", style: "margin:0;font-size:12.5px" }, "Tokens are kept only in this browser. The selected one is used for the chat and filled into the examples; chats are always saved with your session."),
+    h("label", { class: "field" }, "Example request", face),
     h("div", {}, tabs, pre),
     h("div", { class: "row" }, h("button", { class: "btn small", type: "button", onclick: (e) => copyText(code[exampleTab], e.currentTarget) }, "Copy example")),
   ].filter(Boolean));
