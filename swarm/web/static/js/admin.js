@@ -1,5 +1,5 @@
 // The admin page: users, pools, fellows (hardware, state, standby), join tokens, usage and quotas (admin_usage.js),
-// the Direct links and Hot cover switches.
+// the Direct links, Hot cover, Auto-load and Evict idle models switches.
 import { api, get, post, del, setCsrf } from "./api.js";
 import { h, formatWhen } from "./dom.js";
 import { confirmAction, showOnce, showError } from "./ui.js";
@@ -160,6 +160,14 @@ async function loadHotCover() {
   $("hot-cover-state").textContent = enabled ? (forced ? "Hot cover is on (SWARM_SERVE_HOT_COVER=1 on the leader)" : "Hot cover is on") : "Hot cover is off";
 }
 
+async function loadModelSwitches() {
+  const { auto_load: autoLoad, evict_idle: evict } = await get("/api/v1/settings/models");
+  $("auto-load").checked = autoLoad;
+  $("auto-load-state").textContent = autoLoad ? "Auto-load is on" : "Auto-load is off";
+  $("evict-idle").checked = evict;
+  $("evict-idle-state").textContent = evict ? "Evict idle models is on" : "Evict idle models is off";
+}
+
 async function main() {
   me = await get("/api/v1/me");
   setCsrf(me.csrf);
@@ -212,7 +220,13 @@ async function main() {
     try { await api("PUT", "/api/v1/settings/hot-cover", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
     loadHotCover();
   });
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), initUsage()]);
+  for (const [id, key] of [["auto-load", "auto_load"], ["evict-idle", "evict_idle"]]) {
+    $(id).addEventListener("change", async (e) => {
+      try { await api("PUT", "/api/v1/settings/models", { [key]: e.target.checked }); } catch (err) { showError(err.message); }
+      loadModelSwitches();
+    });
+  }
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), initUsage()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
