@@ -252,5 +252,7 @@ class ControlLink:
             fellow.nursery.start_soon(fellow.direct_links.prepare, message)
         elif kind == "punch_start":
             fellow.nursery.start_soon(fellow.direct_links.start, message)
+        elif kind == "probe_links":
+            fellow.nursery.start_soon(fellow.link_probes.run, message)
         else:
             log.debug("ignoring control message %r", kind)

@@ -198,6 +198,13 @@ class AdminRoutes:
         return JSONResponse(await auto_load.switches())
 
     @handles_errors
+    async def links(self, request: Request):
+        """The measured links between each pool's fellows (swarm.leader.link_matrix): round-trip time and throughput
+        of each ordered pair, over the path a ring hop would take."""
+        await self._admin(request)
+        return JSONResponse(self.leader.serving.link_matrix.view())
+
+    @handles_errors
     async def fellow_update(self, request: Request):
         await self._admin(request)
         body = await json_body(request)
@@ -227,5 +234,6 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/api/v1/settings/direct-links", admin.direct_links, methods=["GET", "PUT"]),
         Route("/api/v1/settings/hot-cover", admin.hot_cover, methods=["GET", "PUT"]),
         Route("/api/v1/settings/models", admin.model_switches, methods=["GET", "PUT"]),
+        Route("/api/v1/links", admin.links, methods=["GET"]),
         Route("/api/v1/fellows/{fellow_id:int}", admin.fellow_update, methods=["PUT"]),
     ]

@@ -23,6 +23,7 @@ from swarm.leader.auto_load import AutoLoad, room
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.limits import context_reason, model_context, served_context
+from swarm.leader.link_matrix import LinkMatrix
 from swarm.leader.models import (
     ModelServing,
     StageState,
@@ -68,6 +69,7 @@ class Serving:
         self.own_contexts: dict[str, int | None] = {}  # model -> its own context, read from its config when asked
         self.recovery = Recovery(self)
         self.auto_load = AutoLoad(self)  # loads what a request asks for, making room where allowed
+        self.link_matrix = LinkMatrix(self)  # measured links between each pool's fellows (the admin page's matrix)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -491,6 +493,8 @@ class Serving:
             self.recovery.on_stage_event(conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
+        elif message["t"] == "link_report":
+            self.link_matrix.on_report(conn, message)
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
             self.direct_links.on_message(conn, message)
 
@@ -511,6 +515,7 @@ class Serving:
         """A fellow (re)connected holding ``stages``: the models whose stage it keeps (it unloads the others).
         What follows from it -- adopting its stages, linking rings -- runs once its welcome has gone out."""
         self._start(self._adopt, conn, stages)
+        self.link_matrix.fleet_changed()  # its links are measured soon
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 
     async def _adopt(self, conn, stages: list) -> None:

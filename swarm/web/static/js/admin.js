@@ -160,6 +160,22 @@ async function loadHotCover() {
   $("hot-cover-state").textContent = enabled ? (forced ? "Hot cover is on (SWARM_SERVE_HOT_COVER=1 on the leader)" : "Hot cover is on") : "Hot cover is off";
 }
 
+function linkText(link) {
+  if (!link) return "";
+  if (link.rtt_ms == null) return link.error ? `${link.path}: ${link.error}` : link.path;
+  return `${link.rtt_ms} ms, ${link.mbps} Mbit/s (${link.path})`;
+}
+
+async function loadLinks() {
+  const { fellows, links } = await get("/api/v1/links");
+  const byPair = new Map(links.map((l) => [`${l.from_id}>${l.to_id}`, l]));
+  $("links-table").querySelector("thead").replaceChildren(h("tr", {}, [h("th", {}, "From \\ to"), ...fellows.map((f) => h("th", {}, f.name))]));
+  rows("links-table", fellows.length > 1 ? fellows : [], (from) => [
+    h("strong", {}, from.name),
+    ...fellows.map((to) => (to.id === from.id || to.pool_id !== from.pool_id ? "—" : linkText(byPair.get(`${from.id}>${to.id}`)) || "not measured yet")),
+  ], "Links are measured between two or more fellows of a pool.");
+}
+
 async function loadModelSwitches() {
   const { auto_load: autoLoad, evict_idle: evict } = await get("/api/v1/settings/models");
   $("auto-load").checked = autoLoad;
@@ -226,10 +242,11 @@ async function main() {
       loadModelSwitches();
     });
   }
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), initUsage()]);
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), loadLinks(), initUsage()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
+  setInterval(() => loadLinks().catch(() => {}), 15_000);
   setInterval(() => loadUsage().catch(() => {}), 60_000);
 }
 
