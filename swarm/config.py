@@ -35,6 +35,9 @@ class Settings:
     serve_host: str = "0.0.0.0"  # SWARM_SERVE_HOST: the address that port listens on (127.0.0.1: this machine only)
     serve_prefill_chunk: int = 256  # SWARM_SERVE_PREFILL_CHUNK: prompt tokens per pass through the ring
     model_idle_unload_s: float = 900.0  # SWARM_MODEL_IDLE_UNLOAD_S (0 keeps a model loaded)
+    # SWARM_SERVE_MEMORY_GB: the most memory (GB) this fellow lends to the stages it holds, all models together; 0: all
+    # it has free
+    serve_memory_gb: float = 0.0
     heartbeat_s: float = 5.0  # SWARM_HEARTBEAT_S: fellow -> leader hardware report period
     device: str = "auto"  # SWARM_DEVICE: auto, cpu, cuda, cuda:N
     serve_max_batch: int = 16  # SWARM_SERVE_MAX_BATCH: requests one pass of a stage takes at most (1: no batching)
@@ -59,6 +62,12 @@ class Settings:
     request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
     serve_failover_wait_s: float = 300.0  # SWARM_SERVE_FAILOVER_WAIT_S: how long a lost stage may take to re-place
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
+    # SWARM_SERVE_AUTO_LOAD: a request for a model that is imported but not loaded loads it when its pool has room (the
+    # request waits meanwhile); 0: it gets a 503 (also an admin switch, which overrides this once used)
+    serve_auto_load: bool = True
+    # SWARM_SERVE_EVICT_IDLE: when the pool has no room for such a load, the least recently used model that no request
+    # uses is unloaded first (also an admin switch, which overrides this once used)
+    serve_evict_idle: bool = False
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
     # SWARM_SERVE_REQUEST_REPLIES: replies one API request may ask for (prompts x n); more are refused (400
@@ -135,6 +144,9 @@ class Settings:
         if self.calibrate_cpu_s <= 0:
             raise ConfigError(f"SWARM_CALIBRATE_CPU_S is {self.calibrate_cpu_s:g}; use more than 0 seconds (15 is the "
                               "default), or SWARM_CALIBRATE=0 to skip the calibration.")
+        if self.serve_memory_gb < 0:
+            raise ConfigError(f"SWARM_SERVE_MEMORY_GB is {self.serve_memory_gb:g}; use 0 (all free memory) or the GB "
+                              "this fellow lends to its stages.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

@@ -22,6 +22,8 @@ from test_openai_compat import CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
 
+# the test sees the refusal of a model that is not loaded (auto-load, on by default, would load it)
+NO_AUTO_LOAD = {"SWARM_SERVE_AUTO_LOAD": "0"}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NO_THINKING = {"type": "disabled"}
 # The client's own arguments no longer include the sampling fields; the API still takes them
@@ -80,7 +82,8 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
     gate = hold_compute(monkeypatch)  # open but for the last part: a client leaving while its reply is computed
     gate.set()
     with trio.fail_after(270), contextlib.ExitStack() as clients:
-        async with running_swarm(tmp_path, [model_dir, thinking_dir, smollm_model_dir], fellows=1) as swarm:
+        async with running_swarm(tmp_path, [model_dir, thinking_dir, smollm_model_dir], fellows=1,
+                                 leader_env=NO_AUTO_LOAD) as swarm:
             client = anthropic.Anthropic(base_url=swarm.url, api_key=swarm.token, max_retries=0, timeout=60)
             clients.enter_context(client)
 

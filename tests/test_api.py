@@ -55,7 +55,8 @@ def test_chat_completions_errors_are_openai_shaped(client, leader):
     message = check_error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
                      503, "model_not_loaded")
-    assert "swarm model-load qwen3" in message
+    # auto-load (on by default) tried to load it for the request: no fellow is online to take it
+    assert "qwen3 is not loaded, and loading it for this request failed" in message and "no fellow" in message
     models = client.get("/v1/models", headers=_auth(token)).json()
     assert [(m["id"], m["status"]) for m in models["data"]] == [("qwen3", "not_loaded")]
 

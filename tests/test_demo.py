@@ -115,10 +115,15 @@ def test_openai_package_streams_from_the_demo(demo):
     with pytest.raises(NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
 
-    # The CLI unloads and loads over the same leader; a request in between gets a clear 503.
+    # The CLI unloads and loads over the same leader; a request in between gets a clear 503 (auto-load off: on, the
+    # request would load the model again).
+    import httpx
     from openai import InternalServerError
 
     env = {**os.environ, "SWARM_LEADER": f"http://127.0.0.1:{port}", "SWARM_TOKEN": lines["API token"]}
+    switched = httpx.put(f"http://127.0.0.1:{port}/api/v1/settings/models", json={"auto_load": False},
+                         headers={"authorization": f"Bearer {lines['API token']}"}, timeout=30)
+    assert switched.status_code == 200 and switched.json()["auto_load"] is False, switched.text
     out = subprocess.run([sys.executable, "-m", "swarm", "model-unload", "smollm2-135m-instruct"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -273,11 +273,13 @@ async def test_an_idle_model_is_freed_from_every_stage_and_a_chat_loads_it_again
             again = await swarm.chat(name, [{"role": "user", "content": "Say hi."}], max_tokens=8)
             assert again["choices"][0]["token_ids"]
             assert swarm.leader.serving.status(name) == "ready"
-            # a model an admin unloaded stays unloaded: 503
+            # with auto-load off, a model an admin unloaded stays unloaded: 503
+            assert (await swarm.http.put("/api/v1/settings/models", json={"auto_load": False})).status_code == 200
             await swarm.http.post(f"/api/v1/models/{name}/unload")
             response = await swarm.http.post("/v1/chat/completions", json={
                 "model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
             assert response.status_code == 503 and response.json()["error"]["code"] == "model_not_loaded"
+            assert "auto-load is off" in response.json()["error"]["message"]
 
 
 async def test_a_fellow_that_lost_the_model_is_reloaded_and_the_chat_answered_without_an_error(

@@ -22,6 +22,8 @@ from test_openai_compat import CALL, CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
 
+# the test sees the refusal of a model that is not loaded (auto-load, on by default, would load it)
+NO_AUTO_LOAD = {"SWARM_SERVE_AUTO_LOAD": "0"}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 
@@ -41,7 +43,8 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
     gate = hold_compute(monkeypatch)  # open but for the last part: a client leaving while its reply is computed
     gate.set()
     with trio.fail_after(240):
-        async with running_swarm(tmp_path, [model_dir, thinking_dir], fellows=1) as swarm:
+        async with running_swarm(tmp_path, [model_dir, thinking_dir], fellows=1,
+                                 leader_env=NO_AUTO_LOAD) as swarm:
             client = ollama.Client(host=swarm.url, headers={"Authorization": f"Bearer {swarm.token}"}, timeout=60)
 
             # the catalogue as the pool lists it; nothing loaded yet

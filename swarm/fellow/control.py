@@ -94,6 +94,12 @@ class ControlLink:
             return await channel.receive()
         raise LinkClosed(f"the leader went silent for {SILENT_S:.0f} s")
 
+    def lent(self, hw: messages.Hardware) -> messages.Hardware:
+        """``hw`` within SWARM_SERVE_MEMORY_GB, less what this fellow's stages hold (swarm.fellow.hardware.lent)."""
+        fellow = self.fellow
+        held = sum(int(s.placement().get("bytes") or 0) for s in fellow.stages.values())
+        return hardware.lent(hw, int(fellow.settings.serve_memory_gb * 1e9), held)
+
     async def enrol(self, channel: NoiseChannel) -> None:
         """Say hello to the leader over ``channel`` and take its welcome: this fellow's id and credential, and the early
         checks. AuthError if the leader refuses it."""
@@ -104,7 +110,7 @@ class ControlLink:
             "drafting": True,  # its stages run guessed tokens and verify them (swarm.stage.drafting)
             "draft_model": True,  # its last stage holds a draft model when sent one (swarm.stage.draft_model)
             "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
-            "hardware": hardware.probe().to_wire(),
+            "hardware": self.lent(hardware.probe()).to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
             "stages": [stage.summary() for stage in fellow.stages.values()],
             "standby": fellow.standby,
@@ -177,7 +183,7 @@ class ControlLink:
     async def _heartbeat(self, nursery: trio.Nursery) -> None:
         fellow = self.fellow
         trimmer = IdleTrimmer()
-        hw = await trio.to_thread.run_sync(hardware.probe)
+        hw = self.lent(await trio.to_thread.run_sync(hardware.probe))
         while True:
             if fellow.settings.calibrate:  # when it joins, and again when its hardware changes
                 key = calibration.hardware_key(fellow.settings.device, hw.to_wire())
@@ -185,7 +191,7 @@ class ControlLink:
                     fellow.calibrating_key = key
                     (fellow.nursery or nursery).start_soon(self._calibrate, key, hw.to_wire())
             await trio.sleep(fellow.settings.heartbeat_s)
-            hw = await trio.to_thread.run_sync(hardware.probe)
+            hw = self.lent(await trio.to_thread.run_sync(hardware.probe))
             if trimmer.due(any(s.driver.busy for s in fellow.stages.values())):
                 await trio.to_thread.run_sync(release_free_memory)  # the last burst's high-water mark goes back
             hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
@@ -246,5 +252,7 @@ class ControlLink:
             fellow.nursery.start_soon(fellow.direct_links.prepare, message)
         elif kind == "punch_start":
             fellow.nursery.start_soon(fellow.direct_links.start, message)
+        elif kind == "probe_links":
+            fellow.nursery.start_soon(fellow.link_probes.run, message)
         else:
             log.debug("ignoring control message %r", kind)

@@ -7,6 +7,7 @@ initialised in this process. Without the library, a driver or a GPU, the fellow 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -85,6 +86,16 @@ def probe() -> Hardware:
         cpu_load_percent=psutil.cpu_percent(interval=None),
         quantization=quantization_kinds(bool(gpus)),
     )
+
+
+def lent(hw: Hardware, limit_bytes: int, held_bytes: int) -> Hardware:
+    """``hw`` as the leader may use it under SWARM_SERVE_MEMORY_GB (``limit_bytes``, 0: no limit): each free figure at
+    most the limit less what this fellow's stages hold (``held_bytes``), so that the leader places no more on it."""
+    if limit_bytes <= 0:
+        return hw
+    left = max(0, limit_bytes - held_bytes)
+    gpus = [dataclasses.replace(g, free_bytes=min(g.free_bytes, left)) for g in hw.gpus]
+    return dataclasses.replace(hw, ram_free_bytes=min(hw.ram_free_bytes, left), gpus=gpus)
 
 
 class MachineShare:

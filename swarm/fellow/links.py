@@ -14,6 +14,7 @@ import trio_websocket
 
 from swarm import wire
 from swarm.errors import SwarmError, TunnelError, first_leaf
+from swarm.fellow.link_probe import PREFIX as PROBE_PREFIX
 from swarm.mesh import sequencing
 from swarm.mesh.hop import SILENT_S
 from swarm.mesh.paths import accept_relay
@@ -45,7 +46,8 @@ class IncomingLinks:
         self._resequencers.pop(hop_id, None)
 
     def _expects(self, key: bytes) -> bool:
-        return any(s.hop_in is not None and s.hop_in["peer_key"] == key for s in self.fellow.stages.values())
+        return any(s.hop_in is not None and s.hop_in["peer_key"] == key for s in self.fellow.stages.values()) or \
+            self.fellow.link_probes.allows(key)  # a fellow of the pool measuring its link to this one
 
     def stage_for_hop(self, hop_id: str, key: bytes):
         """The stage that receives on ``hop_id`` from the fellow with ``key`` (None: no such hop)."""
@@ -85,6 +87,9 @@ class IncomingLinks:
             log.info("refused a direct ring connection: %s", exc)  # the channel closed the transport
             return
         hop_id = channel.handshake_payload.decode(errors="replace")
+        if hop_id.startswith(PROBE_PREFIX) and self.fellow.link_probes.allows(channel.remote_static):
+            await self.fellow.link_probes.echo(channel)  # swarm.fellow.link_probe
+            return
         stage = self.stage_for_hop(hop_id, channel.remote_static)
         if stage is None:
             log.info("refused a direct ring connection for an unknown hop")

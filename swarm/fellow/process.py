@@ -27,6 +27,7 @@ from swarm.errors import AuthError, SwarmError, first_leaf
 from swarm.fellow.control import ControlLink
 from swarm.fellow.direct_links import DirectLinkAgent
 from swarm.fellow.hardware import MachineShare
+from swarm.fellow.link_probe import LinkProbes
 from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
 from swarm.fellow.update import FellowUpdater, restart_command
@@ -80,6 +81,7 @@ class Fellow:
         self.machine = MachineShare()
         self.control = ControlLink(self)
         self.links = IncomingLinks(self)
+        self.link_probes = LinkProbes(self)  # round-trip time and throughput to the pool's fellows
         self.loader = StageLoader(self)
         self.direct_links = DirectLinkAgent(self)
         # `swarm update`: install the leader's version, then run ``restart_with`` (the same command) in this process

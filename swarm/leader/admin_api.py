@@ -1,4 +1,4 @@
-"""Admin endpoints the browser's admin page needs: users, pools, the Direct links switch, and the page itself."""
+"""Admin endpoints the browser's admin page needs: users, pools, the serving switches, and the page itself."""
 
 from __future__ import annotations
 
@@ -180,6 +180,28 @@ class AdminRoutes:
         return JSONResponse({"enabled": enabled, "forced_by_env": self.leader.settings.serve_hot_cover})
 
     @handles_errors
+    async def model_switches(self, request: Request):
+        """GET: the auto-load and evict-idle switches (swarm.leader.auto_load); PUT {"auto_load": bool,
+        "evict_idle": bool}, either or both: set them."""
+        await self._admin(request)
+        auto_load = self.leader.serving.auto_load
+        if request.method == "PUT":
+            body = await json_body(request)
+            changes = {k: body[k] for k in ("auto_load", "evict_idle") if k in body}
+            if not changes or not all(isinstance(v, bool) for v in changes.values()):
+                raise BadRequest('send {"auto_load": true or false} and/or {"evict_idle": true or false}.',
+                                 "invalid_switch")
+            return JSONResponse(await auto_load.set_switches(changes))
+        return JSONResponse(await auto_load.switches())
+
+    @handles_errors
+    async def links(self, request: Request):
+        """The measured links between each pool's fellows (swarm.leader.link_matrix): round-trip time and throughput
+        of each ordered pair, over the path a ring hop would take."""
+        await self._admin(request)
+        return JSONResponse(self.leader.serving.link_matrix.view())
+
+    @handles_errors
     async def fellow_update(self, request: Request):
         await self._admin(request)
         body = await json_body(request)
@@ -208,5 +230,7 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/api/v1/pools/{pool}/members/{user}", admin.pool_member_remove, methods=["DELETE"]),
         Route("/api/v1/settings/direct-links", admin.direct_links, methods=["GET", "PUT"]),
         Route("/api/v1/settings/hot-cover", admin.hot_cover, methods=["GET", "PUT"]),
+        Route("/api/v1/settings/models", admin.model_switches, methods=["GET", "PUT"]),
+        Route("/api/v1/links", admin.links, methods=["GET"]),
         Route("/api/v1/fellows/{fellow_id:int}", admin.fellow_update, methods=["PUT"]),
     ]

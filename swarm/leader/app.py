@@ -256,6 +256,7 @@ class Leader:
         config.keep_alive_timeout = 75
         async with self.mcp.run(), trio.open_nursery() as nursery:
             self.serving.nursery = nursery
+            nursery.start_soon(self.serving.link_matrix.run)  # measures the links between fellows now and then
             await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
             await trio.to_thread.run_sync(self.quotas.load)  # the quotas, and the last day's usage they count
             await nursery.start(self.history.run)  # writes finished requests off the request path, prunes old ones

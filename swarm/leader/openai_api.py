@@ -178,10 +178,10 @@ class OpenAIRoutes:
         """The manifest and folder of a model that is served (or comes back for a request)."""
         leader = self.leader
         manifest = await leader.serving.manifest(name)
-        if leader.serving.status(name) == "not_loaded" and name not in leader.serving.reload_on_request:
+        if leader.serving.status(name) == "not_loaded" and not await leader.serving.auto_load.comes_back(name):
             raise ModelNotLoaded(
-                f"model {name} is not loaded. Load it first (swarm model-load {name}, or Load on "
-                "the chat page), then send the request again.")
+                f"model {name} is not loaded, and auto-load is off (the admin page). Load it first (swarm model-load "
+                f"{name}, or Load on the chat page), then send the request again.")
         return manifest, leader.models_root / name
 
     async def send(self, name: str, prompt: list[int], max_tokens: int | None, asked: dict, params, owner: int,

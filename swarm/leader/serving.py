@@ -19,9 +19,11 @@ import trio
 from swarm import messages
 from swarm.config import Settings
 from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout, counted
+from swarm.leader.auto_load import AutoLoad, room
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.limits import context_reason, model_context, served_context
+from swarm.leader.link_matrix import LinkMatrix
 from swarm.leader.models import (
     ModelServing,
     StageState,
@@ -34,7 +36,7 @@ from swarm.leader.models import (
     quantized_fellows,
 )
 from swarm.leader.performance import hop_rate
-from swarm.leader.placement import FellowCapacity, place
+from swarm.leader.placement import place
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
@@ -66,6 +68,8 @@ class Serving:
         self.quantization_of: dict[str, str] = {}  # the kind each model was last asked to load at
         self.own_contexts: dict[str, int | None] = {}  # model -> its own context, read from its config when asked
         self.recovery = Recovery(self)
+        self.auto_load = AutoLoad(self)  # loads what a request asks for, making room where allowed
+        self.link_matrix = LinkMatrix(self)  # measured links between each pool's fellows (the admin page's matrix)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -104,13 +108,15 @@ class Serving:
     # --- load / unload --------------------------------------------------------------------------------------------
 
     def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str,
-                  pool_id: int | None = None, draft_manifest: dict | None = None):
+                  pool_id: int | None = None, draft_manifest: dict | None = None,
+                  releasing: frozenset[str] = frozenset()):
         """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now
         (swarm.leader.placement.place): the plans, the model's sizes, the quantization kind, the fellows it chose from
         and their capacities. Raises PlacementError when nothing fits. The load and the planner (swarm.leader.planner)
         both use it. ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL),
         counted in its fellow's memory where the ring has several stages and that fellow runs draft models (else left
-        out: the last plan's draft_bytes say which)."""
+        out: the last plan's draft_bytes say which). Each fellow's memory is what it has beside the other models
+        placed on it (swarm.leader.auto_load.room), but those in ``releasing``."""
         # only the model's pool's fellows (swarm.store.fleet); standbys wait for failovers, unless one is asked for
         if pool_id is not None and fellow_id is not None and fellow_id in self.online and \
                 self.online[fellow_id].pool_id != pool_id:
@@ -133,8 +139,7 @@ class Serving:
         # fellows then keep room to spare, never too little).
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         size = model_size(manifest, cpu=cpu, quantization=kind)
-        capacities = [FellowCapacity(f.id, f.name, f.hardware.serving_free_bytes(self.settings.device))
-                      for f in fellows]
+        capacities = room(self, fellows, releasing | {name})  # a load again (the planner) replaces its own
         try:
             plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
             if draft_manifest is not None and len(plans) > 1:
@@ -302,14 +307,16 @@ class Serving:
         """Refuses ``request`` when its model is not served, it is longer than the pool, its user or API token is
         over a quota (counting ``group`` requests of its kind), or the queue is full."""
         serving = self.models.get(request.model)
-        if serving is None and request.model in self.reload_on_request:
-            log.info("loading %s again for a request (it was unloaded while idle)", request.model)
-            serving = await self.load(request.model)
+        if serving is None:  # it went idle, or auto-load is on: loaded for this request (it waits meanwhile)
+            serving = await self.auto_load.ensure(request.model)
+        else:
+            self.auto_load.touch(request.model)
         if serving is None or serving.status == "failed":
             state = "not loaded" if serving is None else f"failed to load ({serving.error})"
+            off = ", and auto-load is off (the admin page)" if serving is None else ""
             raise ModelNotLoaded(
-                f"model {request.model} is {state}. Load it first (swarm model-load {request.model}, or Load on the "
-                f"chat page), then send the request again."
+                f"model {request.model} is {state}{off}. Load it first (swarm model-load {request.model}, or Load on "
+                f"the chat page), then send the request again."
             )
         self.check_context(request.model, request.need, len(request.prompt), request.max_tokens)
         if self.quotas is not None:
@@ -486,6 +493,8 @@ class Serving:
             self.recovery.on_stage_event(conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
+        elif message["t"] == "link_report":
+            self.link_matrix.on_report(conn, message)
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
             self.direct_links.on_message(conn, message)
 
@@ -506,6 +515,7 @@ class Serving:
         """A fellow (re)connected holding ``stages``: the models whose stage it keeps (it unloads the others).
         What follows from it -- adopting its stages, linking rings -- runs once its welcome has gone out."""
         self._start(self._adopt, conn, stages)
+        self.link_matrix.fleet_changed()  # its links are measured soon
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 
     async def _adopt(self, conn, stages: list) -> None:

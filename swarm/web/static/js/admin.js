@@ -1,5 +1,5 @@
 // The admin page: users, pools, fellows (hardware, state, standby), join tokens, usage and quotas (admin_usage.js),
-// the Direct links and Hot cover switches.
+// the Direct links, Hot cover, Auto-load and Evict idle models switches.
 import { api, get, post, del, setCsrf } from "./api.js";
 import { h, formatWhen } from "./dom.js";
 import { confirmAction, showOnce, showError } from "./ui.js";
@@ -160,6 +160,30 @@ async function loadHotCover() {
   $("hot-cover-state").textContent = enabled ? (forced ? "Hot cover is on (SWARM_SERVE_HOT_COVER=1 on the leader)" : "Hot cover is on") : "Hot cover is off";
 }
 
+function linkText(link) {
+  if (!link) return "";
+  if (link.rtt_ms == null) return link.error ? `${link.path}: ${link.error}` : link.path;
+  return `${link.rtt_ms} ms, ${link.mbps} Mbit/s (${link.path})`;
+}
+
+async function loadLinks() {
+  const { fellows, links } = await get("/api/v1/links");
+  const byPair = new Map(links.map((l) => [`${l.from_id}>${l.to_id}`, l]));
+  $("links-table").querySelector("thead").replaceChildren(h("tr", {}, [h("th", {}, "From \\ to"), ...fellows.map((f) => h("th", {}, f.name))]));
+  rows("links-table", fellows.length > 1 ? fellows : [], (from) => [
+    h("strong", {}, from.name),
+    ...fellows.map((to) => (to.id === from.id || to.pool_id !== from.pool_id ? "—" : linkText(byPair.get(`${from.id}>${to.id}`)) || "not measured yet")),
+  ], "Links are measured between two or more fellows of a pool.");
+}
+
+async function loadModelSwitches() {
+  const { auto_load: autoLoad, evict_idle: evict } = await get("/api/v1/settings/models");
+  $("auto-load").checked = autoLoad;
+  $("auto-load-state").textContent = autoLoad ? "Auto-load is on" : "Auto-load is off";
+  $("evict-idle").checked = evict;
+  $("evict-idle-state").textContent = evict ? "Evict idle models is on" : "Evict idle models is off";
+}
+
 async function main() {
   me = await get("/api/v1/me");
   setCsrf(me.csrf);
@@ -212,10 +236,17 @@ async function main() {
     try { await api("PUT", "/api/v1/settings/hot-cover", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
     loadHotCover();
   });
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), initUsage()]);
+  for (const [id, key] of [["auto-load", "auto_load"], ["evict-idle", "evict_idle"]]) {
+    $(id).addEventListener("change", async (e) => {
+      try { await api("PUT", "/api/v1/settings/models", { [key]: e.target.checked }); } catch (err) { showError(err.message); }
+      loadModelSwitches();
+    });
+  }
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), loadLinks(), initUsage()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
+  setInterval(() => loadLinks().catch(() => {}), 15_000);
   setInterval(() => loadUsage().catch(() => {}), 60_000);
 }
 

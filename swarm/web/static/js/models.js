@@ -47,11 +47,19 @@ export async function refreshModels() {
   pollTimer = setTimeout(refreshModels, BUSY.has(modelStatus()) ? 1000 : 5000);
 }
 
+// Several models may be loaded in a pool at once: the picker says which are ready (or on their way).
+const OPTION_STATES = { ready: "ready", loading: "loading", recovering: "recovering" };
+
+function optionText(m) {
+  if (incomplete(m)) return `${m.id} (incomplete)`;
+  return OPTION_STATES[m.status] ? `${m.id} (${OPTION_STATES[m.status]})` : m.id;
+}
+
 function renderPicker() {
   const select = picker();
   const options = state.models.map((m) => h("option", {
     value: m.id, disabled: incomplete(m) || undefined, selected: m.id === state.modelId || undefined,
-  }, incomplete(m) ? `${m.id} (incomplete)` : m.id));
+  }, optionText(m)));
   if (!options.length) options.push(h("option", { value: "", disabled: true, selected: true }, "No models yet"));
   const same = select.options.length === options.length &&
     options.every((o, i) => select.options[i].value === o.value && select.options[i].textContent === o.textContent);
