@@ -25,8 +25,8 @@ def chromium_path() -> str | None:
 class BackgroundSwarm:
     """`running_swarm` on a thread of its own. `call(fn, *args)` runs an async function in the swarm's loop."""
 
-    def __init__(self, tmp: Path, model_dirs: list[Path], fellows: int = 2):
-        self.tmp, self.model_dirs, self.fellows = tmp, model_dirs, fellows
+    def __init__(self, tmp: Path, model_dirs: list[Path], fellows: int = 2, leader_env: dict | None = None):
+        self.tmp, self.model_dirs, self.fellows, self.leader_env = tmp, model_dirs, fellows, leader_env
         self.swarm = None
         self.token = None
         self._ready = threading.Event()
@@ -38,7 +38,8 @@ class BackgroundSwarm:
         async def main():
             self.token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
-            async with running_swarm(self.tmp, self.model_dirs, fellows=self.fellows) as swarm:
+            async with running_swarm(self.tmp, self.model_dirs, fellows=self.fellows,
+                                     leader_env=self.leader_env) as swarm:
                 self.swarm = swarm
                 self._ready.set()
                 await self._stop.wait()
