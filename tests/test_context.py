@@ -8,7 +8,7 @@ import trio
 from starlette.testclient import TestClient
 
 from swarm.config import Settings
-from swarm.errors import ConfigError, PlacementError
+from swarm.errors import ConfigError, ContextTooLong, PlacementError
 from swarm.leader.admission import budget
 from swarm.leader.limits import FALLBACK_CONTEXT, context_reason, served_context
 from swarm.leader.models import model_size
@@ -29,7 +29,8 @@ def test_a_model_serves_its_own_context_unless_a_cap_is_lower():
     assert served_context(32768, 8192) == 8192 and served_context(32768, None, 4096) == 4096
     assert served_context(2048, 8192, 4096) == 2048  # never past what the model was made for
     assert context_reason(2048, None) == "the model's own context"
-    assert context_reason(32768, None, 4096) == "the context its load asked for (context_tokens); the model's own is 32768"
+    assert context_reason(32768, None, 4096) == ("the context its load asked for (context_tokens); the model's own is "
+                                                 "32768")
     assert context_reason(32768, 8192) == "SWARM_SERVE_CONTEXT_TOKENS on the leader; the model's own is 32768"
     assert "names no context length" in context_reason(None, None)
     with pytest.raises(ConfigError, match="at least 16 tokens, or unset it"):
@@ -123,6 +124,6 @@ def test_the_served_context_is_the_models_own_then_its_loads_cap(leader):
     assert trio.run(context) == 256  # the tiny model's max_position_embeddings
     serving.context_caps["qwen3"] = 128
     assert trio.run(context) == 128
-    assert "the context its load asked for" in str(pytest.raises(Exception, serving.check_context, "qwen3", 200, 150,
-                                                                  50).value)
+    with pytest.raises(ContextTooLong, match="maximum context length.*the context its load asked for"):
+        serving.check_context("qwen3", 200, 150, 50)
     assert serving.largest_context() == FALLBACK_CONTEXT  # nothing loaded yet: the /v1 body limit's context

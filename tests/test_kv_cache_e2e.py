@@ -13,20 +13,17 @@ from swarm.stage.kv_cache import PackedCache, new_cache
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["What is the capital of France?", "List three prime numbers."]
-TOKENS = 20
+TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def references(smollm_model_dir):
-    """transformers' float32 load of the packaged GGUF (what the stages compute at quantization none), generating
-    greedily with the same q8 cache class: (tokens, margins) per prompt."""
-    from transformers import AutoModelForCausalLM
-
+    """The model whole in one process, float32 from the per-layer files as the stages read them
+    (tests/reference_model.py), generating greedily with the same q8 cache class: (tokens, margins) per prompt."""
+    from reference_model import load_reference_model
     from swarm.leader.chat_format import encode_chat
-    from swarm.store.importer import builtin_gguf_path
 
-    path = builtin_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = load_reference_model(smollm_model_dir)
     out = {}
     for prompt in PROMPTS:
         ids = torch.tensor([encode_chat(smollm_model_dir, [{"role": "user", "content": prompt}], None)])

@@ -155,11 +155,12 @@ class Serving:
         return plans, size, kind, fellows, capacities
 
     def _with_draft_model(self, name: str, plans: list, size, capacities: list, num_stages: int, draft,
-                          context: int) -> list:
+                          context: int | None = None) -> list:
         """``plans`` placed again with a draft model (a swarm.leader.placement.DraftSize) on the last stage's fellow;
         ``plans`` as they are where that fellow runs a version without draft models or -- SWARM_SERVE_DRAFT_MODEL=auto
         -- where the draft model does not fit (a named one: the PlacementError says what it needs)."""
         try:
+            context = context if context is not None else served_context(None, self.settings.serve_context_tokens)
             with_draft = place(size, capacities, num_stages, context, None, draft)
         except PlacementError as exc:
             if self.settings.serve_draft_model != "auto":
