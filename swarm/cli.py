@@ -11,6 +11,7 @@ from pathlib import Path
 from swarm import cli_quotas
 from swarm.config import Settings, default_data_dir
 from swarm.errors import SwarmError
+from swarm.kv_kinds import KV_KINDS
 from swarm.quantization import KINDS
 
 # A fellow's OpenMP threads spin only briefly between two operations before they sleep: long enough to keep a pass
@@ -85,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fellow-id", type=int, help="serve on this one fellow (with --num-stages 1)")
     p.add_argument("--quantization", choices=KINDS,
                    help="hold the weights at 8 or 4 bits (each fellow quantizes its own layers); default none")
+    p.add_argument("--context-tokens", type=int, metavar="N",
+                   help="serve at most N tokens of conversation (prompt and reply) and budget the KV cache for that; "
+                        "default: the model's own context (capped by SWARM_SERVE_CONTEXT_TOKENS where set)")
+    p.add_argument("--kv-cache", choices=KV_KINDS,
+                   help="how the stages hold keys and values: auto (their compute dtype), f32, f16, or q8 (8 bits "
+                        "with a scale per 32 values: about half of f16); default SWARM_SERVE_KV_CACHE")
     p.add_argument("--no-wait", action="store_true", help="return once the load has started")
     _leader_options(p)
 
@@ -231,6 +238,10 @@ def _dispatch(args) -> int | None:
                 body = {"num_stages": args.num_stages or 1, "fellow_id": args.fellow_id}
             if args.quantization:
                 body["quantization"] = args.quantization
+            if args.context_tokens:
+                body["context_tokens"] = args.context_tokens
+            if args.kv_cache:
+                body["kv_cache"] = args.kv_cache
             client.post(f"/api/v1/models/{args.model}/load", body)
             if not args.no_wait:
                 view = client.wait_ready(args.model, show_progress=True)
@@ -239,6 +250,8 @@ def _dispatch(args) -> int | None:
                           f"{s['memory_bytes'] / 1e6:.0f} MB")
                 if view.get("quantization", "none") != "none":
                     print(f"Quantized {view['quantization']}: weights {view['compression']:.1f}x smaller")
+                if view.get("context_tokens"):
+                    print(f"Context: {view['context_tokens']} tokens, KV cache {view.get('kv_cache', 'auto')}")
             print(f"{args.model} is {'loading' if args.no_wait else 'ready'}")
     elif args.command == "infer":
         from swarm.client import LeaderClient

@@ -52,9 +52,13 @@ class Settings:
 
     # --- serving (leader side) ---
     pipeline_transport: str = "auto"  # SWARM_PIPELINE_TRANSPORT: auto (direct, relay on failure), direct, relay
-    # SWARM_SERVE_CONTEXT_TOKENS: the context each stage budgets KV cache for, and the longest conversation (prompt and
-    # reply) any model serves: a model's served context is its own, capped by this
-    serve_context_tokens: int = 4096
+    # SWARM_SERVE_CONTEXT_TOKENS: a cap on every model's served context -- the longest conversation (prompt and reply)
+    # it takes, which its stages budget KV cache for. Unset: each model's own (its config's max_position_embeddings);
+    # a load may cap one model lower (context_tokens on the load call, --context-tokens)
+    serve_context_tokens: int | None = None
+    # SWARM_SERVE_KV_CACHE: how stages hold keys and values unless a load says (swarm.kv_kinds): auto (the compute
+    # dtype), f32, f16, or q8 (8 bits with a scale per 32 values: about half of f16)
+    serve_kv_cache: str = "auto"
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
     max_tokens_limit: int = 4096  # SWARM_MAX_TOKENS_LIMIT: the most tokens one reply may ask for (max_tokens)
     rendezvous_port: int | None = None  # SWARM_RENDEZVOUS_PORT: UDP port telling fellows their public address
@@ -147,8 +151,12 @@ class Settings:
         if self.serve_memory_gb < 0:
             raise ConfigError(f"SWARM_SERVE_MEMORY_GB is {self.serve_memory_gb:g}; use 0 (all free memory) or the GB "
                               "this fellow lends to its stages.")
-        if self.serve_context_tokens < 16:
-            raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
+        if self.serve_context_tokens is not None and self.serve_context_tokens < 16:
+            raise ConfigError(f"SWARM_SERVE_CONTEXT_TOKENS is {self.serve_context_tokens}; use at least 16 tokens, or "
+                              "unset it to serve each model's own context.")
+        if self.serve_kv_cache not in ("auto", "f32", "f16", "q8"):
+            raise ConfigError(f"SWARM_SERVE_KV_CACHE is {self.serve_kv_cache!r}; use auto (the stages' compute "
+                              "dtype), f32, f16 or q8.")
 
 
 def _parse(name: str, raw: str, annotation: object) -> object:

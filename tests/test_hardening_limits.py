@@ -4,7 +4,8 @@ prompts sized by the pool's KV budget instead of the model, and the replies of a
 One leader and one fellow serve the whole module (tests/web_helpers.BackgroundSwarm: its own trio loop on a thread),
 with two of tests/scripted.py's tiny models, whose KV cache is so small that the pool's budget is millions of tokens:
 the very case where limits that followed the budget let everything through. ``short`` has its own context of 512
-tokens; ``long`` claims 8,192, so the leader's cap (SWARM_SERVE_CONTEXT_TOKENS, 4,096) is its served context.
+tokens; ``long`` claims 8,192, so the leader's cap (SWARM_SERVE_CONTEXT_TOKENS, set to 4,096 here) is its served
+context.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def model_dirs(module_tmp) -> dict:
 
 @pytest.fixture(scope="module")
 def bg(module_tmp, model_dirs):
-    swarm = BackgroundSwarm(module_tmp("limits-swarm"), list(model_dirs.values()), fellows=1).start()
+    swarm = BackgroundSwarm(module_tmp("limits-swarm"), list(model_dirs.values()), fellows=1,
+                            leader_env={"SWARM_SERVE_CONTEXT_TOKENS": "4096"}).start()
     try:
         for name in model_dirs:
             swarm.call(swarm.swarm.load, name, 1)

@@ -17,6 +17,7 @@ from swarm.errors import ModelError, SwarmError, first_leaf
 from swarm.fellow import compute
 from swarm.fellow.downloads import fetch_with_retries
 from swarm.fellow.stages import LoadedStage
+from swarm.kv_kinds import check_kv_kind
 from swarm.quantization import check_kind, kinds_on, needs
 from swarm.tunnel.tls import context_for
 
@@ -172,6 +173,7 @@ class StageLoader:
                                     layer_devices=layer_devices, quantization=quantization)
         )
         stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
+        stage_model.kv_cache = check_kv_kind(message.get("kv_cache"))  # a leader from before sends none: auto
         draft = _draft_part(message)
         if draft is not None:  # the last stage's draft model, whole, as the stage: dtype, device, quantization
             stage_model.drafter = await compute.run(

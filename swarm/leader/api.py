@@ -11,10 +11,12 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from swarm import __version__
 from swarm.errors import AuthError, BadRequest, Forbidden, PlacementError, PoolNotFound
+from swarm.kv_kinds import check_kv_kind
 from swarm.leader.auth import SESSION_COOKIE, current_admin, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
 from swarm.leader.performance import parse_range, performance_view
+from swarm.leader.placement import MIN_CONTEXT
 from swarm.leader.planner import plan_model
 from swarm.leader.signin import MAX_PASSWORD_CHARS, check_password_rule
 from swarm.quantization import check_kind
@@ -263,9 +265,14 @@ class ApiRoutes:
         name = (await self._model_row(request.path_params["model_id"], user)).name
         body = await self._json(request) if await request.body() else {}
         num_stages, fellow_id = body.get("num_stages"), body.get("fellow_id")
-        for key, value in (("num_stages", num_stages), ("fellow_id", fellow_id)):
+        context_tokens = body.get("context_tokens")
+        for key, value in (("num_stages", num_stages), ("fellow_id", fellow_id), ("context_tokens", context_tokens)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise BadRequest(f"{key} must be a positive integer.", f"invalid_{key}")
+        if context_tokens is not None and context_tokens < MIN_CONTEXT:
+            raise BadRequest(f"context_tokens is {context_tokens}; a model serves at least {MIN_CONTEXT} tokens. Ask "
+                             "for more, or leave it out for the model's own context.", "invalid_context_tokens")
+        kv_cache = check_kv_kind(body["kv_cache"]) if body.get("kv_cache") is not None else None
         if fellow_id is not None and num_stages is None:
             num_stages = 1
         quantization = body.get("quantization")
@@ -273,10 +280,10 @@ class ApiRoutes:
             quantization = check_kind(quantization)
         # A load of a model that serves already at another quantization (or in another shape while it recovers)
         # unloads it first: like an unload, it needs an admin while it would end other users' replies.
-        if self.leader.serving.restarts(name, num_stages, fellow_id, quantization):
+        if self.leader.serving.restarts(name, num_stages, fellow_id, quantization, context_tokens, kv_cache):
             self._may_end_replies(user, name, "loading it again as asked would end them. Load it as it serves now, "
                                               "try again when they finish, or ask an admin to load it again.")
-        serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization)
+        serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization, context_tokens, kv_cache)
         if serving.status == "failed":
             raise PlacementError(serving.error or "the load failed")
         row = await self._model_row(name, user)

@@ -95,6 +95,7 @@ class AutoLoad:
                 return None
             row = await serving.model_row(name)
             why = "it was unloaded while idle" if name in serving.reload_on_request else "auto-load is on"
+            await serving.context_of(name)  # its own context, read from its config: what placement budgets KV for
             try:
                 serving.placement(name, row.manifest, None, None, serving.quantization_of.get(name, "none"),
                                   row.pool_id)

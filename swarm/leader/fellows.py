@@ -210,12 +210,13 @@ class FellowHub:
         models = await trio.to_thread.run_sync(self.store.list_models)
         catalogue = [(m.pool_id, m.name, m.manifest) for m in models if isinstance(m.manifest, dict)]
         settings = self.serving.settings
+        contexts = {name: await self.serving.context_of(name) for _, name, _ in catalogue}  # each model's served one
         out = {}
         for conn in conns:
             mine = [(name, manifest) for pool_id, name, manifest in catalogue if pool_id == conn.pool_id]
             try:
                 out[conn.id] = fit_report(conn.hardware, conn.disk_free_bytes, mine, device=settings.device,
-                                          context_tokens=settings.serve_context_tokens)
+                                          context_tokens=contexts, kv_cache=settings.serve_kv_cache)
             except (KeyError, TypeError, ValueError) as exc:  # a manifest of an older format: say so, not fail
                 out[conn.id] = {"text": f"the early checks could not read the catalogue: {exc}", "models": []}
         return out

@@ -12,7 +12,9 @@ the sentence when it joins; the admin page shows it per fellow:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
+from swarm.leader.limits import FALLBACK_CONTEXT
 from swarm.leader.models import model_size
 from swarm.leader.placement import GB, ONE_FELLOW_HEADROOM, OVERHEAD_BYTES
 from swarm.messages import Hardware
@@ -44,8 +46,9 @@ def memory_of(hardware: Hardware, device: str = "auto") -> tuple[int, str, bool]
     return hardware.ram_free_bytes, f"{hardware.ram_free_bytes / GB:.1f} GB of RAM free", False
 
 
-def fit(name: str, manifest: dict, free: int, disk_free: int | None, on_gpu: bool, context_tokens: int) -> ModelFit:
-    size = model_size(manifest, cpu=not on_gpu)
+def fit(name: str, manifest: dict, free: int, disk_free: int | None, on_gpu: bool, context_tokens: int,
+        kv_cache: str = "auto") -> ModelFit:
+    size = model_size(manifest, cpu=not on_gpu, kv_cache=kv_cache)
     # what the files take on disk: their own sizes (a GGUF's blocks are budgeted in memory by their values)
     stored = model_size({**manifest, "files": [{k: v for k, v in f.items() if k != "params"}
                                                for f in manifest["files"]]}, cpu=False)
@@ -64,10 +67,14 @@ def fit(name: str, manifest: dict, free: int, disk_free: int | None, on_gpu: boo
 
 
 def fit_report(hardware: Hardware, disk_free: int | None, catalogue: list[tuple[str, dict]], *,
-               device: str = "auto", context_tokens: int = 4096) -> dict:
-    """{"text": one sentence for people, "models": each model's fit} for a PC against the catalogue."""
+               device: str = "auto", context_tokens: int | Mapping[str, int] = 4096,
+               kv_cache: str = "auto") -> dict:
+    """{"text": one sentence for people, "models": each model's fit} for a PC against the catalogue. ``context_tokens``:
+    the context a stage keeps room for, one for all or each model's (its served context, by name)."""
     free, where, on_gpu = memory_of(hardware, device)
-    fits = [fit(name, manifest, free, disk_free, on_gpu, context_tokens) for name, manifest in catalogue]
+    fits = [fit(name, manifest, free, disk_free, on_gpu,
+                context_tokens if isinstance(context_tokens, int) else context_tokens.get(name, FALLBACK_CONTEXT),
+                kv_cache) for name, manifest in catalogue]
     if not fits:
         text = f"The leader's catalogue is empty: import a model to see what this PC can hold ({where})."
     else:

@@ -7,9 +7,10 @@ soon as a chunked body passes it), and a prompt whose text alone could not fit i
 its byte count, before the tokenizer sees it.
 
 Every limit follows the model's *served context* -- its own context (``max_position_embeddings`` in its config),
-capped by SWARM_SERVE_CONTEXT_TOKENS -- never the pool's KV budget: a pool with room for a million tokens used to
-accept a 6,000-token conversation on a model of 4,096 (it answered 200), and its /v1 body limit came out at 248 MB,
-its prompt byte check at 164 MB (a 40 MB prompt then held the leader for 71 s).
+capped by SWARM_SERVE_CONTEXT_TOKENS and by its load's ``context_tokens`` where they are set -- never the pool's KV
+budget: a pool with room for a million tokens used to accept a 6,000-token conversation on a model of 4,096 (it
+answered 200), and its /v1 body limit came out at 248 MB, its prompt byte check at 164 MB (a 40 MB prompt then held
+the leader for 71 s).
 
 A token stands for at most as many bytes of text as the longest entry of the tokenizer's vocabulary (for byte-level
 BPE each character of an entry is one byte; SentencePiece's "▁" is 3 bytes for 1, an overestimate, which is the safe
@@ -99,18 +100,29 @@ def model_context(config: dict) -> int | None:
     return None
 
 
-def served_context(own: int | None, cap: int) -> int:
-    """The longest conversation (prompt and reply) a model serves: its own context, capped by the admin's
-    SWARM_SERVE_CONTEXT_TOKENS (``cap``)."""
-    return cap if own is None else min(own, cap)
+# A model whose config names no context length is served at this many tokens (SWARM_SERVE_CONTEXT_TOKENS's old
+# default, which every model was capped at before issue 36).
+FALLBACK_CONTEXT = 4096
 
 
-def context_reason(own: int | None, cap: int) -> str:
+def served_context(own: int | None, cap: int | None, model_cap: int | None = None) -> int:
+    """The longest conversation (prompt and reply) a model serves: its own context (FALLBACK_CONTEXT where its config
+    names none), capped by the admin's SWARM_SERVE_CONTEXT_TOKENS (``cap``) and by its load's ``context_tokens``
+    (``model_cap``), where they are set."""
+    return min([own if own is not None else FALLBACK_CONTEXT, *(c for c in (cap, model_cap) if c is not None)])
+
+
+def context_reason(own: int | None, cap: int | None, model_cap: int | None = None) -> str:
     """Where a served context comes from, in the words of an error message."""
-    if own is not None and own <= cap:
-        return "the model's own context"
+    served = served_context(own, cap, model_cap)
     own_words = f"; the model's own is {own}" if own is not None else ""
-    return f"SWARM_SERVE_CONTEXT_TOKENS on the leader{own_words}"
+    if own is not None and own == served:
+        return "the model's own context"
+    if model_cap is not None and model_cap == served:
+        return f"the context its load asked for (context_tokens){own_words}"
+    if cap is not None and cap == served:
+        return f"SWARM_SERVE_CONTEXT_TOKENS on the leader{own_words}"
+    return f"{FALLBACK_CONTEXT} tokens: the model's config names no context length"
 
 
 def check_prompt_bytes(text: Any, model_dir: Path | str, context_tokens: int) -> None:
@@ -219,5 +231,5 @@ async def _too_large(send: Send, limit: int, shape: str = "openai") -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["BodyLimit", "chat_body_limit", "check_prompt_bytes", "check_replies", "context_reason",
+__all__ = ["FALLBACK_CONTEXT", "BodyLimit", "chat_body_limit", "check_prompt_bytes", "check_replies", "context_reason",
            "longest_token_bytes", "model_context", "served_context", "text_bytes"]

@@ -137,12 +137,16 @@ def build_server(leader) -> MCPServer:
 
     @server.tool(description="Load a model on the pool. num_stages splits it over that many fellows (1: one PC, "
                              "with fellow_id to choose which); by default the leader places it. quantization "
-                             "(none, int8, nf4, int4-fast) holds the weights at 8 or 4 bits. Returns at once; "
+                             "(none, int8, nf4, int4-fast) holds the weights at 8 or 4 bits; context_tokens caps "
+                             "the conversation length served (default: the model's own); kv_cache (auto, f32, f16, "
+                             "q8) holds keys and values at that width, q8 at about half of f16. Returns at once; "
                              "the model is ready when models_list says so.")
     async def models_load(model: str, num_stages: int | None = None, fellow_id: int | None = None,
-                          quantization: str | None = None) -> dict:
+                          quantization: str | None = None, context_tokens: int | None = None,
+                          kv_cache: str | None = None) -> dict:
         body = {k: v for k, v in (("num_stages", num_stages), ("fellow_id", fellow_id),
-                                  ("quantization", quantization)) if v is not None}
+                                  ("quantization", quantization), ("context_tokens", context_tokens),
+                                  ("kv_cache", kv_cache)) if v is not None}
         return await call("POST", f"/api/v1/models/{segment(model, 'model id')}/load", body)
 
     @server.tool(description="Unload a model from every fellow serving it.")

@@ -4,12 +4,15 @@ generation and its hops, and the messages that load and link each stage."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import trio
 
+from swarm.kv_kinds import kv_element_bytes
 from swarm.leader import admission
 from swarm.leader.admission import Budget
+from swarm.leader.limits import FALLBACK_CONTEXT
 from swarm.leader.placement import ModelSize, StagePlan
 from swarm.model_format import DTYPE_BYTES
 
@@ -52,13 +55,16 @@ class ModelServing:
     pool_id: int | None = None  # its pool: only that pool's fellows take its stages, covers and failovers
     # the draft model its last stage holds whole (SWARM_SERVE_DRAFT_MODEL): what load messages send, None without one
     draft: dict | None = None
+    context_tokens: int | None = None  # its served context at this load (swarm.leader.limits.served_context)
+    kv_cache: str = "auto"  # how its stages hold keys and values (swarm.kv_kinds)
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def budget(self, settings) -> Budget:
         """What the ring holds at once, from the memory its stages' fellows had for them (swarm.leader.admission)."""
         kv = self.size.kv_bytes_per_token_per_layer if self.size is not None else 0
+        context = self.context_tokens or settings.serve_context_tokens or FALLBACK_CONTEXT
         return admission.budget([s.plan for s in self.stages], {s.plan.fellow_id: s.free_bytes for s in self.stages},
-                                kv, settings.serve_typical_tokens, settings.serve_context_tokens)
+                                kv, settings.serve_typical_tokens, context)
 
     def takes(self, conn) -> bool:
         """Whether the online fellow ``conn`` may hold a stage of this model: it is in the model's pool."""
@@ -118,6 +124,8 @@ class ModelServing:
             "status": self.status,
             "error": self.error,
             "quantization": self.quantization,
+            "kv_cache": self.kv_cache,
+            "context_tokens": self.context_tokens,
             "draft_model": self.draft["model"] if self.draft else None,  # SWARM_SERVE_DRAFT_MODEL, where it runs
             "weight_bytes": weight,
             # unquantized weight bytes over quantized ones: 1.0 at none, ~3.6 at int8 from float32
@@ -147,7 +155,7 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
         "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": serving.config,
         "files": [_file_message(f) for f in files],
         "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
-        "stored_dtype": dtype or "float32", "quantization": serving.quantization,
+        "stored_dtype": dtype or "float32", "quantization": serving.quantization, "kv_cache": serving.kv_cache,
         **({"draft": serving.draft} if serving.draft is not None and spec["is_last"] else {}),
     }
 
@@ -200,14 +208,15 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
     return message
 
 
-def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSize:
+def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: str = "auto") -> ModelSize:
     """Bytes a stage will hold, from the manifest; CPU stages compute (and hold) weights in float32. A file that keeps
     a GGUF's blocks (its entry counts its weight values: ``params``) is counted as those values in the manifest's
     dtype -- what a stage dequantizes it to -- not as its stored bytes, which only the download takes. A quantized load
     holds what swarm.stage.quantize quantizes at the kind's bytes per weight (swarm.quantization): every linear layer
     of the decoder layers, and on CPU the head too (4 bits at int4-fast, int8 otherwise; a tied head is then a
     quantized copy, so the last stage holds no float embedding for it). The embedding, the norms and the KV cache stay
-    in the compute dtype, and so does the head on CUDA. A mixture-of-experts layer's experts are fused 3D tensors,
+    in the compute dtype, and so does the head on CUDA. The KV cache holds ``kv_cache``'s bytes an element
+    (swarm.kv_kinds: the compute dtype's at auto). A mixture-of-experts layer's experts are fused 3D tensors,
     not linear layers, and stay in the compute dtype: its layers count at full size (an overestimate by its
     attention's share, never an underestimate)."""
     from swarm.model_format import MOE_ARCHITECTURES
@@ -244,7 +253,8 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none") -> ModelSi
         elif f["kind"] == "final":
             final += quantized(size, None if tied else head_q, norm)  # the final norm (and an untied head)
     kv = manifest.get("kv_bytes_per_token") or 0  # per token, per layer, at the stored dtype
-    return ModelSize(tuple(layers), embed, final, tied and head_q is None, int(kv * scale))
+    kv_bytes = math.ceil(kv / stored * kv_element_bytes(kv_cache, int(stored * scale)))
+    return ModelSize(tuple(layers), embed, final, tied and head_q is None, kv_bytes)
 
 
 def quantized_fellows(kind: str, fellows: list, num_stages: int, device: str) -> tuple[list, str]:

@@ -72,14 +72,23 @@ def stage_weight_bytes(size: ModelSize, first: int, end: int, is_first: bool, is
     return weight
 
 
-# The user's manual: "A single-node model needs its weights plus 1 GB free on one fellow."
+# The user's manual: "A single-node model needs its weights plus 1 GB free on one fellow." -- or, where more, its KV
+# cache at the served context and working memory (OVERHEAD_BYTES).
 ONE_FELLOW_HEADROOM = 1_000_000_000
+# Shortest context a placement offers when a full-length conversation does not fit (the least a served context may be,
+# as SWARM_SERVE_CONTEXT_TOKENS); offers are rounded down to a multiple of OFFER_STEP tokens above it.
+MIN_CONTEXT = 16
+OFFER_STEP = 256
 
 
-def place_on_one(size: ModelSize, fellows: list[FellowCapacity], fellow_id: int | None = None) -> list[StagePlan]:
-    """The whole model on one fellow -- ``fellow_id``, or the one with most memory free."""
+def place_on_one(size: ModelSize, fellows: list[FellowCapacity], fellow_id: int | None = None,
+                 context_tokens: int = 0) -> list[StagePlan]:
+    """The whole model on one fellow -- ``fellow_id``, or the one with most memory free -- with room for one
+    conversation of ``context_tokens``."""
     weight = sum(size.layer_bytes) + size.embed_bytes + size.final_bytes
-    need = weight + ONE_FELLOW_HEADROOM
+    per_token = size.kv_bytes_per_token_per_layer * len(size.layer_bytes)
+    kv = per_token * context_tokens
+    need = weight + max(ONE_FELLOW_HEADROOM, kv + OVERHEAD_BYTES)
     if fellow_id is not None:
         chosen = [f for f in fellows if f.fellow_id == fellow_id]
         if not chosen:
@@ -87,6 +96,13 @@ def place_on_one(size: ModelSize, fellows: list[FellowCapacity], fellow_id: int 
             raise PlacementError(f"fellow {fellow_id} is not online in the pool; online: {online}.")
     else:
         chosen = sorted(fellows, key=lambda f: (-f.free_bytes, f.fellow_id))[:1]
+    if chosen and weight + ONE_FELLOW_HEADROOM <= chosen[0].free_bytes < need:
+        fellow = chosen[0]
+        fits = offer(fellow.free_bytes - weight - OVERHEAD_BYTES, per_token)
+        raise PlacementError(
+            f"The model needs {need / GB:.1f} GB free on one fellow ({weight / GB:.1f} GB weights + {kv / GB:.1f} GB "
+            f"KV cache at {context_tokens} tokens, one full-length conversation), {fellow.name} has "
+            f"{fellow.free_bytes / GB:.1f} GB free.{_what_fits(fits)}")
     if not chosen or chosen[0].free_bytes < need:
         states = "; ".join(f"{f.name} has {f.free_bytes / GB:.1f} GB free" for f in (chosen if fellow_id else fellows))
         raise PlacementError(
@@ -94,8 +110,29 @@ def place_on_one(size: ModelSize, fellows: list[FellowCapacity], fellow_id: int 
             "over several fellows, or free memory on one."
         )
     fellow = chosen[0]
-    kv = max(0, fellow.free_bytes - weight - OVERHEAD_BYTES)
-    return [StagePlan(0, fellow.fellow_id, fellow.name, 0, len(size.layer_bytes), weight, min(kv, ONE_FELLOW_HEADROOM))]
+    room = max(0, fellow.free_bytes - weight - OVERHEAD_BYTES)
+    return [StagePlan(0, fellow.fellow_id, fellow.name, 0, len(size.layer_bytes), weight,
+                      min(room, max(ONE_FELLOW_HEADROOM, kv)))]
+
+
+def offer(room: int, per_token: int) -> int:
+    """The longest context ``room`` bytes of KV cache hold at ``per_token`` bytes a token, rounded down (OFFER_STEP);
+    0 when not even MIN_CONTEXT tokens fit."""
+    if per_token <= 0:
+        return 1 << 30
+    fits = max(room, 0) // per_token
+    if fits >= OFFER_STEP:
+        fits -= fits % OFFER_STEP
+    return int(fits) if fits >= MIN_CONTEXT else 0
+
+
+def _what_fits(fits: int) -> str:
+    """The end of a refusal for want of KV room: the context that fits, and the other ways out."""
+    if fits:
+        return (f" At most {fits} tokens fit: load it with a shorter context (`swarm model-load MODEL --context-tokens "
+                f"{fits}`, or context_tokens {fits} on the load call or the page), hold the KV cache at 8 bits "
+                "(--kv-cache q8), use more stages, or free memory on the fellows.")
+    return " Use more stages, serve on fellows with more free memory, or hold the KV cache at 8 bits (--kv-cache q8)."
 
 
 def place(
@@ -111,7 +148,7 @@ def place(
     if num_stages < 1:
         raise PlacementError("a model needs at least one stage.")
     if num_stages == 1:
-        return place_on_one(size, fellows, fellow_id)
+        return place_on_one(size, fellows, fellow_id, context_tokens)
     if fellow_id is not None:
         raise PlacementError("--fellow-id picks the fellow of a model served on one PC: use it with --num-stages 1.")
     if len(fellows) < num_stages:
@@ -134,15 +171,25 @@ def place(
         kv = (size.kv_bytes_per_token_per_layer * (end - first) + held.kv_bytes_per_token) * context_tokens
         plans.append(StagePlan(index, fellow.fellow_id, fellow.name, first, end, weight, kv, held.weight_bytes,
                                held.kv_bytes_per_token))
-    for plan, fellow in zip(plans, chosen):
-        if plan.need_bytes > fellow.free_bytes:
-            raise PlacementError(
-                f"stage {plan.index} on {fellow.name} needs {plan.need_bytes / GB:.1f} GB "
+    short = [(plan, fellow) for plan, fellow in zip(plans, chosen) if plan.need_bytes > fellow.free_bytes]
+    if short:
+        plan, fellow = short[0]
+        # the longest conversation every stage of this split holds: what the refusal offers
+        fits = min(offer(f.free_bytes - p.weight_bytes - OVERHEAD_BYTES - p.draft_bytes,
+                         size.kv_bytes_per_token_per_layer * (p.end_layer - p.first_layer) + p.draft_kv_per_token)
+                   for p, f in zip(plans, chosen))
+        kv_full = plan.weight_bytes + OVERHEAD_BYTES + plan.draft_bytes <= fellow.free_bytes
+        head = (f"stage {plan.index} on {fellow.name} needs {plan.need_bytes / GB:.1f} GB "
                 f"({plan.weight_bytes / GB:.1f} GB weights + {plan.kv_bytes / GB:.1f} GB KV cache at "
-                f"{context_tokens} tokens{_with_draft(plan)}), has {fellow.free_bytes / GB:.1f} GB free. Serve on a "
-                f"fellow with more free memory, use more stages, or lower SWARM_SERVE_CONTEXT_TOKENS"
-                f"{' (or unset SWARM_SERVE_DRAFT_MODEL)' if plan.draft_bytes else ''}."
-            )
+                f"{context_tokens} tokens{_with_draft(plan)}), has {fellow.free_bytes / GB:.1f} GB free")
+        if kv_full and fits:
+            tail = ": not even one conversation of the full context fits." + _what_fits(fits)
+        else:
+            tail = (". Serve on a fellow with more free memory, use more stages, or load with a shorter context "
+                    "(--context-tokens, or SWARM_SERVE_CONTEXT_TOKENS for every model).")
+        if plan.draft_bytes:
+            tail += " Or unset SWARM_SERVE_DRAFT_MODEL to free its draft model's room."
+        raise PlacementError(head + tail)
     return plans
 
 

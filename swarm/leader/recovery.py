@@ -22,6 +22,7 @@ import secrets
 
 import trio
 
+from swarm.kv_kinds import check_kv_kind
 from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
 from swarm.leader.models import (
     LOAD_PHASES,
@@ -133,7 +134,8 @@ class Recovery:
     async def _save(self, model: ModelServing) -> None:
         """What a restarted leader restores (``restore``): the stages' plans, the draft model, whose covers they are."""
         plans = [{**_plan_to_dict(s.plan), "free_bytes": s.free_bytes, "quantization": model.quantization,
-                  "cover": s.cover_given} for s in model.stages]
+                  "cover": s.cover_given, "kv_cache": model.kv_cache, "context_tokens": model.context_tokens}
+                 for s in model.stages]
         if model.draft is not None:  # the last stage's draft model (SWARM_SERVE_DRAFT_MODEL), for a restarted leader
             plans[-1]["draft"] = model.draft
         await trio.to_thread.run_sync(self.serving.store.save_serving, model.name, model.load_id, plans)
@@ -380,26 +382,32 @@ class Recovery:
                 config_file = serving.models_root / name / "config.json"
                 config = json.loads(await trio.to_thread.run_sync(config_file.read_text))
                 stages = [StageState(StagePlan(**{k: v for k, v in p.items()
-                                                  if k not in ("free_bytes", "quantization", "draft", "cover")}),
+                                                  if k not in ("free_bytes", "quantization", "draft", "cover",
+                                                               "kv_cache", "context_tokens")}),
                                      free_bytes=int(p.get("free_bytes", 0)),
                                      cover_given=p["cover"] if isinstance(p.get("cover"), int) else None)
                           for p in plans]
                 kind = check_kind(plans[0].get("quantization") if plans else None)
+                kv = check_kv_kind(plans[0].get("kv_cache") if plans else None)
+                context = plans[0].get("context_tokens") if plans else None
             except Exception as exc:
                 log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
                 await trio.to_thread.run_sync(serving.store.delete_serving, name)
                 continue
             online = list(serving.hub.online.values())
             cpu = not online or not all(c.hardware.gpus for c in online)  # as load() budgets (serving.py)
+            full = full_weight_bytes(manifest, cpu, [s.plan for s in stages])
             model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
-                                 recovering_since=trio.current_time(), size=model_size(manifest, cpu, kind),
-                                 quantization=kind, full_weight_bytes=full_weight_bytes(manifest, cpu,
-                                                                                        [s.plan for s in stages]),
+                                 recovering_since=trio.current_time(), size=model_size(manifest, cpu, kind, kv),
+                                 quantization=kind, kv_cache=kv, context_tokens=context, full_weight_bytes=full,
                                  pool_id=row.pool_id)
             model.speculative = serving.settings.serve_speculative  # drafting ahead, as a load now would have it
             model.draft = plans[-1].get("draft") if plans else None  # the draft model its last fellow still holds
             serving.models[name] = model
             serving.quantization_of[name] = kind
+            serving.kv_cache_of[name] = kv
+            if isinstance(context, int):  # served as loaded: a cap below its own stays
+                serving.served_contexts[name] = serving.context_caps[name] = context
             log.info("%s was serving before the restart: waiting for its fellows", name)
             serving._start(self._adopt_or_replace, model)
 

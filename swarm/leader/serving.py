@@ -67,6 +67,10 @@ class Serving:
         self.reload_on_request: set[str] = set()
         self.quantization_of: dict[str, str] = {}  # the kind each model was last asked to load at
         self.own_contexts: dict[str, int | None] = {}  # model -> its own context, read from its config when asked
+        # model -> the context its last load asked for (context_tokens, --context-tokens): a cap below its own
+        self.context_caps: dict[str, int] = {}
+        self.kv_cache_of: dict[str, str] = {}  # model -> how its last load asked stages to hold keys and values
+        self.served_contexts: dict[str, int] = {}  # model -> its served context when it was last loaded (body limits)
         self.recovery = Recovery(self)
         self.auto_load = AutoLoad(self)  # loads what a request asks for, making room where allowed
         self.link_matrix = LinkMatrix(self)  # measured links between each pool's fellows (the admin page's matrix)
@@ -108,15 +112,17 @@ class Serving:
     # --- load / unload --------------------------------------------------------------------------------------------
 
     def placement(self, name: str, manifest: dict, num_stages: int | None, fellow_id: int | None, asked: str,
-                  pool_id: int | None = None, draft_manifest: dict | None = None,
+                  pool_id: int | None = None, draft_manifest: dict | None = None, kv_cache: str | None = None,
                   releasing: frozenset[str] = frozenset()):
         """Where a load of ``name`` (its ``manifest``) would put its stages on the pool now
         (swarm.leader.placement.place): the plans, the model's sizes, the quantization kind, the fellows it chose from
         and their capacities. Raises PlacementError when nothing fits. The load and the planner (swarm.leader.planner)
         both use it. ``draft_manifest``: a draft model the last stage holds beside its layers (SWARM_SERVE_DRAFT_MODEL),
         counted in its fellow's memory where the ring has several stages and that fellow runs draft models (else left
-        out: the last plan's draft_bytes say which). Each fellow's memory is what it has beside the other models
-        placed on it (swarm.leader.auto_load.room), but those in ``releasing``."""
+        out: the last plan's draft_bytes say which). Every stage keeps room for one conversation of the model's served
+        context (:meth:`context_tokens`) with its keys and values at ``kv_cache`` (None: as last loaded). Each fellow's
+        memory is what it has beside the other models placed on it (swarm.leader.auto_load.room), but those in
+        ``releasing``."""
         # only the model's pool's fellows (swarm.store.fleet); standbys wait for failovers, unless one is asked for
         if pool_id is not None and fellow_id is not None and fellow_id in self.online and \
                 self.online[fellow_id].pool_id != pool_id:
@@ -138,13 +144,15 @@ class Serving:
         # A CPU fellow holds 16-bit weights widened to float32: a pool with one budgets every stage so (its GPU
         # fellows then keep room to spare, never too little).
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
-        size = model_size(manifest, cpu=cpu, quantization=kind)
+        kv = kv_cache or self.kv_cache_of.get(name) or self.settings.serve_kv_cache
+        size = model_size(manifest, cpu=cpu, quantization=kind, kv_cache=kv)
+        context = self.context_tokens(name)
         capacities = room(self, fellows, releasing | {name})  # a load again (the planner) replaces its own
         try:
-            plans = place(size, capacities, num_stages, self.settings.serve_context_tokens, fellow_id)
+            plans = place(size, capacities, num_stages, context, fellow_id)
             if draft_manifest is not None and len(plans) > 1:
                 plans = self._with_draft_model(name, plans, size, capacities, num_stages,
-                                               draft_size(draft_manifest, cpu, kind))
+                                               draft_size(draft_manifest, cpu, kind), context)
         except PlacementError:
             if outdated:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
@@ -152,12 +160,14 @@ class Serving:
         check_quantization(kind, plans, {f.id: f for f in fellows}, self.settings.device)
         return plans, size, kind, fellows, capacities
 
-    def _with_draft_model(self, name: str, plans: list, size, capacities: list, num_stages: int, draft) -> list:
+    def _with_draft_model(self, name: str, plans: list, size, capacities: list, num_stages: int, draft,
+                          context: int | None = None) -> list:
         """``plans`` placed again with a draft model (a swarm.leader.placement.DraftSize) on the last stage's fellow;
         ``plans`` as they are where that fellow runs a version without draft models or -- SWARM_SERVE_DRAFT_MODEL=auto
         -- where the draft model does not fit (a named one: the PlacementError says what it needs)."""
         try:
-            with_draft = place(size, capacities, num_stages, self.settings.serve_context_tokens, None, draft)
+            context = context if context is not None else served_context(None, self.settings.serve_context_tokens)
+            with_draft = place(size, capacities, num_stages, context, None, draft)
         except PlacementError as exc:
             if self.settings.serve_draft_model != "auto":
                 raise
@@ -173,27 +183,34 @@ class Serving:
         return with_draft
 
     def restarts(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
-                 quantization: str | None = None) -> bool:
+                 quantization: str | None = None, context_tokens: int | None = None,
+                 kv_cache: str | None = None) -> bool:
         """Whether a load of ``name`` as asked would unload the model serving now and start over -- ending every
-        request it is answering: another quantization, or another shape while it is recovering."""
+        request it is answering: another quantization, context cap or KV cache kind, or another shape while it is
+        recovering."""
         current = self.models.get(name)
         if current is None or current.status not in ("loading", "ready", "recovering"):
             return False
         asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
             (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
         requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
+        requantized |= context_tokens is not None and context_tokens != self.context_caps.get(name)
+        requantized |= kv_cache is not None and kv_cache != current.kv_cache
         return requantized or (current.status == "recovering" and asked_otherwise)
 
     async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
-                   quantization: str | None = None) -> ModelServing:
+                   quantization: str | None = None, context_tokens: int | None = None,
+                   kv_cache: str | None = None) -> ModelServing:
         """Place ``name`` and send each fellow its stage. ``quantization`` (swarm.quantization.KINDS; None: as it
         was last loaded, else none) is how the stages hold their weights; a load asked at another kind than the one
-        serving starts over at that kind."""
+        serving starts over at that kind. ``context_tokens`` caps the model's served context below its own (None: as
+        last loaded, else its own, capped by SWARM_SERVE_CONTEXT_TOKENS); ``kv_cache`` (swarm.kv_kinds; None: as last
+        loaded, else SWARM_SERVE_KV_CACHE) is how its stages hold keys and values."""
         row = await self.model_row(name)
         manifest = row.manifest
         current = self.models.get(name)
         if current is not None and current.status in ("loading", "ready", "recovering"):
-            if not self.restarts(name, num_stages, fellow_id, quantization):
+            if not self.restarts(name, num_stages, fellow_id, quantization, context_tokens, kv_cache):
                 return current
             # asked for another shape while the old one is still being put back together, or another quantization:
             # start over as asked
@@ -201,6 +218,10 @@ class Serving:
         asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
         config_file = self.models_root / name / "config.json"
         config = await trio.to_thread.run_sync(lambda: json.loads(config_file.read_text()))
+        self.own_contexts[name] = model_context(config)
+        if context_tokens is not None:
+            self.context_caps[name] = context_tokens
+        kv = kv_cache or self.kv_cache_of.get(name) or self.settings.serve_kv_cache
         draft = None  # SWARM_SERVE_DRAFT_MODEL: checked before anything is placed (a wrong name refuses the load)
         if self.settings.serve_draft_model and self.settings.serve_speculative > 0 and num_stages != 1 \
                 and not sliding(config):  # a sliding model does not draft at all (swarm.leader.drafting)
@@ -209,7 +230,7 @@ class Serving:
         # From placement to the last load message nothing awaits: a fellow that went offline during an await here
         # was still in the placement, and posting its stage failed (a KeyError under load, the model left 'loading').
         plans, size, kind, fellows, capacities = self.placement(name, manifest, num_stages, fellow_id, asked,
-                                                                row.pool_id, draft.manifest if draft else None)
+                                                                row.pool_id, draft.manifest if draft else None, kv)
         cpu = not fellows or not all(f.hardware.gpus for f in fellows)
         free = {c.fellow_id: c.free_bytes for c in capacities}
         serving = ModelServing(name, "l" + secrets.token_hex(6), [StageState(p, free_bytes=free[p.fellow_id])
@@ -217,6 +238,8 @@ class Serving:
                                manifest=manifest, config=config, size=size, quantization=kind,
                                full_weight_bytes=full_weight_bytes(manifest, cpu, plans), pool_id=row.pool_id)
         serving.speculative = self.settings.serve_speculative  # drafting ahead: the setting at this load
+        serving.context_tokens = self.served_contexts[name] = self.context_tokens(name)
+        serving.kv_cache = self.kv_cache_of[name] = kv
         if draft is not None and plans[-1].draft_bytes:
             serving.draft = draft_message(draft)
         self.models[name] = serving
@@ -379,9 +402,16 @@ class Serving:
 
     def context_tokens(self, name: str) -> int:
         """The served context of ``name`` (swarm.leader.limits.served_context): the longest conversation, prompt and
-        reply, it takes -- its own context, capped by SWARM_SERVE_CONTEXT_TOKENS. Never the pool's KV budget, which
-        may hold far more than the model was made for (issue 32)."""
-        return served_context(self._own_context(name), self.settings.serve_context_tokens)
+        reply, it takes -- its own context, capped by SWARM_SERVE_CONTEXT_TOKENS and its load's context_tokens. Never
+        the pool's KV budget, which may hold far more than the model was made for (issue 32)."""
+        return served_context(self._own_context(name), self.settings.serve_context_tokens, self.context_caps.get(name))
+
+    def largest_context(self) -> int:
+        """The longest served context of the models loaded since the leader started (FALLBACK_CONTEXT before any):
+        what a /v1 body may carry (swarm.leader.limits.chat_body_limit). A chat needs its model loaded (or loaded
+        before, to load again on request), so no chat is refused by it that its model would take."""
+        known = [*self.served_contexts.values(), *(self.context_tokens(m) for m in self.models)]
+        return max(known, default=served_context(None, self.settings.serve_context_tokens))
 
     async def context_of(self, name: str) -> int:
         """``context_tokens``, reading the model's config (in a worker thread) when it is not served yet."""
@@ -408,7 +438,8 @@ class Serving:
         served context of ``name``."""
         context = self.context_tokens(name)
         if need > context:
-            why = context_reason(self._own_context(name), self.settings.serve_context_tokens)
+            why = context_reason(self._own_context(name), self.settings.serve_context_tokens,
+                                 self.context_caps.get(name))
             raise ContextTooLong(too_long(need, prompt, reply, context, why))
 
     def find(self, request_id: str) -> Request | None:

@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicCache
 from swarm.errors import KernelMismatch
 from swarm.model_format import LEAN_DECODE_FAMILIES
 from swarm.stage.int4_kernel import GROUP, expect
+from swarm.stage.kv_cache import is_packed
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,8 @@ def _layer_forward(library: Any, step: CompiledStep):
 
     def forward(hidden_states, *args, **kwargs):
         cache, position_embeddings = kwargs.get("cache"), kwargs.get("position_embeddings")
-        if args or position_embeddings is None or not _eligible(hidden_states):
+        # a packed cache (swarm.stage.kv_cache): the library's layer, as the step writes a plain cache in place
+        if args or position_embeddings is None or not _eligible(hidden_states) or is_packed(cache):
             return library(hidden_states, *args, **kwargs)
         cos, sin = position_embeddings
         if isinstance(cache, DynamicCache) and hidden_states.shape[1] == 1:

@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from swarm.model_format import LEAN_DECODE_FAMILIES
 from swarm.stage.compiled_decode import alone, append, compiled, run_steps
+from swarm.stage.kv_cache import is_packed
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class LeanDecode:
         new row of each request, or one request's rows -- or, on the layers' C step, decode passes of several
         requests (``flags``: which requests' rows compute alone, swarm.stage.compiled_decode.alone)."""
         shaped = len(sizes) == 1 or all(n == 1 for n in sizes) or self._alone(sizes, flags)
-        return shaped and all(len(cache.layers) == len(self.layers) for cache in caches)
+        # a packed cache (swarm.stage.kv_cache) goes through the library's layers: this step writes tensors in place
+        return shaped and all(len(cache.layers) == len(self.layers) and not is_packed(cache) for cache in caches)
 
     def _alone(self, sizes: list[int], flags: list[bool] | None) -> bool:
         return self._steps is not None and all(alone(sizes, flags))

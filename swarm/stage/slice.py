@@ -28,6 +28,7 @@ from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
+from swarm.stage.kv_cache import new_cache
 from swarm.stage.quantize import quantize_head, quantize_linears
 from swarm.stage.weights import read_weights
 
@@ -113,6 +114,7 @@ class StageModel:
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._caches: dict[str, DynamicCache] = {}
         self.quantization = "none"  # set by load (swarm.stage.quantize.KINDS)
+        self.kv_cache = "auto"  # how requests' caches hold keys and values (swarm.kv_kinds), set by the fellow's loader
         self.layer_devices = [device] * len(layers)  # set by load when the layers spread over several cards
         # The lean decode step (swarm.stage.lean_decode): set by warm_up once it computes exactly the library's step.
         self.lean: LeanDecode | None = None
@@ -233,7 +235,7 @@ class StageModel:
 
     def new_request(self, rid: str) -> None:
         """Start an empty KV cache for request ``rid`` (a replayed request starts over: any old cache is replaced)."""
-        self._caches[rid] = DynamicCache(config=self.config)
+        self._caches[rid] = new_cache(self.config, self.kv_cache, self.dtype)
 
     def drop(self, rid: str) -> None:
         self._caches.pop(rid, None)
@@ -270,7 +272,7 @@ class StageModel:
         if length == current:
             return
         if length == 0:
-            self._caches[rid] = DynamicCache(config=self.config)
+            self._caches[rid] = new_cache(self.config, self.kv_cache, self.dtype)
             return
         # A sliding-window layer keeps only its last window-1 tokens: once full, it cannot give back older ones.
         # Checked before cropping so a refused rollback leaves the cache as it was.

@@ -95,8 +95,14 @@ export async function loadModel() {
   busyAction = true;
   renderStatus();
   try {
+    const body = {};
     const quantization = quantizationPicker()?.value;
-    await post(`/api/v1/models/${encodeURIComponent(model.id)}/load`, quantization ? { quantization } : {});
+    if (quantization) body.quantization = quantization;
+    const kvCache = document.getElementById("kv-cache-picker")?.value;
+    if (kvCache && kvCache !== "auto") body.kv_cache = kvCache;
+    const context = Number(document.getElementById("context-input")?.value || 0);
+    if (context > 0) body.context_tokens = Math.floor(context);
+    await post(`/api/v1/models/${encodeURIComponent(model.id)}/load`, body);
   } finally {
     busyAction = false;
     await refreshModels();
@@ -159,6 +165,11 @@ export function initModels() {
   if (quantization) {
     quantization.value = store.get("quantization", "none");
     quantization.addEventListener("change", () => store.set("quantization", quantization.value));
+  }
+  const kvCache = document.getElementById("kv-cache-picker");
+  if (kvCache) {
+    kvCache.value = store.get("kvCache", "auto");
+    kvCache.addEventListener("change", () => store.set("kvCache", kvCache.value));
   }
   return refreshModels();
 }
