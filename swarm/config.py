@@ -53,6 +53,9 @@ class Settings:
     # reply) any model serves: a model's served context is its own, capped by this
     serve_context_tokens: int = 4096
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
+    # SWARM_SERVE_PREFIX_CACHE_TOKENS: prompt tokens whose KV each stage keeps for later prompts that start the same
+    # way (0: no prefix cache); unset: what the model's KV budget leaves free beside its running requests
+    serve_prefix_cache_tokens: int | None = None
     max_tokens_limit: int = 4096  # SWARM_MAX_TOKENS_LIMIT: the most tokens one reply may ask for (max_tokens)
     rendezvous_port: int | None = None  # SWARM_RENDEZVOUS_PORT: UDP port telling fellows their public address
     direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
@@ -135,6 +138,9 @@ class Settings:
         if self.calibrate_cpu_s <= 0:
             raise ConfigError(f"SWARM_CALIBRATE_CPU_S is {self.calibrate_cpu_s:g}; use more than 0 seconds (15 is the "
                               "default), or SWARM_CALIBRATE=0 to skip the calibration.")
+        if self.serve_prefix_cache_tokens is not None and self.serve_prefix_cache_tokens < 0:
+            raise ConfigError(f"SWARM_SERVE_PREFIX_CACHE_TOKENS is {self.serve_prefix_cache_tokens}; use 0 (no prefix "
+                              "cache) or more tokens, or unset it to use what the KV budget leaves free.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 
