@@ -40,7 +40,7 @@ async def run(model_dir, tmp, args, cache: bool) -> dict:
     env = {} if cache else {"SWARM_SERVE_PREFIX_CACHE_TOKENS": "0"}
     env["SWARM_SERVE_CONTEXT_TOKENS"] = "8192"
     async with running_swarm(tmp / ("cache" if cache else "none"), [model_dir], fellows=2, leader_env=env) as swarm:
-        await swarm.load(BUILTIN, 2)
+        await swarm.load(BUILTIN, 2, timeout=900)  # a busy machine loads slowly
         await one(swarm, [{"role": "user", "content": "Hi"}], 4)  # warm-up
         chat: list[dict] = []
         turns = []
@@ -48,6 +48,7 @@ async def run(model_dir, tmp, args, cache: bool) -> dict:
             chat.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)] + f" (turn {turn + 1})"})
             text, usage, timing = await one(swarm, chat, args.tokens)
             chat.append({"role": "assistant", "content": text})
+            print(f"{'cache' if cache else 'none'} turn {turn + 1}: {timing['ttft_ms']} ms", flush=True)
             turns.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], timing["ttft_ms"],
                           text))
         system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(args.prefix // 9))

@@ -121,9 +121,9 @@ def llama(tiny_model_dirs):
     return model_dir, load_reference_model(model_dir)
 
 
-def ring_of(model_dir, stages: int, max_batch: int = 16) -> LocalRing:
+def ring_of(model_dir, stages: int, max_batch: int = 16, chunk: int = B) -> LocalRing:
     specs = stage_specs(load_manifest(model_dir).num_layers, stages)
-    ring = LocalRing([StageModel.load_dir(model_dir, s) for s in specs], prefill_chunk=B)
+    ring = LocalRing([StageModel.load_dir(model_dir, s) for s in specs], prefill_chunk=chunk)
     for protocol in ring.protocols:
         protocol.max_batch = max_batch
     return ring
@@ -211,3 +211,28 @@ def test_a_new_epoch_clears_the_stages_and_a_stale_reuse_fails_clearly(llama):
     ring.run()
     assert reply.error is not None and "prefix cache" in reply.error
     assert ring.holding() == [[]] * 2
+
+
+def test_the_built_in_model_over_three_stages_drafting_on_a_chat_s_next_turn(smollm_model_dir):
+    """A real chat's second turn (the first turn's prompt and reply, then a question) hits the first turn's blocks;
+    drafting ahead on, the reply is the one without the cache."""
+    from swarm.leader.chat_format import encode_chat, load_tokenizer
+
+    steps = 8
+    first = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    cold = ring_of(smollm_model_dir, 3, chunk=256)
+    turn1 = encode_chat(smollm_model_dir, first, None)
+    [reply1] = run_turns(cold, None, [turn1], steps)
+    text = load_tokenizer(str(smollm_model_dir)).decode(reply1, skip_special_tokens=True)
+    turn2 = encode_chat(smollm_model_dir, [*first, {"role": "assistant", "content": text},
+                                           {"role": "user", "content": "And two more?"}], None)
+    [want2] = run_turns(cold, None, [turn2], steps, draft=3)
+    index = PrefixIndex()  # the leader's own block size
+    ring = ring_of(smollm_model_dir, 3, chunk=256)
+    assert run_turns(ring, index, [turn1], steps, draft=3) == [reply1]
+    plan = index.plan("peek", turn2, BIG)  # a request that ends before its first token: its blocks are orphans...
+    index.ended("peek")
+    assert plan is not None and plan.cached >= len(turn1) - index.block
+    assert run_turns(ring, index, [turn2], steps, draft=3) == [want2]
+    # ...which the next plan keeps again rather than evicts: every stage holds every block of both prompts
+    assert held(ring) == [set(block_names(turn2, index.block)) | set(block_names(turn1, index.block))] * 3

@@ -98,6 +98,9 @@ class PrefixIndex:
             del self.blocks[victim]
             evict.append(victim)
         new = new[: max(0, (limit - self.tokens) // self.block)]
+        kept = {name for _, name in new}
+        # a stage evicts after it keeps (swarm.stage.prefix_cache.after): a block kept again must not go with it
+        evict = [name for name in evict if name not in kept]
         for _, name in reversed(new):
             self.blocks[name] = _Block(False, {rid})
         for name in reused:
