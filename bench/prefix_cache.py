@@ -12,6 +12,10 @@ prefix cache (the default) and without it (SWARM_SERVE_PREFIX_CACHE_TOKENS=0). I
   as an agent sends them: the time to first token of calls 2.. against call 1.
 
 Replies are the same with and without the cache (checked here too).
+
+``--in-process``: the prefill alone, in one process (a LocalRing over 2 stages, no leader): each turn's time to first
+token (max_tokens 1) with and without the prefix cache, the assistant's turns a fixed sentence -- for a machine too
+busy for the whole swarm's figures to mean anything.
 """
 
 from __future__ import annotations
@@ -61,8 +65,41 @@ async def run(model_dir, tmp, args, cache: bool) -> dict:
         return {"turns": turns, "calls": calls}
 
 
+def in_process(model_dir, args) -> None:
+    import time
+
+    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.prefix_index import PrefixIndex
+    from swarm.stage import LocalRing, StageModel, stage_specs
+
+    def ring() -> LocalRing:
+        return LocalRing([StageModel.load_dir(model_dir, s) for s in stage_specs(30, 2)], prefill_chunk=256)
+
+    cold, hot, index = ring(), ring(), PrefixIndex()
+    chat: list[dict] = []
+    print("turn: prompt tokens, cached, TTFT with cache, TTFT without, ratio", flush=True)
+    for turn in range(args.turns):
+        chat.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)] + f" (turn {turn + 1})"})
+        prompt = encode_chat(model_dir, chat, None)
+        took = []
+        for name, r, plan in (("none", cold, None), ("cache", hot, index.plan(f"t{turn}", prompt, 1 << 30))):
+            began = time.perf_counter()
+            r.submit(f"{name}{turn}", prompt, 1, prefix=plan)
+            r.run()
+            took.append(time.perf_counter() - began)
+        cached = index.cached_tokens(f"t{turn}")
+        index.first_token(f"t{turn}")
+        index.ended(f"t{turn}")
+        print(f"turn {turn + 1:2d}: {len(prompt):5d} {cached:5d} {took[1] * 1000:8.0f} ms "
+              f"{took[0] * 1000:8.0f} ms {took[1] / took[0]:5.2f}x", flush=True)
+        chat.append({"role": "assistant", "content": "Here is a short and friendly answer to that question, " * 3})
+
+
 async def bench(model_dir, tmp, args) -> None:
     print(f"machine: {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")
+    if args.in_process:
+        in_process(model_dir, args)
+        return
     with_cache = await run(model_dir, tmp, args, cache=True)
     without = await run(model_dir, tmp, args, cache=False)
     print("\nchat turns: prompt tokens, cached, TTFT with cache, TTFT without, ratio")
@@ -87,5 +124,6 @@ if __name__ == "__main__":
         parser.add_argument("--turns", type=int, default=20)
         parser.add_argument("--prefix", type=int, default=2000, help="tokens of the calls' shared prefix (about)")
         parser.add_argument("--calls", type=int, default=10)
+        parser.add_argument("--in-process", action="store_true", help="the prefill alone, in one process")
 
     main(bench, __doc__, options)
