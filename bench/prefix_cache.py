@@ -93,6 +93,24 @@ def in_process(model_dir, args) -> None:
         print(f"turn {turn + 1:2d}: {len(prompt):5d} {cached:5d} {took[1] * 1000:8.0f} ms "
               f"{took[0] * 1000:8.0f} ms {took[1] / took[0]:5.2f}x", flush=True)
         chat.append({"role": "assistant", "content": "Here is a short and friendly answer to that question, " * 3})
+    system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(args.prefix // 9))
+    print("calls sharing a prefix, with the cache: prompt tokens, cached, TTFT", flush=True)
+    took = []
+    for call in range(args.calls):
+        prompt = encode_chat(model_dir, [{"role": "system", "content": system},
+                                         {"role": "user", "content": QUESTIONS[call % len(QUESTIONS)]}], None)
+        plan = index.plan(f"c{call}", prompt, 1 << 30)
+        cached = index.cached_tokens(f"c{call}")
+        began = time.perf_counter()
+        hot.submit(f"c{call}", prompt, 1, prefix=plan)
+        hot.run()
+        took.append(time.perf_counter() - began)
+        index.first_token(f"c{call}")
+        index.ended(f"c{call}")
+        print(f"call {call + 1:2d}: {len(prompt):5d} {cached:5d} {took[-1] * 1000:8.0f} ms", flush=True)
+    rest = sorted(took[1:])[len(took[1:]) // 2] if len(took) > 1 else took[0]
+    print(f"calls 2-{len(took)}: median {rest * 1000:.0f} ms against call 1's {took[0] * 1000:.0f} ms "
+          f"({rest / took[0]:.2f}x)", flush=True)
 
 
 async def bench(model_dir, tmp, args) -> None:
