@@ -29,6 +29,7 @@ from array import array
 from collections.abc import Sequence
 
 from swarm import messages
+from swarm.leader.drafting import sliding  # the same rule: such layers cannot give rows back
 
 # Tokens per block. Small enough that a chat's turn reuses nearly all of the turns before it (the built-in model's
 # chat template adds ~10 tokens a turn), big enough that an 8,000-token prefix is 250 blocks, not thousands of tiny
@@ -134,16 +135,6 @@ class PrefixIndex:
         return self.reused.get(rid, 0) * self.block
 
 
-def sliding(config: dict | None) -> bool:
-    """Whether a model's config has sliding-window layers (their caches cannot give a block's rows back)."""
-    if not config:
-        return False
-    types = config.get("layer_types")
-    if isinstance(types, list):
-        return "sliding_attention" in types
-    return config.get("sliding_window") is not None and config.get("use_sliding_window", True) is not False
-
-
 class PrefixCaches:
     """The index of every served model, and what the serving brain (swarm.leader.serving) tells it.
 
@@ -157,7 +148,7 @@ class PrefixCaches:
     def reset(self, model: str, config: dict | None = None) -> None:
         """The ring of ``model`` is whole again (loaded, failed over, reloaded): a new, empty index, whose epoch makes
         every stage forget the blocks it held."""
-        if self.share == 0 or sliding(config):
+        if self.share == 0 or sliding(config or {}):
             self.indexes.pop(model, None)
         else:
             self.indexes[model] = PrefixIndex()
