@@ -60,6 +60,9 @@ class Settings:
     # dtype), f32, f16, or q8 (8 bits with a scale per 32 values: about half of f16)
     serve_kv_cache: str = "auto"
     serve_typical_tokens: int = 1024  # SWARM_SERVE_TYPICAL_TOKENS
+    # SWARM_SERVE_PREFIX_CACHE_TOKENS: prompt tokens whose KV each stage keeps for later prompts that start the same
+    # way (0: no prefix cache); unset: what the model's KV budget leaves free beside its running requests
+    serve_prefix_cache_tokens: int | None = None
     max_tokens_limit: int = 4096  # SWARM_MAX_TOKENS_LIMIT: the most tokens one reply may ask for (max_tokens)
     rendezvous_port: int | None = None  # SWARM_RENDEZVOUS_PORT: UDP port telling fellows their public address
     direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
@@ -157,6 +160,9 @@ class Settings:
         if self.serve_kv_cache not in ("auto", "f32", "f16", "q8"):
             raise ConfigError(f"SWARM_SERVE_KV_CACHE is {self.serve_kv_cache!r}; use auto (the stages' compute "
                               "dtype), f32, f16 or q8.")
+        if self.serve_prefix_cache_tokens is not None and self.serve_prefix_cache_tokens < 0:
+            raise ConfigError(f"SWARM_SERVE_PREFIX_CACHE_TOKENS is {self.serve_prefix_cache_tokens}; use 0 (no prefix "
+                              "cache) or more tokens, or unset it to use what the KV budget leaves free.")
 
 
 def _parse(name: str, raw: str, annotation: object) -> object:

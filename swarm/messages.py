@@ -47,6 +47,25 @@ class Sampling:
 
 
 @record
+class PrefixPlan:
+    """The leader's word on the prefix cache for one request (swarm.leader.prefix_index decides, every stage obeys,
+    so all stages hold the same blocks). A block is ``block`` prompt tokens, named by a hash chained over every token
+    before it: the KV of block i is the same wherever a prompt starts with the same i + 1 blocks."""
+
+    epoch: int  # the leader's cache generation: a stage holding another one forgets its blocks first
+    block: int  # tokens per block
+    reuse: list[bytes] = dataclasses.field(default_factory=list)  # the prompt's first blocks, held: not computed
+    keep: list[bytes] = dataclasses.field(default_factory=list)  # blocks to keep once the prompt is computed...
+    keep_at: list[int] = dataclasses.field(default_factory=list)  # ...and where each is in the prompt (block index)
+    evict: list[bytes] = dataclasses.field(default_factory=list)  # blocks to forget (least recently used)
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens the stages take from the cache."""
+        return len(self.reuse) * self.block
+
+
+@record
 class RequestStart:
     """What every stage after the first learns with a request's first prompt chunk."""
 
@@ -60,6 +79,12 @@ class RequestStart:
     context: list[int] | None = None
     group: list[str] = dataclasses.field(default_factory=list)  # a group's carrier: its siblings' rids, as started
     draft: int = 0  # drafting ahead: the last stage may propose up to this many tokens per pass (0: off)
+    prefix: PrefixPlan | None = None  # the prefix cache's plan for this request (None: it neither reuses nor keeps)
+
+    @property
+    def cached(self) -> int:
+        """Where the request's computed prompt starts: the tokens its first blocks take from the prefix cache."""
+        return self.prefix.cached if self.prefix is not None else 0
 
 
 @record
@@ -84,6 +109,7 @@ class Generate:
     # ``sampling`` with the sibling's seed). Tokens, failures and cancels are the siblings', never ``rid``'s.
     siblings: list[Sibling] = dataclasses.field(default_factory=list)
     draft: int = 0  # drafting ahead (swarm.stage.drafting): tokens the last stage may propose per pass; 0: off
+    prefix: PrefixPlan | None = None  # the prefix cache (swarm.leader.prefix_index); never with siblings
 
     @property
     def rids(self) -> list[str]:

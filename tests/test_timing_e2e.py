@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 COUNT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
 FIELDS = {"queue_ms", "ttft_ms", "prompt_ms", "tokens", "tokens_per_s", "ms_per_token", "stages", "links",
           "link_ms_per_token", "bytes_per_token", "split", "spec_passes", "spec_tokens", "spec_drafted",
-          "spec_accepted"}
+          "spec_accepted", "cached_tokens"}
 
 
 def check_split(timing: dict, fellows: list[str], transport: str | None) -> None:

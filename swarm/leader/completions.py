@@ -210,7 +210,9 @@ def usage(choices: list[Completion], n: int) -> dict:
     """Each prompt once (its n choices share it), and every choice's reply."""
     prompt = sum(len(c.request.prompt) for c in choices[::n])
     reply = sum(min(c.text.used, len(c.request.tokens)) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": reply, "total_tokens": prompt + reply}
+    cached = sum(c.request.cached_tokens for c in choices[::n])  # the prefix cache's hits (OpenAI's shape)
+    return {"prompt_tokens": prompt, "completion_tokens": reply, "total_tokens": prompt + reply,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _empty() -> dict:

@@ -496,4 +496,7 @@ def _usage(choices: list[Choice]) -> dict:
     """Token counts: the prompt once, and every choice's reply up to the token that completed a stop string."""
     prompt = len(choices[0].request.prompt)
     reply = sum(min(c.text.used, len(c.request.tokens)) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": reply, "total_tokens": prompt + reply}
+    # OpenAI's shape for prompt caching: the prompt tokens the prefix cache held (swarm.leader.prefix_index)
+    cached = choices[0].request.cached_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": reply, "total_tokens": prompt + reply,
+            "prompt_tokens_details": {"cached_tokens": cached}}

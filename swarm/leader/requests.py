@@ -80,6 +80,7 @@ class Request:
     first_tokens: int = 0  # tokens that came with the first one (the steady rate is counted after them)
     last_token_at: float | None = None
     stage_times: dict[int, messages.StageTimes] = dataclasses.field(default_factory=dict)  # swarm.leader.timing
+    cached_tokens: int = 0  # prompt tokens the first attempt took from the prefix cache (swarm.leader.prefix_index)
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
     # Sampled choices of one prompt, started as one group (one prefill on the ring): the same list in each of them.
     group: list[Request] | None = None

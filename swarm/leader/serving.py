@@ -37,6 +37,7 @@ from swarm.leader.models import (
 )
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import place
+from swarm.leader.prefix_index import PrefixCaches
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
@@ -74,6 +75,7 @@ class Serving:
         self.recovery = Recovery(self)
         self.auto_load = AutoLoad(self)  # loads what a request asks for, making room where allowed
         self.link_matrix = LinkMatrix(self)  # measured links between each pool's fellows (the admin page's matrix)
+        self.prefix = PrefixCaches(settings.serve_prefix_cache_tokens)  # the prefix cache's index, per model
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -262,6 +264,7 @@ class Serving:
                 conn.post({"t": "unload", "model": name})
         self.recovery.close_ring(serving)
         self.book.end_model(name, reason or f"model {name} was unloaded")
+        self.prefix.forget(name)  # the stages drop their blocks with the model
         if not keep_state:
             del self.models[name]
         await trio.to_thread.run_sync(self.store.delete_serving, name)
@@ -454,13 +457,31 @@ class Serving:
                 serving = self.models.get(action.model)
                 conn = self.online.get(serving.stages[0].plan.fellow_id) if serving else None
                 if conn is not None:
-                    conn.post(with_drafting(action.message, serving, self.online))
+                    conn.post(with_drafting(self._with_prefix(action.message), serving, self.online))
                 elif isinstance(action.message, messages.Generate):
                     for rid in action.message.rids:  # a group start: each of its choices
                         self._perform(self.book.on_failed(messages.Failed(
                             action.model, rid, f"stage 0 of {action.model} is offline")))
             elif isinstance(action, NotLoaded):
                 self._start(self._reload, action.model, action.text)
+
+    def _with_prefix(self, message: Any) -> Any:
+        """A Generate with the prefix cache's plan (swarm.leader.prefix_index), within what the model's KV budget
+        leaves free beside its running requests; a Cancel frees the blocks its request used."""
+        if isinstance(message, messages.Cancel):
+            self.prefix.ended(message.model, message.rid)
+            return message
+        if not isinstance(message, messages.Generate):
+            return message
+        budget = self.book.budgets.get(message.model)
+        if budget is None:
+            return message
+        room = budget.tokens - sum(r.need for r in self.book.of_model(message.model))
+        message = self.prefix.attach(message, room)
+        request = self.book.by_rid.get(message.rid)
+        if request is not None and request.attempts == 1:  # what the reply's usage reports
+            request.cached_tokens = message.prefix.cached if message.prefix is not None else 0
+        return message
 
     async def _reload(self, name: str, why: str) -> None:
         """A fellow said it does not hold the model: unload what is left and load it again; the requests that were
@@ -487,6 +508,7 @@ class Serving:
         """The ring of ``name`` is whole: send the requests that waited for it, as its budget allows."""
         serving = self.models.get(name)
         if serving is not None:
+            self.prefix.reset(name, serving.config)  # a new ring, or the same one after a failover: a cache anew
             self._perform(self.book.resume(name, serving.budget(self.settings)))
 
     # --- messages from fellows ------------------------------------------------------------------------------------
@@ -495,10 +517,12 @@ class Serving:
         """Everything a fellow's control link brings. Never waits on a client or another fellow."""
         if isinstance(message, messages.Tokens):
             if self._serves(conn, message.model):
+                self.prefix.on_tokens(message)  # first: the requests this ending starts may reuse its blocks
                 self._perform(self.book.on_tokens(message))
         elif isinstance(message, messages.Failed):
             if self._serves(conn, message.model):
                 log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)
+                self.prefix.failed(message.model, message.rid)
                 self._perform(self.book.on_failed(message))
         elif isinstance(message, messages.StageTimes):
             if self._serves(conn, message.model):

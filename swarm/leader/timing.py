@@ -6,6 +6,7 @@ The shape is stable (the serving history stores it as it is)::
     queue_ms          waiting for room on the ring (Request.queue_s)
     ttft_ms           from the request's arrival to its first token (queue included)
     prompt_ms         from going out on the ring to the first token: every prompt chunk through every stage and back
+    cached_tokens     prompt tokens the stages took from the prefix cache rather than computing them
     tokens            tokens of the reply
     tokens_per_s      the steady rate, after the first token (None with fewer than two token batches)
     ms_per_token      1000 / tokens_per_s: the measured time per token the split below divides up
@@ -68,6 +69,7 @@ def reply_timing(request: Request, fellows: Sequence[str] = (), hops: Sequence[d
         "queue_ms": _ms(request.queue_s),
         "ttft_ms": _ms(first - request.created_at) if first is not None else None,
         "prompt_ms": _ms(first - started) if first is not None and started is not None else None,
+        "cached_tokens": request.cached_tokens,
         "tokens": tokens,
         "tokens_per_s": round(tokens_per_s, 2) if tokens_per_s else None,
         "ms_per_token": round(1000 / tokens_per_s, 2) if tokens_per_s else None,

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from swarm import messages, wire
-from swarm.stage import verify
+from swarm.stage import prefix_cache, verify
 from swarm.stage.grammar import constraint
 from swarm.stage.protocol import Output, Work
 from swarm.stage.ragged import forward_batch, forward_one
@@ -29,6 +29,7 @@ def run_batch(stage: StageModel, batch: list[Work], threads: int | None = None) 
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # in this worker thread: OpenMP keeps the count per calling thread
     output = _run(stage, batch)
+    prefix_cache.after(stage, batch)  # the prompts' blocks the leader wants kept, and those it evicts
     if stage.drafter is not None and stage.spec.is_last:  # a draft model beside the last stage guesses ahead
         output = stage.drafter.guesses(stage, batch, output)
     return output
@@ -46,7 +47,8 @@ def _run(stage: StageModel, batch: list[Work]) -> Output:
     tokens: list[int | None] = []
     for work in batch:
         if work.start:
-            stage.new_request(work.rid)  # a first chunk starts a fresh cache (a replayed request starts over)
+            # a first chunk starts a fresh cache (a replayed request starts over), or one of the prompt's cached blocks
+            prefix_cache.begin(stage, work)
         if work.ids is not None:
             out = stage.forward(work.rid, work.pos, input_ids=torch.tensor([work.ids], dtype=torch.long),
                                 want_logits=work.last, alone=not work.prefill)
@@ -141,7 +143,7 @@ def _with_prompt_logprobs(stage: StageModel, batch: list[Work]) -> Output:
             entries = None
         else:
             if work.start:
-                stage.new_request(work.rid)
+                prefix_cache.begin(stage, work)
             logits = forward_one(stage, work, all_logits=True)
             fan_out(stage, work)
             logits = logits.cpu()
@@ -187,7 +189,7 @@ def _run_together(stage: StageModel, batch: list[Work]) -> Output:
     items = []
     for work in batch:
         if work.start:
-            stage.new_request(work.rid)
+            prefix_cache.begin(stage, work)
         if work.ids is not None:
             x = torch.tensor([work.ids], dtype=torch.long)
         else:

@@ -73,6 +73,19 @@ class PackedLayer(DynamicLayer):
         self.length = 0
         super().reset()
 
+    def rows(self, start: int, end: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Copies of rows [start, end) of the packed keys and values, as they are packed (the prefix cache)."""
+        return (tuple(p[..., start:end, :].clone() for p in self.packed_keys),
+                tuple(p[..., start:end, :].clone() for p in self.packed_values))
+
+    def extend(self, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+        """Append packed rows (:meth:`rows` of a layer of the same kind), unpacked to ``dtype`` when attended."""
+        if not self.is_initialized:
+            self.device, self.dtype, self.is_initialized = keys[0].device, dtype, True
+        self.packed_keys = _append(self.packed_keys, keys)
+        self.packed_values = _append(self.packed_values, values)
+        self.length += keys[0].shape[-2]
+
     def held_bytes(self) -> int:
         """What this layer's packed keys and values take in memory."""
         return sum(p.numel() * p.element_size() for p in (*self.packed_keys, *self.packed_values))

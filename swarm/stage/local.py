@@ -63,12 +63,12 @@ class LocalRing:
 
     def submit(self, rid: str, prompt: Sequence[int], max_tokens: int,
                sampling: messages.Sampling = messages.Sampling(), eos: Iterable[int] = (),
-               draft: int = 0) -> LocalReply:
+               draft: int = 0, prefix: messages.PrefixPlan | None = None) -> LocalReply:
         """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass
-        (swarm.stage.drafting)."""
+        (swarm.stage.drafting); ``prefix``: the prefix cache's plan for it (swarm.leader.prefix_index)."""
         self.replies[rid] = LocalReply()
         self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling,
-                                                 draft=draft))
+                                                 draft=draft, prefix=prefix))
         return self.replies[rid]
 
     def submit_group(self, carrier: str, siblings: Sequence[tuple[str, int | None]], prompt: Sequence[int],

@@ -159,7 +159,8 @@ class Work:
 
     @property
     def start(self) -> bool:
-        return self.pos == 0
+        """The request's first computed chunk: at 0, or where its cached prompt blocks end (stage.prefix_cache)."""
+        return self.pos == self.request.start.cached
 
     @property
     def prefill(self) -> bool:
@@ -238,8 +239,12 @@ class StageProtocol:
         # penalties, prompt logprobs, drafting ahead (the lookup searches the prompt)
         context = list(message.prompt) if message.sampling.needs_context or message.draft > 0 else None
         start = messages.RequestStart(len(message.prompt), message.max_tokens, message.eos, message.sampling,
-                                      message.drawn, context, [s.rid for s in message.siblings], message.draft)
-        request = StageRequest(message.rid, list(message.prompt), start)
+                                      message.drawn, context, [s.rid for s in message.siblings], message.draft,
+                                      None if message.siblings else message.prefix)
+        if not 0 <= start.cached < len(message.prompt):
+            return self._fail_new(rids, f"the prefix cache's plan covers {start.cached} of {len(message.prompt)} "
+                                        "prompt tokens: at least the last one must be computed")
+        request = StageRequest(message.rid, list(message.prompt), start, next_chunk=start.cached)
         self.requests[request.rid] = request
         for sibling in message.siblings:
             member = request.sibling(sibling)
@@ -275,7 +280,7 @@ class StageProtocol:
         row = 0
         for part in message.parts:
             request = self.requests.get(part.rid)
-            if request is None and part.start is not None and part.pos == 0:
+            if request is None and part.start is not None and part.pos == part.start.cached:
                 request = self.requests[part.rid] = StageRequest(part.rid, None, part.start)
             if request is not None and part.siblings:  # a group's last chunk: its siblings start here
                 for sibling in part.siblings:

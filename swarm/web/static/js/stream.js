@@ -84,6 +84,8 @@ export function speedLine(stats, timing) {
   if (stats.tps !== null && stats.tps !== undefined) parts.push(`${stats.tps.toFixed(1)} tokens/s`);
   parts.push(`${stats.tokens} token${stats.tokens === 1 ? "" : "s"}`);
   if (stats.ttft_ms !== null && stats.ttft_ms !== undefined) parts.push(`${(stats.ttft_ms / 1000).toFixed(2)} s to first token`);
+  // the prefix cache's hit: prompt tokens the stages did not compute again
+  if (timing?.cached_tokens) parts.push(`${timing.cached_tokens} prompt tokens cached`);
   return parts.concat(splitParts(timing)).join(" · ");
 }
 
