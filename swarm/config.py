@@ -59,6 +59,9 @@ class Settings:
     request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
     serve_failover_wait_s: float = 300.0  # SWARM_SERVE_FAILOVER_WAIT_S: how long a lost stage may take to re-place
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
+    # SWARM_SERVE_VERIFY: the chance that a pass of a stage is recomputed by another fellow holding the same layers and
+    # compared (0: off; 0.02 checks one pass in 50); also an admin switch. Standbys hold the checkers (hot covers).
+    serve_verify: float = 0.0
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
     # SWARM_SERVE_REQUEST_REPLIES: replies one API request may ask for (prompts x n); more are refused (400
@@ -135,6 +138,9 @@ class Settings:
         if self.calibrate_cpu_s <= 0:
             raise ConfigError(f"SWARM_CALIBRATE_CPU_S is {self.calibrate_cpu_s:g}; use more than 0 seconds (15 is the "
                               "default), or SWARM_CALIBRATE=0 to skip the calibration.")
+        if not 0 <= self.serve_verify <= 1:
+            raise ConfigError(f"SWARM_SERVE_VERIFY is {self.serve_verify:g}; use a fraction of the passes from 0 "
+                              "(off) to 1 (every pass), such as 0.02.")
         if self.serve_context_tokens < 16:
             raise ConfigError("SWARM_SERVE_CONTEXT_TOKENS must be at least 16 tokens.")
 

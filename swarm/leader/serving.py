@@ -38,6 +38,7 @@ from swarm.leader.placement import FellowCapacity, place
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
+from swarm.leader.verify import Verifier
 
 if TYPE_CHECKING:
     from swarm.leader.direct_links import DirectLinkCoordinator
@@ -66,6 +67,7 @@ class Serving:
         self.quantization_of: dict[str, str] = {}  # the kind each model was last asked to load at
         self.own_contexts: dict[str, int | None] = {}  # model -> its own context, read from its config when asked
         self.recovery = Recovery(self)
+        self.verifier = Verifier(self)  # spot checks of the fellows' work (SWARM_SERVE_VERIFY)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -416,7 +418,10 @@ class Serving:
                 serving = self.models.get(action.model)
                 conn = self.online.get(serving.stages[0].plan.fellow_id) if serving else None
                 if conn is not None:
-                    conn.post(with_drafting(action.message, serving, self.online))
+                    message = with_drafting(action.message, serving, self.online)
+                    if isinstance(message, messages.Generate) and serving is not None:
+                        self.verifier.on_generate(serving, message)  # before it: the picks reach stage 0 first
+                    conn.post(message)
                 elif isinstance(action.message, messages.Generate):
                     for rid in action.message.rids:  # a group start: each of its choices
                         self._perform(self.book.on_failed(messages.Failed(
@@ -484,6 +489,8 @@ class Serving:
             self.placements[conn.id] = placement if isinstance(placement, dict) else {}
         elif message["t"] in ("load_progress", "loaded", "load_failed", "linked", "link_failed"):
             self.recovery.on_stage_event(conn, message)
+        elif message["t"] in ("verify_sample", "verify_result"):
+            self.verifier.on_message(conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
