@@ -16,7 +16,6 @@ from swarm.errors import AuthError, LinkClosed, ProtocolError
 from swarm.fellow import calibration, calibration_process, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
-from swarm.fellow.verify import run_check
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
 from swarm.tunnel.channel import NoiseChannel
 from swarm.tunnel.keys import fingerprint
@@ -246,7 +245,7 @@ class ControlLink:
             if stage is not None:
                 stage.driver.audits.pick(message["rid"], message["picks"])
         elif kind == "verify_run":
-            fellow.nursery.start_soon(run_check, fellow, message)
+            fellow.checker.submit(message)
         elif kind == "punch_ping":
             await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":

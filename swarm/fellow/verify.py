@@ -13,8 +13,12 @@ cover, or the same stage of another ring) on a throwaway cache, in the compute t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import math
+
+import trio
 
 from swarm import wire
 from swarm.errors import SwarmError
@@ -22,6 +26,7 @@ from swarm.fellow import compute
 
 log = logging.getLogger(__name__)
 
+MAX_REPLAYS = 16  # checked requests a checker keeps a replayed cache of at once; an older one's next check fails
 MAX_PICKED = 1024  # requests one stage keeps inputs for at once; older picks are dropped (a leader's bug or flood)
 
 
@@ -30,6 +35,7 @@ class _Record:
     checks: dict[int, str]  # picked position -> the leader's check id
     passes: list[list[int]] = dataclasses.field(default_factory=list)
     inputs: list = dataclasses.field(default_factory=list)  # token id lists (stage 0) or (1, n, hidden) tensors
+    sent: int = 0  # passes whose inputs went with an earlier sample (the checker replays the request as it goes)
 
 
 class StageAudits:
@@ -108,10 +114,13 @@ class StageAudits:
                 assert hidden is not None  # a stage before the last passes its hidden states on
                 claimed = {"hidden": wire.tensor_to_wire(hidden[:, start : start + work.n])}
             inputs = _inputs(record)
-            for pos in due:
-                samples.append({"t": "verify_sample", "model": self.model, "check": record.checks.pop(pos),
-                                "passes": [list(p) for p in record.passes], "inputs": inputs,
-                                "prompt_len": work.request.start.prompt_len, "output": claimed})
+            ids = [record.checks.pop(pos) for pos in due]  # several only where passes are not where the leader
+            # thought (the others are forgotten there)
+            samples.append({"t": "verify_sample", "model": self.model, "check": ids[0],
+                            "rid": work.rid, "passes": [list(p) for p in record.passes[record.sent:]],
+                            "inputs": inputs, "prompt_len": work.request.start.prompt_len, "output": claimed,
+                            "final": not record.checks})
+            record.sent, record.inputs = len(record.passes), []
             if not record.checks:
                 self.forget(work.rid)
         return samples
@@ -125,23 +134,53 @@ def _inputs(record: _Record):
     return wire.tensor_to_wire(torch.cat(record.inputs, dim=1))
 
 
-async def run_check(fellow, message: dict) -> None:
-    """Recompute a sample (``verify_run``) on this fellow's copy of the stage and answer the leader."""
-    from swarm.stage.recompute import recompute  # torch: imported once a check comes
+class Checker:
+    """This fellow as a checker: the leader's ``verify_run`` messages, recomputed one at a time in the order they
+    came (a request's samples build on each other: each carries only the inputs since the last), keeping a replayed
+    copy of each checked request's cache until its last sample (at most MAX_REPLAYS at once)."""
 
-    check = message["check"]
-    stage = fellow.stages.get(message["model"])
-    answer: dict = {"t": "verify_result", "check": check}
-    if stage is None or (stage.first_layer, stage.end_layer) != (message["first_layer"], message["end_layer"]):
-        answer["error"] = f"{fellow.name} does not hold layers {message['first_layer']}-{message['end_layer']}"
-    else:
-        claimed = message.get("output", {}).get("token")
+    def __init__(self, fellow):
+        self.fellow = fellow
+        self._send: trio.MemorySendChannel[dict] | None = None
+        self.replays: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+
+    def submit(self, message: dict) -> None:
+        if self._send is None:
+            self._send, receive = trio.open_memory_channel[dict](math.inf)
+            self.fellow.nursery.start_soon(self._work, receive)
+        self._send.send_nowait(message)
+
+    async def _work(self, receive: trio.MemoryReceiveChannel[dict]) -> None:
+        async for message in receive:
+            answer = await self._check(message)
+            try:
+                await self.fellow.send_to_leader(answer)
+            except SwarmError as exc:
+                log.warning("could not send a check's result to the leader: %s", exc)
+
+    async def _check(self, message: dict) -> dict:
+        from swarm.stage.recompute import recompute  # torch: imported once a check comes
+
+        answer: dict = {"t": "verify_result", "check": message["check"]}
+        stage = self.fellow.stages.get(message["model"])
+        if stage is None or (stage.first_layer, stage.end_layer) != (message["first_layer"], message["end_layer"]):
+            answer["error"] = f"{self.fellow.name} does not hold layers {message['first_layer']}-{message['end_layer']}"
+            return answer
+        stage_model = stage.driver.stage_model
+        key = (message["model"], str(message["rid"]))
+        keep = not message.get("final")
+        self.replays.pop(key, None)
+        if keep:
+            self.replays[key] = None
+            while len(self.replays) > MAX_REPLAYS:
+                model, rid = self.replays.popitem(last=False)[0]
+                if model in self.fellow.stages:
+                    self.fellow.stages[model].driver.stage_model.drop("verify-" + rid)
+        claimed = (message.get("output") or {}).get("token")
         try:
-            answer["output"] = await compute.run(recompute, stage.driver.stage_model, "verify-" + str(check),
-                                                 message["passes"], message["inputs"], message["prompt_len"], claimed)
+            answer["output"] = await compute.run(recompute, stage_model, "verify-" + key[1], message["passes"],
+                                                 message["inputs"], message["prompt_len"], claimed, keep)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run says why; the fellow goes on serving
+            self.replays.pop(key, None)
             answer["error"] = f"{type(exc).__name__}: {exc}"
-    try:
-        await fellow.send_to_leader(answer)
-    except SwarmError as exc:
-        log.warning("could not send a check's result to the leader: %s", exc)
+        return answer

@@ -203,8 +203,9 @@ class Verifier:
         check.claimed = output if isinstance(output, dict) else {}
         plan = model.stages[check.index].plan
         checker.post({"t": "verify_run", "model": check.model, "check": sample["check"],
-                      "first_layer": plan.first_layer, "end_layer": plan.end_layer, "passes": sample["passes"],
-                      "inputs": sample["inputs"], "prompt_len": sample["prompt_len"], "output": check.claimed})
+                      "first_layer": plan.first_layer, "end_layer": plan.end_layer, "rid": check.rid,
+                      "passes": sample["passes"], "inputs": sample["inputs"], "prompt_len": sample["prompt_len"],
+                      "output": check.claimed, "final": bool(sample.get("final"))})
 
     def _judge(self, check: Check, result: dict) -> None:
         if result.get("error") or not isinstance(result.get("output"), dict):
