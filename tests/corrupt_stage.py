@@ -1,6 +1,7 @@
 """A test double of a broken fellow: its stage's hidden states come out slightly wrong (a failing GPU, a bad driver),
-looking like any others -- or, on the last stage, the token it draws is off by one. Only tests use it: it wraps the fellow's compute calls (swarm.fellow.compute.run) for one
-stage model in this process, so an in-process fellow of tests/harness.py turns dishonest while the rest stay honest."""
+looking like any others -- or, on the last stage, the token it draws is off by one. Only tests use it: it wraps the
+fellow's compute calls (swarm.fellow.compute.run) for one stage model in this process, so an in-process fellow of
+tests/harness.py turns dishonest while the rest stay honest."""
 
 from __future__ import annotations
 
