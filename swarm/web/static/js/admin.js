@@ -1,9 +1,10 @@
 // The admin page: users, pools, fellows (hardware, state, standby), join tokens, usage and quotas (admin_usage.js),
-// the Direct links and Hot cover switches.
+// the Direct links and Hot cover switches, and spot checks (admin_verify.js).
 import { api, get, post, del, setCsrf } from "./api.js";
 import { h, formatWhen } from "./dom.js";
 import { confirmAction, showOnce, showError } from "./ui.js";
 import { initUsage, loadUsage } from "./admin_usage.js";
+import { initVerification, loadVerification } from "./admin_verify.js";
 
 const $ = (id) => document.getElementById(id);
 let me;
@@ -212,10 +213,11 @@ async function main() {
     try { await api("PUT", "/api/v1/settings/hot-cover", { enabled: e.target.checked }); } catch (err) { showError(err.message); }
     loadHotCover();
   });
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), initUsage()]);
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), initUsage(), initVerification()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
+  setInterval(() => loadVerification().catch(() => {}), 15_000);
   setInterval(() => loadUsage().catch(() => {}), 60_000);
 }
 
