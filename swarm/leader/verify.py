@@ -131,6 +131,11 @@ class Verifier:
         self.largest_honest = 0.0  # the largest difference a passed check showed: the tolerance's margin
 
     @property
+    def outstanding(self) -> int:
+        """Checks whose sample came and whose recomputation has not (a pick past a reply's end never samples)."""
+        return sum(1 for check in self.pending.values() if check.claimed is not None)
+
+    @property
     def fraction(self) -> float:
         return self.serving.settings.serve_verify or self.stored_fraction
 
