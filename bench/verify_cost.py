@@ -45,7 +45,7 @@ async def run(model_dir: Path, work: Path, tokens: int, chats: int) -> dict[floa
         await swarm.http.put("/api/v1/verification", json={"fraction": 0.02})  # the checker loads its copy
         await swarm.load(name, 2, timeout=600)
         model = swarm.leader.serving.models[name]
-        await wait_until(lambda: any(s.cover_ready for s in model.stages), 600)
+        await wait_until(lambda: any(s.cover_ready for s in model.stages), 180)
         verifier = swarm.leader.serving.verifier
         await swarm.chat(name, PROMPT, max_tokens=8)  # warm up
         for fraction in FRACTIONS:
