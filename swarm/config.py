@@ -75,6 +75,9 @@ class Settings:
     # SWARM_SERVE_EVICT_IDLE: when the pool has no room for such a load, the least recently used model that no request
     # uses is unloaded first (also an admin switch, which overrides this once used)
     serve_evict_idle: bool = False
+    # SWARM_SERVE_VERIFY: the chance that a pass of a stage is recomputed by another fellow holding the same layers and
+    # compared (0: off; 0.02 checks one pass in 50); also an admin switch. Standbys hold the checkers (hot covers).
+    serve_verify: float = 0.0
     serve_queue_timeout_s: float = 900.0  # SWARM_SERVE_QUEUE_TIMEOUT_S: a request waits this long to start (503)
     serve_queue_limit: int = 256  # SWARM_SERVE_QUEUE_LIMIT: requests waiting per model; more are refused (429)
     # SWARM_SERVE_REQUEST_REPLIES: replies one API request may ask for (prompts x n); more are refused (400
@@ -163,6 +166,9 @@ class Settings:
         if self.serve_prefix_cache_tokens is not None and self.serve_prefix_cache_tokens < 0:
             raise ConfigError(f"SWARM_SERVE_PREFIX_CACHE_TOKENS is {self.serve_prefix_cache_tokens}; use 0 (no prefix "
                               "cache) or more tokens, or unset it to use what the KV budget leaves free.")
+        if not 0 <= self.serve_verify <= 1:
+            raise ConfigError(f"SWARM_SERVE_VERIFY is {self.serve_verify:g}; use a fraction of the passes from 0 "
+                              "(off) to 1 (every pass), such as 0.02.")
 
 
 def _parse(name: str, raw: str, annotation: object) -> object:

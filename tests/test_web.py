@@ -372,6 +372,13 @@ def test_admin_page(bg, browser):
     switch.check()
     expect(page.locator("#direct-links-state")).to_have_text("Direct links are on")
     assert api(bg, "GET", "/api/v1/settings/direct-links").json() == {"enabled": True}
+    page.fill("#verify-fraction", "0.05")  # spot checks: the share of passes recomputed by a standby
+    page.locator("#verify-fraction").dispatch_event("change")
+    expect(page.locator("#verify-state")).to_contain_text("passes checked")
+    try:
+        assert api(bg, "GET", "/api/v1/verification").json()["fraction"] == 0.05
+    finally:
+        api(bg, "PUT", "/api/v1/verification", json={"fraction": 0})
     page.click("#new-join-token")
     expect(page.locator("dialog .token-once")).to_contain_text(f"curl -fsSL \"{bg.swarm.url}/install.sh?token=swj1.")
     shot(page, "admin")

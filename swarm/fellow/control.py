@@ -246,6 +246,12 @@ class ControlLink:
             await self.send({"t": "unloaded", "model": message["model"]})
         elif kind == "update":
             fellow.nursery.start_soon(fellow.updater.run, message)
+        elif kind == "verify_pick":  # the leader's spot check of a pass of this stage (swarm.fellow.verify)
+            stage = fellow.stages.get(message["model"])
+            if stage is not None:
+                stage.driver.audits.pick(message["rid"], message["picks"])
+        elif kind == "verify_run":
+            fellow.checker.submit(message)
         elif kind == "punch_ping":
             await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":

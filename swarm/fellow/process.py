@@ -31,6 +31,7 @@ from swarm.fellow.link_probe import LinkProbes
 from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
 from swarm.fellow.update import FellowUpdater, restart_command
+from swarm.fellow.verify import Checker
 from swarm.tunnel.join_token import join_token_cert_pin, parse_join_token
 from swarm.tunnel.keys import decode_key, encode_key, fingerprint, load_or_create_identity
 from swarm.tunnel.tls import decode_pin, encode_pin, pinned_context, register
@@ -76,6 +77,7 @@ class Fellow:
         self.fellow_id: int | None = None
         self.credential: str | None = None
         self.stages: dict[str, LoadedStage] = {}  # model name -> the stage of it this fellow serves
+        self.checker = Checker(self)  # recomputes other fellows' passes for the leader's spot checks
         self.connected = trio.Event()
         self.nursery: trio.Nursery | None = None
         self.machine = MachineShare()

@@ -22,6 +22,7 @@ import trio
 from swarm import messages, wire
 from swarm.errors import ProtocolError, SwarmError
 from swarm.fellow import compute
+from swarm.fellow.verify import StageAudits
 from swarm.mesh.hop import OutgoingHop
 from swarm.stage.protocol import PromptLogprobs, Release, Report, Send, StageProtocol, Stream
 from swarm.stage.timing import StageTimer
@@ -55,6 +56,7 @@ class StageDriver:
         self._times: list[messages.StageTimes] = []  # requests' times here, posted after the tokens
         self._stream_ready = trio.Event()
         self.last_used = trio.current_time()
+        self.audits = StageAudits(model)  # the leader's spot checks of this stage (swarm.fellow.verify)
 
     @property
     def index(self) -> int | None:
@@ -79,6 +81,7 @@ class StageDriver:
             for rid in list(self.protocol.requests):
                 self.stage_model.drop(rid)
         self.protocol = self.out_hop = self.ring_id = self.timer = None
+        self.audits.clear()
         self._streamed.clear()
         for scope in self._acting:
             scope.cancel()
@@ -113,6 +116,8 @@ class StageDriver:
                     continue
                 assert protocol is not None and self.timer is not None  # a batch came from the ring's protocol
                 timer = self.timer
+                samples: list[dict] = []
+                self.audits.before(batch)
                 try:
                     threads = self.threads(len(protocol.requests))
                     began = time.perf_counter()
@@ -126,12 +131,21 @@ class StageDriver:
                     actions = protocol.compute_failed(batch, text)
                 else:
                     actions = protocol.computed(batch, output)
+                    samples = self.audits.after(batch, output, protocol.is_last)
                 if self.protocol is not protocol:  # relinked while computing: that work belongs to no ring now
                     for work in batch:
                         for rid in [work.rid, *(m.rid for m in work.request.members)]:  # a group's copies too
                             self.stage_model.drop(rid)
                     continue
                 await self._perform(protocol, actions)
+                for sample in samples:  # after the pass's output is on its way: off the reply's path
+                    nursery.start_soon(self._send_sample, sample)
+
+    async def _send_sample(self, sample: dict) -> None:
+        try:
+            await self._send_to_leader(sample)
+        except SwarmError as exc:
+            log.warning("could not send a checked pass to the leader: %s", exc)
 
     async def _receive(self, ring_id: str | None, message: Any) -> None:
         protocol = self.protocol
@@ -173,6 +187,7 @@ class StageDriver:
                 self._batch(action.rid).prompt_logprobs.extend(action.entries)
             elif isinstance(action, Release):
                 self.stage_model.drop(action.rid)
+                self.audits.forget(action.rid)
                 times = self.timer.finish(action.rid) if self.timer is not None else None
                 if times is not None:
                     self._times.append(times)

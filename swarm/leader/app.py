@@ -44,6 +44,7 @@ from swarm.leader.serving import Serving
 from swarm.leader.signin import HashPool, SignInThrottle
 from swarm.leader.updates import SelfWheel, UpdateRoutes
 from swarm.leader.usage_api import usage_routes
+from swarm.leader.verify_api import verify_routes
 from swarm.leader.ws_message_limit import close_on_oversize
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.store.db import Store, leader_store
@@ -87,6 +88,7 @@ class Leader:
         self.serving = Serving(self.store, settings, self.models_root, self.relay)
         # each record keeps its reply's swarm.timing, the fellows' split included, once their times came in
         self.metrics = Metrics(self)
+        self.serving.verifier.metrics = self.metrics
         self.history = ServingHistory(self.store, settings.serving_history_days,
                                       timing=lambda request: timing.of_request(self.serving, request),
                                       on_settled=self.metrics.observe)
@@ -235,6 +237,7 @@ class Leader:
             Route("/api/v1/fellows/{fellow_id:int}", api.fellow_remove, methods=["DELETE"]),
             *admin_routes(self, WEB_DIR),
             *usage_routes(self),
+            *verify_routes(self),
             WebSocketRoute("/fellow/link", fellow_link),
             WebSocketRoute("/relay/{hop_id}", relay),
             Mount("/static", StaticFiles(directory=WEB_DIR / "static", check_dir=False), name="static"),
@@ -258,6 +261,7 @@ class Leader:
             self.serving.nursery = nursery
             nursery.start_soon(self.serving.link_matrix.run)  # measures the links between fellows now and then
             await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
+            await trio.to_thread.run_sync(self.serving.verifier.load)  # the admin's spot-check fraction
             await trio.to_thread.run_sync(self.quotas.load)  # the quotas, and the last day's usage they count
             await nursery.start(self.history.run)  # writes finished requests off the request path, prunes old ones
 

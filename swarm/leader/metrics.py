@@ -64,6 +64,11 @@ class Metrics:
         self.link = Histogram("swarm_link_seconds_per_token", "A hop's share of the ring's link time per reply "
                               "token, per request.", ["model", "hop", "transport"], buckets=PER_TOKEN_BUCKETS,
                               registry=r)
+        self.verify_checks = Counter("swarm_verification_checks", "Passes recomputed by another fellow and compared "
+                                     "(SWARM_SERVE_VERIFY).", ["model", "stage"], registry=r)
+        self.verify_failures = Counter("swarm_verification_failures", "Checked passes whose output was outside the "
+                                       "tolerance, by the fellow that computed them.", ["model", "stage", "fellow"],
+                                       registry=r)
         if leader is not None:
             r.register(_Live(leader))
 

@@ -156,14 +156,15 @@ class PrefixCaches:
     def forget(self, model: str) -> None:
         self.indexes.pop(model, None)
 
-    def attach(self, message: messages.Generate, room: int) -> messages.Generate:
-        """``message`` with its plan, the index holding at most ``room`` tokens (and the share)."""
+    def attach(self, message: messages.Generate, room: int, reuse: bool = True) -> messages.Generate:
+        """``message`` with its plan, the index holding at most ``room`` tokens (and the share); without ``reuse``
+        its prompt is computed whole (its blocks may still be kept)."""
         index = self.indexes.get(message.model)
         if index is None or message.siblings:
             return message
         limit = room if self.share is None else min(room, self.share)
         plan = index.plan(message.rid, message.prompt, max(0, limit),
-                          reuse=message.sampling.prompt_logprobs is None)  # those need every prompt row's logits
+                          reuse=reuse and message.sampling.prompt_logprobs is None)  # those need every row's logits
         return message if plan is None else dataclasses.replace(message, prefix=plan)
 
     def cached_tokens(self, model: str, rid: str) -> int:

@@ -130,6 +130,7 @@ class Recovery:
         if len(model.stages) > 1 and self.serving.direct_links is not None:
             await self.serving.direct_links.start(model)
         await self._cover(model)
+        await self.serving.verifier.cover(model)  # spot checks: a checker for every stage a standby has room for
 
     async def _save(self, model: ModelServing) -> None:
         """What a restarted leader restores (``restore``): the stages' plans, the draft model, whose covers they are."""
@@ -177,6 +178,13 @@ class Recovery:
             slot = model.slot_of(conn.id)
             if slot is not None:
                 self._slot_lost(model, slot, f"stage {slot.plan.index} of {model.name} on {conn.name} went away")
+
+    def take_out(self, model: ModelServing, slot: StageState, why: str) -> None:
+        """Take a stage's fellow out of service (it failed its spot checks, swarm.leader.verify): as if it were lost."""
+        self._slot_lost(model, slot, why)
+
+    async def save(self, model: ModelServing) -> None:
+        await self._save(model)
 
     def _slot_lost(self, model: ModelServing, slot: StageState, why: str) -> None:
         log.warning("%s; recovering", why)

@@ -41,6 +41,7 @@ from swarm.leader.prefix_index import PrefixCaches
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
+from swarm.leader.verify import Verifier
 
 if TYPE_CHECKING:
     from swarm.leader.direct_links import DirectLinkCoordinator
@@ -76,6 +77,7 @@ class Serving:
         self.auto_load = AutoLoad(self)  # loads what a request asks for, making room where allowed
         self.link_matrix = LinkMatrix(self)  # measured links between each pool's fellows (the admin page's matrix)
         self.prefix = PrefixCaches(settings.serve_prefix_cache_tokens)  # the prefix cache's index, per model
+        self.verifier = Verifier(self)  # spot checks of the fellows' work (SWARM_SERVE_VERIFY)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -457,7 +459,12 @@ class Serving:
                 serving = self.models.get(action.model)
                 conn = self.online.get(serving.stages[0].plan.fellow_id) if serving else None
                 if conn is not None:
-                    conn.post(with_drafting(self._with_prefix(action.message), serving, self.online))
+                    message = with_drafting(action.message, serving, self.online)
+                    # spot checks first (their picks reach stage 0 before the request); a checked request is computed
+                    # whole, as its checker recomputes it: no prefix cache hit for it
+                    checked = isinstance(message, messages.Generate) and serving is not None and \
+                        self.verifier.on_generate(serving, message)
+                    conn.post(self._with_prefix(message, reuse=not checked))
                 elif isinstance(action.message, messages.Generate):
                     for rid in action.message.rids:  # a group start: each of its choices
                         self._perform(self.book.on_failed(messages.Failed(
@@ -465,7 +472,7 @@ class Serving:
             elif isinstance(action, NotLoaded):
                 self._start(self._reload, action.model, action.text)
 
-    def _with_prefix(self, message: Any) -> Any:
+    def _with_prefix(self, message: Any, reuse: bool = True) -> Any:
         """A Generate with the prefix cache's plan (swarm.leader.prefix_index), within what the model's KV budget
         leaves free beside its running requests; a Cancel frees the blocks its request used."""
         if isinstance(message, messages.Cancel):
@@ -477,7 +484,7 @@ class Serving:
         if budget is None:
             return message
         room = budget.tokens - sum(r.need for r in self.book.of_model(message.model))
-        message = self.prefix.attach(message, room)
+        message = self.prefix.attach(message, room, reuse)
         request = self.book.by_rid.get(message.rid)
         if request is not None and request.attempts == 1:  # what the reply's usage reports
             request.cached_tokens = message.prefix.cached if message.prefix is not None else 0
@@ -546,6 +553,8 @@ class Serving:
             self.placements[conn.id] = placement if isinstance(placement, dict) else {}
         elif message["t"] in ("load_progress", "loaded", "load_failed", "linked", "link_failed"):
             self.recovery.on_stage_event(conn, message)
+        elif message["t"] in ("verify_sample", "verify_result"):
+            self.verifier.on_message(conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
         elif message["t"] == "link_report":

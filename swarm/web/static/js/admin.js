@@ -1,9 +1,10 @@
 // The admin page: users, pools, fellows (hardware, state, standby), join tokens, usage and quotas (admin_usage.js),
-// the Direct links, Hot cover, Auto-load and Evict idle models switches.
+// the Direct links, Hot cover, Auto-load and Evict idle models switches, and spot checks (admin_verify.js).
 import { api, get, post, del, setCsrf } from "./api.js";
 import { h, formatWhen } from "./dom.js";
 import { confirmAction, showOnce, showError } from "./ui.js";
 import { initUsage, loadUsage } from "./admin_usage.js";
+import { initVerification, loadVerification } from "./admin_verify.js";
 
 const $ = (id) => document.getElementById(id);
 let me;
@@ -242,11 +243,12 @@ async function main() {
       loadModelSwitches();
     });
   }
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), loadLinks(), initUsage()]);
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), loadLinks(), initUsage(), initVerification()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
   setInterval(() => loadLinks().catch(() => {}), 15_000);
+  setInterval(() => loadVerification().catch(() => {}), 15_000);
   setInterval(() => loadUsage().catch(() => {}), 60_000);
 }
 

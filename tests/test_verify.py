@@ -1,0 +1,162 @@
+"""The leader's spot checks as plain logic (swarm.leader.verify): which passes are picked, how outputs compare, and
+what two failures in a row do -- over made-up fleets, without processes (tests/test_verify_e2e.py runs real ones)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarm import messages, wire
+from swarm.config import Settings
+from swarm.errors import ConfigError
+from swarm.leader.verify import (
+    MAX_PICKS,
+    TOLERANCE_FLOAT32,
+    TOLERANCE_ROUNDED,
+    Verifier,
+    difference,
+    draw,
+    pass_starts,
+    tolerance,
+)
+
+
+def test_the_passes_of_a_request_are_its_prompt_chunks_and_its_decode_steps():
+    assert pass_starts(600, 4, 256, last_stage=False) == [0, 256, 512, 600, 601, 602]
+    assert pass_starts(600, 4, 256, last_stage=True) == [512, 600, 601, 602]  # only the chunk that draws
+    assert pass_starts(10, 1, 256, last_stage=False) == [0]
+
+
+def test_each_pass_is_picked_with_the_fraction_asked_and_a_request_checks_a_few_at_most():
+    rng = random.Random(7)
+    starts = list(range(40))
+    picked = sum(len(draw(starts, 0.02, rng)) for _ in range(5000))  # 200,000 passes
+    assert abs(picked - 4000) < 5 * (200_000 * 0.02 * 0.98) ** 0.5
+    assert len(draw(list(range(100)), 1.0, rng)) == MAX_PICKS
+    assert draw(starts, 0.0, rng) == []
+
+
+def test_the_tolerance_is_tight_only_where_the_same_float32_kernels_run():
+    assert tolerance("none", False, False) == TOLERANCE_FLOAT32
+    assert tolerance("none", True, True) == TOLERANCE_ROUNDED
+    assert tolerance("int8", False, False) == TOLERANCE_ROUNDED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_differences_are_relative_to_the_output_and_read_every_dtype_that_travels(dtype):
+    x = torch.randn(1, 3, 64) * 10
+    same = wire.tensor_to_wire(x.to(dtype))
+    assert difference({"hidden": same}, {"hidden": same}) == 0.0
+    off = x.clone()
+    off[0, 1, 5] += 0.1 * float(x.abs().max())
+    assert difference({"hidden": wire.tensor_to_wire(off.to(dtype))}, {"hidden": same}) == \
+        pytest.approx(0.1, rel=0.05)
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    assert difference({"hidden": wire.tensor_to_wire(bad.to(dtype))}, {"hidden": same}) == float("inf")
+    # the last stage: the same token, or how far below the greedy one the claimed token's logit is
+    assert difference({"token": 5}, {"token": 5, "gap": 0.0, "scale": 20.0}) == 0.0
+    assert difference({"token": 6}, {"token": 5, "gap": 2.0, "scale": 20.0}) == pytest.approx(0.1)
+
+
+def test_the_fraction_is_checked_when_the_leader_starts():
+    assert Settings.from_env({"SWARM_SERVE_VERIFY": "0.02"}).serve_verify == 0.02
+    with pytest.raises(ConfigError, match="SWARM_SERVE_VERIFY"):
+        Settings.from_env({"SWARM_SERVE_VERIFY": "2"})
+
+
+# --- a made-up fleet: two stages, a standby (fellow 3) holding a copy of stage 0 -------------------------------------
+
+
+class Conn:
+    def __init__(self, fellow_id: int, name: str):
+        self.id, self.name = fellow_id, name
+        self.hardware = SimpleNamespace(gpus=[])
+        self.posted: list = []
+
+    def post(self, message) -> None:
+        self.posted.append(message)
+
+
+def fleet(fraction: float):
+    conns = {1: Conn(1, "pc-a"), 2: Conn(2, "pc-b"), 3: Conn(3, "standby")}
+    stages = [SimpleNamespace(plan=SimpleNamespace(index=i, fellow_id=i + 1, first_layer=i * 15, end_layer=i * 15 + 15),
+                              cover=3 if i == 0 else None, cover_ready=i == 0, failed_on=set()) for i in range(2)]
+    model = SimpleNamespace(name="m", load_id="L", stages=stages, quantization="none",
+                            slot_of=lambda fid: next((s for s in stages if s.plan.fellow_id == fid), None))
+    taken_out = []
+    request = SimpleNamespace(id="req-1", owner=7)
+    serving = SimpleNamespace(settings=Settings(serve_verify=fraction, serve_prefill_chunk=256),
+                              book=SimpleNamespace(by_rid={"r1": request}), hub=SimpleNamespace(online=conns),
+                              models={"m": model},
+                              recovery=SimpleNamespace(take_out=lambda m, slot, why: taken_out.append((slot, why))))
+    return Verifier(serving, random.Random(1)), model, conns, taken_out
+
+
+def generate(rid: str = "r1") -> messages.Generate:
+    return messages.Generate("m", rid, [1, 2, 3], 30, [0], messages.Sampling())
+
+
+def answer(verifier: Verifier, conns, diff_scale: float) -> None:
+    """Every picked pass of stage 0 sampled by pc-a and recomputed by the standby, off by ``diff_scale``."""
+    x = torch.ones(1, 1, 8)
+    for pick in [m for m in conns[1].posted if m["t"] == "verify_pick"]:
+        for _, check in pick["picks"]:
+            if check not in verifier.pending:
+                continue
+            verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]],
+                                           "inputs": [1, 2, 3], "prompt_len": 3,
+                                           "output": {"hidden": wire.tensor_to_wire(x * (1 + diff_scale))}})
+            run = conns[3].posted[-1]
+            assert run["t"] == "verify_run" and run["check"] == check and run["inputs"] == [1, 2, 3]
+            verifier.on_message(conns[3], {"t": "verify_result", "check": check,
+                                           "output": {"hidden": wire.tensor_to_wire(x)}})
+
+
+def test_only_the_stage_with_a_checker_is_picked_and_honest_results_pass():
+    verifier, model, conns, taken_out = fleet(1.0)
+    verifier.on_generate(model, generate())
+    picks = [m for m in conns[1].posted if m["t"] == "verify_pick"]
+    assert len(picks) == 1 and len(picks[0]["picks"]) == MAX_PICKS
+    assert not conns[2].posted  # stage 1 has no copy to check it against
+    answer(verifier, conns, 0.0)
+    assert verifier.checks == MAX_PICKS and verifier.failures == 0 and not verifier.pending and not taken_out
+
+
+def test_a_stage_off_twice_is_suspect_then_taken_out_with_the_requests_that_went_through_it():
+    verifier, model, conns, taken_out = fleet(1.0)
+    verifier.on_generate(model, generate())
+    pick = conns[1].posted[0]
+    check = pick["picks"][0][1]
+    verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]], "inputs": [1, 2, 3],
+                                   "prompt_len": 3, "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8) * 2)}})
+    verifier.on_message(conns[3], {"t": "verify_result", "check": check,
+                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    assert verifier.failures == 1 and verifier.view()["suspects"][0]["fellow"] == "pc-a" and not taken_out
+    answer(verifier, conns, 0.5)  # the rest of the picks: the second failure takes it out
+    assert len(taken_out) == 1 and taken_out[0][0] is model.stages[0]
+    alert = verifier.alerts[0]
+    assert (alert["fellow"], alert["stage"], alert["requests"]) == ("pc-a", 0, [{"id": "req-1", "user_id": 7}])
+    assert alert["difference"] == pytest.approx(0.5)
+    assert {"t": "unload", "model": "m"} in conns[1].posted
+    assert all(1 in s.failed_on for s in model.stages)  # no stage of the model goes back to it
+
+
+def test_a_forged_result_from_a_fellow_that_is_not_the_checker_is_ignored():
+    verifier, model, conns, taken_out = fleet(1.0)
+    verifier.on_generate(model, generate())
+    check = conns[1].posted[0]["picks"][0][1]
+    verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]], "inputs": [1, 2, 3],
+                                   "prompt_len": 3, "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    verifier.on_message(conns[1], {"t": "verify_result", "check": check,  # the checked fellow vouching for itself
+                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    assert verifier.checks == 0 and check in verifier.pending
+
+
+def test_off_picks_nothing():
+    verifier, model, conns, _ = fleet(0.0)
+    verifier.on_generate(model, generate())
+    assert not conns[1].posted and not verifier.pending
