@@ -240,6 +240,8 @@ class ControlLink:
             await self.send({"t": "unloaded", "model": message["model"]})
         elif kind == "update":
             fellow.nursery.start_soon(fellow.updater.run, message)
+        elif kind in ("leave", "leave_refused"):  # swarm.fellow.leave
+            fellow.leaving.on_message(message)
         elif kind == "punch_ping":
             await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":

@@ -21,6 +21,7 @@ from swarm.config import Settings
 from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, PlacementError, PoolBusy, QueueTimeout, counted
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
+from swarm.leader.drain import Drains
 from swarm.leader.limits import context_reason, model_context, served_context
 from swarm.leader.models import (
     ModelServing,
@@ -66,6 +67,7 @@ class Serving:
         self.quantization_of: dict[str, str] = {}  # the kind each model was last asked to load at
         self.own_contexts: dict[str, int | None] = {}  # model -> its own context, read from its config when asked
         self.recovery = Recovery(self)
+        self.drains = Drains(self)  # fellows that leave hand their stages over first
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -484,6 +486,8 @@ class Serving:
             self.placements[conn.id] = placement if isinstance(placement, dict) else {}
         elif message["t"] in ("load_progress", "loaded", "load_failed", "linked", "link_failed"):
             self.recovery.on_stage_event(conn, message)
+        elif message["t"] == "leave":  # SIGTERM of the fellow's process: hand its stages over, then it goes
+            self._start(self.drains.on_leave, conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
