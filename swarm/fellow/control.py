@@ -143,6 +143,11 @@ class ControlLink:
         for model in [m for m in fellow.stages if m not in reply.get("stages", [])]:
             fellow.unload(model)
 
+    @property
+    def up(self) -> bool:
+        """Whether the link to the leader is open now."""
+        return self._channel is not None
+
     async def send(self, message: Any) -> None:
         channel = self._channel
         if channel is None:

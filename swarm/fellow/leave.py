@@ -23,6 +23,7 @@ from swarm.errors import DrainRefused, LinkClosed, SwarmError
 log = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # past the leader's own wait: its answer's way back
+LINK_CHECK_S = 0.5  # how often a fellow waiting for its answer looks whether the link to the leader is still up
 
 
 class Leaving:
@@ -60,8 +61,12 @@ class Leaving:
         log.info("handing %s over before leaving (up to %.0f s, SWARM_LEAVE_WAIT_S)", ", ".join(fellow.stages),
                  wait_s)
         with trio.move_on_after(wait_s + GRACE_S):
-            await self._answer.wait()
-        if not self._answer.is_set():
+            while not self._answer.is_set() and fellow.control.up:  # a leader that went away answers nothing
+                with trio.move_on_after(LINK_CHECK_S):
+                    await self._answer.wait()
+        if not fellow.control.up:
+            log.warning("the leader went away before it took this fellow's stages: they fail over")
+        elif not self._answer.is_set():
             log.warning("the leader did not hand this fellow's stages over within %.0f s: they fail over", wait_s)
 
 
