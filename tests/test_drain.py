@@ -23,13 +23,14 @@ def test_a_loaded_hot_cover_takes_the_stage_before_a_roomier_standby():
     assert (taker.name, taker.hot, taker.index) == ("cover", True, 1)
 
 
-def test_a_cover_still_loading_or_gone_is_passed_over_for_the_failover_choice():
+def test_a_cover_still_loading_is_waited_for_and_a_gone_one_passed_over_for_the_failover_choice():
     fleet = [Candidate(3, "standby", 4 * GB, standby=True, serving=False),
-             Candidate(5, "idle", 9 * GB, standby=False, serving=False)]
-    loading = choose_taker("m", plan(), cover=3, cover_ready=False, candidates=fleet, leaving=LEAVING)
-    assert (loading.name, loading.hot) == ("standby", False)  # a standby first, as a failover would
+             Candidate(5, "idle", 9 * GB, standby=False, serving=False),
+             Candidate(6, "loading", 3 * GB, standby=True, serving=False, covering=True)]
+    loading = choose_taker("m", plan(), cover=6, cover_ready=False, candidates=fleet, leaving=LEAVING)
+    assert (loading.name, loading.hot) == ("loading", False)  # not a second copy elsewhere
     gone = choose_taker("m", plan(), cover=9, cover_ready=True, candidates=fleet, leaving=LEAVING)
-    assert (gone.name, gone.hot) == ("standby", False)
+    assert (gone.name, gone.hot) == ("standby", False)  # a standby first, as a failover would
 
 
 def test_an_idle_fellow_with_room_takes_it_when_there_is_no_standby():

@@ -1,176 +1,207 @@
-"""A fellow that leaves hands its stages over first: real `swarm leader` and `swarm join` processes, one fleet for
-the module, a streamed reply running through the leaving fellow's stage.
+"""A fellow that leaves hands its stages over first, while a streamed reply runs through them: a real leader (in
+this process), fellows in this process, and the leaving fellow as a real `swarm join` process where it must really
+go (SIGTERM, --force).
 
 - SIGTERM of the fellow's process, no hot cover: the standby loads the stage while the old one serves, the ring
-  switches, the reply is the uninterrupted one and pauses only for the switch;
+  switches, the reply is generate's and pauses only for the switch, not for the load;
 - `swarm leave` with a hot cover: the ring switches at once, the longest gap under 0.5 s;
 - no fellow to take a stage: `swarm leave` and the admin API's Drain refuse, saying why; `--force` leaves with
   failover, and the stage is loaded again once a fellow joins.
+
+Each test starts its own small fleet: the leader lives in the test's trio run, and the fellow processes go.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
+import torch
+import trio
 
-from fleet import FellowProcess, Pool, logs
-from harness import wait_for
+from exactness import check_reply, reference
+from fleet import FellowProcess, logs
+from harness import running_swarm, wait_until
+from swarm.config import Settings
+from swarm.fellow.process import Fellow
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]  # no near-tie
-TOKENS = 100
+TOKENS = 90
 HOT_COVER_GAP_S = 0.5  # the issue's promise for a drain with a hot cover
 
 
 @pytest.fixture(scope="module")
-def pool(module_tmp, smollm_model_dir):
-    """A leader and three fellows, the model over fellow-0 and fellow-1, fellow-2 a standby."""
-    pool = Pool(module_tmp("drain"), smollm_model_dir, count=3, fellow_env={"SWARM_CALIBRATE": "0"})
-    try:
-        ids = {f["name"]: f["id"] for f in pool.online()}
-        assert pool.http.put(f"/api/v1/fellows/{ids['fellow-2']}", json={"standby": True}).status_code == 200
-        began = time.monotonic()
-        pool.load(2)
-        print(f"loaded in {time.monotonic() - began:.1f} s")
-        yield pool
-    finally:
-        pool.stop()
+def expected(smollm_model_dir):
+    from reference_model import load_reference_model
+    from swarm.leader.chat_format import encode_chat
+
+    model = load_reference_model(smollm_model_dir, dtype=torch.float32)
+    prompt = encode_chat(smollm_model_dir, PROMPT, None)
+    tokens, margins = reference(model, prompt, TOKENS, eos=[2])
+    return tokens, margins
 
 
-@pytest.fixture
-def fleet(pool, process_logs):
-    process_logs(pool.logs)
-    return pool
+async def stream_while(swarm, name: str, act, at: int = 12) -> dict:
+    """Stream the prompt's reply; once ``at`` chunks came, start ``act()`` beside it. -> {"text", "arrivals" (each
+    chunk's time), "request" (the leader's), "acted" (act's result)}"""
+    out: dict = {"text": [], "arrivals": []}
+    body = {"model": name, "messages": PROMPT, "temperature": 0, "max_tokens": TOKENS, "stream": True}
+    async with trio.open_nursery() as nursery:
+        async def run_act():
+            out["acted"] = await act()
+
+        async with swarm.http.stream("POST", "/v1/chat/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                if data["choices"][0]["delta"].get("content"):
+                    out["text"].append(data["choices"][0]["delta"]["content"])
+                    out["arrivals"].append(trio.current_time())
+                    if len(out["arrivals"]) == at:
+                        out["request"] = next(iter(swarm.leader.serving.requests.values()))
+                        nursery.start_soon(run_act)
+    out["text"] = "".join(out["text"])
+    return out
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(pool):
-    """The reply with nobody leaving, and its longest gap between two chunks."""
-    began = time.monotonic()
-    text, arrivals = stream(pool)
-    print(f"uninterrupted: {len(arrivals)} chunks in {time.monotonic() - began:.1f} s, longest gap "
-          f"{longest_gap(arrivals):.2f} s")
-    return text, longest_gap(arrivals)
+def longest_gap(arrivals: list[float]) -> float:
+    return max(b - a for a, b in zip(arrivals, arrivals[1:]))
 
 
-def stream(pool: Pool, act=None, at: int = 15) -> tuple[str, list[float]]:
-    """Stream the prompt's reply; after ``at`` chunks run ``act()`` (once). -> (text, each chunk's arrival time)."""
-    body = {"model": pool.name, "messages": PROMPT, "temperature": 0, "max_tokens": TOKENS, "stream": True}
-    text, arrivals = [], []
-    with pool.http.stream("POST", "/v1/chat/completions", json=body, timeout=300) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            assert "error" not in data, data
-            delta = data["choices"][0]["delta"].get("content")
-            if delta:
-                text.append(delta)
-                arrivals.append(time.monotonic())
-                if act is not None and len(arrivals) == at:
-                    act()
-    return "".join(text), arrivals
+def check_exact(swarm, result: dict, expected, model_dir) -> str:
+    from swarm.leader.chat_format import load_tokenizer
+
+    want, margins = expected
+    request = result["request"]
+    assert request.error is None and request.finish_reason in ("stop", "length"), request.error
+    assert request.attempts == 2, "the ring did not switch under the reply"  # it went on from its streamed tokens
+    outcome = check_reply(request.tokens, want, margins)
+    # the stream paused and went on: no token lost, none repeated
+    assert result["text"] == load_tokenizer(str(model_dir)).decode(request.tokens, skip_special_tokens=True)
+    return outcome
 
 
-def longest_gap(arrivals: list[float], after: int = 1) -> float:
-    return max(b - a for a, b in zip(arrivals[after - 1:], arrivals[after:]))
+async def set_standby(swarm, name: str) -> None:
+    fellow_id = next(c.id for c in swarm.leader.hub.online.values() if c.name == name)
+    assert (await swarm.http.put(f"/api/v1/fellows/{fellow_id}", json={"standby": True})).status_code == 200
 
 
-def stages(pool: Pool) -> list[dict]:
-    return pool.http.get(f"/api/v1/models/{pool.name}").json()["stages"]
+async def swarm_leave(data_dir, *extra: str) -> trio.Process:
+    """`swarm leave` on a fellow's machine (its data dir)."""
+    return await trio.run_process([sys.executable, "-m", "swarm", "leave", "--data-dir", str(data_dir), *extra],
+                                  capture_stdout=True, capture_stderr=True, check=False)
 
 
-def by_name(pool: Pool, name: str) -> FellowProcess:
-    return next(f for f in pool.fellows if f.name == name)
+def stage_fellows(swarm, name: str) -> list[str]:
+    return [s.plan.fellow_name for s in swarm.leader.serving.models[name].stages]
 
 
-def leave(fellow: FellowProcess, *extra: str) -> subprocess.Popen:
-    """`swarm leave` on ``fellow``'s machine (its data dir)."""
-    return subprocess.Popen([sys.executable, "-m", "swarm", "leave", "--data-dir", str(fellow.data_dir), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fellow.env)
+async def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(tmp_path, smollm_model_dir,
+                                                                              expected):
+    name = smollm_model_dir.name
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=2) as swarm:
+            await set_standby(swarm, "fellow-1")  # in this process: it loads the stage in seconds
+            leaving = FellowProcess(swarm.url, swarm.join_token(1), tmp_path / "leaving", "leaving",
+                                    env={"SWARM_CALIBRATE": "0"}).start()
+            try:
+                await wait_until(lambda: len(swarm.leader.hub.online) == 3, 120, message=leaving.log)
+                await swarm.load(name, 2, timeout=180)
+                index = stage_fellows(swarm, name).index("leaving")
+                serving = swarm.leader.serving.models[name]
+
+                async def sigterm():
+                    leaving.proc.send_signal(signal.SIGTERM)
+                    signalled = trio.current_time()
+                    await wait_until(lambda: serving.stages[index].cover_ready, 60)
+                    return trio.current_time() - signalled  # the standby's load, while the old stage served
+
+                result = await stream_while(swarm, name, sigterm)
+                outcome = check_exact(swarm, result, expected, smollm_model_dir)
+                assert await trio.to_thread.run_sync(leaving.proc.wait, 60) == 0
+                assert f"handed over stage {index} of {name} to fellow-1" in leaving.log(), leaving.log()
+                assert stage_fellows(swarm, name)[index] == "fellow-1" and serving.status == "ready"
+                gap, load_s = longest_gap(result["arrivals"]), result["acted"]
+                print(f"drain without hot cover: the standby loaded for {load_s:.2f} s, the longest gap "
+                      f"{gap:.2f} s; the reply is {outcome}")
+                assert gap < load_s  # the old stage served while the new one loaded
+            except BaseException:
+                print(logs([leaving]))
+                raise
+            finally:
+                leaving.stop()
 
 
-def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(fleet, uninterrupted):
-    want, baseline_gap = uninterrupted
-    leaving = by_name(fleet, stages(fleet)[1]["fellow"])
-    signalled = {}
+async def test_swarm_leave_with_a_hot_cover_switches_at_once(tmp_path, smollm_model_dir, expected):
+    name = smollm_model_dir.name
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=3,
+                                 leader_env={"SWARM_SERVE_HOT_COVER": "1"}) as swarm:
+            await set_standby(swarm, "fellow-2")
+            await swarm.load(name, 2)
+            serving = swarm.leader.serving.models[name]
+            await wait_until(lambda: any(s.cover_ready for s in serving.stages), 60)
+            index = next(i for i, s in enumerate(serving.stages) if s.cover_ready)
+            leaving = swarm.fellows[[f.name for f in swarm.fellows].index(serving.stages[index].plan.fellow_name)]
 
-    def sigterm():
-        signalled["at"] = time.monotonic()
-        leaving.proc.send_signal(signal.SIGTERM)
+            async def leave():
+                return await swarm_leave(leaving.data_dir)
 
-    text, arrivals = stream(fleet, sigterm)
-    assert text == want  # no token lost, none repeated: the reply of an uninterrupted run
-    assert leaving.proc.wait(60) == 0, leaving.log()
-    assert "handed over stage 1" in leaving.log(), leaving.log()
-    now = stages(fleet)
-    assert now[1]["fellow"] == "fellow-2" and fleet.status() == "ready", now
-    gap = longest_gap(arrivals)
-    switched = float(wait_for(lambda: _switch_ms(fleet), 10, message=fleet.leader.log)) / 1000
-    load_s = time.monotonic() - signalled["at"]  # an upper bound of the load; the switch came after it
-    print(f"drain without hot cover: longest gap {gap:.2f} s (uninterrupted {baseline_gap:.2f} s), switch "
-          f"{switched:.2f} s")
-    # the old stage served while the new one loaded: the pause is the switch's, far below the load's seconds
-    assert gap < max(1.0, 4 * baseline_gap), (gap, load_s)
-
-
-def _switch_ms(pool: Pool) -> str | None:
-    for line in reversed(pool.leader.log(200).splitlines()):
-        if "switched stage" in line:
-            return line.rsplit(" in ", 1)[1].split(" ms", 1)[0]
-    return None
+            result = await stream_while(swarm, name, leave)
+            outcome = check_exact(swarm, result, expected, smollm_model_dir)
+            done = result["acted"]
+            assert done.returncode == 0, done.stderr
+            assert f"handed over stage {index} of {name} to fellow-2 (hot cover)" in done.stdout.decode()
+            assert stage_fellows(swarm, name)[index] == "fellow-2" and serving.status == "ready"
+            await wait_until(lambda: not leaving.stages, 10)  # it unloaded its stage
+            gap = longest_gap(result["arrivals"])
+            print(f"drain with hot cover: the longest gap {gap:.2f} s; the reply is {outcome}")
+            assert gap < HOT_COVER_GAP_S
 
 
-def test_swarm_leave_with_a_hot_cover_switches_at_once(fleet, uninterrupted):
-    want, baseline_gap = uninterrupted
-    standby = FellowProcess(fleet.leader.url, fleet.leader.join_token(1), fleet.fellows[0].data_dir.parent
-                            / "fellow-3", "fellow-3", standby=True).start()
-    fleet.fellows.append(standby)
-    wait_for(lambda: any(f["name"] == "fellow-3" for f in fleet.online()), 120, message=lambda: standby.log())
-    assert fleet.http.put("/api/v1/settings/hot-cover", json={"enabled": True}).status_code == 200
-    covered = wait_for(lambda: next((s for s in stages(fleet) if s["cover_fellow_id"] is not None), None), 120,
-                       message=lambda: logs(fleet.fellows))
-    leaving = by_name(fleet, covered["fellow"])
-    command = {}
-    text, arrivals = stream(fleet, lambda: command.setdefault("proc", leave(leaving)))
-    out, err = command["proc"].communicate(timeout=120)
-    assert command["proc"].returncode == 0, err
-    assert f"handed over stage {covered['index']}" in out and "(hot cover)" in out, out
-    assert text == want
-    assert leaving.proc.wait(60) == 0, leaving.log()
-    assert stages(fleet)[covered["index"]]["fellow"] == "fellow-3"
-    gap = longest_gap(arrivals)
-    print(f"drain with hot cover: longest gap {gap:.2f} s (uninterrupted {baseline_gap:.2f} s)")
-    assert gap < HOT_COVER_GAP_S
+async def test_with_nobody_to_take_a_stage_leave_refuses_and_force_fails_over(tmp_path, smollm_model_dir):
+    name = smollm_model_dir.name
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=1) as swarm:
+            leaving = FellowProcess(swarm.url, swarm.join_token(1), tmp_path / "leaving", "leaving",
+                                    env={"SWARM_CALIBRATE": "0"}).start()
+            try:
+                await wait_until(lambda: len(swarm.leader.hub.online) == 2, 120, message=leaving.log)
+                await swarm.load(name, 2, timeout=180)
+                index = stage_fellows(swarm, name).index("leaving")
+                refused = await swarm_leave(leaving.data_dir)
+                assert refused.returncode == 1
+                err = refused.stderr.decode()
+                assert f"no fellow can take stage {index} of {name} from leaving" in err and "--force" in err, err
+                fellow_id = next(c.id for c in swarm.leader.hub.online.values() if c.name == "leaving")
+                response = await swarm.http.post(f"/api/v1/fellows/{fellow_id}/drain", json={})
+                assert response.status_code == 409 and response.json()["error"]["code"] == "drain_refused"
+                assert leaving.proc.poll() is None and swarm.leader.serving.status(name) == "ready"  # it stays
 
-
-def test_with_nobody_to_take_a_stage_leave_refuses_and_force_fails_over(fleet):
-    fleet.http.put("/api/v1/settings/hot-cover", json={"enabled": False})
-    held = stages(fleet)
-    leaving = by_name(fleet, held[0]["fellow"])
-    refused = leave(leaving)
-    _, err = refused.communicate(timeout=120)
-    assert refused.returncode == 1
-    assert f"no fellow can take stage 0 of {fleet.name}" in err and "--force" in err, err
-    fellow_id = next(f["id"] for f in fleet.online() if f["name"] == leaving.name)
-    response = fleet.http.post(f"/api/v1/fellows/{fellow_id}/drain", json={})
-    assert response.status_code == 409 and response.json()["error"]["code"] == "drain_refused", response.text
-    assert leaving.proc.poll() is None and fleet.status() == "ready"  # it stays, serving
-    forced = leave(leaving, "--force")
-    out, err = forced.communicate(timeout=120)
-    assert forced.returncode == 0, err
-    assert "fails over" in out, out
-    assert leaving.proc.wait(60) == 0, leaving.log()
-    wait_for(lambda: fleet.status() == "recovering", 30)
-    joined = FellowProcess(fleet.leader.url, fleet.leader.join_token(1), fleet.fellows[0].data_dir.parent
-                           / "fellow-4", "fellow-4").start()
-    fleet.fellows.append(joined)
-    wait_for(lambda: fleet.status() == "ready", 180, message=lambda: logs(fleet.fellows))
-    assert stages(fleet)[0]["fellow"] == "fellow-4"
+                forced = await swarm_leave(leaving.data_dir, "--force")
+                assert forced.returncode == 0, forced.stderr
+                assert "fails over" in forced.stdout.decode()
+                assert await trio.to_thread.run_sync(leaving.proc.wait, 60) == 0
+                await wait_until(lambda: swarm.leader.serving.status(name) == "recovering", 30)
+                # a fellow joins: the failover loads the stage there
+                settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1",
+                                              "SWARM_CALIBRATE": "0"})
+                async with trio.open_nursery() as nursery:
+                    joined = Fellow(leader_url=swarm.url, data_dir=tmp_path / "joined", settings=settings,
+                                    name="joined", join_token=swarm.join_token(1))
+                    await nursery.start(joined.run)
+                    await wait_until(lambda: swarm.leader.serving.status(name) == "ready", 120)
+                    assert stage_fellows(swarm, name)[index] == "joined"
+                    nursery.cancel_scope.cancel()
+            except BaseException:
+                print(logs([leaving]))
+                raise
+            finally:
+                leaving.stop()

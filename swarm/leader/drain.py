@@ -53,11 +53,12 @@ class Handover:
 
 def choose_taker(model: str, plan: StagePlan, cover: int | None, cover_ready: bool, candidates: list[Candidate],
                  leaving: AbstractSet[int]) -> Handover | None:
-    """The fellow that should take stage ``plan`` off a leaving fellow: its loaded hot cover (``cover``) first, else
-    the failover's choice among ``candidates``; never a fellow in ``leaving``. None when nobody can."""
+    """The fellow that should take stage ``plan`` off a leaving fellow: its hot cover (``cover``, loaded or still
+    loading) first, else the failover's choice among ``candidates``; never a fellow in ``leaving``. None when nobody
+    can."""
     online = {c.fellow_id: c for c in candidates}
-    if cover is not None and cover_ready and cover in online and cover not in leaving:
-        return Handover(model, plan.index, cover, online[cover].name, True)
+    if cover is not None and cover in online and cover not in leaving:  # loaded, or loading: no second copy
+        return Handover(model, plan.index, cover, online[cover].name, cover_ready)
     choice = choose_replacement(plan, candidates, exclude=leaving)
     if choice is None:
         return None
@@ -173,8 +174,9 @@ class Drains:
         if not handover.hot:
             log.info("%s loads stage %d of %s to take it over from %s", taker.name, handover.index, model.name,
                      leaving.name)
-            slot.cover, slot.cover_ready, slot.cover_given = taker.id, False, taker.id
-            taker.post(load_message(model, handover.index, cover=True))
+            if slot.cover != taker.id:  # (a hot cover still loading is waited for, not loaded twice)
+                slot.cover, slot.cover_ready, slot.cover_given = taker.id, False, taker.id
+                taker.post(load_message(model, handover.index, cover=True))
             model.notify()
             while not (slot.cover == taker.id and slot.cover_ready):
                 if slot.cover != taker.id or serving.hub.online.get(taker.id) is not taker:
@@ -210,11 +212,14 @@ class Drains:
         model.notify()
 
     def _drop_covers(self, fellow_id: int) -> None:
-        """The leaving fellow's hot covers are no one's any more (the fellow unloads them as it goes)."""
+        """The leaving fellow's hot covers are no one's any more: it unloads them."""
+        conn = self.serving.hub.online.get(fellow_id)
         for model in self.serving.models.values():
             for slot in model.stages:
                 if slot.cover == fellow_id:
                     slot.cover, slot.cover_ready, slot.cover_given = None, False, None
+                    if conn is not None:
+                        conn.post({"t": "unload", "model": model.name})
                     model.notify()
 
     def _cancel_cover(self, model: ModelServing, slot: StageState, leaving_id: int) -> None:
