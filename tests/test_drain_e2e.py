@@ -45,10 +45,15 @@ def expected(smollm_model_dir):
     return tokens, margins
 
 
+PROGRESS: dict = {}  # the last stream's progress, shown when a test fails
+
+
 async def stream_while(swarm, name: str, act, at: int = 12) -> dict:
     """Stream the prompt's reply; once ``at`` chunks came, start ``act()`` beside it. -> {"text", "arrivals" (each
     chunk's time), "request" (the leader's), "acted" (act's result)}"""
     out: dict = {"text": [], "arrivals": []}
+    PROGRESS.clear()
+    PROGRESS.update(out=out, began=trio.current_time())
     body = {"model": name, "messages": PROMPT, "temperature": 0, "max_tokens": TOKENS, "stream": True}
     async with trio.open_nursery() as nursery:
         async def run_act():
@@ -65,10 +70,19 @@ async def stream_while(swarm, name: str, act, at: int = 12) -> dict:
                     out["text"].append(data["choices"][0]["delta"]["content"])
                     out["arrivals"].append(trio.current_time())
                     if len(out["arrivals"]) == at:
+                        PROGRESS["acted_at"] = trio.current_time()
                         out["request"] = next(iter(swarm.leader.serving.requests.values()))
                         nursery.start_soon(run_act)
     out["text"] = "".join(out["text"])
     return out
+
+
+def progress() -> str:
+    """Where the last stream stood: chunks and their times since it began, when act started."""
+    out, began = PROGRESS.get("out", {}), PROGRESS.get("began", 0.0)
+    times = [round(t - began, 2) for t in out.get("arrivals", [])]
+    acted = PROGRESS.get("acted_at")
+    return f"{len(times)} chunks at {times}; act at {None if acted is None else round(acted - began, 2)}"
 
 
 def longest_gap(arrivals: list[float]) -> float:
@@ -110,7 +124,7 @@ async def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(tm
         async with running_swarm(tmp_path, [smollm_model_dir], fellows=2) as swarm:
             await set_standby(swarm, "fellow-1")  # in this process: it loads the stage in seconds
             leaving = FellowProcess(swarm.url, swarm.join_token(1), tmp_path / "leaving", "leaving",
-                                    env={"SWARM_CALIBRATE": "0"}).start()
+                                    env={"SWARM_CALIBRATE": "0", "SWARM_LEAVE_WAIT_S": "150"}).start()
             try:
                 await wait_until(lambda: len(swarm.leader.hub.online) == 3, 120, message=leaving.log)
                 await swarm.load(name, 2, timeout=180)
@@ -120,7 +134,7 @@ async def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(tm
                 async def sigterm():
                     leaving.proc.send_signal(signal.SIGTERM)
                     signalled = trio.current_time()
-                    await wait_until(lambda: serving.stages[index].cover_ready, 60)
+                    await wait_until(lambda: serving.stages[index].cover_ready, 150)
                     return trio.current_time() - signalled  # the standby's load, while the old stage served
 
                 result = await stream_while(swarm, name, sigterm)
@@ -133,7 +147,7 @@ async def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(tm
                       f"{gap:.2f} s; the reply is {outcome}")
                 assert gap < load_s  # the old stage served while the new one loaded
             except BaseException:
-                print(logs([leaving]))
+                print(logs([leaving]), progress())
                 raise
             finally:
                 leaving.stop()
@@ -154,7 +168,11 @@ async def test_swarm_leave_with_a_hot_cover_switches_at_once(tmp_path, smollm_mo
             async def leave():
                 return await swarm_leave(leaving.data_dir)
 
-            result = await stream_while(swarm, name, leave)
+            try:
+                result = await stream_while(swarm, name, leave)
+            except BaseException:
+                print(progress())
+                raise
             outcome = check_exact(swarm, result, expected, smollm_model_dir)
             done = result["acted"]
             assert done.returncode == 0, done.stderr
@@ -201,7 +219,7 @@ async def test_with_nobody_to_take_a_stage_leave_refuses_and_force_fails_over(tm
                     assert stage_fellows(swarm, name)[index] == "joined"
                     nursery.cancel_scope.cancel()
             except BaseException:
-                print(logs([leaving]))
+                print(logs([leaving]), progress())
                 raise
             finally:
                 leaving.stop()
