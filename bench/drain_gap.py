@@ -35,9 +35,9 @@ TOKENS = 200
 SIGNAL_AT = 30
 
 
-async def reply_arrivals(swarm, name: str, act=None) -> tuple[list[tuple[float, int]], float | None, list[int]]:
+async def reply_arrivals(swarm, name: str, act=None) -> tuple[list[tuple[float, int, int]], float | None, list[int]]:
     """Token arrivals (time, count) at the leader of one greedy reply; ``act()`` runs once SIGNAL_AT tokens came."""
-    times: list[tuple[float, int]] = []
+    times: list[tuple[float, int, int]] = []  # (time, tokens, attempt)
     acted_at = None
     async with trio.open_nursery() as nursery:
         async def chat():
@@ -47,25 +47,36 @@ async def reply_arrivals(swarm, name: str, act=None) -> tuple[list[tuple[float, 
 
         nursery.start_soon(chat)
         request = await wait_until(lambda: next(iter(swarm.leader.serving.requests.values()), None), 60)
-        seen = 0
+        seen = (0, 1)
         while True:
-            if len(request.tokens) != seen:
-                seen = len(request.tokens)
-                times.append((trio.current_time(), seen))
-            if act is not None and acted_at is None and seen >= SIGNAL_AT:
+            if (len(request.tokens), request.attempts) != seen:
+                seen = (len(request.tokens), request.attempts)
+                times.append((trio.current_time(), *seen))
+            if act is not None and acted_at is None and seen[0] >= SIGNAL_AT:
                 act()
                 acted_at = trio.current_time()
             await trio.sleep(0.002)
     return times, acted_at, list(request.tokens)
 
 
-def longest_gap(times: list[tuple[float, int]], since: float | None = None) -> float:
-    start = max((i for i, (t, _) in enumerate(times) if since is None or t <= since), default=0)
-    return max((b[0] - a[0] for a, b in zip(times[start:], times[start + 1:])), default=0.0)
+def longest_gap(times: list[tuple[float, int, int]], since: float | None = None) -> float:
+    """The longest wait between two token arrivals (from ``since`` on)."""
+    arrivals = [(t, n) for i, (t, n, _) in enumerate(times) if i == 0 or n != times[i - 1][1]]
+    start = max((i for i, (t, _) in enumerate(arrivals) if since is None or t <= since), default=0)
+    return max((b[0] - a[0] for a, b in zip(arrivals[start:], arrivals[start + 1:])), default=0.0)
 
 
-async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> tuple[float, float, bool, float]:
-    """(longest gap with the drain, longest gap uninterrupted, same reply, drain's wall time)."""
+def switch_gap(times: list[tuple[float, int, int]]) -> float:
+    """From the old ring's last token to the new ring's first (the request's second attempt)."""
+    resumed = next(i for i, (_, _, attempt) in enumerate(times) if attempt == 2)
+    first_new = next(t for t, n, _ in times[resumed:] if n > times[resumed][1])
+    last_old = max(t for t, n, _ in times[:resumed] if n == times[resumed][1])
+    return first_new - last_old
+
+
+async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> tuple[float, float, float, bool, float]:
+    """(pause at the switch, longest gap from the signal on, longest gap uninterrupted, same reply, signal to the
+    fellow's exit)."""
     name = model_dir.name
     env = {"SWARM_SERVE_HOT_COVER": "1"} if hot_cover else {}
     async with running_swarm(work, [model_dir], fellows=0, leader_env=env) as swarm:
@@ -85,7 +96,7 @@ async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> t
             left = trio.current_time() - (signalled or 0.0)
             moved = swarm.leader.serving.models[name].stages[stage].plan.fellow_name
             assert moved == "fellow-2", f"stage {stage} is on {moved}"
-            return longest_gap(times, signalled), longest_gap(calm), got == want, left
+            return switch_gap(times), longest_gap(times, signalled), longest_gap(calm), got == want, left
         finally:
             for f in fellows:
                 f.stop()
@@ -104,10 +115,11 @@ async def main(args) -> None:
             runs = [await one_run(model_dir, root / f"{'hot' if hot else 'cold'}-{run}", args.stage, hot)
                     for run in range(args.runs)]
             gaps = [r[0] for r in runs]
-            print(f"{'hot cover' if hot else 'standby loads the stage'}: longest gap "
-                  f"{statistics.median(gaps):.2f} s median ({', '.join(f'{g:.2f}' for g in gaps)}); uninterrupted "
-                  f"{statistics.median(r[1] for r in runs):.2f} s; replies the same: {all(r[2] for r in runs)}; "
-                  f"signal to exit {statistics.median(r[3] for r in runs):.1f} s")
+            print(f"{'hot cover' if hot else 'standby loads the stage'}: pause at the switch "
+                  f"{statistics.median(gaps):.2f} s median ({', '.join(f'{g:.2f}' for g in gaps)}); longest gap "
+                  f"from the signal on {statistics.median(r[1] for r in runs):.2f} s, uninterrupted "
+                  f"{statistics.median(r[2] for r in runs):.2f} s; replies the same: {all(r[3] for r in runs)}; "
+                  f"signal to exit {statistics.median(r[4] for r in runs):.1f} s")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
