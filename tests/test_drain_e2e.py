@@ -157,8 +157,9 @@ async def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(tm
                 async def sigterm():
                     leaving.proc.send_signal(signal.SIGTERM)
                     signalled = trio.current_time()
-                    await wait_until(lambda: serving.stages[index].cover_ready, 150)
-                    return trio.current_time() - signalled  # the standby's load, while the old stage served
+                    # the ring switches once the standby has loaded the stage (its cover is then its stage)
+                    await wait_until(lambda: serving.stages[index].plan.fellow_name == "fellow-1", 150)
+                    return trio.current_time() - signalled  # the standby's load (and the switch): the old stage served
 
                 result = await stream_while(swarm, name, sigterm)
                 outcome = check_exact(swarm, result, expected, smollm_model_dir)
