@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="join once, print what this PC can hold of the leader's models, and exit")
 
+    p = sub.add_parser("leave", help="hand this fellow's stages to other fellows, then stop it (no pause in replies)")
+    p.add_argument("--data-dir", type=Path, help="the fellow's data dir (as given to swarm join)")
+    p.add_argument("--force", action="store_true",
+                   help="leave even when no fellow can take a stage: that stage then fails over (replies pause)")
+
     p = sub.add_parser("update", help="install the leader's version of swarm on this fellow and restart it")
     p.add_argument("--data-dir", type=Path, help="the fellow's data dir (as given to swarm join)")
     p.add_argument("--force", action="store_true", help="install it even when the versions already match")
@@ -205,6 +210,10 @@ def _dispatch(args) -> int | None:
             check_fellow(args.url, args.token, data_dir, args.name)
         else:
             run_fellow(args.url, args.token, data_dir, args.name, args.standby)
+    elif args.command == "leave":
+        from swarm.fellow.process import leave_fellow
+
+        leave_fellow(args.data_dir or settings.data_dir or default_data_dir("fellow"), args.force)
     elif args.command == "update":
         from swarm.fellow.process import update_fellow
 

@@ -68,6 +68,10 @@ class Settings:
     direct_connect_timeout_s: float = 3.0  # SWARM_DIRECT_CONNECT_TIMEOUT_S
     request_stall_s: float = 120.0  # SWARM_REQUEST_STALL_S: a request with no new token for this long has failed
     serve_failover_wait_s: float = 300.0  # SWARM_SERVE_FAILOVER_WAIT_S: how long a lost stage may take to re-place
+    # SWARM_LEAVE_WAIT_S: how long a fellow that leaves (`swarm leave`, SIGTERM, Drain) waits for its stages to be
+    # handed over before it goes anyway (SIGTERM, --force) or stays (`swarm leave`); a service manager's stop timeout
+    # (systemd: 90 s) must be longer
+    leave_wait_s: float = 60.0
     serve_hot_cover: bool = False  # SWARM_SERVE_HOT_COVER: standbys keep loaded copies of stages (also an admin switch)
     # SWARM_SERVE_AUTO_LOAD: a request for a model that is imported but not loaded loads it when its pool has room (the
     # request waits meanwhile); 0: it gets a 503 (also an admin switch, which overrides this once used)

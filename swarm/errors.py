@@ -84,6 +84,10 @@ class PlacementError(ModelError):
     """The fellows of the pool cannot hold the model as asked."""
 
 
+class DrainRefused(PlacementError):
+    """A fellow cannot leave without a pause: no other fellow can take one of its stages (or the handover failed)."""
+
+
 class DownloadError(SwarmError):
     """A model file could not be fetched from the leader."""
 

@@ -103,12 +103,19 @@ class LeaderProcess:
 
 
 def _stop(proc: subprocess.Popen | None, thaw: bool = False) -> None:
-    """Terminate ``proc`` (SIGCONT first if it may be frozen), killing it if it has not gone in 10 s."""
+    """Terminate ``proc`` (SIGCONT first if it may be frozen), killing it if it has not gone in 10 s. A fellow takes
+    SIGTERM as "hand my stages over, then leave" (swarm.fellow.leave); a second SIGTERM a moment later has it go at
+    once, so a fleet's teardown does not wait for drains."""
     if proc is None or proc.poll() is not None:
         return
     if thaw:
         proc.send_signal(signal.SIGCONT)
     proc.terminate()
+    try:
+        proc.wait(1)
+        return
+    except subprocess.TimeoutExpired:
+        proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:

@@ -149,6 +149,11 @@ class ControlLink:
         for model in [m for m in fellow.stages if m not in reply.get("stages", [])]:
             fellow.unload(model)
 
+    @property
+    def up(self) -> bool:
+        """Whether the link to the leader is open now."""
+        return self._channel is not None
+
     async def send(self, message: Any) -> None:
         channel = self._channel
         if channel is None:
@@ -252,6 +257,8 @@ class ControlLink:
                 stage.driver.audits.pick(message["rid"], message["picks"])
         elif kind == "verify_run":
             fellow.checker.submit(message)
+        elif kind in ("leave", "leave_refused"):  # swarm.fellow.leave
+            fellow.leaving.on_message(message)
         elif kind == "punch_ping":
             await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
         elif kind == "punch_prepare":

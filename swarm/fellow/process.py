@@ -27,6 +27,7 @@ from swarm.errors import AuthError, SwarmError, first_leaf
 from swarm.fellow.control import ControlLink
 from swarm.fellow.direct_links import DirectLinkAgent
 from swarm.fellow.hardware import MachineShare
+from swarm.fellow.leave import Leaving, run_until_left
 from swarm.fellow.link_probe import LinkProbes
 from swarm.fellow.links import IncomingLinks
 from swarm.fellow.loading import LoadedStage, StageLoader
@@ -86,6 +87,7 @@ class Fellow:
         self.link_probes = LinkProbes(self)  # round-trip time and throughput to the pool's fellows
         self.loader = StageLoader(self)
         self.direct_links = DirectLinkAgent(self)
+        self.leaving = Leaving(self)  # handing its stages over before it goes (`swarm leave`, SIGTERM, Drain)
         # `swarm update`: install the leader's version, then run ``restart_with`` (the same command) in this process
         self.updater = FellowUpdater(self, restart_with)
         self.checks: str | None = None  # what this PC can hold of the leader's catalogue (the welcome's early checks)
@@ -161,7 +163,7 @@ def run_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: st
     fellow = Fellow(leader_url=leader_url, data_dir=data_dir, settings=settings, name=name, join_token=join_token,
                     standby=standby, restart_with=restart_command())
     print(f"Fellow {fellow.name} (key {fingerprint(fellow.public)}) joining {leader_url}", flush=True)
-    trio.run(fellow.run)
+    trio.run(run_until_left, fellow)
 
 
 def check_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: str | None) -> None:
@@ -179,6 +181,14 @@ def check_fellow(leader_url: str, join_token: str | None, data_dir: Path, name: 
     trio.run(once)
     print(f"Joined {leader_url} as {fellow.name}. What this PC can hold: {fellow.checks or 'the leader did not say'}",
           flush=True)
+
+
+def leave_fellow(data_dir: Path, force: bool = False) -> None:
+    """`swarm leave`: this machine's running fellow (``data_dir``) hands its stages over and leaves."""
+    from swarm.fellow.leave import leave_command
+
+    fellow = Fellow(leader_url=_joined_leader(data_dir), data_dir=data_dir, settings=Settings.from_env())
+    print(trio.run(leave_command, fellow, force), flush=True)
 
 
 def update_fellow(data_dir: Path, force: bool = False) -> None:

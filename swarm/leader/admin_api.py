@@ -216,6 +216,21 @@ class AdminRoutes:
             conn.standby = row.standby
         return JSONResponse({"fellow": as_dict(row)})
 
+    @handles_errors
+    async def fellow_drain(self, request: Request):
+        """POST {"force": false}: the fellow hands its stages over and leaves, as `swarm leave` on it does (409
+        drain_refused, saying why, when a stage has no taker and ``force`` is not set)."""
+        await self._admin(request)
+        body = await json_body(request) if await request.body() else {}
+        force = body.get("force", False)
+        if not isinstance(force, bool):
+            raise BadRequest('send {"force": true} or {"force": false}.', "invalid_force")
+        fellow_id = int(request.path_params["fellow_id"])
+        if fellow_id not in self.leader.hub.online:
+            return problem(404, f"fellow {fellow_id} is not online: there is nothing to drain", "not_found")
+        done = await self.leader.serving.drains.drain(fellow_id, force=force, wait_s=self.leader.settings.leave_wait_s)
+        return JSONResponse({"fellow_id": fellow_id, "message": done})
+
 
 def admin_routes(leader, web_dir) -> list[Route]:
     admin = AdminRoutes(leader, web_dir)
@@ -233,4 +248,5 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/api/v1/settings/models", admin.model_switches, methods=["GET", "PUT"]),
         Route("/api/v1/links", admin.links, methods=["GET"]),
         Route("/api/v1/fellows/{fellow_id:int}", admin.fellow_update, methods=["PUT"]),
+        Route("/api/v1/fellows/{fellow_id:int}/drain", admin.fellow_drain, methods=["POST"]),
     ]

@@ -12,6 +12,7 @@ from starlette.websockets import WebSocket
 
 from swarm import __version__, wire
 from swarm.errors import AuthError, ProtocolError, SwarmError
+from swarm.leader.drain import leave_session
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
 from swarm.messages import Hardware
 from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, close_quietly
@@ -155,6 +156,10 @@ class FellowHub:
         channel.max_message_size = CONTROL_MAX_BYTES
         if hello.get("purpose") == "update":  # `swarm update` on a fellow's machine: one answer, then goodbye
             await self._update_session(channel, hello)
+            await close_quietly(transport)
+            return
+        if hello.get("purpose") == "leave":  # `swarm leave` on a fellow's machine (swarm.leader.drain)
+            await leave_session(self, channel, hello)
             await close_quietly(transport)
             return
         try:

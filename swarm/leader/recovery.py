@@ -68,6 +68,7 @@ class Recovery:
         cover = next((s for s in model.stages if s.cover == conn.id), None)
         if slot is None and cover is not None:
             self._on_cover_event(model, cover, conn, kind)
+            model.notify()  # a drain waits for its taker's copy (swarm.leader.drain)
             return
         if slot is None:
             return

@@ -22,6 +22,7 @@ from swarm.errors import ContextTooLong, ModelNotFound, ModelNotLoaded, Placemen
 from swarm.leader.auto_load import AutoLoad, room
 from swarm.leader.draft_model import resolve
 from swarm.leader.drafting import sliding, with_drafting
+from swarm.leader.drain import Drains
 from swarm.leader.limits import context_reason, model_context, served_context
 from swarm.leader.link_matrix import LinkMatrix
 from swarm.leader.models import (
@@ -78,6 +79,7 @@ class Serving:
         self.link_matrix = LinkMatrix(self)  # measured links between each pool's fellows (the admin page's matrix)
         self.prefix = PrefixCaches(settings.serve_prefix_cache_tokens)  # the prefix cache's index, per model
         self.verifier = Verifier(self)  # spot checks of the fellows' work (SWARM_SERVE_VERIFY)
+        self.drains = Drains(self)  # fellows that leave hand their stages over first
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -555,6 +557,8 @@ class Serving:
             self.recovery.on_stage_event(conn, message)
         elif message["t"] in ("verify_sample", "verify_result"):
             self.verifier.on_message(conn, message)
+        elif message["t"] == "leave":  # SIGTERM of the fellow's process: hand its stages over, then it goes
+            self._start(self.drains.on_leave, conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
         elif message["t"] == "link_report":

@@ -119,15 +119,33 @@ async function loadFellows() {
       }),
       h("span", {}, f.standby ? "Standby" : "—"),
     ]),
-    h("button", {
+    [...(f.state === "online" ? [drainButton(f), " "] : []), h("button", {
       class: "btn small danger", type: "button", "aria-label": `Remove fellow ${f.name}`,
       onclick: async () => {
         if (!await confirmAction(`Remove ${f.name}?`, "Its link ends now and its key is refused from then on; its stages move to other fellows. To join again it needs a new key and a new join token.")) return;
         try { await del(`/api/v1/fellows/${f.id}`); } catch (err) { showError(err.message); }
         loadFellows();
       },
-    }, "Remove"),
+    }, "Remove")],
   ], "No fellow has joined yet: create a join token and run swarm join on a PC.");
+}
+
+// Drain: the fellow hands its stages to a hot cover, a standby or an idle fellow with room -- replies go on without
+// a pause -- then leaves (as `swarm leave` on it). Refused when nobody can take a stage; then it may leave anyway.
+function drainButton(f) {
+  return h("button", {
+    class: "btn small", type: "button", "aria-label": `Drain fellow ${f.name}`,
+    onclick: async () => {
+      if (!await confirmAction(`Drain ${f.name}?`, "Its stages move to other fellows while replies go on, then it leaves the pool (its process stops).")) return;
+      try {
+        await api("POST", `/api/v1/fellows/${f.id}/drain`, { force: false });
+      } catch (err) {
+        if (!await confirmAction(`${f.name} cannot hand everything over`, `${err.message} Leave anyway?`)) { loadFellows(); return; }
+        try { await api("POST", `/api/v1/fellows/${f.id}/drain`, { force: true }); } catch (again) { showError(again.message); }
+      }
+      loadFellows();
+    },
+  }, "Drain");
 }
 
 async function loadJoinTokens() {
