@@ -18,6 +18,7 @@ import trio
 from api_faces import ANSWER, call, thinking_model, weather_model
 from harness import running_swarm, wait_until
 from scripted import hold_compute
+from swarm.leader.limits import chat_body_limit
 from test_openai_compat import CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
@@ -253,13 +254,15 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             missing = await swarm.http.post("/v1/messages", json={"model": name, "messages": ASK})
             assert missing.status_code == 400 and "'max_tokens' is required" in missing.json()["error"]["message"]
             # the context limits of every face: a conversation too long for the model, a body too large
+            # the body limit follows the longest context served (swarm.leader.limits.chat_body_limit)
+            limit = chat_body_limit(swarm.leader.serving.largest_context())
             big = await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 4, "messages": [
-                {"role": "user", "content": "a" * 1_500_000}]})
+                {"role": "user", "content": "a" * (limit - 20_000)}]})
             assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
             assert "prompt is too long" in big.json()["error"]["message"]
             assert "maximum context length" in big.json()["error"]["message"]
             huge = await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 4, "messages": [
-                {"role": "user", "content": "a" * 3_000_000}]})
+                {"role": "user", "content": "a" * (limit + 1000)}]})
             assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
             # a client that leaves (streamed or not) ends its reply on the ring at once
             book = swarm.leader.serving.book

@@ -18,6 +18,7 @@ from api_faces import ANSWER, call, streamed, thinking_model, weather_model
 from harness import running_swarm, wait_until
 from scripted import hold_compute
 from swarm import __version__
+from swarm.leader.limits import chat_body_limit
 from test_openai_compat import CALL, CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
@@ -148,13 +149,15 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
             with pytest.raises(ollama.ResponseError) as info:  # the check is Chat Completions', in Ollama's words
                 await call(client.chat, model=name, messages=ASK, options={"num_predict": 10**9})
             assert info.value.status_code == 400 and "'num_predict'" in info.value.error
-            # a chat body has the /v1 routes' size limit (2 MiB here), not the 1 MiB of other routes: a prompt of
-            # 1.5 MB is read, then refused by the context check
+            # a chat body has the /v1 routes' size limit (it follows the longest context served), not the 1 MiB of
+            # other routes: a prompt just under it is read, then refused by the context check
+            limit = chat_body_limit(swarm.leader.serving.largest_context())
+            assert limit > 1 << 20
             big = await swarm.http.post("/api/chat", json={"model": name, "messages": [
-                {"role": "user", "content": "a" * 1_500_000}]})
+                {"role": "user", "content": "a" * (limit - 20_000)}]})
             assert big.status_code == 413 and "maximum context length" in big.json()["error"]
             huge = await swarm.http.post("/api/chat", json={"model": name, "messages": [
-                {"role": "user", "content": "a" * 3_000_000}]})
+                {"role": "user", "content": "a" * (limit + 1000)}]})
             assert huge.status_code == 413 and "larger than the" in huge.json()["error"]  # Ollama's shape here too
             async with httpx.AsyncClient(base_url=swarm.url) as anonymous:
                 for method, path in (("POST", "/api/chat"), ("POST", "/api/generate"), ("GET", "/api/tags"),
