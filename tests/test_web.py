@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -627,7 +626,7 @@ def test_settings_shows_the_planned_speed(bg, browser, model):
 def test_the_api_examples_run_as_shown_for_every_face(bg, browser, model):
     """Settings -> API: each face's Python example, copied from the page with a pasted token, runs and prints the
     model's reply through that vendor's client against this leader -- with the page's temperature 0 and max tokens
-    in it, the same greedy reply through every face; the curl examples answer too where curl is."""
+    in it, the same greedy reply through every face; the curl examples answer too."""
     token = api(bg, "POST", "/api/v1/tokens", json={"name": "examples"}).json()["token"]
     page = signed_in_page(bg, browser, column="settings")
     page.fill("input[aria-label='Paste a token']", token)
@@ -646,9 +645,9 @@ def test_the_api_examples_run_as_shown_for_every_face(bg, browser, model):
     for face, package in faces.items():
         assert f"import {package}" in shown[face, "Python"] or f"from {package} import" in shown[face, "Python"]
     commands = {(face, "Python"): [sys.executable, "-c", shown[face, "Python"]] for face in faces}
-    if shutil.which("curl") is not None:
-        # curl for two faces: the four share one builder; chat streams (SSE), messages sends Anthropic's headers
-        commands.update({(face, "curl"): ["bash", "-c", shown[face, "curl"]] for face in ("chat", "messages")})
+    # curl (scripts/bootstrap installs it) for two faces: the four share one builder; chat streams (SSE), messages
+    # sends Anthropic's headers
+    commands.update({(face, "curl"): ["bash", "-c", shown[face, "curl"]] for face in ("chat", "messages")})
     runs = {key: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for key, command in commands.items()}  # all at once: the pool batches them
     deadline = time.monotonic() + 200
