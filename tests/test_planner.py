@@ -123,6 +123,9 @@ def test_two_stages_compute_bound_on_the_slower_fellow():
     assert sentence(p) == ("about 55 tokens/s, first token of a 1,000-token prompt in 0.5 s over 2 stages; the "
                            "slowest part is stage 1 on pc-2 (compute) (links not measured yet: assumed 2 ms round "
                            "trip)")
+    # below 10 with one decimal; a rate that rounds to 10.0 is said as a whole number
+    assert [sentence({**p, "tokens_per_s": r}).split(",")[0] for r in (9.94, 9.97, 10.4)] == [
+        "about 9.9 tokens/s", "about 10 tokens/s", "about 10 tokens/s"]
 
 
 def test_slow_links_are_the_bottleneck():

@@ -615,7 +615,7 @@ def test_settings_shows_the_planned_speed(bg, browser, model):
     bg.sync(calibrate)
     page = signed_in_page(bg, browser, column="settings")
     expect(page.locator("#model-plan")).to_have_text(re.compile(
-        r"^about \d+ tokens/s, first token of a 1,000-token prompt in [\d.]+ s over 2 stages; the slowest part is "
+        r"^about [\d.]+ tokens/s, first token of a 1,000-token prompt in [\d.]+ s over 2 stages; the slowest part is "
         r"(stage \d on fellow-\d \(compute\)|the links between stages)"))
     assert api(bg, "GET", f"/api/v1/models/{model}/plan").json()["num_stages"] == 2
     shot(page, "settings-planned-speed")

@@ -199,7 +199,8 @@ def sentence(prediction: dict) -> str:
     stages; the slowest part is stage 1 on pc-2 (compute)'."""
     n = prediction["num_stages"]
     rate = prediction["tokens_per_s"]
-    rate_text = f"about {rate:.0f} tokens/s" if rate >= 10 else f"about {rate:.1f} tokens/s"
+    # whole tokens from 10 up; a rate that rounds to 10.0 is "about 10", never "about 10.0"
+    rate_text = f"about {rate:.0f} tokens/s" if round(rate, 1) >= 10 else f"about {rate:.1f} tokens/s"
     over = f"over {n} stages" if n > 1 else f"on {prediction['stages'][0]['fellow']}"
     text = (f"{rate_text}, first token of a {prediction['prompt_tokens']:,}-token prompt in "
             f"{prediction['time_to_first_token_s']:.1f} s {over}; the slowest part is "
