@@ -48,7 +48,7 @@ class DirectLinkCoordinator:
         for i, hop_id in enumerate(model.hop_ids):
             if hop_id not in self._active:
                 self._active.add(hop_id)
-                self.serving._start(self._hop_loop, model, i, hop_id, model.ring_id)
+                self.serving.start_task(self._hop_loop, model, i, hop_id, model.ring_id)
 
     async def start_all(self) -> None:
         """Direct links were just turned on: look for better paths for every model already serving."""

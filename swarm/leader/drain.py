@@ -31,7 +31,7 @@ from swarm.errors import AuthError, DrainRefused, SwarmError
 from swarm.leader.failover import Candidate, choose_replacement
 from swarm.leader.models import ModelServing, StageState, load_message
 from swarm.leader.placement import GB, StagePlan
-from swarm.tunnel.channel import CLEANUP_S
+from swarm.tunnel.channel import send_last
 from swarm.tunnel.keys import fingerprint
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class Drains:
         loaded copy takes the stage's place, and a new ring generation is linked; once it is, the requests go on
         (swarm.leader.recovery links, marks the model ready and sends them)."""
         serving = self.serving
-        serving._perform(serving.book.interrupt(model.name))
+        serving.perform(serving.book.interrupt(model.name))
         model.status, model.error, model.recovering_since = "recovering", None, trio.current_time()
         slot.plan = dataclasses.replace(slot.plan, fellow_id=taker.id, fellow_name=taker.name)
         # its free memory already counts the copy's weights (and a last stage's draft model), which the budget
@@ -252,8 +252,4 @@ async def leave_session(hub, channel, hello: dict) -> None:
     except SwarmError as exc:
         log.info("refused a leave for key %s: %s", fingerprint(key), exc)
         reply = {"t": "refused", "message": str(exc)}
-    with trio.move_on_after(CLEANUP_S):
-        try:
-            await channel.send(wire.encode(reply))
-        except SwarmError:
-            pass
+    await send_last(channel, wire.encode(reply))

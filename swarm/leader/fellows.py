@@ -15,7 +15,7 @@ from swarm.errors import AuthError, ProtocolError, SwarmError
 from swarm.leader.drain import leave_session
 from swarm.leader.wsframes import ServerWebSocketFrameTransport
 from swarm.messages import Hardware
-from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, close_quietly
+from swarm.tunnel.channel import CLEANUP_S, NoiseChannel, close_quietly, send_last
 from swarm.tunnel.keys import fingerprint
 
 if TYPE_CHECKING:
@@ -169,11 +169,7 @@ class FellowHub:
             if not isinstance(exc, SwarmError):
                 exc = ProtocolError(f"the hello is malformed ({type(exc).__name__}); send the hello of `swarm join`.")
             log.info("refused a fellow: %s", exc)
-            with trio.move_on_after(CLEANUP_S):
-                try:
-                    await channel.send(wire.encode({"t": "refused", "message": str(exc)}))
-                except SwarmError:
-                    pass
+            await send_last(channel, wire.encode({"t": "refused", "message": str(exc)}))
             await close_quietly(transport)
             return
         try:
@@ -190,7 +186,7 @@ class FellowHub:
             if conn.outdated:
                 log.warning("fellow %s runs swarm %s (protocol %s), this leader %s (protocol %s)", conn.name,
                             conn.version, conn.protocol, __version__, wire.PROTOCOL_VERSION)
-                self.serving._start(self._prepare_update)  # the wheel is ready by the time someone asks for it
+                self.serving.start_task(self._prepare_update)  # the wheel is ready by the time someone asks for it
             keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
             conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
                        "stages": keep, "leader": {"version": __version__, "protocol": wire.PROTOCOL_VERSION},
@@ -270,11 +266,7 @@ class FellowHub:
         except SwarmError as exc:
             log.info("refused an update for key %s: %s", fingerprint(key), exc)
             reply = {"t": "refused", "message": str(exc)}
-        with trio.move_on_after(CLEANUP_S):
-            try:
-                await channel.send(wire.encode(reply))
-            except SwarmError:
-                pass
+        await send_last(channel, wire.encode(reply))
 
     async def disconnect(self, fellow_id: int) -> bool:
         """End a fellow's control link now (it was removed): its stages fail over as if it had dropped out."""

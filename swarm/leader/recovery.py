@@ -92,7 +92,7 @@ class Recovery:
             self.serving.book.end_model(model.name, f"loading {model.name} failed: {text}")
         else:  # a replacement failed to load: try another fellow
             slot.failed_on.add(conn.id)
-            self.serving._start(self._replace, model, slot.plan.index)
+            self.serving.start_task(self._replace, model, slot.plan.index)
 
     def _on_cover_event(self, model: ModelServing, slot: StageState, conn, kind: str) -> None:
         if kind == "loaded":
@@ -110,7 +110,7 @@ class Recovery:
         if message["t"] == "link_failed":
             log.warning("linking %s failed: %s", model.name, message.get("message"))
             slot.ready = False
-            self.serving._start(self._replace, model, slot.plan.index)
+            self.serving.start_task(self._replace, model, slot.plan.index)
             return
         slot.linked = True
         if all(s.linked for s in model.stages) and model.status in ("loading", "recovering"):
@@ -119,7 +119,7 @@ class Recovery:
             log.info("model %s is %s over %d stages", model.name, "ready" if was == "loading" else "back",
                      len(model.stages))
             model.notify()
-            self.serving._start(self._ready, model)
+            self.serving.start_task(self._ready, model)
 
     async def _ready(self, model: ModelServing) -> None:
         for slot in model.stages:
@@ -193,7 +193,7 @@ class Recovery:
         slot.phase, slot.fraction = "queued", 0.0
         if model.status in ("ready", "recovering"):
             self._begin_recovery(model)
-        self.serving._start(self._replace, model, slot.plan.index)
+        self.serving.start_task(self._replace, model, slot.plan.index)
         model.notify()
 
     def _begin_recovery(self, model: ModelServing) -> None:
@@ -202,7 +202,7 @@ class Recovery:
             model.status = "recovering"
             model.error = None
             model.recovering_since = trio.current_time()
-        serving._perform(serving.book.interrupt(model.name))
+        serving.perform(serving.book.interrupt(model.name))
         model.ring_id = None
         self.close_ring(model)
         for slot in model.stages:  # the stages still there drop their work until the ring is linked again
@@ -297,18 +297,25 @@ class Recovery:
             await trio.to_thread.run_sync(serving.store.get_setting, HOT_COVER, False))
         if not enabled or model.status != "ready" or any(s.cover is not None for s in model.stages):
             return
-        choice = choose_cover([s.plan for s in model.stages], self.candidates(model), set())
+        await self.place_cover(model, set(), "a hot cover")
+
+    async def place_cover(self, model: ModelServing, covered: set[int], what: str) -> bool:
+        """Load a copy of one stage not in ``covered`` on the standby that fits it best (what hot cover and the spot
+        checks' checkers both are); ``what`` names the copy in the log. False when no standby can take one."""
+        serving = self.serving
+        choice = choose_cover([s.plan for s in model.stages], self.candidates(model), covered)
         if choice is None:
-            return
+            return False
         index, standby = choice
         conn = serving.hub.online.get(standby.fellow_id)
         if conn is None:
-            return
+            return False
         slot = model.stages[index]
         slot.cover, slot.cover_ready, slot.cover_given = conn.id, False, conn.id
-        log.info("%s loads a hot cover of stage %d of %s", conn.name, index, model.name)
+        log.info("%s loads %s of stage %d of %s", conn.name, what, index, model.name)
         conn.post(load_message(model, index, cover=True))
         await self._save(model)  # a restarted leader knows whose cover it is
+        return True
 
     # --- adoption -----------------------------------------------------------------------------------------------
 
@@ -344,7 +351,7 @@ class Recovery:
                 self._slot_lost(model, slot, f"{conn.name} came back without stage {slot.plan.index} of {model.name}")
             elif model.status == "recovering" and slot.phase == "queued":
                 # after a leader restart: its fellow is back but restarted too -- load the stage again right away
-                self.serving._start(self._replace, model, slot.plan.index)
+                self.serving.start_task(self._replace, model, slot.plan.index)
         return adopted
 
     @staticmethod
@@ -418,13 +425,13 @@ class Recovery:
             if isinstance(context, int):  # served as loaded: a cap below its own stays
                 serving.served_contexts[name] = serving.context_caps[name] = context
             log.info("%s was serving before the restart: waiting for its fellows", name)
-            serving._start(self._adopt_or_replace, model)
+            serving.start_task(self._adopt_or_replace, model)
 
     async def _adopt_or_replace(self, model: ModelServing) -> None:
         await trio.sleep(ADOPT_WAIT_S)
         for slot in model.stages:
             if not slot.ready and self.serving.models.get(model.name) is model:
-                self.serving._start(self._replace, model, slot.plan.index)
+                self.serving.start_task(self._replace, model, slot.plan.index)
 
 
 def _moved(plan: StagePlan, conn) -> StagePlan:

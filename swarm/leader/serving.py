@@ -253,7 +253,7 @@ class Serving:
         self.reload_on_request.discard(name)
         for i, plan in enumerate(plans):
             self.online[plan.fellow_id].post(load_message(serving, i))
-        self._start(self._warm_tokenizer, name)
+        self.start_task(self._warm_tokenizer, name)
         serving.notify()
         return serving
 
@@ -302,7 +302,7 @@ class Serving:
         assert self.hub is not None, "the app sets Serving.hub before the leader serves"
         return self.hub.online
 
-    def _start(self, fn, *args) -> None:
+    def start_task(self, fn, *args) -> None:
         """Run ``fn(*args)`` in the background. These tasks share the leader's nursery: a bug in one is logged and
         must not take the leader down."""
         if self.nursery is None:
@@ -322,7 +322,7 @@ class Serving:
         """Send ``request`` to its model's ring, or let it wait while the model loads or recovers; a model that went
         idle is loaded again for it."""
         await self.check(request)
-        self._perform(self.book.submit(request))  # runs now, or waits for the ring or for room
+        self.perform(self.book.submit(request))  # runs now, or waits for the ring or for room
         return request
 
     async def submit_group(self, requests: list[Request]) -> list[Request]:
@@ -330,7 +330,7 @@ class Serving:
         once (RequestBook.submit_group)."""
         for i, request in enumerate(requests):
             await self.check(request, group=len(requests) if i == 0 else 0)  # the quotas count the group once
-        self._perform(self.book.submit_group(requests))
+        self.perform(self.book.submit_group(requests))
         return requests
 
     async def check(self, request: Request, group: int = 1) -> None:
@@ -453,9 +453,9 @@ class Serving:
         return self.book.find(request_id)
 
     def cancel(self, request: Request) -> None:
-        self._perform(self.book.cancel(request))
+        self.perform(self.book.cancel(request))
 
-    def _perform(self, actions: list) -> None:
+    def perform(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, ToStage0):
                 serving = self.models.get(action.model)
@@ -469,10 +469,10 @@ class Serving:
                     conn.post(self._with_prefix(message, reuse=not checked))
                 elif isinstance(action.message, messages.Generate):
                     for rid in action.message.rids:  # a group start: each of its choices
-                        self._perform(self.book.on_failed(messages.Failed(
+                        self.perform(self.book.on_failed(messages.Failed(
                             action.model, rid, f"stage 0 of {action.model} is offline")))
             elif isinstance(action, NotLoaded):
-                self._start(self._reload, action.model, action.text)
+                self.start_task(self._reload, action.model, action.text)
 
     def _with_prefix(self, message: Any, reuse: bool = True) -> Any:
         """A Generate with the prefix cache's plan (swarm.leader.prefix_index), within what the model's KV budget
@@ -499,7 +499,7 @@ class Serving:
         if serving is None or serving.status != "ready":
             return
         log.info("%s; loading %s again", why, name)
-        self._perform(self.book.interrupt(name))
+        self.perform(self.book.interrupt(name))
         waiting = self.book.waiting.pop(name, [])
         await self.unload(name)
         self.reload_on_request.add(name)
@@ -518,7 +518,7 @@ class Serving:
         serving = self.models.get(name)
         if serving is not None:
             self.prefix.reset(name, serving.config)  # a new ring, or the same one after a failover: a cache anew
-            self._perform(self.book.resume(name, serving.budget(self.settings)))
+            self.perform(self.book.resume(name, serving.budget(self.settings)))
 
     # --- messages from fellows ------------------------------------------------------------------------------------
 
@@ -527,19 +527,19 @@ class Serving:
         if isinstance(message, messages.Tokens):
             if self._serves(conn, message.model):
                 self.prefix.on_tokens(message)  # first: the requests this ending starts may reuse its blocks
-                self._perform(self.book.on_tokens(message))
+                self.perform(self.book.on_tokens(message))
         elif isinstance(message, messages.Failed):
             if self._serves(conn, message.model):
                 log.info("request %s failed on stage %s: %s", message.rid, message.stage, message.message)
                 self.prefix.failed(message.model, message.rid)
-                self._perform(self.book.on_failed(message))
+                self.perform(self.book.on_failed(message))
         elif isinstance(message, messages.StageTimes):
             if self._serves(conn, message.model):
                 self.book.on_stage_times(message)
         elif isinstance(message, messages.HopLost):
             if self._serves(conn, message.model):
                 log.info("a link of %s over the %s broke; re-sending its requests", message.model, message.path)
-                self._perform(self.book.on_path_lost(message.model))
+                self.perform(self.book.on_path_lost(message.model))
         elif not isinstance(message, dict):
             log.debug("ignoring a %s from %s", type(message).__name__, conn.name)
         elif message["t"] == "heartbeat":
@@ -558,7 +558,7 @@ class Serving:
         elif message["t"] in ("verify_sample", "verify_result"):
             self.verifier.on_message(conn, message)
         elif message["t"] == "leave":  # SIGTERM of the fellow's process: hand its stages over, then it goes
-            self._start(self.drains.on_leave, conn, message)
+            self.start_task(self.drains.on_leave, conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
         elif message["t"] == "link_report":
@@ -582,7 +582,7 @@ class Serving:
     def on_fellow_joined(self, conn, stages: list) -> list[str]:
         """A fellow (re)connected holding ``stages``: the models whose stage it keeps (it unloads the others).
         What follows from it -- adopting its stages, linking rings -- runs once its welcome has gone out."""
-        self._start(self._adopt, conn, stages)
+        self.start_task(self._adopt, conn, stages)
         self.link_matrix.fleet_changed()  # its links are measured soon
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 

@@ -32,8 +32,7 @@ import numpy as np
 import trio
 
 from swarm import messages
-from swarm.leader.failover import choose_cover
-from swarm.leader.models import ModelServing, load_message
+from swarm.leader.models import ModelServing
 
 log = logging.getLogger(__name__)
 
@@ -284,21 +283,9 @@ class Verifier:
         """While checks are on, keep a hot cover of every stage that a standby has room for: they are the checkers."""
         if self.fraction <= 0 or model.status != "ready":
             return
-        recovery = self.serving.recovery
-        while True:
+        covered = {s.plan.index for s in model.stages if s.cover is not None}
+        while await self.serving.recovery.place_cover(model, covered, "a copy to check it"):
             covered = {s.plan.index for s in model.stages if s.cover is not None}
-            choice = choose_cover([s.plan for s in model.stages], recovery.candidates(model), covered)
-            if choice is None:
-                return
-            index, standby = choice
-            conn = self.serving.hub.online.get(standby.fellow_id)
-            if conn is None:
-                return
-            slot = model.stages[index]
-            slot.cover, slot.cover_ready, slot.cover_given = conn.id, False, conn.id
-            log.info("%s loads a copy of stage %d of %s to check it", conn.name, index, model.name)
-            conn.post(load_message(model, index, cover=True))
-            await recovery.save(model)
             await trio.lowlevel.checkpoint()
 
     async def cover_all(self) -> None:

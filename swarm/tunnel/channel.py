@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import trio
 
-from swarm.errors import HandshakeFailed, LinkClosed, ProtocolError, TunnelError
+from swarm.errors import HandshakeFailed, LinkClosed, ProtocolError, SwarmError, TunnelError
 from swarm.tunnel.framing import MAX_WIRE_FRAME, FrameDecoder, encode_frame  # MAX_WIRE_FRAME: re-exported
 from swarm.tunnel.noise import NoiseSession
 
@@ -41,6 +41,16 @@ async def close_quietly(link) -> None:
         try:
             await link.aclose()
         except Exception:
+            pass
+
+
+async def send_last(channel, frame: bytes) -> None:
+    """Send a session's last frame (a reply before closing), for at most CLEANUP_S; a link that broke under it is
+    dropped: the peer is gone, and nothing is left to tell it."""
+    with trio.move_on_after(CLEANUP_S):
+        try:
+            await channel.send(frame)
+        except SwarmError:
             pass
 
 
