@@ -18,45 +18,14 @@ import platform
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from departures import reply_arrivals, ring_with_standby
 
-from fleet import FellowProcess  # noqa: E402
-from harness import running_swarm, wait_until  # noqa: E402
-
-PROMPT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
-TOKENS = 200
 SIGNAL_AT = 30
-
-
-async def reply_arrivals(swarm, name: str, act=None) -> tuple[list[tuple[float, int, int]], float | None, list[int]]:
-    """Token arrivals (time, count) at the leader of one greedy reply; ``act()`` runs once SIGNAL_AT tokens came."""
-    times: list[tuple[float, int, int]] = []  # (time, tokens, attempt)
-    acted_at = None
-    async with trio.open_nursery() as nursery:
-        async def chat():
-            await swarm.http.post("/v1/chat/completions", timeout=600, json={
-                "model": name, "messages": PROMPT, "temperature": 0, "max_tokens": TOKENS})
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(chat)
-        request = await wait_until(lambda: next(iter(swarm.leader.serving.requests.values()), None), 60)
-        seen = (0, 1)
-        while True:
-            if (len(request.tokens), request.attempts) != seen:
-                seen = (len(request.tokens), request.attempts)
-                times.append((trio.current_time(), *seen))
-            if act is not None and acted_at is None and seen[0] >= SIGNAL_AT:
-                act()
-                acted_at = trio.current_time()
-            await trio.sleep(0.002)
-    return times, acted_at, list(request.tokens)
 
 
 def longest_gap(times: list[tuple[float, int, int]], since: float | None = None) -> float:
@@ -78,28 +47,15 @@ async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> t
     """(pause at the switch, longest gap from the signal on, longest gap uninterrupted, same reply, signal to the
     fellow's exit)."""
     name = model_dir.name
-    env = {"SWARM_SERVE_HOT_COVER": "1"} if hot_cover else {}
-    async with running_swarm(work, [model_dir], fellows=0, leader_env=env) as swarm:
-        join = swarm.join_token(uses=3)
-        fellows = [FellowProcess(swarm.url, join, work / f"fellow-{i}", f"fellow-{i}", standby=i == 2,
-                                 env={"SWARM_CALIBRATE": "0"}).start() for i in range(3)]
-        try:
-            await wait_until(lambda: len(swarm.leader.hub.online) == 3, 120)
-            placed = [s["fellow"] for s in (await swarm.load(name, 2))["stages"]]
-            if hot_cover:
-                await wait_until(lambda: any(s.cover_ready for s in swarm.leader.serving.models[name].stages), 120)
-                stage = next(i for i, s in enumerate(swarm.leader.serving.models[name].stages) if s.cover_ready)
-            calm, _, want = await reply_arrivals(swarm, name)
-            victim = next(f for f in fellows if f.name == placed[stage])
-            times, signalled, got = await reply_arrivals(swarm, name, lambda: victim.proc.send_signal(signal.SIGTERM))
-            await trio.to_thread.run_sync(victim.proc.wait, 60)
-            left = trio.current_time() - (signalled or 0.0)
-            moved = swarm.leader.serving.models[name].stages[stage].plan.fellow_name
-            assert moved == "fellow-2", f"stage {stage} is on {moved}"
-            return switch_gap(times), longest_gap(times, signalled), longest_gap(calm), got == want, left
-        finally:
-            for f in fellows:
-                f.stop()
+    async with ring_with_standby(model_dir, work, stage, hot_cover, {"SWARM_CALIBRATE": "0"}) as (swarm, victim, stage):
+        calm, _, want = await reply_arrivals(swarm, name)
+        times, signalled, got = await reply_arrivals(swarm, name, lambda: victim.proc.send_signal(signal.SIGTERM),
+                                                     SIGNAL_AT)
+        await trio.to_thread.run_sync(victim.proc.wait, 60)
+        left = trio.current_time() - (signalled or 0.0)
+        moved = swarm.leader.serving.models[name].stages[stage].plan.fellow_name
+        assert moved == "fellow-2", f"stage {stage} is on {moved}"
+        return switch_gap(times), longest_gap(times, signalled), longest_gap(calm), got == want, left
 
 
 async def main(args) -> None:

@@ -15,60 +15,21 @@ import argparse
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from fleet import FellowProcess  # noqa: E402
-from harness import running_swarm, wait_until  # noqa: E402
-
-PROMPT = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
+from departures import reply_arrivals, ring_with_standby
 
 
 async def one_run(model_dir: Path, work: Path, stage: int, hot_cover: bool) -> float:
-    name = model_dir.name
-    env = {"SWARM_SERVE_HOT_COVER": "1"} if hot_cover else {}
-    async with running_swarm(work, [model_dir], fellows=0, leader_env=env) as swarm:
-        join = swarm.join_token(uses=3)
-        fellows = [FellowProcess(swarm.url, join, work / f"fellow-{i}", f"fellow-{i}", standby=i == 2).start()
-                   for i in range(3)]
-        try:
-            await wait_until(lambda: len(swarm.leader.hub.online) == 3, 120)
-            placed = [s["fellow"] for s in (await swarm.load(name, 2))["stages"]]
-            if hot_cover:
-                await wait_until(lambda: any(s.cover_ready for s in swarm.leader.serving.models[name].stages), 120)
-                stage = next(i for i, s in enumerate(swarm.leader.serving.models[name].stages) if s.cover_ready)
-            victim = next(f for f in fellows if f.name == placed[stage])
-            times: list[tuple[float, int]] = []
-            async with trio.open_nursery() as nursery:
-                async def chat():
-                    await swarm.http.post("/v1/chat/completions", timeout=600, json={
-                        "model": name, "messages": PROMPT, "temperature": 0, "max_tokens": 200})
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(chat)
-                request = await wait_until(lambda: next(iter(swarm.leader.serving.requests.values()), None), 60)
-                seen = 0
-                killed_at = None
-                while True:
-                    if len(request.tokens) != seen:
-                        seen = len(request.tokens)
-                        times.append((trio.current_time(), seen))
-                    if killed_at is None and seen >= 40:
-                        victim.kill()
-                        killed_at = trio.current_time()
-                    await trio.sleep(0.002)
-            before = max(t for t, _ in times if t <= killed_at)
-            after = min(t for t, _ in times if t > killed_at)
-            return after - before
-        finally:
-            for f in fellows:
-                f.stop()
+    async with ring_with_standby(model_dir, work, stage, hot_cover) as (swarm, victim, _):
+        times, killed_at, _ = await reply_arrivals(swarm, model_dir.name, victim.kill, 40)
+    assert killed_at is not None, "the reply ended before the kill"
+    before = max(t for t, _, _ in times if t <= killed_at)
+    after = min(t for t, _, _ in times if t > killed_at)
+    return after - before
 
 
 async def main(args) -> None:
