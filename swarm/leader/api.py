@@ -15,6 +15,7 @@ from swarm.kv_kinds import check_kv_kind
 from swarm.leader.auth import SESSION_COOKIE, current_admin, current_fellow, current_user
 from swarm.leader.files import file_response
 from swarm.leader.http_errors import api_error, json_body, problem
+from swarm.leader.models import ModelStatus
 from swarm.leader.performance import parse_range, performance_view
 from swarm.leader.placement import MIN_CONTEXT
 from swarm.leader.planner import plan_model
@@ -284,7 +285,7 @@ class ApiRoutes:
             self._may_end_replies(user, name, "loading it again as asked would end them. Load it as it serves now, "
                                               "try again when they finish, or ask an admin to load it again.")
         serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization, context_tokens, kv_cache)
-        if serving.status == "failed":
+        if serving.status == ModelStatus.FAILED:
             raise PlacementError(serving.error or "the load failed")
         row = await self._model_row(name, user)
         return JSONResponse(await trio.to_thread.run_sync(self._model_view, row), status_code=202)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from swarm.errors import ModelNotLoaded, PlacementError
+from swarm.leader.models import ModelStatus
 from swarm.leader.placement import GB, FellowCapacity
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def room(serving: Serving, fellows: list, releasing: frozenset[str] = frozenset(
         held = sum(int(p.get("bytes") or 0) for p in serving.placements.get(f.id, {}).values()
                    if isinstance(p, dict))
         placed = sum(s.plan.need_bytes for m in serving.models.values()
-                     if m.name not in releasing and m.status != "failed" for s in m.stages
+                     if m.name not in releasing and m.status != ModelStatus.FAILED for s in m.stages
                      if f.id in (s.plan.fellow_id, s.cover))  # a hot cover holds a copy of its stage
         reported = f.hardware.serving_free_bytes(device)
         free = reported + held - placed if placed else reported  # nothing placed: as it reports
@@ -108,7 +109,7 @@ class AutoLoad:
         """The pool's ready models that no request runs on or waits for, least recently used first."""
         serving = self.serving
         idle = [m.name for m in serving.models.values()
-                if m.name != but and m.pool_id == pool_id and m.status == "ready"
+                if m.name != but and m.pool_id == pool_id and m.status == ModelStatus.READY
                 and not serving.book.of_model(m.name) and not serving.book.queued(m.name)]
         return sorted(idle, key=lambda n: self.last_used.get(n, 0.0))
 
@@ -135,7 +136,7 @@ class AutoLoad:
 
     def no_room(self, name: str, pool_id: int | None, refused: PlacementError, idle: list[str], evict: bool) -> str:
         serving = self.serving
-        loaded = [m for m in serving.models.values() if m.pool_id == pool_id and m.status != "failed"]
+        loaded = [m for m in serving.models.values() if m.pool_id == pool_id and m.status != ModelStatus.FAILED]
         if not loaded:  # no other model takes the room: the pool is too small (or has no fellow online)
             return f"model {name} is not loaded, and loading it for this request failed: {refused}"
         held = "; ".join(f"{m.name} ({sum(s.plan.need_bytes for s in m.stages) / GB:.1f} GB, "

@@ -13,6 +13,7 @@ import secrets
 import trio
 
 from swarm.errors import SwarmError
+from swarm.leader.models import ModelStatus
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class DirectLinkCoordinator:
     async def start_all(self) -> None:
         """Direct links were just turned on: look for better paths for every model already serving."""
         for model in list(self.serving.models.values()):
-            if model.status == "ready" and model.hop_ids:
+            if model.status == ModelStatus.READY and model.hop_ids:
                 await self.start(model)
 
     def on_message(self, conn, message: dict) -> None:
@@ -74,7 +75,7 @@ class DirectLinkCoordinator:
     def _current(self, model, ring_id: str | None) -> bool:
         """Whether the ring generation a hop loop works for is still the one serving (not unloaded, not rebuilt)."""
         live = self.serving.models.get(model.name)
-        return live is model and model.status == "ready" and model.ring_id == ring_id
+        return live is model and model.status == ModelStatus.READY and model.ring_id == ring_id
 
     async def _hop_loop(self, model, i: int, hop_id: str, ring_id: str | None) -> None:
         try:

@@ -29,7 +29,7 @@ import trio
 from swarm import wire
 from swarm.errors import AuthError, DrainRefused, SwarmError
 from swarm.leader.failover import Candidate, choose_replacement
-from swarm.leader.models import ModelServing, StageState, load_message
+from swarm.leader.models import ModelServing, ModelStatus, StageState, load_message
 from swarm.leader.placement import GB, StagePlan
 from swarm.tunnel.channel import send_last
 from swarm.tunnel.keys import fingerprint
@@ -96,7 +96,7 @@ class Drains:
         moves, refusals = [], []
         for model in list(self.serving.models.values()):
             slot = model.slot_of(fellow_id)
-            if slot is None or model.status != "ready":
+            if slot is None or model.status != ModelStatus.READY:
                 continue  # a model still loading or recovering: its stage goes the failover's way
             # a fellow holds one stage or cover per model: one that covers another stage of it cannot load this one
             candidates = [c for c in recovery.candidates(model, slot.plan.index)
@@ -182,12 +182,12 @@ class Drains:
                 if slot.cover != taker.id or serving.hub.online.get(taker.id) is not taker:
                     return f"{taker.name} could not load stage {handover.index} of {model.name}"
                 await model.changed.wait()
-        if model.status != "ready" or model.slot_of(leaving.id) is not slot:
+        if model.status != ModelStatus.READY or model.slot_of(leaving.id) is not slot:
             return f"{model.name} is recovering from another loss; stage {handover.index} goes the failover's way"
         switched_at = trio.current_time()
         self._switch(model, slot, taker)
         with trio.move_on_after(READY_WAIT_S):
-            while model.status != "ready":
+            while model.status != ModelStatus.READY:
                 await model.changed.wait()
         log.info("the ring of %s switched stage %d from %s to %s in %.0f ms", model.name, handover.index,
                  leaving.name, taker.name, 1000 * (trio.current_time() - switched_at))
@@ -200,7 +200,7 @@ class Drains:
         (swarm.leader.recovery links, marks the model ready and sends them)."""
         serving = self.serving
         serving.perform(serving.book.interrupt(model.name))
-        model.status, model.error, model.recovering_since = "recovering", None, trio.current_time()
+        model.status, model.error, model.recovering_since = ModelStatus.RECOVERING, None, trio.current_time()
         slot.plan = dataclasses.replace(slot.plan, fellow_id=taker.id, fellow_name=taker.name)
         # its free memory already counts the copy's weights (and a last stage's draft model), which the budget
         # subtracts again -- as a hot cover's takeover counts them (swarm.leader.recovery)

@@ -4,6 +4,7 @@ generation and its hops, and the messages that load and link each stage."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -36,12 +37,20 @@ class StageState:
     free_bytes: int = 0  # what its fellow had free when the stage was placed there: its KV budget comes from it
 
 
+class ModelStatus(enum.StrEnum):
+    """A loaded model's state: LOADING its stages, READY to serve, RECOVERING a lost stage, FAILED to load."""
+    LOADING = "loading"
+    READY = "ready"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+
+
 @dataclasses.dataclass
 class ModelServing:
     name: str
     load_id: str
     stages: list[StageState]
-    status: str = "loading"  # loading | ready | recovering | failed
+    status: ModelStatus = ModelStatus.LOADING
     error: str | None = None
     ring_id: str | None = None  # the current ring generation, once every stage is loaded
     hop_ids: list[str] = dataclasses.field(default_factory=list)  # hop i carries stage i -> i+1 (the last: -> 0)

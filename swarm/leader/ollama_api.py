@@ -29,6 +29,7 @@ from swarm.leader import timing
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import load_tokenizer
 from swarm.leader.http_errors import classify, json_body
+from swarm.leader.models import ModelStatus
 from swarm.leader.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
 
 # The routes, for the leader's middleware: their errors' shape, and which take a conversation (the /v1 body limit).
@@ -374,7 +375,7 @@ class OllamaRoutes:
         out = []
         for row in rows:
             serving = self.leader.serving.models.get(row.name)
-            if serving is None or serving.status != "ready":
+            if serving is None or serving.status != ModelStatus.READY:
                 continue
             entry = tag_entry(row)
             weight = int(serving.describe().get("weight_bytes") or 0)

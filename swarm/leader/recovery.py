@@ -27,6 +27,7 @@ from swarm.leader.failover import Candidate, choose_cover, choose_replacement, w
 from swarm.leader.models import (
     LOAD_PHASES,
     ModelServing,
+    ModelStatus,
     StageState,
     full_weight_bytes,
     link_message,
@@ -87,8 +88,8 @@ class Recovery:
     def _on_load_failed(self, model: ModelServing, slot: StageState, conn, text: str | None) -> None:
         slot.error = text
         log.warning("loading %s failed: %s", model.name, text)
-        if model.status == "loading":
-            model.status, model.error = "failed", text
+        if model.status == ModelStatus.LOADING:
+            model.status, model.error = ModelStatus.FAILED, text
             self.serving.book.end_model(model.name, f"loading {model.name} failed: {text}")
         else:  # a replacement failed to load: try another fellow
             slot.failed_on.add(conn.id)
@@ -113,9 +114,9 @@ class Recovery:
             self.serving.start_task(self._replace, model, slot.plan.index)
             return
         slot.linked = True
-        if all(s.linked for s in model.stages) and model.status in ("loading", "recovering"):
+        if all(s.linked for s in model.stages) and model.status in (ModelStatus.LOADING, ModelStatus.RECOVERING):
             was = model.status
-            model.status, model.error, model.recovering_since = "ready", None, None
+            model.status, model.error, model.recovering_since = ModelStatus.READY, None, None
             log.info("model %s is %s over %d stages", model.name, "ready" if was == "loading" else "back",
                      len(model.stages))
             model.notify()
@@ -145,7 +146,7 @@ class Recovery:
     # --- linking ------------------------------------------------------------------------------------------------
 
     def _link_when_loaded(self, model: ModelServing) -> None:
-        if all(s.ready for s in model.stages) and model.status in ("loading", "recovering"):
+        if all(s.ready for s in model.stages) and model.status in (ModelStatus.LOADING, ModelStatus.RECOVERING):
             self.link(model)
 
     def link(self, model: ModelServing) -> None:
@@ -191,15 +192,15 @@ class Recovery:
         log.warning("%s; recovering", why)
         slot.ready = slot.linked = False
         slot.phase, slot.fraction = "queued", 0.0
-        if model.status in ("ready", "recovering"):
+        if model.status in (ModelStatus.READY, ModelStatus.RECOVERING):
             self._begin_recovery(model)
         self.serving.start_task(self._replace, model, slot.plan.index)
         model.notify()
 
     def _begin_recovery(self, model: ModelServing) -> None:
         serving = self.serving
-        if model.status != "recovering":
-            model.status = "recovering"
+        if model.status != ModelStatus.RECOVERING:
+            model.status = ModelStatus.RECOVERING
             model.error = None
             model.recovering_since = trio.current_time()
         serving.perform(serving.book.interrupt(model.name))
@@ -215,7 +216,7 @@ class Recovery:
         serving = self.serving
         started = model.recovering_since if model.recovering_since is not None else trio.current_time()
         deadline = started + serving.settings.serve_failover_wait_s
-        while serving.models.get(model.name) is model and model.status in ("recovering", "loading"):
+        while serving.models.get(model.name) is model and model.status in (ModelStatus.RECOVERING, ModelStatus.LOADING):
             slot = model.stages[index]
             if slot.ready or serving.hub.online.get(slot.plan.fellow_id) is not None and slot.phase != "queued":
                 return  # it came back, or a load is under way
@@ -295,7 +296,7 @@ class Recovery:
         serving = self.serving
         enabled = serving.settings.serve_hot_cover or bool(
             await trio.to_thread.run_sync(serving.store.get_setting, HOT_COVER, False))
-        if not enabled or model.status != "ready" or any(s.cover is not None for s in model.stages):
+        if not enabled or model.status != ModelStatus.READY or any(s.cover is not None for s in model.stages):
             return
         await self.place_cover(model, set(), "a hot cover")
 
@@ -349,7 +350,7 @@ class Recovery:
                 continue
             if slot.ready:
                 self._slot_lost(model, slot, f"{conn.name} came back without stage {slot.plan.index} of {model.name}")
-            elif model.status == "recovering" and slot.phase == "queued":
+            elif model.status == ModelStatus.RECOVERING and slot.phase == "queued":
                 # after a leader restart: its fellow is back but restarted too -- load the stage again right away
                 self.serving.start_task(self._replace, model, slot.plan.index)
         return adopted
@@ -381,7 +382,7 @@ class Recovery:
                 log.info("%s rejoined holding stage %d of %s: adopted", conn.name, index, model.name)
                 slot.ready, slot.phase, slot.fraction = True, "ready", 1.0
                 adopted.append(model.name)
-                if model.status == "ready":  # it was not noticed gone: the ring is rebuilt over its new link
+                if model.status == ModelStatus.READY:  # it was not noticed gone: the ring is rebuilt over its new link
                     self._begin_recovery(model)
                 self._link_when_loaded(model)
                 model.notify()
@@ -413,7 +414,7 @@ class Recovery:
             online = list(serving.hub.online.values())
             cpu = not online or not all(c.hardware.gpus for c in online)  # as load() budgets (serving.py)
             full = full_weight_bytes(manifest, cpu, [s.plan for s in stages])
-            model = ModelServing(name, load_id, stages, status="recovering", manifest=manifest, config=config,
+            model = ModelServing(name, load_id, stages, status=ModelStatus.RECOVERING, manifest=manifest, config=config,
                                  recovering_since=trio.current_time(), size=model_size(manifest, cpu, kind, kv),
                                  quantization=kind, kv_cache=kv, context_tokens=context, full_weight_bytes=full,
                                  pool_id=row.pool_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import enum
 import itertools
 import secrets
 from collections.abc import Callable
@@ -54,6 +55,14 @@ def new_rid() -> str:
     return "r" + secrets.token_hex(8)
 
 
+class RequestState(enum.StrEnum):
+    """Where a request is: NEW until submitted, WAITING for the ring or for room, RUNNING on the ring, ENDED."""
+    NEW = "new"
+    WAITING = "waiting"
+    RUNNING = "running"
+    ENDED = "ended"
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     model: str
@@ -72,7 +81,7 @@ class Request:
     error: str | None = None
     attempts: int = 0
     resends: int = 0  # attempts that were sent again after a failure or a broken path
-    state: str = "new"  # new | waiting | running | ended
+    state: RequestState = RequestState.NEW
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))  # first come, first served
     created_at: float = dataclasses.field(default_factory=lambda: _now())
     started_at: float | None = None  # when it first went to the ring: the wait before is its queue time
@@ -137,7 +146,7 @@ class Reader:
             if request.finish_reason is not None:
                 return "done", request.finish_reason
             changed = request.changed
-            if request.state == "running":
+            if request.state is RequestState.RUNNING:
                 self._waiting_since = None
                 timeout = stall_s
             else:
@@ -146,7 +155,7 @@ class Reader:
             with trio.move_on_after(max(0.0, timeout)):
                 await changed.wait()
                 continue
-            if request.state == "running":
+            if request.state is RequestState.RUNNING:
                 return "error", (f"the ring stopped answering: no token for {stall_s:.0f} s (SWARM_REQUEST_STALL_S). "
                                  "A fellow may have gone away; send the message again.")
             return "error", (f"model {request.model} was not ready within {self.wait_s:.0f} s "
@@ -228,7 +237,7 @@ class RequestBook:
 
     def hold(self, request: Request) -> None:
         """``request`` waits until its model's ring is whole and has room for it."""
-        request.state = "waiting"
+        request.state = RequestState.WAITING
         bisect.insort(self.waiting.setdefault(request.model, []), request, key=lambda r: r.arrival)
         request.notify()
 
@@ -339,7 +348,7 @@ class RequestBook:
     def cancel(self, request: Request) -> list:
         if request.ended:
             return []
-        running = request.state == "running"
+        running = request.state is RequestState.RUNNING
         waiting = self.waiting.get(request.model, [])
         if request in waiting:
             waiting.remove(request)
@@ -374,7 +383,7 @@ class RequestBook:
         for request in group:
             request.started_at = _now()
             request.attempts += 1
-            request.state = "running"
+            request.state = RequestState.RUNNING
             self.by_rid[request.rid] = request
             request.notify()
         siblings = [messages.Sibling(r.rid, r.sampling.seed) for r in group]
@@ -393,7 +402,7 @@ class RequestBook:
         else:
             request.started_at = _now()
         request.attempts += 1
-        request.state = "running"
+        request.state = RequestState.RUNNING
         self.by_rid[request.rid] = request
         request.notify()
         return [ToStage0(request.model, request.generate_message())]
@@ -423,7 +432,7 @@ class RequestBook:
                 self.service_s[request.model] = took if last is None else 0.8 * last + 0.2 * took
             if self.on_end is not None:
                 self.on_end(request)
-        request.state = "ended"
+        request.state = RequestState.ENDED
         request.notify()
 
 

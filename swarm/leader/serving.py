@@ -27,6 +27,7 @@ from swarm.leader.limits import context_reason, model_context, served_context
 from swarm.leader.link_matrix import LinkMatrix
 from swarm.leader.models import (
     ModelServing,
+    ModelStatus,
     StageState,
     check_quantization,
     draft_message,
@@ -41,7 +42,7 @@ from swarm.leader.placement import place
 from swarm.leader.prefix_index import PrefixCaches
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
-from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
+from swarm.leader.requests import NotLoaded, Request, RequestBook, RequestState, ToStage0, too_long
 from swarm.leader.verify import Verifier
 
 if TYPE_CHECKING:
@@ -195,14 +196,14 @@ class Serving:
         request it is answering: another quantization, context cap or KV cache kind, or another shape while it is
         recovering."""
         current = self.models.get(name)
-        if current is None or current.status not in ("loading", "ready", "recovering"):
+        if current is None or current.status not in (ModelStatus.LOADING, ModelStatus.READY, ModelStatus.RECOVERING):
             return False
         asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
             (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
         requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
         requantized |= context_tokens is not None and context_tokens != self.context_caps.get(name)
         requantized |= kv_cache is not None and kv_cache != current.kv_cache
-        return requantized or (current.status == "recovering" and asked_otherwise)
+        return requantized or (current.status == ModelStatus.RECOVERING and asked_otherwise)
 
     async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
                    quantization: str | None = None, context_tokens: int | None = None,
@@ -215,7 +216,7 @@ class Serving:
         row = await self.model_row(name)
         manifest = row.manifest
         current = self.models.get(name)
-        if current is not None and current.status in ("loading", "ready", "recovering"):
+        if current is not None and current.status in (ModelStatus.LOADING, ModelStatus.READY, ModelStatus.RECOVERING):
             if not self.restarts(name, num_stages, fellow_id, quantization, context_tokens, kv_cache):
                 return current
             # asked for another shape while the old one is still being put back together, or another quantization:
@@ -280,9 +281,9 @@ class Serving:
                 serving = self.models.get(name)
                 if serving is None:
                     raise ModelNotLoaded(f"model {name} is not loaded")
-                if serving.status == "ready":
+                if serving.status == ModelStatus.READY:
                     return serving
-                if serving.status == "failed":
+                if serving.status == ModelStatus.FAILED:
                     raise PlacementError(f"loading {name} failed: {serving.error}")
                 await serving.changed.wait()
         raise ModelNotLoaded(f"model {name} did not become ready within {timeout:.0f} s")
@@ -341,7 +342,7 @@ class Serving:
             serving = await self.auto_load.ensure(request.model)
         else:
             self.auto_load.touch(request.model)
-        if serving is None or serving.status == "failed":
+        if serving is None or serving.status == ModelStatus.FAILED:
             state = "not loaded" if serving is None else f"failed to load ({serving.error})"
             off = ", and auto-load is off (the admin page)" if serving is None else ""
             raise ModelNotLoaded(
@@ -392,13 +393,13 @@ class Serving:
     async def _wait_one(self, request: Request) -> None:
         timeout = self.settings.serve_queue_timeout_s
         with trio.move_on_after(max(0.0, request.created_at + timeout - trio.current_time())):
-            while request.state in ("new", "waiting"):
+            while request.state in (RequestState.NEW, RequestState.WAITING):
                 await request.changed.wait()
-        if request.state in ("new", "waiting"):
+        if request.state in (RequestState.NEW, RequestState.WAITING):
             ahead = self.book.queued(request.model) + len(self.book.of_model(request.model))
             self.cancel(request)
             status = self.status(request.model)
-            if status == "ready":
+            if status == ModelStatus.READY:
                 raise QueueTimeout(
                     f"this request waited {timeout:.0f} s for room on the pool serving {request.model} and did not "
                     f"start (SWARM_SERVE_QUEUE_TIMEOUT_S), with {counted(ahead - 1, 'other request')} running or "
@@ -496,7 +497,7 @@ class Serving:
         """A fellow said it does not hold the model: unload what is left and load it again; the requests that were
         running wait for it and go out again."""
         serving = self.models.get(name)
-        if serving is None or serving.status != "ready":
+        if serving is None or serving.status != ModelStatus.READY:
             return
         log.info("%s; loading %s again", why, name)
         self.perform(self.book.interrupt(name))

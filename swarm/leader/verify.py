@@ -32,7 +32,7 @@ import numpy as np
 import trio
 
 from swarm import messages
-from swarm.leader.models import ModelServing
+from swarm.leader.models import ModelServing, ModelStatus
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class Verifier:
 
     async def cover(self, model: ModelServing) -> None:
         """While checks are on, keep a hot cover of every stage that a standby has room for: they are the checkers."""
-        if self.fraction <= 0 or model.status != "ready":
+        if self.fraction <= 0 or model.status != ModelStatus.READY:
             return
         covered = {s.plan.index for s in model.stages if s.cover is not None}
         while await self.serving.recovery.place_cover(model, covered, "a copy to check it"):
