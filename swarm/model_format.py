@@ -42,10 +42,10 @@ FINAL_FILE = f"{WEIGHTS_DIR}/final.safetensors"
 # its building blocks).
 # The DeepSeek-R1 distills are qwen2 and llama models; Gemma 3's text model is gemma3_text.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text",
-                           "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+                           "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 # Mixture-of-experts families: their layers route each token to a few experts (fused 3D expert tensors, imported by
 # swarm.store.moe_layout); they take the generic decode step, never the lean or compiled one.
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
 # planner (swarm.leader.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

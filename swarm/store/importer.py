@@ -46,7 +46,7 @@ from swarm.model_format import (
 from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
-from swarm.store.moe_layout import fuse_layer
+from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer
 
 log = logging.getLogger(__name__)
 
@@ -298,12 +298,18 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
 
     source = FolderSource(folder)
     _check_architecture(source.architecture, folder)
-    tensors = source.tensors()
+    tensors = dequantized_mxfp4(source.tensors())  # gpt-oss's MXFP4 experts, stored dequantized
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many kinds here
         raise ImportFailed(f"transformers cannot read {folder / CONFIG_FILE}: {exc}") from exc
     check_sliceable(config)
+    if getattr(config, "quantization_config", None) is not None:
+        quantization = dict(config.quantization_config)
+        if quantization.get("quant_method") != "mxfp4":
+            raise ImportFailed(f"{folder} is quantized with {quantization.get('quant_method')!r}, which swarm cannot "
+                               "import from a folder; import the unquantized checkpoint (or a GGUF) instead")
+        del config.quantization_config  # its MXFP4 experts are stored dequantized: nothing is quantized any more
     if any((folder / f).exists() for f in _TOKENIZER_MARKERS):
         def tokenizer() -> Any:
             return _load_tokenizer(lambda: _auto_tokenizer(folder))

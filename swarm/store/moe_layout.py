@@ -97,3 +97,53 @@ def _fused_shape(rule: Any, tensors: dict[str, tuple[Any, ...]]) -> tuple[int, .
         values = op.convert(values, list(rule.source_patterns), list(rule.target_patterns))
     (value,) = values.values()
     return tuple(int(d) for d in value.shape)
+
+
+# gpt-oss checkpoints keep their experts in MXFP4: for each fused matrix ``X``, ``X_blocks`` (experts x rows x groups x
+# 16 bytes, two 4-bit values a byte) and ``X_scales`` (experts x rows x groups, a power-of-two exponent biased by 127
+# per 32 values).
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
+@dataclass(frozen=True)
+class Mxfp4Tensor:
+    """A fused expert matrix of a safetensors MXFP4 checkpoint, read dequantized by transformers' own MXFP4 conversion
+    (``convert_moe_packed_tensors``, what ``from_pretrained`` runs when it dequantizes): ``shape`` and ``read(dtype)``
+    as the decoder layer's parameter has them. Every FP4 value times its power of two is exact in bfloat16 (and
+    float32), so a checkpoint stored in its own 16-bit dtype loses nothing."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    blocks: Any
+    scales: Any
+    write: None = None
+    floating: bool = True
+
+    def read(self, dtype: Any) -> Any:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        return convert_moe_packed_tensors(self.blocks.read(None), self.scales.read(None), dtype=dtype)
+
+
+def dequantized_mxfp4(tensors: list[Any]) -> list[Any]:
+    """``tensors`` (objects with hf_name, shape, read) with each MXFP4 ``X_blocks`` / ``X_scales`` pair replaced by the
+    one dequantized tensor ``X``; a list without such pairs comes back as it was."""
+    by_name = {t.hf_name: t for t in tensors}
+    out = []
+    for tensor in tensors:
+        name = tensor.hf_name
+        if name.endswith(MXFP4_PARTS[1]) and name.removesuffix(MXFP4_PARTS[1]) + MXFP4_PARTS[0] in by_name:
+            continue  # read with its blocks
+        if not name.endswith(MXFP4_PARTS[0]):
+            out.append(tensor)
+            continue
+        base = name.removesuffix(MXFP4_PARTS[0])
+        scales = by_name.get(base + MXFP4_PARTS[1])
+        if scales is None:
+            raise ImportFailed(f"{name} has no {base + MXFP4_PARTS[1]} beside it; the MXFP4 checkpoint is incomplete")
+        *lead, rows, groups, pair_bytes = tensor.shape
+        if tuple(scales.shape) != (*lead, rows, groups):
+            raise ImportFailed(f"{name} {tuple(tensor.shape)} and its scales {tuple(scales.shape)} do not match; "
+                               "the MXFP4 checkpoint is damaged")
+        out.append(Mxfp4Tensor(base, (*lead, groups * pair_bytes * 2, rows), tensor, scales))
+    return out
