@@ -403,7 +403,10 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     config = plan.config
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
+    # GLM-4.5's multi-token-prediction layers follow the decoder stack (model.layers.46 of a 46-layer model); the
+    # library's model ignores them at load (_keys_to_ignore_on_load_unexpected), and so does an import
+    extra = int(getattr(config, "num_mtp_layers", 0) or 0) if config.model_type == "glm4_moe" else 0
+    groups = _group_by_file(plan.tensors, num_layers, tied, plan.source, extra)
     if plan.keep_blocks:  # a GGUF's blocks as the file has them (MoE GGUF imports are not supported yet)
         params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
@@ -463,8 +466,9 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
 
 
 def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
-                   source: str) -> dict[str, dict[str, Any]]:
-    """Which file each tensor goes to (layer files get names relative to the layer), checking nothing is missing."""
+                   source: str, ignored_layers: int = 0) -> dict[str, dict[str, Any]]:
+    """Which file each tensor goes to (layer files get names relative to the layer), checking nothing is missing;
+    the ``ignored_layers`` layers after the stack are left out."""
     groups: dict[str, dict[str, Any]] = {}
     for tensor in tensors:
         key = tensor.hf_name
@@ -472,6 +476,8 @@ def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
             continue  # recomputed from the config; some old checkpoints carry it
         if match := _LAYER_KEY_RE.match(key):
             index = int(match.group(1))
+            if num_layers <= index < num_layers + ignored_layers:
+                continue
             if index >= num_layers:
                 raise ImportFailed(f"{source} has weights for layer {index} but its config says {num_layers} layers")
             groups.setdefault(layer_file(index), {})[match.group(2)] = tensor
