@@ -219,3 +219,155 @@ async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_cha
                     verdicts = [check_reply(got[i], want, margins) for i, (want, margins) in enumerate(expected[kind])]
                     assert verdicts == ["identical"] * len(PROMPTS), (kind, stages, verdicts)
                     await swarm.leader.serving.unload(kind)
+
+
+# --- chat formats: replies rendered by each family's own chat template (tests/templates: gpt-oss-20b's
+# chat_template.jinja, GLM-4.5's as llama.cpp's models/templates/glm_4_5.jinja keeps it), tokenized with the family's
+# markers as single tokens (gpt-oss-20b's special tokens; GLM-4.5's role tokens special, its tags not) ----------------
+
+TEMPLATES = Path(__file__).parent / "templates"
+HARMONY_SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                   "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>"]
+GLM_SPECIAL = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>"]
+GLM_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+            "</arg_value>", "<tool_response>", "</tool_response>"]
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+
+
+def _tokenizer_dir(root: Path, family: str) -> Path:
+    """A byte-level tokenizer (every byte a token) with the family's markers as single tokens and its template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if family == "gpt_oss":
+        tokenizer.add_special_tokens(HARMONY_SPECIAL)
+        eos = "<|return|>"
+    else:
+        tokenizer.add_special_tokens(GLM_SPECIAL)
+        tokenizer.add_tokens(GLM_TAGS)
+        eos = "<|endoftext|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token="<|endoftext|>",
+                                   chat_template=(TEMPLATES / f"{family}.jinja").read_text())
+    fast.save_pretrained(root / family)
+    return root / family
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat-formats")
+    return {family: _tokenizer_dir(root, family) for family in ("gpt_oss", "glm4_moe")}
+
+
+def _reply_tokens(model_dir: Path, messages: list[dict], reply: dict, **kwargs) -> tuple[list[int], list[int]]:
+    """(prompt, reply) token ids: the template's prompt for ``messages``, and the tokens the template renders for the
+    assistant message ``reply`` after it -- what the model would write."""
+    from swarm.leader.chat_format import encode_chat, load_tokenizer
+
+    prompt = encode_chat(model_dir, messages, **kwargs)
+    tokenizer = load_tokenizer(str(model_dir))
+    extra = {k: v for k, v in kwargs.items() if k == "enable_thinking" and v is not None}
+    whole = tokenizer.apply_chat_template([*messages, reply], tools=kwargs.get("tools"), tokenize=True, **extra)
+    whole = list(whole["input_ids"] if not isinstance(whole, list) else whole)
+    assert whole[: len(prompt)] == prompt
+    return prompt, whole[len(prompt):]
+
+
+def _stream(model_dir: Path, tokens: list[int], family: str, tools: list[dict] | None, inside: bool = False):
+    """The reply as the API splits it, fed one token at a time: (reasoning, content, tool calls)."""
+    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.openai_api import ReplyText
+    from swarm.leader.tool_calls import ToolCallSplitter
+
+    text = ReplyText(load_tokenizer(str(model_dir)), inside, harmony=family == "harmony")
+    calls = ToolCallSplitter("hermes" if family == "harmony" else family, tools) if tools else None
+    reasoning = content = ""
+    for token in tokens:
+        r, c = text.push([token])
+        reasoning, content = reasoning + r, content + (calls.push(c) if calls and c else c)
+    r, c = text.flush()
+    reasoning, content = reasoning + r, content + (calls.push(c) if calls and c else c)
+    found: list[dict] = []
+    if calls is not None:
+        rest, found = calls.finish()
+        content += rest
+    return reasoning, content, found
+
+
+def test_harmony_reply_splits_into_reasoning_and_content(chat_dirs):
+    from swarm.leader.chat_format import load_tokenizer
+
+    model_dir = chat_dirs["gpt_oss"]
+    user = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt, reply = _reply_tokens(model_dir, user, {"role": "assistant", "thinking": "The user asks. Easy: Paris.",
+                                                   "content": "The capital of France is Paris."}, enable_thinking=None)
+    tokenizer = load_tokenizer(str(model_dir))
+    assert tokenizer.decode(prompt, skip_special_tokens=False).endswith("<|start|>assistant")
+    assert tokenizer.decode(reply, skip_special_tokens=False).startswith("<|channel|>analysis<|message|>")
+    assert _stream(model_dir, reply, "harmony", None) == ("The user asks. Easy: Paris.",
+                                                          "The capital of France is Paris.", [])
+
+
+def test_harmony_tool_call_becomes_an_openai_tool_call(chat_dirs):
+    from swarm.leader.chat_format import eos_ids, load_tokenizer
+
+    model_dir = chat_dirs["gpt_oss"]
+    user = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    call = {"role": "assistant", "thinking": "Need the weather tool.",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                             "arguments": {"city": "Paris", "days": 3}}}]}
+    prompt, reply = _reply_tokens(model_dir, user, call, enable_thinking=None, tools=WEATHER)
+    tokenizer = load_tokenizer(str(model_dir))
+    assert "to=functions.get_weather" in tokenizer.decode(reply, skip_special_tokens=False)
+    reasoning, content, calls = _stream(model_dir, reply, "harmony", WEATHER)
+    assert (reasoning, content.strip()) == ("Need the weather tool.", "")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    # the reply ends at <|call|> (the caller runs the tool), as at <|return|>
+    ends = eos_ids(model_dir, {"architecture": "gpt_oss", "eos_token_ids": []})
+    assert reply[-1] in ends and tokenizer.convert_tokens_to_ids("<|return|>") in ends
+
+
+def test_harmony_without_channels_is_all_content(chat_dirs):
+    """A model that does not write harmony (a tiny random one) has its whole reply as the answer."""
+    from swarm.leader.chat_format import load_tokenizer
+
+    model_dir = chat_dirs["gpt_oss"]
+    tokens = load_tokenizer(str(model_dir)).encode("just text, <no> channels")
+    assert _stream(model_dir, tokens, "harmony", None) == ("", "just text, <no> channels", [])
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_glm_reply_with_thinking_and_a_tool_call(chat_dirs, thinking):
+    from swarm.leader.chat_format import load_tokenizer, prompt_opens_thinking
+
+    model_dir = chat_dirs["glm4_moe"]
+    user = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    call = {"role": "assistant", "reasoning_content": "Need the weather tool." if thinking else "",
+            "content": "Let me check.", "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]}
+    prompt, reply = _reply_tokens(model_dir, user, call, enable_thinking=thinking, tools=WEATHER)
+    tokenizer = load_tokenizer(str(model_dir))
+    text = tokenizer.decode(prompt, skip_special_tokens=False)
+    assert text.endswith("<|assistant|>" if thinking else "<|assistant|>\n<think></think>")  # GLM's switch
+    assert "/nothink" in text if not thinking else "/nothink" not in text
+    assert not prompt_opens_thinking(model_dir, prompt)  # thinking off: the empty block is in the prompt already
+    reasoning, content, calls = _stream(model_dir, reply, "glm", WEATHER)
+    assert reasoning == ("Need the weather tool." if thinking else "")
+    assert content.strip() == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+
+
+def test_glm_string_arguments_stay_strings_by_the_tools_schema():
+    from swarm.leader.tool_calls import parse_glm
+
+    text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n</tool_call>"
+    assert json.loads(parse_glm(text, WEATHER)[1][0]["function"]["arguments"]) == {"city": "123"}
+    assert json.loads(parse_glm(text)[1][0]["function"]["arguments"]) == {"city": 123}  # no schema: as JSON
