@@ -371,3 +371,23 @@ def test_glm_string_arguments_stay_strings_by_the_tools_schema():
     text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n</tool_call>"
     assert json.loads(parse_glm(text, WEATHER)[1][0]["function"]["arguments"]) == {"city": "123"}
     assert json.loads(parse_glm(text)[1][0]["function"]["arguments"]) == {"city": 123}  # no schema: as JSON
+
+
+def test_glm_router_stays_float32_in_a_bfloat16_stage(family_dirs):
+    """As transformers' from_pretrained keeps GLM's router weight and correction bias in float32 in a 16-bit load
+    (_keep_in_fp32_modules_strict), so does a bfloat16 stage: same values, same replies."""
+    import transformers
+
+    from swarm.stage.local import LocalRing
+    from swarm.stage.slice import StageModel, stage_specs
+
+    source, model_dir = family_dirs["glm4_moe"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+    stages = [StageModel.load_dir(model_dir, s, dtype=torch.bfloat16) for s in stage_specs(LAYERS, 2)]
+    gate = stages[0].layers[1].mlp.gate  # layer 1: the first routed layer
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.weight, model.model.layers[1].mlp.gate.weight)
+    assert stages[0].layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    for prompt in PROMPTS[:2]:
+        want, margins = reference(model, prompt, NEW_TOKENS)
+        assert check_reply(LocalRing(stages).generate(prompt, NEW_TOKENS), want, margins) == "identical"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,22 @@ class Blocks:
     # The attention the stage computes with, as transformers picks it for the family: SDPA, or eager where the family
     # cannot take SDPA (gpt-oss: its attention sinks are an extra softmax column only its eager function adds).
     attention: str = "sdpa"
+    # Module names the family keeps in float32 when it loads in 16 bits, as transformers' from_pretrained does:
+    # ``_keep_in_fp32_modules_strict`` in float16 and bfloat16 (GLM-4.5's router weight and correction bias),
+    # ``_keep_in_fp32_modules`` in float16 only (gpt-oss's norms).
+    keep_float32_strict: tuple[str, ...] = ()
+    keep_float32_half: tuple[str, ...] = ()
+
+    def keep_float32(self, dtype: Any) -> re.Pattern | None:
+        """Which tensor names a stage computing in ``dtype`` holds in float32 (None: none)."""
+        import torch
+
+        names = list(self.keep_float32_strict) if dtype in (torch.float16, torch.bfloat16) else []
+        if dtype == torch.float16:
+            names += self.keep_float32_half
+        if not names:
+            return None
+        return re.compile("|".join(r"(?:^|\.)" + re.escape(n).replace(r"\*", r"[^.]+") + r"(?:\.|$)" for n in names))
 
     @property
     def rotary_per_layer_type(self) -> bool:
@@ -91,6 +108,8 @@ def blocks_for(model_type: str) -> Blocks:
         rotary_embedding=getattr(modeling, f"{prefix}RotaryEmbedding"),
         embedding=embedding,
         attention="sdpa" if getattr(pretrained, "_supports_sdpa", True) else "eager",
+        keep_float32_strict=tuple(getattr(pretrained, "_keep_in_fp32_modules_strict", None) or ()),
+        keep_float32_half=tuple(getattr(pretrained, "_keep_in_fp32_modules", None) or ()),
     )
 
 

@@ -168,9 +168,12 @@ class StageModel:
         # the masks below follow this setting.
         stage_config._attn_implementation = blocks.attention
 
+        keep_float32 = blocks.keep_float32(dtype)  # GLM's router in float32, as from_pretrained keeps it
+
         def read(rel: str, on: torch.device = device) -> dict[str, torch.Tensor]:
             # a GGUF's blocks are dequantized here, one tensor at a time (swarm.stage.weights)
-            return read_weights(files[rel], config, dtype, on, what=f"{rel} from {files[rel]}")
+            return read_weights(files[rel], config, dtype, on, what=f"{rel} from {files[rel]}",
+                                keep_float32=keep_float32)
 
         with torch.device("meta"):
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))
