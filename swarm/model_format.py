@@ -26,6 +26,7 @@ every model imported before) hold their tensors in the manifest's ``dtype``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +106,15 @@ def split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, i
         bounds.append(b)
     bounds.append(num_layers)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def module_names_pattern(names: Sequence[str]) -> re.Pattern | None:
+    """A regex finding any of transformers' module names (``_keep_in_fp32_modules`` entries: "gate.weight",
+    "e_score_correction_bias", "model.layers.*.norm") in a tensor's dotted name, whole parts only; None for none."""
+    if not names:
+        return None
+    parts = (r"(?:^|\.)" + re.escape(n).replace(r"\*", r"[^.]+") + r"(?:\.|$)" for n in names)
+    return re.compile("|".join(parts))
 
 
 def dtype_bytes(name: str) -> int:

@@ -373,15 +373,23 @@ def test_glm_string_arguments_stay_strings_by_the_tools_schema():
     assert json.loads(parse_glm(text)[1][0]["function"]["arguments"]) == {"city": 123}  # no schema: as JSON
 
 
-def test_glm_router_stays_float32_in_a_bfloat16_stage(family_dirs):
+def test_glm_router_stays_float32_in_bfloat16(family_dirs, tmp_path):
     """As transformers' from_pretrained keeps GLM's router weight and correction bias in float32 in a 16-bit load
-    (_keep_in_fp32_modules_strict), so does a bfloat16 stage: same values, same replies."""
+    (_keep_in_fp32_modules_strict), so do a bfloat16 import and a bfloat16 stage: same values, same replies."""
     import transformers
+    from safetensors import safe_open
 
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel, stage_specs
+    from swarm.store.importer import import_model
 
-    source, model_dir = family_dirs["glm4_moe"]
+    source, _ = family_dirs["glm4_moe"]
+    import_model(str(source), tmp_path, "glm-bf16", dtype="bfloat16")
+    model_dir = tmp_path / "glm-bf16"
+    with safe_open(str(model_dir / "weights" / "layer_001.safetensors"), framework="pt") as handle:
+        stored = {k: handle.get_slice(k).get_dtype() for k in handle.keys()}
+    assert stored["mlp.gate.weight"] == stored["mlp.gate.e_score_correction_bias"] == "F32"
+    assert stored["mlp.experts.gate_up_proj"] == stored["self_attn.q_proj.weight"] == "BF16"
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
     stages = [StageModel.load_dir(model_dir, s, dtype=torch.bfloat16) for s in stage_specs(LAYERS, 2)]
     gate = stages[0].layers[1].mlp.gate  # layer 1: the first routed layer

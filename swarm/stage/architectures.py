@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import UnsupportedArchitecture
-from swarm.model_format import SUPPORTED_ARCHITECTURES, check_sliceable  # noqa: F401 - re-exported for slice
+from swarm.model_format import SUPPORTED_ARCHITECTURES, check_sliceable, module_names_pattern  # noqa: F401
 
 if TYPE_CHECKING:
     from torch import nn
@@ -75,9 +75,7 @@ class Blocks:
         names = list(self.keep_float32_strict) if dtype in (torch.float16, torch.bfloat16) else []
         if dtype == torch.float16:
             names += self.keep_float32_half
-        if not names:
-            return None
-        return re.compile("|".join(r"(?:^|\.)" + re.escape(n).replace(r"\*", r"[^.]+") + r"(?:\.|$)" for n in names))
+        return module_names_pattern(names)
 
     @property
     def rotary_per_layer_type(self) -> bool:

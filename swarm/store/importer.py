@@ -46,7 +46,7 @@ from swarm.model_format import (
 from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
-from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer
+from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, kept_float32
 
 log = logging.getLogger(__name__)
 
@@ -411,7 +411,7 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
         params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
         for i in range(num_layers):  # MoE layers: per-expert checkpoint tensors fused as the decoder layer holds them
-            groups[layer_file(i)] = fuse_layer(config.model_type, i, groups[layer_file(i)])
+            groups[layer_file(i)] = kept_float32(config, fuse_layer(config.model_type, i, groups[layer_file(i)]))
         params = {}
         weight_files.write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype

@@ -147,3 +147,38 @@ def dequantized_mxfp4(tensors: list[Any]) -> list[Any]:
                                "the MXFP4 checkpoint is damaged")
         out.append(Mxfp4Tensor(base, (*lead, groups * pair_bytes * 2, rows), tensor, scales))
     return out
+
+
+class Float32Tensor:
+    """A tensor stored in float32 whatever the model's dtype: one the family keeps in float32 in a 16-bit load
+    (``_keep_in_fp32_modules_strict``: GLM-4.5's router weight and score-correction bias), so that a stage holds
+    the checkpoint's values, as transformers' from_pretrained does, not their 16-bit rounding."""
+
+    stored_dtype = "float32"
+    floating = True
+    write = None
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor
+        self.hf_name = tensor.hf_name
+        self.shape = tensor.shape
+
+    def read(self, dtype: Any) -> Any:
+        return self.tensor.read(dtype)
+
+
+def kept_float32(config: Any, group: dict[str, Any]) -> dict[str, Any]:
+    """A layer's tensors (names relative to the layer) with those the family keeps in float32 wrapped to be stored
+    so (:class:`Float32Tensor`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from swarm.model_format import module_names_pattern
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return group
+    pattern = module_names_pattern(list(getattr(model_class, "_keep_in_fp32_modules_strict", None) or []))
+    if pattern is None:
+        return group
+    return {k: Float32Tensor(t) if pattern.search(k) else t for k, t in group.items()}
