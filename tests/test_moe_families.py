@@ -334,6 +334,16 @@ def test_harmony_tool_call_becomes_an_openai_tool_call(chat_dirs):
     assert reply[-1] in ends and tokenizer.convert_tokens_to_ids("<|return|>") in ends
 
 
+def test_harmony_thinking_off_asks_for_low_reasoning_effort(chat_dirs):
+    from swarm.leader.chat_format import encode_chat, load_tokenizer
+
+    model_dir = chat_dirs["gpt_oss"]
+    user = [{"role": "user", "content": "Hi"}]
+    rendered = {thinking: load_tokenizer(str(model_dir)).decode(encode_chat(model_dir, user, thinking, "gpt_oss"))
+                for thinking in (None, False)}
+    assert "Reasoning: medium" in rendered[None] and "Reasoning: low" in rendered[False]
+
+
 def test_harmony_without_channels_is_all_content(chat_dirs):
     """A model that does not write harmony (a tiny random one) has its whole reply as the answer."""
     from swarm.leader.chat_format import load_tokenizer

@@ -119,7 +119,8 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
                 architecture: str = "", tools: list[dict] | None = None) -> list[int]:
     """The prompt's token ids through the model's chat template (with ``tools``, when given, as the template's
     ``tools``). Thinking off reaches the template as its ``enable_thinking`` switch and, for Qwen3, as Qwen's
-    ``/no_think`` soft switch on the last user message too."""
+    ``/no_think`` soft switch on the last user message too; gpt-oss, which always reasons, then reasons little
+    (its template's ``reasoning_effort`` low instead of medium)."""
     tokenizer = load_tokenizer(str(model_dir))
     clean = [_message(m) for m in messages]
     if enable_thinking is False and architecture == "qwen3":
@@ -129,6 +130,8 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if enable_thinking is False and chat_format(architecture) == "harmony":
+        kwargs["reasoning_effort"] = "low"  # gpt-oss always reasons; its template's switch is how much (medium)
     if tools:
         if "tools" not in (tokenizer.chat_template or ""):
             from swarm.errors import BadRequest
