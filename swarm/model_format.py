@@ -26,6 +26,7 @@ every model imported before) hold their tensors in the manifest's ``dtype``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,10 +43,10 @@ FINAL_FILE = f"{WEIGHTS_DIR}/final.safetensors"
 # its building blocks).
 # The DeepSeek-R1 distills are qwen2 and llama models; Gemma 3's text model is gemma3_text.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text",
-                           "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+                           "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 # Mixture-of-experts families: their layers route each token to a few experts (fused 3D expert tensors, imported by
 # swarm.store.moe_layout); they take the generic decode step, never the lean or compiled one.
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
 # planner (swarm.leader.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -105,6 +106,15 @@ def split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, i
         bounds.append(b)
     bounds.append(num_layers)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def module_names_pattern(names: Sequence[str]) -> re.Pattern | None:
+    """A regex finding any of transformers' module names (``_keep_in_fp32_modules`` entries: "gate.weight",
+    "e_score_correction_bias", "model.layers.*.norm") in a tensor's dotted name, whole parts only; None for none."""
+    if not names:
+        return None
+    parts = (r"(?:^|\.)" + re.escape(n).replace(r"\*", r"[^.]+") + r"(?:\.|$)" for n in names)
+    return re.compile("|".join(parts))
 
 
 def dtype_bytes(name: str) -> int:

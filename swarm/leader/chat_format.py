@@ -119,7 +119,8 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
                 architecture: str = "", tools: list[dict] | None = None) -> list[int]:
     """The prompt's token ids through the model's chat template (with ``tools``, when given, as the template's
     ``tools``). Thinking off reaches the template as its ``enable_thinking`` switch and, for Qwen3, as Qwen's
-    ``/no_think`` soft switch on the last user message too."""
+    ``/no_think`` soft switch on the last user message too; gpt-oss, which always reasons, then reasons little
+    (its template's ``reasoning_effort`` low instead of medium)."""
     tokenizer = load_tokenizer(str(model_dir))
     clean = [_message(m) for m in messages]
     if enable_thinking is False and architecture == "qwen3":
@@ -129,6 +130,8 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if enable_thinking is False and chat_format(architecture) == "harmony":
+        kwargs["reasoning_effort"] = "low"  # gpt-oss always reasons; its template's switch is how much (medium)
     if tools:
         if "tools" not in (tokenizer.chat_template or ""):
             from swarm.errors import BadRequest
@@ -146,11 +149,29 @@ def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | N
     return tokenizer.encode(text)
 
 
+# The chat formats whose replies are split by their own parser rather than by <think> tags and <tool_call> blocks:
+# model type -> format. gpt-oss writes harmony (swarm.leader.harmony); GLM-4.5 thinks in <think> tags but writes its
+# tool calls in its own tags (swarm.leader.tool_calls.parse_glm).
+CHAT_FORMATS = {"gpt_oss": "harmony", "glm4_moe": "glm", "llama": "llama"}
+# harmony's <|call|> ends a reply that calls a tool (the caller runs it and sends its result), as <|return|> ends one
+# that is over; some gpt-oss generation configs list only the latter
+HARMONY_CALL = "<|call|>"
+
+
+def chat_format(architecture: str) -> str:
+    """How a model's replies carry thinking and tool calls: "harmony", "glm", "llama", or "hermes" (the rest)."""
+    return CHAT_FORMATS.get(architecture, "hermes")
+
+
 def eos_ids(model_dir: Path, manifest: dict) -> list[int]:
     ids = {int(i) for i in manifest.get("eos_token_ids") or []}
     tokenizer = load_tokenizer(str(model_dir))
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    if chat_format(manifest.get("architecture", "")) == "harmony":
+        call = tokenizer.get_vocab().get(HARMONY_CALL)
+        if isinstance(call, int):
+            ids.add(call)
     return sorted(ids)
 
 
@@ -159,14 +180,15 @@ class TextStream:
     (from the start of the previous delta), so a long reply costs the same per token as a short one. An incomplete
     UTF-8 character (a byte-level token that ends mid-character) is held back until the next token completes it."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, keep_special: bool = False):
         self.tokenizer = tokenizer
+        self.keep_special = keep_special  # harmony's channel markers are special tokens, and its parser reads them
         self.tokens: list[int] = []
         self._prefix = 0  # decoding starts here, so a token's leading space is decoded in context
         self._read = 0  # tokens up to here have been turned into text
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens, skip_special_tokens=not self.keep_special)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)

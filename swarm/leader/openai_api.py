@@ -20,6 +20,7 @@ from swarm.leader.anthropic_params import anthropic_models
 from swarm.leader.auth import current_user
 from swarm.leader.chat_format import (
     TextStream,
+    chat_format,
     encode_chat,
     eos_ids,
     generation_top_k,
@@ -28,6 +29,7 @@ from swarm.leader.chat_format import (
     sampling_defaults,
     think_tokens,
 )
+from swarm.leader.harmony import HarmonySplitter
 from swarm.leader.http_errors import classify, json_body, openai_error, openai_problem
 from swarm.leader.limits import check_prompt_bytes, check_replies
 from swarm.leader.logprobs import logprob_entries
@@ -126,22 +128,27 @@ class OpenAIRoutes:
             for ring_request in ring_requests:
                 self.leader.serving.cancel(ring_request)
             raise
-        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop), self.reader(r), params.logprobs)
-                   for i, r in enumerate(ring_requests)]
+        harmony = tool_family == "harmony"
+        choices = [Choice(i, r, ReplyText(tokenizer, inside, params.stop, harmony=harmony), self.reader(r),
+                          params.logprobs) for i, r in enumerate(ring_requests)]
         if params.tools:
-            for choice in choices:
-                choice.tools = ToolCallSplitter(tool_family)
+            for choice in choices:  # harmony's calls reach it in the <tool_call> format (swarm.leader.harmony)
+                choice.tools = ToolCallSplitter("hermes" if harmony else tool_family, params.tools)
         return params, choices
 
     async def _submit(self, params: ChatParams, user, out: list[Request]) -> tuple[bool, str]:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
         cancel them if a later one is refused); whether the prompt opened a thinking block, and the format of the
-        model's tool calls."""
+        model's tool calls (swarm.leader.chat_format.chat_format)."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
         prompt = await self.encode(params, architecture)
         inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
-        family = "llama" if architecture == "llama" else "hermes"
+        family = chat_format(architecture)
+        if params.forced_tool is not None and params.tools and family in ("harmony", "glm"):
+            raise BadRequest(f"model {params.model} writes tool calls in its own format ({family}), which swarm cannot "
+                             "force yet. Send tool_choice 'auto' (the model still sees the tools) and ask for the call "
+                             "in the message.", "unsupported_parameter")
         if params.forced_tool is not None and params.tools:  # tool_choice forces a call: a grammar makes the reply one
             params.grammar = forced_grammar(params.tools, family, None if params.forced_tool == "*" else
                                             params.forced_tool)
@@ -453,10 +460,12 @@ class ReplyText:
     """Token ids in, (reasoning, content) text deltas out: incremental detokenising, stop strings, then the thinking
     split. ``used`` counts the tokens whose text made the reply: all of them, unless a stop string cut it short."""
 
-    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = (), reasoning: bool = True):
-        self.text = TextStream(tokenizer)
+    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = (), reasoning: bool = True,
+                 harmony: bool = False):
+        self.text = TextStream(tokenizer, keep_special=harmony)  # harmony: its parser reads the channel markers
         self.stop = StopFinder(list(stops))
-        self.split = ReasoningSplitter(inside) if reasoning else _AllContent()
+        self.split: ReasoningSplitter | HarmonySplitter | _AllContent = (
+            HarmonySplitter() if harmony else ReasoningSplitter(inside) if reasoning else _AllContent())
         self.used = 0
 
     @property

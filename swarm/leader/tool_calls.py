@@ -5,6 +5,10 @@ Formats (the ones the chat templates of the families we serve teach their models
 
 - Qwen2.5 / Qwen3 (and Hermes-style templates, the default): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
   </tool_call>``, any number of them, after some text or none.
+- GLM-4.5 (``glm4_moe``): ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...</tool_call>``, a
+  string value as it is and any other as JSON (the template's ``tojson``); the tool's parameter schema says which.
+  Such a call comes whole when its block closes.
+- gpt-oss (harmony): swarm.leader.harmony turns each call into the ``<tool_call>`` JSON format above.
 - Llama 3.x: the whole reply is a JSON object ``{"name": ..., "parameters": {...}}`` (or several separated by
   ``;``), sometimes after ``<|python_tag|>``.
 
@@ -92,7 +96,43 @@ def parse_llama(text: str) -> tuple[str, list[dict]]:
     return "", calls
 
 
-def parse(text: str, family: str) -> tuple[str, list[dict]]:
+# a name (not JSON: a hermes call starts with "{"), then its arguments, up to the block's end
+_GLM_CALL = re.compile(r"<tool_call>\s*([^\s<{][^\n<]*?)\s*(?:\n|(?=<arg_key>)|(?=</tool_call>))(.*?)</tool_call>",
+                       re.S)
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _glm_value(text: str, schema: dict | None):
+    """An argument's value as GLM's template writes it: a string as it is, anything else as JSON."""
+    if (schema or {}).get("type") == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_glm(text: str, tools: list[dict] | None = None) -> tuple[str, list[dict]]:
+    """(content, calls) of a GLM-4.5 reply; ``tools`` (the request's) give each argument's type."""
+    schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+               for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+    calls = []
+    for match in _GLM_CALL.finditer(text):
+        name = match.group(1).strip()
+        properties = schemas.get(name, {})
+        arguments = {k.strip(): _glm_value(v.strip("\n"), properties.get(k.strip()))
+                     for k, v in _GLM_ARGUMENT.findall(match.group(2))}
+        call = as_call({"name": name, "arguments": arguments})
+        if call is not None:
+            calls.append(call)
+    if not calls:
+        return parse_hermes(text)  # a grammar-forced call, or a model that writes JSON
+    return _GLM_CALL.sub("", text).strip(), calls
+
+
+def parse(text: str, family: str, tools: list[dict] | None = None) -> tuple[str, list[dict]]:
+    if family == "glm":
+        return parse_glm(text, tools)
     if family == "llama":
         content, calls = parse_llama(text)
         if calls:
@@ -119,8 +159,9 @@ class ToolCallSplitter:
     """Feed content deltas; get the content that can stream now, and (:meth:`take`) the calls' stream deltas.
     :meth:`finish` gives the rest of the content and the calls."""
 
-    def __init__(self, family: str):
+    def __init__(self, family: str, tools: list[dict] | None = None):
         self.family = family
+        self.tools = tools  # the request's: GLM's argument values are typed by their schema
         self.text = ""  # the whole reply's content
         self.sent = 0  # how much of it went out
         self.holding = False  # a call may have started: everything from ``sent`` on waits for the end
@@ -243,7 +284,7 @@ class ToolCallSplitter:
         rest = self.text[self.sent:]
         if not self.holding and self.family != "llama":
             return rest, []
-        content, calls = parse(rest, self.family)
+        content, calls = parse(rest, self.family, self.tools)
         if not calls:
             return rest, []
         streamed: list[_Streamed | None] = list(self.streamed)

@@ -8,8 +8,14 @@ the Llama shape, its Blocks say how:
   embedding per layer type (local layers use another base than global ones: ``rotary_per_layer_type``), and may
   soft-cap its logits (``final_logit_softcapping``, applied by the last stage as Gemma3ForCausalLM applies it).
 - Phi-3 and Mistral use one attention kind for every layer, sliding when the config has a window.
-- The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe) are the Llama shape with a routed MLP:
-  their layers hold the experts fused (swarm.store.moe_layout), and route in transformers' own code.
+- The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, gpt_oss) are the Llama shape with
+  a routed MLP: their layers hold the experts fused (swarm.store.moe_layout), and route in transformers' own code.
+- GLM-4.5 (``glm4_moe``) has dense MLPs in its first ``first_k_dense_replace`` layers (a stage's config counts them
+  from its own first layer), grouped sigmoid routing with a score-correction bias, shared experts, partial rotary.
+- gpt-oss (``gpt_oss``) adds a learnt attention sink per head (an extra softmax column) and alternates sliding and
+  full layers (``layer_types``); transformers computes sinks in its eager attention only, so its stages attend
+  eagerly (``Blocks.attention``), batched passes too (swarm.stage.ragged). Neither the lean nor the compiled decode
+  step takes it (they are for dense families without windows).
 - The DeepSeek-R1 distills are Qwen2 and Llama models (model_type qwen2 / llama): nothing of their own.
 """
 
@@ -17,11 +23,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import UnsupportedArchitecture
-from swarm.model_format import SUPPORTED_ARCHITECTURES, check_sliceable  # noqa: F401 - re-exported for slice
+from swarm.model_format import SUPPORTED_ARCHITECTURES, check_sliceable, module_names_pattern  # noqa: F401
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,6 +47,8 @@ _FAMILIES = {
     "qwen2_moe": ("qwen2_moe", "Qwen2Moe", "Qwen2MoeConfig"),
     "mixtral": ("mixtral", "Mixtral", "MixtralConfig"),
     "olmoe": ("olmoe", "Olmoe", "OlmoeConfig"),
+    "glm4_moe": ("glm4_moe", "Glm4Moe", "Glm4MoeConfig"),
+    "gpt_oss": ("gpt_oss", "GptOss", "GptOssConfig"),
 }
 
 
@@ -50,6 +59,23 @@ class Blocks:
     norm: type[nn.Module]
     rotary_embedding: type[nn.Module]
     embedding: Any = None  # a class taking (config) -> nn.Embedding; None: a plain nn.Embedding
+    # The attention the stage computes with, as transformers picks it for the family: SDPA, or eager where the family
+    # cannot take SDPA (gpt-oss: its attention sinks are an extra softmax column only its eager function adds).
+    attention: str = "sdpa"
+    # Module names the family keeps in float32 when it loads in 16 bits, as transformers' from_pretrained does:
+    # ``_keep_in_fp32_modules_strict`` in float16 and bfloat16 (GLM-4.5's router weight and correction bias),
+    # ``_keep_in_fp32_modules`` in float16 only (gpt-oss's norms).
+    keep_float32_strict: tuple[str, ...] = ()
+    keep_float32_half: tuple[str, ...] = ()
+
+    def keep_float32(self, dtype: Any) -> re.Pattern | None:
+        """Which tensor names a stage computing in ``dtype`` holds in float32 (None: none)."""
+        import torch
+
+        names = list(self.keep_float32_strict) if dtype in (torch.float16, torch.bfloat16) else []
+        if dtype == torch.float16:
+            names += self.keep_float32_half
+        return module_names_pattern(names)
 
     @property
     def rotary_per_layer_type(self) -> bool:
@@ -72,12 +98,16 @@ def blocks_for(model_type: str) -> Blocks:
         def embedding(config, scaled=scaled):
             return scaled(config.vocab_size, config.hidden_size, config.pad_token_id,
                           embed_scale=config.hidden_size**0.5)
+    pretrained = getattr(modeling, f"{prefix}PreTrainedModel", None)
     return Blocks(
         config_class=getattr(configuration, config_name),
         decoder_layer=getattr(modeling, f"{prefix}DecoderLayer"),
         norm=getattr(modeling, f"{prefix}RMSNorm"),
         rotary_embedding=getattr(modeling, f"{prefix}RotaryEmbedding"),
         embedding=embedding,
+        attention="sdpa" if getattr(pretrained, "_supports_sdpa", True) else "eager",
+        keep_float32_strict=tuple(getattr(pretrained, "_keep_in_fp32_modules_strict", None) or ()),
+        keep_float32_half=tuple(getattr(pretrained, "_keep_in_fp32_modules", None) or ()),
     )
 
 

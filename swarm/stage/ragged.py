@@ -8,10 +8,14 @@ by one. Attention is where requests must not mix: the layer hands the new keys a
 cache given here (:class:`RaggedCache`) splits them by request, appends each part to that request's own
 DynamicCache, and hands back every request's full keys and values; the attention function registered here
 (:func:`ragged_attention`) then attends each request's rows to its own keys only -- causally, and within the
-sliding window on the layers that have one -- through transformers' own SDPA attention.
+sliding window on the layers that have one -- through transformers' own SDPA attention, or, for a family whose
+stages attend eagerly (gpt-oss's attention sinks: swarm.stage.architectures), through the family's own eager
+attention function (:data:`EAGER_ATTENTION`), the mask then added as transformers' eager masks are.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -19,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 ATTENTION = "swarm_ragged"
+EAGER_ATTENTION = "swarm_ragged_eager"
 
 
 class RaggedKV:
@@ -75,8 +80,33 @@ def _mask(n: int, keys: int, window: int | None, device) -> torch.Tensor | None:
     return allowed[None, None]
 
 
+def ragged_eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           sliding_window: int | None = None, **kwargs):
+    """As :func:`ragged_attention`, through the eager attention function of the module's own family (gpt-oss's adds
+    its sinks); a mask is additive there, as the library's eager masks are (0 where allowed, the dtype's minimum
+    where not)."""
+    eager = inspect.getmodule(type(module)).eager_attention_forward  # type: ignore[union-attr]
+    if not isinstance(key, RaggedKV):  # an ordinary pass: the mask is the library's own
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     sliding_window=sliding_window, **kwargs)
+    outputs = []
+    row = 0
+    for k, v, n in zip(key.parts, value.parts, key.sizes):
+        q = query[:, :, row : row + n]
+        allowed = _mask(n, k.shape[-2], sliding_window, q.device)
+        mask = None
+        if allowed is not None:
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(~allowed, torch.finfo(q.dtype).min)
+        out, _ = eager(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+        outputs.append(out)
+        row += n
+    return torch.cat(outputs, dim=1), None
+
+
 AttentionInterface.register(ATTENTION, ragged_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+AttentionInterface.register(EAGER_ATTENTION, ragged_eager_attention)
 
 
 def forward_batch(stage, items: list[tuple[str, int, torch.Tensor, bool]], alone: list[bool] | None = None):
@@ -130,7 +160,7 @@ def ragged_layers(stage, states: torch.Tensor, position_ids: torch.Tensor, cache
     position_embeddings = stage.position_embeddings(states, position_ids)  # by layer type
     cache = RaggedCache(caches, sizes, alone)
     before = stage.config._attn_implementation
-    stage.config._attn_implementation = ATTENTION
+    stage.config._attn_implementation = ATTENTION if before == "sdpa" else EAGER_ATTENTION
     copies = {states.device: position_embeddings}
     try:
         for layer, kind, layer_device in zip(stage.layers, stage.mask_types, stage.layer_devices):

@@ -70,6 +70,9 @@ def _slice_config(config: Any, spec: StageSpec) -> Any:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         sliced.layer_types = list(layer_types[spec.first_layer : spec.end_layer])
+    dense = getattr(config, "first_k_dense_replace", None)
+    if dense is not None:  # GLM-4.5: the model's first k layers have a dense MLP; counted from this stage's first
+        sliced.first_k_dense_replace = max(int(dense) - spec.first_layer, 0)
     sliced.num_hidden_layers = spec.num_layers
     return sliced
 
@@ -161,12 +164,16 @@ class StageModel:
         blocks = blocks_for(full_config.model_type)
         check_sliceable(full_config)
         stage_config = _slice_config(full_config, spec)
-        # sdpa is what from_pretrained picks on CPU and GPU; the masks below follow this setting.
-        stage_config._attn_implementation = "sdpa"
+        # sdpa is what from_pretrained picks on CPU and GPU (eager for a family that cannot take it: gpt-oss's sinks);
+        # the masks below follow this setting.
+        stage_config._attn_implementation = blocks.attention
+
+        keep_float32 = blocks.keep_float32(dtype)  # GLM's router in float32, as from_pretrained keeps it
 
         def read(rel: str, on: torch.device = device) -> dict[str, torch.Tensor]:
             # a GGUF's blocks are dequantized here, one tensor at a time (swarm.stage.weights)
-            return read_weights(files[rel], config, dtype, on, what=f"{rel} from {files[rel]}")
+            return read_weights(files[rel], config, dtype, on, what=f"{rel} from {files[rel]}",
+                                keep_float32=keep_float32)
 
         with torch.device("meta"):
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))

@@ -13,6 +13,7 @@ dtype. In float32 a stage so holds exactly what transformers' float32 load of th
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,12 @@ DEQUANT_SLICE_ELEMENTS = 4 << 20
 
 
 def read_weights(path: Path, config: Mapping[str, Any], dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", what: str = "") -> dict[str, torch.Tensor]:
+                 device: str | torch.device = "cpu", what: str = "",
+                 keep_float32: re.Pattern | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the weight file at ``path`` (names as in the file), in ``dtype`` (None: float32 for a GGUF's
     tensors, the stored dtype otherwise) on ``device``. ``config``: the model's config.json contents (the GGUF
-    fix-ups read the head counts from it). ``what``: the file as messages name it."""
+    fix-ups read the head counts from it). ``what``: the file as messages name it. ``keep_float32``: the names of the
+    tensors read in float32 whatever ``dtype`` is (the family's ``_keep_in_fp32_modules_strict``: GLM's router)."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
@@ -50,7 +53,10 @@ def read_weights(path: Path, config: Mapping[str, Any], dtype: torch.dtype | Non
                         if processor is None:
                             processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
                         value = processor.process(weights=value, name=info["name"]).weights.contiguous()
-                out[key] = value.to(device=device, dtype=dtype or value.dtype)
+                wanted = dtype or value.dtype
+                if keep_float32 is not None and keep_float32.search(key):
+                    wanted = torch.float32
+                out[key] = value.to(device=device, dtype=wanted)
                 del value
     except ModelError:
         raise

@@ -46,7 +46,7 @@ from swarm.model_format import (
 from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
-from swarm.store.moe_layout import fuse_layer
+from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, kept_float32
 
 log = logging.getLogger(__name__)
 
@@ -298,12 +298,18 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
 
     source = FolderSource(folder)
     _check_architecture(source.architecture, folder)
-    tensors = source.tensors()
+    tensors = dequantized_mxfp4(source.tensors())  # gpt-oss's MXFP4 experts, stored dequantized
     try:
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises many kinds here
         raise ImportFailed(f"transformers cannot read {folder / CONFIG_FILE}: {exc}") from exc
     check_sliceable(config)
+    if getattr(config, "quantization_config", None) is not None:
+        quantization = dict(config.quantization_config)
+        if quantization.get("quant_method") != "mxfp4":
+            raise ImportFailed(f"{folder} is quantized with {quantization.get('quant_method')!r}, which swarm cannot "
+                               "import from a folder; import the unquantized checkpoint (or a GGUF) instead")
+        del config.quantization_config  # its MXFP4 experts are stored dequantized: nothing is quantized any more
     if any((folder / f).exists() for f in _TOKENIZER_MARKERS):
         def tokenizer() -> Any:
             return _load_tokenizer(lambda: _auto_tokenizer(folder))
@@ -397,12 +403,15 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     config = plan.config
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    groups = _group_by_file(plan.tensors, num_layers, tied, plan.source)
+    # GLM-4.5's multi-token-prediction layers follow the decoder stack (model.layers.46 of a 46-layer model); the
+    # library's model ignores them at load (_keys_to_ignore_on_load_unexpected), and so does an import
+    extra = int(getattr(config, "num_mtp_layers", 0) or 0) if config.model_type == "glm4_moe" else 0
+    groups = _group_by_file(plan.tensors, num_layers, tied, plan.source, extra)
     if plan.keep_blocks:  # a GGUF's blocks as the file has them (MoE GGUF imports are not supported yet)
         params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
         for i in range(num_layers):  # MoE layers: per-expert checkpoint tensors fused as the decoder layer holds them
-            groups[layer_file(i)] = fuse_layer(config.model_type, i, groups[layer_file(i)])
+            groups[layer_file(i)] = kept_float32(config, fuse_layer(config.model_type, i, groups[layer_file(i)]))
         params = {}
         weight_files.write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype
@@ -457,8 +466,9 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
 
 
 def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
-                   source: str) -> dict[str, dict[str, Any]]:
-    """Which file each tensor goes to (layer files get names relative to the layer), checking nothing is missing."""
+                   source: str, ignored_layers: int = 0) -> dict[str, dict[str, Any]]:
+    """Which file each tensor goes to (layer files get names relative to the layer), checking nothing is missing;
+    the ``ignored_layers`` layers after the stack are left out."""
     groups: dict[str, dict[str, Any]] = {}
     for tensor in tensors:
         key = tensor.hf_name
@@ -466,6 +476,8 @@ def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
             continue  # recomputed from the config; some old checkpoints carry it
         if match := _LAYER_KEY_RE.match(key):
             index = int(match.group(1))
+            if num_layers <= index < num_layers + ignored_layers:
+                continue
             if index >= num_layers:
                 raise ImportFailed(f"{source} has weights for layer {index} but its config says {num_layers} layers")
             groups.setdefault(layer_file(index), {})[match.group(2)] = tensor

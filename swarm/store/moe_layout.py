@@ -97,3 +97,88 @@ def _fused_shape(rule: Any, tensors: dict[str, tuple[Any, ...]]) -> tuple[int, .
         values = op.convert(values, list(rule.source_patterns), list(rule.target_patterns))
     (value,) = values.values()
     return tuple(int(d) for d in value.shape)
+
+
+# gpt-oss checkpoints keep their experts in MXFP4: for each fused matrix ``X``, ``X_blocks`` (experts x rows x groups x
+# 16 bytes, two 4-bit values a byte) and ``X_scales`` (experts x rows x groups, a power-of-two exponent biased by 127
+# per 32 values).
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
+@dataclass(frozen=True)
+class Mxfp4Tensor:
+    """A fused expert matrix of a safetensors MXFP4 checkpoint, read dequantized by transformers' own MXFP4 conversion
+    (``convert_moe_packed_tensors``, what ``from_pretrained`` runs when it dequantizes): ``shape`` and ``read(dtype)``
+    as the decoder layer's parameter has them. Every FP4 value times its power of two is exact in bfloat16 (and
+    float32), so a checkpoint stored in its own 16-bit dtype loses nothing."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    blocks: Any
+    scales: Any
+    write: None = None
+    floating: bool = True
+
+    def read(self, dtype: Any) -> Any:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        return convert_moe_packed_tensors(self.blocks.read(None), self.scales.read(None), dtype=dtype)
+
+
+def dequantized_mxfp4(tensors: list[Any]) -> list[Any]:
+    """``tensors`` (objects with hf_name, shape, read) with each MXFP4 ``X_blocks`` / ``X_scales`` pair replaced by the
+    one dequantized tensor ``X``; a list without such pairs comes back as it was."""
+    by_name = {t.hf_name: t for t in tensors}
+    out = []
+    for tensor in tensors:
+        name = tensor.hf_name
+        if name.endswith(MXFP4_PARTS[1]) and name.removesuffix(MXFP4_PARTS[1]) + MXFP4_PARTS[0] in by_name:
+            continue  # read with its blocks
+        if not name.endswith(MXFP4_PARTS[0]):
+            out.append(tensor)
+            continue
+        base = name.removesuffix(MXFP4_PARTS[0])
+        scales = by_name.get(base + MXFP4_PARTS[1])
+        if scales is None:
+            raise ImportFailed(f"{name} has no {base + MXFP4_PARTS[1]} beside it; the MXFP4 checkpoint is incomplete")
+        *lead, rows, groups, pair_bytes = tensor.shape
+        if tuple(scales.shape) != (*lead, rows, groups):
+            raise ImportFailed(f"{name} {tuple(tensor.shape)} and its scales {tuple(scales.shape)} do not match; "
+                               "the MXFP4 checkpoint is damaged")
+        out.append(Mxfp4Tensor(base, (*lead, groups * pair_bytes * 2, rows), tensor, scales))
+    return out
+
+
+class Float32Tensor:
+    """A tensor stored in float32 whatever the model's dtype: one the family keeps in float32 in a 16-bit load
+    (``_keep_in_fp32_modules_strict``: GLM-4.5's router weight and score-correction bias), so that a stage holds
+    the checkpoint's values, as transformers' from_pretrained does, not their 16-bit rounding."""
+
+    stored_dtype = "float32"
+    floating = True
+    write = None
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor
+        self.hf_name = tensor.hf_name
+        self.shape = tensor.shape
+
+    def read(self, dtype: Any) -> Any:
+        return self.tensor.read(dtype)
+
+
+def kept_float32(config: Any, group: dict[str, Any]) -> dict[str, Any]:
+    """A layer's tensors (names relative to the layer) with those the family keeps in float32 wrapped to be stored
+    so (:class:`Float32Tensor`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from swarm.model_format import module_names_pattern
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return group
+    pattern = module_names_pattern(list(getattr(model_class, "_keep_in_fp32_modules_strict", None) or []))
+    if pattern is None:
+        return group
+    return {k: Float32Tensor(t) if pattern.search(k) else t for k, t in group.items()}

@@ -1,5 +1,6 @@
 """Writing an import's weight files (named in swarm.model_format), one file at a time and one tensor at a time:
-a safetensors folder's or a dequantized GGUF's tensors in one float dtype (write_weights), or a GGUF's tensors as the
+a safetensors folder's or a dequantized GGUF's tensors in one float dtype (write_weights; a tensor whose
+``stored_dtype`` says otherwise in that one, as GLM's router is kept in float32), or a GGUF's tensors as the
 file has them (write_blocks, through swarm.store.gguf_blocks). swarm.store.importer plans what goes where.
 
 torch and safetensors are imported inside the functions that need them.
@@ -61,20 +62,21 @@ def write_weights(work: Path, groups: dict[str, dict[str, Any]], num_layers: int
         what = _file_label(rel, num_layers)
         group = groups[rel]
         if all(getattr(t, "floating", True) for t in group.values()):
+            dtypes = {k: getattr(t, "stored_dtype", None) or dtype for k, t in group.items()}
             with open(work / rel, "wb") as out:
-                out.write(_safetensors_header({k: t.shape for k, t in group.items()}, dtype))
+                out.write(_safetensors_header({k: t.shape for k, t in group.items()}, dtypes))
                 for key, tensor in group.items():
                     report("write layers", done / total, f"{what}: {key}")
                     start = out.tell()
                     if tensor.write is not None:
-                        tensor.write(torch_dtype, out)
+                        tensor.write(getattr(torch, dtypes[key]), out)
                     else:
-                        value = tensor.read(torch_dtype).contiguous()
+                        value = tensor.read(getattr(torch, dtypes[key])).contiguous()
                         out.write(memoryview(value.view(-1).view(torch.uint8).numpy()))
                         del value
-                    if out.tell() - start != _nbytes(tensor.shape, dtype):
+                    if out.tell() - start != _nbytes(tensor.shape, dtypes[key]):
                         raise ImportFailed(f"{key} of {rel}: wrote {out.tell() - start} bytes, expected "
-                                           f"{_nbytes(tensor.shape, dtype)}; the source may be damaged")
+                                           f"{_nbytes(tensor.shape, dtypes[key])}; the source may be damaged")
                     done += 1
         else:  # integer tensors kept as they are: the library's writer, the file's tensors together
             tensors_out = {}
@@ -98,14 +100,15 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return n
 
 
-def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: str) -> bytes:
-    """A safetensors header for these tensors, all in ``dtype``, laid out in this order: an 8-byte length, then the
-    JSON (padded with spaces to a multiple of 8, as the library writes it) -- so the tensors can follow one by one."""
+def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> bytes:
+    """A safetensors header for these tensors, each in its ``dtypes``, laid out in this order: an 8-byte length,
+    then the JSON (padded with spaces to a multiple of 8, as the library writes it) -- so the tensors can follow one
+    by one."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, shape in shapes.items():
-        size = _nbytes(shape, dtype)
-        header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
+        size = _nbytes(shape, dtypes[key])
+        header[key] = {"dtype": _SAFETENSORS_NAMES[dtypes[key]], "shape": list(shape),
                        "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
