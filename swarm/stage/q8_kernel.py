@@ -38,7 +38,7 @@ _COMPILE_TIMEOUT_S = 120
 
 
 class Q8Kernel:
-    """The compiled kernel: :meth:`pack` lays out 8-bit levels for it, :meth:`matmul` computes with them."""
+    """The compiled kernel: :meth:`matmul` computes with levels laid out by :func:`pack`."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
@@ -51,25 +51,9 @@ class Q8Kernel:
         lib.swarm_q8_path.restype = ctypes.c_char_p
         self.simd = lib.swarm_q8_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
 
-    @staticmethod
-    def pack(q: torch.Tensor) -> torch.Tensor:
-        """The C file's layout of levels ``q`` (out, in; -128..127): each output's blocks of up to 16 groups of 32
-        inputs, a block of G groups being 8 vectors of 4G bytes, vector v holding inputs 4v..4v+3 of each group (group
-        g in bytes 4g..4g+3), each level stored as the byte q + 128."""
-        n, k = q.shape
-        if k % GROUP:
-            raise _mismatch("the levels", f"a whole number of groups of {GROUP} inputs a row", f"{k} inputs")
-        u = (q.to(torch.int16) + 128).to(torch.uint8)
-        parts = []
-        for start in range(0, k, BLOCK):
-            groups = min(BLOCK, k - start) // GROUP
-            block = u[:, start : start + groups * GROUP].reshape(n, groups, GROUP // 4, 4)
-            parts.append(block.transpose(1, 2).reshape(n, groups * GROUP))
-        return torch.cat(parts, 1).contiguous()
-
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, halves: bool, offsets: bool,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, in) bytes from :meth:`pack`; ``scales``: float32
+        """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, in) bytes from :func:`pack`; ``scales``: float32
         (out, parts, in / 32), parts being the scales (of each group's first 16 inputs, then of its last 16 where
         ``halves``) then the offsets where ``offsets``. x is taken as float32 rows, the bias where it is float32 (else
         added after)."""
@@ -97,6 +81,33 @@ class Q8Kernel:
         if bias is not None and not fused_bias:
             y = y + bias
         return y
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The C file's layout of levels ``q`` (out, in; -128..127): each output's blocks of up to 16 groups of 32 inputs,
+    a block of G groups being 8 vectors of 4G bytes, vector v holding inputs 4v..4v+3 of each group (group g in bytes
+    4g..4g+3), each level stored as the byte q + 128."""
+    n, k = q.shape
+    if k % GROUP:
+        raise _mismatch("the levels", f"a whole number of groups of {GROUP} inputs a row", f"{k} inputs")
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    parts = []
+    for start in range(0, k, BLOCK):
+        groups = min(BLOCK, k - start) // GROUP
+        block = u[:, start : start + groups * GROUP].reshape(n, groups, GROUP // 4, 4)
+        parts.append(block.transpose(1, 2).reshape(n, groups * GROUP))
+    return torch.cat(parts, 1).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The levels (out, in; int16) that :func:`pack` laid out as ``packed``."""
+    n, k = packed.shape
+    parts = []
+    for start in range(0, k, BLOCK):
+        groups = min(BLOCK, k - start) // GROUP
+        block = packed[:, start : start + groups * GROUP].reshape(n, GROUP // 4, groups, 4)
+        parts.append(block.transpose(1, 2).reshape(n, groups * GROUP))
+    return torch.cat(parts, 1).to(torch.int16) - 128
 
 
 def expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
