@@ -99,6 +99,10 @@ class GgufQ8Linear(nn.Module):
     """A linear layer over a GGUF tensor's blocks repacked for swarm's 8-bit kernel: x @ W.T + bias for any leading
     dims, W being the file's values exactly."""
 
+    packed: torch.Tensor  # buffers (register_buffer), declared for type checkers
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, ggml_type: str, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  kernel: q8_kernel.Q8Kernel | None):
         super().__init__()
