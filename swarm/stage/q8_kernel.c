@@ -133,38 +133,122 @@ static inline scales_of scales_at(const float *sz, int groups, int halves, int o
 }
 
 #if defined(PATH_512)
-/* rows of one output, a block at a time: the block's 8 vectors loaded once for the rows */
+/* The sums of four vectors' lanes, at once: halves added, then pairwise sums across the four. Each vector's sum takes
+ * the same steps whatever the other three are, so a row's or an output's bits do not depend on its neighbours. */
+static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
+/* 16 lanes from p: all of them in a whole block (a plain load, which the dot product takes as its memory operand),
+ * the block's G in the last one */
+static inline __attribute__((always_inline)) __m512i lanes_i(const void *p, __mmask16 some, int whole) {
+    return whole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(some, p);
+}
+static inline __attribute__((always_inline)) __m512 lanes_f(const float *p, __mmask16 some, int whole) {
+    return whole ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(some, p);
+}
+
+/* acc + one block of one row against one output: lo, hi its halves' u . xq (corrected here); s_lo, s_hi, z the
+ * output's scales and offsets for the block's groups; the row's d, sums and halves' xq sums from g on */
+static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512i lo, __m512i hi, __m512 s_lo,
+                                                               __m512 s_hi, const float *z, __m512 zv, const row_q *x,
+                                                               int g, __mmask16 some, int whole, int halves) {
+    lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(lanes_i(x->lo + g, some, whole), 7));
+    hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(lanes_i(x->hi + g, some, whole), 7));
+    const __m512 d = lanes_f(x->d + g, some, whole);
+    if (halves) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s_lo, d), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s_hi, d), acc);
+    } else {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(s_lo, d), acc);
+    }
+    if (z) acc = _mm512_fmadd_ps(zv, lanes_f(x->sum + g, some, whole), acc);
+    return acc;
+}
+
+/* acc[r] + one block of `rows` rows against one output: the block's 8 vectors loaded once for the rows */
+static inline __attribute__((always_inline)) void rows_block(int rows, int whole, const uint8_t *w, scales_of s, int b,
+                                                             int G, int halves, const row_q *xr, __m512 *acc) {
+    const int g = b / GROUP;
+    const __mmask16 some = (__mmask16)((1u << G) - 1);
+    __m512i q[8];
+    for (int v = 0; v < 8; v++) q[v] = lanes_i(w + b + 4 * G * v, some, whole);
+    const __m512 s_lo = lanes_f(s.s_lo + g, some, whole), s_hi = lanes_f(s.s_hi + g, some, whole);
+    const __m512 z = s.z ? lanes_f(s.z + g, some, whole) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const int8_t *x = xr[r].xq + b;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            lo = _mm512_dpbusd_epi32(lo, q[v], lanes_i(x + 4 * G * v, some, whole));
+            hi = _mm512_dpbusd_epi32(hi, q[v + 4], lanes_i(x + 4 * G * (v + 4), some, whole));
+        }
+        acc[r] = add_block(acc[r], lo, hi, s_lo, s_hi, s.z, z, &xr[r], g, some, whole, halves);
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
                                                            const row_q *xr, float *out) {
     __m512 acc[ROW_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < k; b += BLOCK) {
-        const int G = block_groups(b, k), g = b / GROUP;
-        const __mmask16 some = (__mmask16)((1u << G) - 1);
-        __m512i q[8];
-        for (int v = 0; v < 8; v++) q[v] = _mm512_maskz_loadu_epi32(some, w + b + 4 * G * v);
-        const __m512 s_lo = _mm512_maskz_loadu_ps(some, s.s_lo + g), s_hi = _mm512_maskz_loadu_ps(some, s.s_hi + g);
-        const __m512 z = s.z ? _mm512_maskz_loadu_ps(some, s.z + g) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++) {
-            const int8_t *x = xr[r].xq + b;
-            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-            for (int v = 0; v < 4; v++) {
-                lo = _mm512_dpbusd_epi32(lo, q[v], _mm512_maskz_loadu_epi32(some, x + 4 * G * v));
-                hi = _mm512_dpbusd_epi32(hi, q[v + 4], _mm512_maskz_loadu_epi32(some, x + 4 * G * (v + 4)));
-            }
-            lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(_mm512_maskz_loadu_epi32(some, xr[r].lo + g), 7));
-            hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(_mm512_maskz_loadu_epi32(some, xr[r].hi + g), 7));
-            const __m512 d = _mm512_maskz_loadu_ps(some, xr[r].d + g);
-            if (halves) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s_lo, d), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s_hi, d), acc[r]);
-            } else {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(s_lo, d), acc[r]);
-            }
-            if (s.z) acc[r] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(some, xr[r].sum + g), acc[r]);
-        }
+        const int G = block_groups(b, k);
+        if (G == 16) rows_block(rows, 1, w, s, b, 16, halves, xr, acc);
+        else rows_block(rows, 0, w, s, b, G, halves, xr, acc);
     }
-    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    __m512 v[8];
+    for (int r = 0; r < 8; r++) v[r] = r < rows ? acc[r] : _mm512_setzero_ps();
+    float sums[8];
+    _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3]));
+    if (rows > 4) _mm_storeu_ps(sums + 4, sum_four(v[4], v[5], v[6], v[7]));
+    for (int r = 0; r < rows; r++) out[r] = sums[r];
+}
+
+/* One row against four outputs at once (a decode step's case): each block's activations are loaded once for the
+ * four, and their eight dot products are independent chains. w, sz: the first output's; the others follow at k bytes
+ * and parts * k / 32 floats apart. Each output sums as dot_rows sums a row: the same bits. */
+#define FOUR 4
+/* acc[o] + one block of one row against four outputs */
+static inline __attribute__((always_inline)) void four_block(int whole, const uint8_t *w, const scales_of *s, int k,
+                                                             int b, int G, int halves, const row_q *x, __m512 *acc) {
+    const int g = b / GROUP;
+    const __mmask16 some = (__mmask16)((1u << G) - 1);
+    __m512i xv[8];
+    for (int v = 0; v < 8; v++) xv[v] = lanes_i(x->xq + b + 4 * G * v, some, whole);
+    __m512i lo[FOUR], hi[FOUR];
+    for (int o = 0; o < FOUR; o++) lo[o] = hi[o] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++)
+        for (int o = 0; o < FOUR; o++) {
+            const uint8_t *wo = w + (size_t)o * k + b;
+            lo[o] = _mm512_dpbusd_epi32(lo[o], lanes_i(wo + 4 * G * v, some, whole), xv[v]);
+            hi[o] = _mm512_dpbusd_epi32(hi[o], lanes_i(wo + 4 * G * (v + 4), some, whole), xv[v + 4]);
+        }
+    for (int o = 0; o < FOUR; o++) {
+        const __m512 s_lo = lanes_f(s[o].s_lo + g, some, whole), s_hi = lanes_f(s[o].s_hi + g, some, whole);
+        const __m512 z = s[o].z ? lanes_f(s[o].z + g, some, whole) : _mm512_setzero_ps();
+        acc[o] = add_block(acc[o], lo[o], hi[o], s_lo, s_hi, s[o].z, z, x, g, some, whole, halves);
+    }
+}
+
+static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, const row_q *x,
+                            float *out) {
+    const int groups = k / GROUP, parts = 1 + halves + offsets;
+    __m512 acc[FOUR];
+    scales_of s[FOUR];
+    for (int o = 0; o < FOUR; o++) {
+        acc[o] = _mm512_setzero_ps();
+        s[o] = scales_at(sz + (size_t)o * parts * groups, groups, halves, offsets);
+    }
+    for (int b = 0; b < k; b += BLOCK) {
+        const int G = block_groups(b, k);
+        if (G == 16) four_block(1, w, s, k, b, 16, halves, x, acc);
+        else four_block(0, w, s, k, b, G, halves, x, acc);
+    }
+    _mm_storeu_ps(out, sum_four(acc[0], acc[1], acc[2], acc[3]));
 }
 #elif defined(PATH_256)
 /* u . x of 32 weight bytes (u = q + 128) and 32 activations, 8 lanes: VNNI's, then less 128 x sum(x) (corr, per
@@ -302,7 +386,19 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
                 xr[r] = q;
             }
             float out[ROW_TILE];
-            for (int j = first; j < last; j++) {
+            int j = first;
+#if defined(PATH_512)
+            if (tile == 1)
+                for (; j + FOUR <= last; j += FOUR) {
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH);
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 1);
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 2);
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 3);
+                    dot_four(w + (size_t)j * k, sz + (size_t)j * parts * groups, k, halves, offsets, xr, out);
+                    for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
+                }
+#endif
+            for (; j < last; j++) {
                 if (r0 == 0) prefetch_outputs(w, sz, k, parts, j + PREFETCH);
                 const uint8_t *wj = w + (size_t)j * k;
                 const scales_of s = scales_at(sz + (size_t)j * parts * groups, groups, halves, offsets);
