@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "ggml-cpu.h"
@@ -31,7 +32,7 @@ int main(int argc, char **argv) {
     const int iters = atoi(argv[6]);
     int type = -1;
     for (int t = 0; t < GGML_TYPE_COUNT; t++)
-        if (ggml_type_name((enum ggml_type)t) && strcmp(ggml_type_name((enum ggml_type)t), argv[1]) == 0) type = t;
+        if (ggml_type_name((enum ggml_type)t) && strcasecmp(ggml_type_name((enum ggml_type)t), argv[1]) == 0) type = t;
     if (type < 0) {
         fprintf(stderr, "unknown type %s\n", argv[1]);
         return 2;
