@@ -7,12 +7,16 @@
  * product with the signed activations is VNNI's unsigned-by-signed one); a weight is s q (+ z), with float32 s and z
  * (they hold the file's fp16 d, and Q6_K's d * sc and Q5_K's d * sc and dmin * m, exactly). Where `halves`, each group
  * has two scales, one for its first 16 inputs and one for its last 16 (Q6_K's sub-blocks of 16). An output's inputs
- * come in blocks of up to 16 groups (512 inputs; the last block holds what is left, G groups): a block is 8 vectors of
- * 4G bytes, vector v holding inputs 4v..4v+3 of each of its groups (group g in bytes 4g..4g+3, one 32-bit lane). The
- * VNNI dot product of a vector with the activations in the same order sums four products per lane, so vectors 0..3 sum
- * each group's first 16 products in its own lane, 4..7 its last 16, in integers, and a block needs one conversion to
- * float and one multiply-add per half and row. An output takes k bytes; its scales are `parts` rows of k / 32 floats:
- * the scales (of the first halves, then of the second where `halves`), then the offsets where `offsets`.
+ * come in blocks of 16 groups (512 inputs), then a tail of the groups left over where k is not a multiple of 512:
+ *  - a block is 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each of its groups (group g in bytes
+ *    4g..4g+3, one 32-bit lane). The VNNI dot product of a vector with the activations in the same order sums four
+ *    products per lane, so vectors 0..3 sum each group's first 16 products in its own lane, 4..7 its last 16, in
+ *    integers, and a block needs one conversion to float and one multiply-add per half and row;
+ *  - the tail's groups are in their own order, 32 bytes each, taken two at a time (one 64-byte vector): its lanes'
+ *    sums are folded in integers into the two groups' halves, then converted. Laid out as blocks, a tail of 2 groups
+ *    (576 = 512 + 64 inputs, SmolLM2's width) cost as much as a whole block: 41 against 34 us a 576 x 1536 product.
+ * An output takes k bytes; its scales are `parts` rows of k / 32 floats: the scales (of the first halves, then of the
+ * second where `halves`), then the offsets where `offsets`.
  *
  * x (rows x k, float32): each row's groups of 32 quantized alone, d = max|x| / 127, xq = round(x / d), so a row's
  * result never depends on the other rows of the call; xq is laid out as the weights are (place gives where each input
@@ -58,13 +62,11 @@
 
 const char *swarm_q8_path(void) { return PATH_NAME; }
 
-/* groups in the block starting at input b */
-static inline int block_groups(int b, int k) { return k - b >= BLOCK ? 16 : (k - b) / GROUP; }
-
-/* Where input i of a row goes in its block's layout: vector (i % 32) / 4, its group's lane */
+/* Where input i of a row goes: in a block, vector (i % 32) / 4, its group's lane; in the tail, where it is */
 static inline int place(int i, int k) {
-    const int b = i / BLOCK * BLOCK, r = i - b, G = block_groups(b, k);
-    return b + 4 * G * (r % GROUP / 4) + 4 * (r / GROUP) + r % 4;
+    if (i >= k / BLOCK * BLOCK) return i;
+    const int b = i / BLOCK * BLOCK, r = i - b;
+    return b + 64 * (r % GROUP / 4) + 4 * (r / GROUP) + r % 4;
 }
 
 /* One row: xq (k bytes, in place's order), and per group d, sum(x) and the sums of its halves' xq (k / 32 each). */
@@ -117,8 +119,12 @@ static void quantize_row(const float *x, int k, row_q r) {
     for (int g = 0; g < k / GROUP; g++) {
         int8_t q[GROUP];
         quantize_group(x + GROUP * g, q, r.d + g, r.sum + g, r.lo + g, r.hi + g);
-        const int b = GROUP * g / BLOCK * BLOCK, G = block_groups(b, k), lane = g - b / GROUP;
-        for (int v = 0; v < GROUP / 4; v++) memcpy(r.xq + b + 4 * G * v + 4 * lane, q + 4 * v, 4);
+        if (GROUP * g >= k / BLOCK * BLOCK) {
+            memcpy(r.xq + GROUP * g, q, GROUP);
+            continue;
+        }
+        const int b = GROUP * g / BLOCK * BLOCK, lane = g - b / GROUP;
+        for (int v = 0; v < GROUP / 4; v++) memcpy(r.xq + b + 64 * v + 4 * lane, q + 4 * v, 4);
     }
 }
 
@@ -144,64 +150,93 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-/* 16 lanes from p: all of them in a whole block (a plain load, which the dot product takes as its memory operand),
- * the block's G in the last one */
-static inline __attribute__((always_inline)) __m512i lanes_i(const void *p, __mmask16 some, int whole) {
-    return whole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(some, p);
-}
-static inline __attribute__((always_inline)) __m512 lanes_f(const float *p, __mmask16 some, int whole) {
-    return whole ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(some, p);
-}
-
 /* acc + one block of one row against one output: lo, hi its halves' u . xq (corrected here); s_lo, s_hi, z the
- * output's scales and offsets for the block's groups; the row's d, sums and halves' xq sums from g on */
+ * output's scales and offsets for the block's groups; the row's d, sums and halves' xq sums from group g on */
 static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512i lo, __m512i hi, __m512 s_lo,
                                                                __m512 s_hi, const float *z, __m512 zv, const row_q *x,
-                                                               int g, __mmask16 some, int whole, int halves) {
-    lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(lanes_i(x->lo + g, some, whole), 7));
-    hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(lanes_i(x->hi + g, some, whole), 7));
-    const __m512 d = lanes_f(x->d + g, some, whole);
+                                                               int g, int halves) {
+    lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(_mm512_loadu_si512(x->lo + g), 7));
+    hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(_mm512_loadu_si512(x->hi + g), 7));
+    const __m512 d = _mm512_loadu_ps(x->d + g);
     if (halves) {
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s_lo, d), acc);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s_hi, d), acc);
     } else {
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(s_lo, d), acc);
     }
-    if (z) acc = _mm512_fmadd_ps(zv, lanes_f(x->sum + g, some, whole), acc);
+    if (z) acc = _mm512_fmadd_ps(zv, _mm512_loadu_ps(x->sum + g), acc);
     return acc;
 }
 
+/* c (1 or 2) numbers from p into lanes 0, 1 (0 beyond) */
+static inline __m128 two_f(const float *p, int c) {
+    return c == 2 ? _mm_castpd_ps(_mm_load_sd((const double *)p)) : _mm_load_ss(p);
+}
+static inline __m128i two_i(const int32_t *p, int c) {
+    return c == 2 ? _mm_loadl_epi64((const __m128i *)p) : _mm_cvtsi32_si128(*p);
+}
+
+/* t + a tail pair of groups g, g + 1 (c = 1: g alone) of one row against one output, their 64 bytes in natural order:
+ * dot's lanes are four products each, 0-3 the first group's first half, 4-7 its second, 8-15 the second group's; sc
+ * the output's [first lo, first hi, second lo, second hi] scales, z its offsets */
+static inline __m128 add_pair(__m128 t, __m512i dot, __m128 sc, const float *zp, __m128 z, const row_q *x, int g,
+                              int c) {
+    dot = _mm512_add_epi32(dot, _mm512_shuffle_epi32(dot, _MM_PERM_BADC));
+    dot = _mm512_add_epi32(dot, _mm512_shuffle_epi32(dot, _MM_PERM_CDAB));
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i sums = _mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, dot));
+    const __m128i corr = _mm_unpacklo_epi32(two_i(x->lo + g, c), two_i(x->hi + g, c));
+    const __m128i dots = _mm_sub_epi32(sums, _mm_slli_epi32(corr, 7));
+    const __m128 d = two_f(x->d + g, c);
+    t = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(sc, _mm_unpacklo_ps(d, d)), t);
+    if (zp) t = _mm_fmadd_ps(z, two_f(x->sum + g, c), t);
+    return t;
+}
+
+static inline __mmask16 pair_mask(int c) { return c == 2 ? (__mmask16)0xFFFF : (__mmask16)0x00FF; }
+
 /* acc[r] + one block of `rows` rows against one output: the block's 8 vectors loaded once for the rows */
-static inline __attribute__((always_inline)) void rows_block(int rows, int whole, const uint8_t *w, scales_of s, int b,
-                                                             int G, int halves, const row_q *xr, __m512 *acc) {
+static inline __attribute__((always_inline)) void rows_block(int rows, const uint8_t *w, scales_of s, int b,
+                                                             int halves, const row_q *xr, __m512 *acc) {
     const int g = b / GROUP;
-    const __mmask16 some = (__mmask16)((1u << G) - 1);
     __m512i q[8];
-    for (int v = 0; v < 8; v++) q[v] = lanes_i(w + b + 4 * G * v, some, whole);
-    const __m512 s_lo = lanes_f(s.s_lo + g, some, whole), s_hi = lanes_f(s.s_hi + g, some, whole);
-    const __m512 z = s.z ? lanes_f(s.z + g, some, whole) : _mm512_setzero_ps();
+    for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(w + b + 64 * v);
+    const __m512 s_lo = _mm512_loadu_ps(s.s_lo + g), s_hi = _mm512_loadu_ps(s.s_hi + g);
+    const __m512 z = s.z ? _mm512_loadu_ps(s.z + g) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const int8_t *x = xr[r].xq + b;
         __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
-            lo = _mm512_dpbusd_epi32(lo, q[v], lanes_i(x + 4 * G * v, some, whole));
-            hi = _mm512_dpbusd_epi32(hi, q[v + 4], lanes_i(x + 4 * G * (v + 4), some, whole));
+            lo = _mm512_dpbusd_epi32(lo, q[v], _mm512_loadu_si512(x + 64 * v));
+            hi = _mm512_dpbusd_epi32(hi, q[v + 4], _mm512_loadu_si512(x + 64 * (v + 4)));
         }
-        acc[r] = add_block(acc[r], lo, hi, s_lo, s_hi, s.z, z, &xr[r], g, some, whole, halves);
+        acc[r] = add_block(acc[r], lo, hi, s_lo, s_hi, s.z, z, &xr[r], g, halves);
     }
 }
 
 static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
                                                            const row_q *xr, float *out) {
+    const int blocked = k / BLOCK * BLOCK, groups = k / GROUP;
     __m512 acc[ROW_TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < k; b += BLOCK) {
-        const int G = block_groups(b, k);
-        if (G == 16) rows_block(rows, 1, w, s, b, 16, halves, xr, acc);
-        else rows_block(rows, 0, w, s, b, G, halves, xr, acc);
+    __m128 tail[ROW_TILE];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm512_setzero_ps();
+        tail[r] = _mm_setzero_ps();
+    }
+    for (int b = 0; b < blocked; b += BLOCK) rows_block(rows, w, s, b, halves, xr, acc);
+    for (int g = blocked / GROUP; g < groups; g += 2) {
+        const int c = groups - g >= 2 ? 2 : 1;
+        const __m512i q = _mm512_maskz_loadu_epi32(pair_mask(c), w + GROUP * g);
+        const __m128 sc = _mm_unpacklo_ps(two_f(s.s_lo + g, c), two_f(s.s_hi + g, c));
+        const __m128 z = s.z ? two_f(s.z + g, c) : _mm_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512i x = _mm512_maskz_loadu_epi32(pair_mask(c), xr[r].xq + GROUP * g);
+            tail[r] = add_pair(tail[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x), sc, s.z, z, &xr[r], g, c);
+        }
     }
     __m512 v[8];
-    for (int r = 0; r < 8; r++) v[r] = r < rows ? acc[r] : _mm512_setzero_ps();
+    for (int r = 0; r < 8; r++)
+        v[r] = r < rows ? _mm512_add_ps(acc[r], _mm512_zextps128_ps512(tail[r])) : _mm512_setzero_ps();
     float sums[8];
     _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3]));
     if (rows > 4) _mm_storeu_ps(sums + 4, sum_four(v[4], v[5], v[6], v[7]));
@@ -212,42 +247,46 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
  * four, and their eight dot products are independent chains. w, sz: the first output's; the others follow at k bytes
  * and parts * k / 32 floats apart. Each output sums as dot_rows sums a row: the same bits. */
 #define FOUR 4
-/* acc[o] + one block of one row against four outputs */
-static inline __attribute__((always_inline)) void four_block(int whole, const uint8_t *w, const scales_of *s, int k,
-                                                             int b, int G, int halves, const row_q *x, __m512 *acc) {
-    const int g = b / GROUP;
-    const __mmask16 some = (__mmask16)((1u << G) - 1);
-    __m512i xv[8];
-    for (int v = 0; v < 8; v++) xv[v] = lanes_i(x->xq + b + 4 * G * v, some, whole);
-    __m512i lo[FOUR], hi[FOUR];
-    for (int o = 0; o < FOUR; o++) lo[o] = hi[o] = _mm512_setzero_si512();
-    for (int v = 0; v < 4; v++)
-        for (int o = 0; o < FOUR; o++) {
-            const uint8_t *wo = w + (size_t)o * k + b;
-            lo[o] = _mm512_dpbusd_epi32(lo[o], lanes_i(wo + 4 * G * v, some, whole), xv[v]);
-            hi[o] = _mm512_dpbusd_epi32(hi[o], lanes_i(wo + 4 * G * (v + 4), some, whole), xv[v + 4]);
-        }
-    for (int o = 0; o < FOUR; o++) {
-        const __m512 s_lo = lanes_f(s[o].s_lo + g, some, whole), s_hi = lanes_f(s[o].s_hi + g, some, whole);
-        const __m512 z = s[o].z ? lanes_f(s[o].z + g, some, whole) : _mm512_setzero_ps();
-        acc[o] = add_block(acc[o], lo[o], hi[o], s_lo, s_hi, s[o].z, z, x, g, some, whole, halves);
-    }
-}
-
 static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, const row_q *x,
                             float *out) {
-    const int groups = k / GROUP, parts = 1 + halves + offsets;
+    const int groups = k / GROUP, parts = 1 + halves + offsets, blocked = k / BLOCK * BLOCK;
     __m512 acc[FOUR];
+    __m128 tail[FOUR];
     scales_of s[FOUR];
     for (int o = 0; o < FOUR; o++) {
         acc[o] = _mm512_setzero_ps();
+        tail[o] = _mm_setzero_ps();
         s[o] = scales_at(sz + (size_t)o * parts * groups, groups, halves, offsets);
     }
-    for (int b = 0; b < k; b += BLOCK) {
-        const int G = block_groups(b, k);
-        if (G == 16) four_block(1, w, s, k, b, 16, halves, x, acc);
-        else four_block(0, w, s, k, b, G, halves, x, acc);
+    for (int b = 0; b < blocked; b += BLOCK) {
+        const int g = b / GROUP;
+        __m512i xv[8];
+        for (int v = 0; v < 8; v++) xv[v] = _mm512_loadu_si512(x->xq + b + 64 * v);
+        __m512i lo[FOUR], hi[FOUR];
+        for (int o = 0; o < FOUR; o++) lo[o] = hi[o] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++)
+            for (int o = 0; o < FOUR; o++) {
+                const uint8_t *wo = w + (size_t)o * k + b;
+                lo[o] = _mm512_dpbusd_epi32(lo[o], _mm512_loadu_si512(wo + 64 * v), xv[v]);
+                hi[o] = _mm512_dpbusd_epi32(hi[o], _mm512_loadu_si512(wo + 64 * (v + 4)), xv[v + 4]);
+            }
+        for (int o = 0; o < FOUR; o++) {
+            const __m512 s_lo = _mm512_loadu_ps(s[o].s_lo + g), s_hi = _mm512_loadu_ps(s[o].s_hi + g);
+            const __m512 z = s[o].z ? _mm512_loadu_ps(s[o].z + g) : _mm512_setzero_ps();
+            acc[o] = add_block(acc[o], lo[o], hi[o], s_lo, s_hi, s[o].z, z, x, g, halves);
+        }
     }
+    for (int g = blocked / GROUP; g < groups; g += 2) {
+        const int c = groups - g >= 2 ? 2 : 1;
+        const __m512i xv = _mm512_maskz_loadu_epi32(pair_mask(c), x->xq + GROUP * g);
+        for (int o = 0; o < FOUR; o++) {
+            const __m512i q = _mm512_maskz_loadu_epi32(pair_mask(c), w + (size_t)o * k + GROUP * g);
+            const __m128 sc = _mm_unpacklo_ps(two_f(s[o].s_lo + g, c), two_f(s[o].s_hi + g, c));
+            const __m128 z = s[o].z ? two_f(s[o].z + g, c) : _mm_setzero_ps();
+            tail[o] = add_pair(tail[o], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv), sc, s[o].z, z, x, g, c);
+        }
+    }
+    for (int o = 0; o < FOUR; o++) acc[o] = _mm512_add_ps(acc[o], _mm512_zextps128_ps512(tail[o]));
     _mm_storeu_ps(out, sum_four(acc[0], acc[1], acc[2], acc[3]));
 }
 #elif defined(PATH_256)
@@ -263,14 +302,6 @@ static inline __m256i dot_bytes(__m256i u, __m256i x, __m256i corr) {
 #endif
 }
 
-static inline __m256i load_lanes(const void *p, int lanes) {
-    if (lanes == 8) return _mm256_loadu_si256((const __m256i *)p);
-    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_epi32((const int *)p, _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), idx));
-}
-
-static inline __m256 load_floats(const float *p, int lanes) { return _mm256_castsi256_ps(load_lanes(p, lanes)); }
-
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -278,31 +309,37 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Half a block at a time (its groups 0..7, then 8..15), as the AVX512 path sums whole blocks */
+/* Half a block at a time (its groups 0..7, then 8..15), as the AVX512 path sums whole blocks; a tail group's halves
+ * summed apart */
 static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
                                                            const row_q *xr, float *out) {
+    const int blocked = k / BLOCK * BLOCK, groups = k / GROUP;
     __m256 acc[ROW_TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < k; b += BLOCK) {
-        const int G = block_groups(b, k);
-        for (int part = 0; part * 8 < G; part++) {
-            const int lanes = G - 8 * part < 8 ? G - 8 * part : 8, g = b / GROUP + 8 * part, at = 32 * part;
+    float tail[ROW_TILE];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    for (int b = 0; b < blocked; b += BLOCK)
+        for (int part = 0; part < 2; part++) {
+            const int g = b / GROUP + 8 * part, at = 32 * part;
             __m256i q[8];
-            for (int v = 0; v < 8; v++) q[v] = load_lanes(w + b + 4 * G * v + at, lanes);
-            const __m256 s_lo = load_floats(s.s_lo + g, lanes), s_hi = load_floats(s.s_hi + g, lanes);
-            const __m256 z = s.z ? load_floats(s.z + g, lanes) : _mm256_setzero_ps();
+            for (int v = 0; v < 8; v++) q[v] = _mm256_loadu_si256((const __m256i *)(w + b + 64 * v + at));
+            const __m256 s_lo = _mm256_loadu_ps(s.s_lo + g), s_hi = _mm256_loadu_ps(s.s_hi + g);
+            const __m256 z = s.z ? _mm256_loadu_ps(s.z + g) : _mm256_setzero_ps();
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xr[r].xq + b + at;
-                const __m256i c_lo = _mm256_slli_epi32(load_lanes(xr[r].lo + g, lanes), 7);
-                const __m256i c_hi = _mm256_slli_epi32(load_lanes(xr[r].hi + g, lanes), 7);
-                __m256i lo = dot_bytes(q[0], load_lanes(x, lanes), c_lo);
-                __m256i hi = dot_bytes(q[4], load_lanes(x + 4 * G * 4, lanes), c_hi);
+                const __m256i c_lo = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xr[r].lo + g)), 7);
+                const __m256i c_hi = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xr[r].hi + g)), 7);
+                __m256i lo = dot_bytes(q[0], _mm256_loadu_si256((const __m256i *)x), c_lo);
+                __m256i hi = dot_bytes(q[4], _mm256_loadu_si256((const __m256i *)(x + 256)), c_hi);
                 for (int v = 1; v < 4; v++) {
                     const __m256i none = _mm256_setzero_si256();
-                    lo = _mm256_add_epi32(lo, dot_bytes(q[v], load_lanes(x + 4 * G * v, lanes), none));
-                    hi = _mm256_add_epi32(hi, dot_bytes(q[v + 4], load_lanes(x + 4 * G * (v + 4), lanes), none));
+                    lo = _mm256_add_epi32(lo, dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v)), none));
+                    hi = _mm256_add_epi32(
+                        hi, dot_bytes(q[v + 4], _mm256_loadu_si256((const __m256i *)(x + 64 * (v + 4))), none));
                 }
-                const __m256 d = load_floats(xr[r].d + g, lanes);
+                const __m256 d = _mm256_loadu_ps(xr[r].d + g);
                 if (halves) {
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s_lo, d), acc[r]);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s_hi, d), acc[r]);
@@ -310,11 +347,27 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(s_lo, d),
                                              acc[r]);
                 }
-                if (s.z) acc[r] = _mm256_fmadd_ps(z, load_floats(xr[r].sum + g, lanes), acc[r]);
+                if (s.z) acc[r] = _mm256_fmadd_ps(z, _mm256_loadu_ps(xr[r].sum + g), acc[r]);
             }
         }
+    for (int g = blocked / GROUP; g < groups; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + GROUP * g));
+        for (int r = 0; r < rows; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xr[r].xq + GROUP * g));
+            __m256i dot = dot_bytes(q, x, _mm256_setzero_si256());
+            dot = _mm256_add_epi32(dot, _mm256_shuffle_epi32(dot, _MM_SHUFFLE(1, 0, 3, 2)));
+            dot = _mm256_add_epi32(dot, _mm256_shuffle_epi32(dot, _MM_SHUFFLE(2, 3, 0, 1)));
+            int32_t lo = _mm256_cvtsi256_si32(dot), hi = _mm256_extract_epi32(dot, 4);
+#if defined(__AVXVNNI__)
+            lo -= 128 * xr[r].lo[g];
+            hi -= 128 * xr[r].hi[g];
+#endif
+            const float d = xr[r].d[g];
+            tail[r] += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
+            if (s.z) tail[r] += s.z[g] * xr[r].sum[g];
+        }
     }
-    for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]);
+    for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + tail[r];
 }
 #else
 static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves, const row_q *xr, float *out) {
@@ -322,9 +375,10 @@ static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int 
         float acc = 0.0f;
         for (int g = 0; g < k / GROUP; g++) {
             int32_t lo = 0, hi = 0;
-            for (int i = GROUP * g; i < GROUP * g + GROUP / 2; i++) lo += (w[place(i, k)] - 128) * xr[r].xq[place(i, k)];
-            for (int i = GROUP * g + GROUP / 2; i < GROUP * (g + 1); i++)
-                hi += (w[place(i, k)] - 128) * xr[r].xq[place(i, k)];
+            for (int i = GROUP * g; i < GROUP * (g + 1); i++) {
+                const int product = (w[place(i, k)] - 128) * xr[r].xq[place(i, k)];
+                if (i < GROUP * g + GROUP / 2) lo += product; else hi += product;
+            }
             const float d = xr[r].d[g];
             if (halves) acc += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
             else acc += (float)(lo + hi) * (s.s_lo[g] * d);

@@ -84,30 +84,24 @@ class Q8Kernel:
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """The C file's layout of levels ``q`` (out, in; -128..127): each output's blocks of up to 16 groups of 32 inputs,
-    a block of G groups being 8 vectors of 4G bytes, vector v holding inputs 4v..4v+3 of each group (group g in bytes
-    4g..4g+3), each level stored as the byte q + 128."""
+    """The C file's layout of levels ``q`` (out, in; -128..127), each level stored as the byte q + 128: each output's
+    blocks of 16 groups of 32 inputs, a block being 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each
+    group (group g in bytes 4g..4g+3); then the groups left over (the tail), in their own order."""
     n, k = q.shape
     if k % GROUP:
         raise _mismatch("the levels", f"a whole number of groups of {GROUP} inputs a row", f"{k} inputs")
     u = (q.to(torch.int16) + 128).to(torch.uint8)
-    parts = []
-    for start in range(0, k, BLOCK):
-        groups = min(BLOCK, k - start) // GROUP
-        block = u[:, start : start + groups * GROUP].reshape(n, groups, GROUP // 4, 4)
-        parts.append(block.transpose(1, 2).reshape(n, groups * GROUP))
-    return torch.cat(parts, 1).contiguous()
+    blocked = k // BLOCK * BLOCK
+    blocks = u[:, :blocked].reshape(n, blocked // BLOCK, BLOCK // GROUP, GROUP // 4, 4).transpose(2, 3)
+    return torch.cat([blocks.reshape(n, blocked), u[:, blocked:]], 1).contiguous()
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The levels (out, in; int16) that :func:`pack` laid out as ``packed``."""
     n, k = packed.shape
-    parts = []
-    for start in range(0, k, BLOCK):
-        groups = min(BLOCK, k - start) // GROUP
-        block = packed[:, start : start + groups * GROUP].reshape(n, GROUP // 4, groups, 4)
-        parts.append(block.transpose(1, 2).reshape(n, groups * GROUP))
-    return torch.cat(parts, 1).to(torch.int16) - 128
+    blocked = k // BLOCK * BLOCK
+    blocks = packed[:, :blocked].reshape(n, blocked // BLOCK, GROUP // 4, BLOCK // GROUP, 4).transpose(2, 3)
+    return torch.cat([blocks.reshape(n, blocked), packed[:, blocked:]], 1).to(torch.int16) - 128
 
 
 def expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
