@@ -249,3 +249,29 @@ def test_q8_linear_refuses_blocks_that_do_not_fit(case, words):
     linear, _ = layer("Q8_0", 40, 576)
     with pytest.raises(ModelError, match="rows of 512"):
         linear(torch.randn(2, 512))
+
+
+def test_the_built_in_models_q8_0_head_repacks_to_the_bit_and_computes_within_the_bound():
+    """The built-in GGUF's one Q8_0 tensor, token_embd (49152 x 576, the tied head): real blocks, not made-up ones"""
+    from gguf import GGUFReader
+
+    from swarm.errors import ImportFailed
+    from swarm.store.importer import builtin_gguf_path
+
+    try:
+        path = builtin_gguf_path()
+    except ImportFailed as exc:
+        pytest.skip(str(exc))
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type == GGMLQuantizationType.Q8_0
+    raw = np.asarray(tensor.data)
+    rows, cols = 49152, 576
+    head = gguf_q8.q8_linear(torch.from_numpy(raw.copy()), "Q8_0", (rows, cols), None)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32))
+    assert torch.equal(head.dequantized().view(torch.int32), want.view(torch.int32))
+    some = gguf_q8.q8_linear(torch.from_numpy(raw[:4096].copy()), "Q8_0", (4096, cols), None)
+    x = activations(3, cols) * 0.1
+    got = some(x)
+    assert torch.equal(got, head(x)[:, :4096])  # the same outputs whatever else the layer holds
+    err = (got.double() - x.double() @ want[:4096].double().T).abs()
+    assert (err <= bound(some, x)).all()

@@ -32,7 +32,7 @@ SUPPORTED: frozenset[str] = frozenset({"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"})
 _BLOCKS = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 _HALVES = frozenset({"Q6_K"})  # a scale per 16 values
 _OFFSETS = frozenset({"Q5_1", "Q5_K"})
-_REPACK_ROWS = 4096  # rows decoded at a time: the intermediates stay tens of MB whatever the tensor
+_REPACK_VALUES = 1 << 22  # values decoded at a time: the intermediates stay tens of MB whatever the tensor
 _FALLBACK_OUTPUTS = 4096  # outputs widened at a time where torch computes
 
 
@@ -53,22 +53,21 @@ def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(bl: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(levels (rows, blocks * values) int16, scales per 16 values float32, offsets per 32 values or None) of blocks
-    ``bl`` (rows, blocks, bytes) -- ggml-quants.c's dequantize_row_* and gguf-py's quants.py, in integers."""
+    """(levels + 128 (rows, blocks * values) uint8 -- the kernel's bytes, q8_kernel.pack_bytes --, scales per 16
+    values float32, offsets per 32 values or None) of blocks ``bl`` (rows, blocks, bytes): ggml-quants.c's
+    dequantize_row_* and gguf-py's quants.py, in integers (uint8 arithmetic: each level + 128 fits a byte)."""
     rows, n = bl.shape[:2]
     offset = None
     if ggml_type == "Q8_0":
         d = _fp16(bl[..., 0:2])
-        q = bl[..., 2:].contiguous().view(torch.int8).to(torch.int16)
+        q = bl[..., 2:] ^ 0x80  # two's complement q, + 128
         scale = d.repeat_interleave(2, -1)
     elif ggml_type in ("Q5_0", "Q5_1"):
         d = _fp16(bl[..., 0:2])
         at = 2 if ggml_type == "Q5_0" else 4
         high = _bits(bl[..., at : at + 4], 32)
-        q = (_nibbles_32(bl[..., at + 4 : at + 20]) | (high << 4)).to(torch.int16)
-        if ggml_type == "Q5_0":
-            q = q - 16
-        else:
+        q = (_nibbles_32(bl[..., at + 4 : at + 20]) | (high << 4)) + (112 if ggml_type == "Q5_0" else 128)
+        if ggml_type == "Q5_1":
             offset = _fp16(bl[..., 2:4])
         scale = d.repeat_interleave(2, -1)
     elif ggml_type == "Q5_K":
@@ -80,14 +79,14 @@ def _decode(bl: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tenso
         qs = bl[..., 48:176].reshape(rows, n, 4, 1, 32)
         low = torch.cat([qs & 0x0F, qs >> 4], -2).reshape(rows, n, 8, 32)
         high = (bl[..., 16:48].reshape(rows, n, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-        q = (low | (high << 4)).to(torch.int16)
+        q = (low | (high << 4)) + 128
         scale = (d[..., None] * sc).repeat_interleave(2, -1)
         offset = -(dmin[..., None] * mn)
     elif ggml_type == "Q6_K":
         ql = bl[..., 0:128].reshape(rows, n, 2, 1, 64)
         low = (torch.cat([ql & 0x0F, ql >> 4], -2)).reshape(rows, n, 256)
         qh = bl[..., 128:192].reshape(rows, n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-        q = (low | ((qh & 3).reshape(rows, n, 256) << 4)).to(torch.int16) - 32
+        q = (low | ((qh & 3).reshape(rows, n, 256) << 4)) + 96  # q - 32, + 128
         sc = bl[..., 192:208].contiguous().view(torch.int8).float()
         scale = _fp16(bl[..., 208:210])[..., None] * sc
     else:
@@ -178,11 +177,12 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
     parts = 1 + (ggml_type in _HALVES) + (ggml_type in _OFFSETS)
     packed = torch.empty((out_features, in_features), dtype=torch.uint8)
     scales = torch.empty((out_features, parts, in_features // q8_kernel.GROUP), dtype=torch.float32)
-    for start in range(0, out_features, _REPACK_ROWS):
-        chunk = blocks[start : start + _REPACK_ROWS]
-        q, per_half, offset = _decode(chunk.reshape(chunk.shape[0], -1, size), ggml_type)
+    step = max(1, _REPACK_VALUES // in_features)
+    for start in range(0, out_features, step):
+        chunk = blocks[start : start + step]
+        u, per_half, offset = _decode(chunk.reshape(chunk.shape[0], -1, size), ggml_type)
         stop = start + chunk.shape[0]
-        packed[start:stop] = q8_kernel.pack(q)
+        packed[start:stop] = q8_kernel.pack_bytes(u.reshape(chunk.shape[0], -1))
         if ggml_type in _HALVES:
             scales[start:stop, 0], scales[start:stop, 1] = per_half[:, 0::2], per_half[:, 1::2]
         else:

@@ -87,10 +87,15 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     """The C file's layout of levels ``q`` (out, in; -128..127), each level stored as the byte q + 128: each output's
     blocks of 16 groups of 32 inputs, a block being 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each
     group (group g in bytes 4g..4g+3); then the groups left over (the tail), in their own order."""
-    n, k = q.shape
-    if k % GROUP:
-        raise _mismatch("the levels", f"a whole number of groups of {GROUP} inputs a row", f"{k} inputs")
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    return pack_bytes((q.to(torch.int16) + 128).to(torch.uint8))
+
+
+def pack_bytes(u: torch.Tensor) -> torch.Tensor:
+    """:func:`pack` of levels given as their bytes ``u`` = q + 128 (uint8, out x in)."""
+    n, k = u.shape
+    if k % GROUP or u.dtype != torch.uint8:
+        raise _mismatch("the levels", f"uint8 rows of a whole number of groups of {GROUP} inputs",
+                        f"{u.dtype} rows of {k}")
     blocked = k // BLOCK * BLOCK
     blocks = u[:, :blocked].reshape(n, blocked // BLOCK, BLOCK // GROUP, GROUP // 4, 4).transpose(2, 3)
     return torch.cat([blocks.reshape(n, blocked), u[:, blocked:]], 1).contiguous()
