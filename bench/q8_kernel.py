@@ -3,14 +3,15 @@ same layer on this CPU: torch's float32 matmul of the widened weight, torch's in
 (``torch._weight_int8pack_mm``, one scale per output: not lossless for GGUF blocks, a speed reference), swarm's int4
 kernel, and ggml's own matrix product on the same type where a build of it is given.
 
-    .venv/bin/python bench/q8_kernel.py [--rounds 5] [--threads N] [--types Q8_0,Q6_K,...] [--ggml PROGRAM]
+    .venv/bin/python bench/q8_kernel.py [--rounds 5] [--threads N] [--types Q8_0,Q6_K,...] [--rows 1,4]
+                                        [--shapes KxN,...] [--ggml PROGRAM]
 
 Shapes (inputs x outputs) are SmolLM2-135M's: 576 x 1536 (gate/up), 1536 x 576 (down), 576 x 49152 (the head), each
-for 1 row (a decode step) and 4 rows (drafting's verifying pass); the K types only where the inputs are whole
-blocks of 256 (1536: llama.cpp quantizes 576-wide rows to Q8_0, Q5_0, ... instead). Every candidate takes its turn
-in each of --rounds rounds and keeps its best time per call (the VM is shared). --ggml: bench/q8_ggml_mm.c built
-against ggml (its header says how). Prints the machine first, then one line per shape, rows and candidate:
-microseconds per product and the weight bytes it reads per second.
+for 1 row (a decode step) and 4 rows (drafting's verifying pass) unless --rows says otherwise; the K types only where
+the inputs are whole blocks of 256 (1536: llama.cpp quantizes 576-wide rows to Q8_0, Q5_0, ... instead). Every
+candidate takes its turn in each of --rounds rounds and keeps its best time per call (the VM is shared). --ggml:
+bench/q8_ggml_mm.c built against ggml (its header says how). Prints the machine first, then one line per shape, rows
+and candidate: microseconds per product and the weight bytes it reads per second.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from torch.nn import functional as F
 from swarm.stage import gguf_q8, int4_kernel, q8_kernel
 
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]
-ROWS = (1, 4)
 # values and bytes per block, and where each type's fp16 scales sit in its block (ggml-common.h)
 _BLOCKS = {"Q8_0": (32, 34, (0,)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "Q5_K": (256, 176, (0, 2)),
            "Q6_K": (256, 210, (208,))}
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--types", default="Q8_0,Q6_K,Q5_K,Q5_0,Q5_1")
+    parser.add_argument("--rows", default="1,4", help="row counts: 1 a decode step, 4 drafting's check, 64+ prefill")
+    parser.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="inputs x outputs, ...")
     parser.add_argument("--ggml", type=Path, help="bench/q8_ggml_mm.c built against ggml")
     args = parser.parse_args()
     if args.threads:
@@ -114,8 +116,8 @@ def main() -> None:
     print(f"machine: {machine()}; q8 kernel: {kernel.simd if kernel else 'not built (torch fallback)'}")
     types = args.types.split(",")
     rng = np.random.default_rng(0)
-    for k, n in SHAPES:
-        for rows in ROWS:
+    for k, n in (tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
             rows_of = list(candidates(k, n, rows, types, rng))
             best = {name: float("inf") for name, _, _ in rows_of}
             for _ in range(args.rounds):  # turns, so that a busy moment of the shared VM hits every candidate
