@@ -10,8 +10,9 @@ Per type (value = what gguf-py computes; level and scales = what the kernel hold
   float32: an 11-bit fp16 mantissa times a 6-bit integer);
 - Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, exact in float32).
   Two halves of a group of 32 have their own scales in the file; folding them into one per group is exact only where
-  one scale divides the other with the levels still in 8 bits, which random data and real files rarely allow, so the
-  kernel takes a scale per half group for Q6_K (1.25 bytes a weight in all, against 1.125 for Q8_0 and Q5_0).
+  one scale is at most 4 times a divisor of the other (levels up to 32 x 4 still fit 8 bits), which a general block's
+  6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K: 1.25 bytes a weight in all,
+  against 1.125 for Q8_0 and Q5_0, and 0.5 us more than Q8_0 on a 1536 x 576 product (bench/RESULTS.md, Kernels).
 
 A layer holds 1 byte a weight plus float32 scales (4 bytes per 32 weights per scale row). Where the kernel cannot be
 built here, the layer computes with torch on its weights widened a few thousand outputs at a time.
