@@ -10,7 +10,7 @@ Per type (value = what gguf-py computes; level and scales = what the kernel hold
   float32: an 11-bit fp16 mantissa times a 6-bit integer);
 - Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, exact in float32).
   Two halves of a group of 32 have their own scales in the file; folding them into one per group is exact only where
-  one scale is at most 4 times a divisor of the other (levels up to 32 x 4 still fit 8 bits), which a general block's
+  both scales are at most 4 times a common divisor (levels up to 32 x 4 still fit 8 bits), which a general block's
   6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K: 1.25 bytes a weight in all,
   against 1.125 for Q8_0 and Q5_0, and 0.5 us more than Q8_0 on a 1536 x 576 product (bench/RESULTS.md, Kernels).
 
