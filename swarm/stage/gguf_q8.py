@@ -1,0 +1,194 @@
+"""GGUF's 8-bit-exact types as layers of swarm's 8-bit kernel (swarm.stage.q8_kernel): Q8_0, Q5_0, Q5_1, Q5_K and
+Q6_K blocks repacked losslessly at load -- every weight is s q (+ z) with an integer level q and the file's own
+scale, kept in float32, so ``dequantized()`` is gguf-py's dequantization to the bit.
+
+Per type (value = what gguf-py computes; level and scales = what the kernel holds):
+- Q8_0: d q, q in -128..127 -> level q, scale d (fp16 in the file);
+- Q5_0: d (q - 16), q in 0..31 -> level q - 16, scale d;
+- Q5_1: d q + m -> level q, scale d, offset m;
+- Q5_K: (d sc) q - (dmin m), 6-bit sc and m per 32 values -> level q, scale d sc, offset -(dmin m) (both exact in
+  float32: an 11-bit fp16 mantissa times a 6-bit integer);
+- Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, exact in float32).
+  Two halves of a group of 32 have their own scales in the file; folding them into one per group is exact only where
+  both scales are at most 4 times a common divisor (levels up to 32 x 4 still fit 8 bits), which a general block's
+  6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K: 1.25 bytes a weight in all,
+  against 1.125 for Q8_0 and Q5_0, and 0.5 us more than Q8_0 on a 1536 x 576 product (bench/RESULTS.md, Kernels).
+
+A layer holds 1 byte a weight plus float32 scales (4 bytes per 32 weights per scale row). Where the kernel cannot be
+built here, the layer computes with torch on its weights widened a few thousand outputs at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from swarm.errors import ModelError
+from swarm.stage import q8_kernel
+
+SUPPORTED: frozenset[str] = frozenset({"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"})
+
+# values and bytes per block (ggml-common.h; gguf.constants.GGML_QUANT_SIZES)
+_BLOCKS = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+_HALVES = frozenset({"Q6_K"})  # a scale per 16 values
+_OFFSETS = frozenset({"Q5_1", "Q5_K"})
+_REPACK_VALUES = 1 << 22  # values decoded at a time: the intermediates stay tens of MB whatever the tensor
+_FALLBACK_OUTPUTS = 4096  # outputs widened at a time where torch computes
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    """float32 of little-endian fp16 held in the last dimension's two bytes"""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """(..., count): bit i of the little-endian bytes ``b`` (..., count / 8)"""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((b[..., None] >> shifts) & 1).reshape(*b.shape[:-1], count)
+
+
+def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
+    """(..., 32): 16 bytes' low nibbles, then their high ones (Q5_0, Q5_1)"""
+    return torch.cat([qs & 0x0F, qs >> 4], -1)
+
+
+def _decode(bl: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(levels + 128 (rows, blocks * values) uint8 -- the kernel's bytes, q8_kernel.pack_bytes --, scales per 16
+    values float32, offsets per 32 values or None) of blocks ``bl`` (rows, blocks, bytes): ggml-quants.c's
+    dequantize_row_* and gguf-py's quants.py, in integers (uint8 arithmetic: each level + 128 fits a byte)."""
+    rows, n = bl.shape[:2]
+    offset = None
+    if ggml_type == "Q8_0":
+        d = _fp16(bl[..., 0:2])
+        q = bl[..., 2:] ^ 0x80  # two's complement q, + 128
+        scale = d.repeat_interleave(2, -1)
+    elif ggml_type in ("Q5_0", "Q5_1"):
+        d = _fp16(bl[..., 0:2])
+        at = 2 if ggml_type == "Q5_0" else 4
+        high = _bits(bl[..., at : at + 4], 32)
+        q = (_nibbles_32(bl[..., at + 4 : at + 20]) | (high << 4)) + (112 if ggml_type == "Q5_0" else 128)
+        if ggml_type == "Q5_1":
+            offset = _fp16(bl[..., 2:4])
+        scale = d.repeat_interleave(2, -1)
+    elif ggml_type == "Q5_K":
+        d, dmin = _fp16(bl[..., 0:2]), _fp16(bl[..., 2:4])
+        s = bl[..., 4:16].reshape(rows, n, 3, 4)
+        a, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+        sc = torch.cat([a & 0x3F, (md & 0x0F) | ((a >> 2) & 0x30)], -1).float()
+        mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1).float()
+        qs = bl[..., 48:176].reshape(rows, n, 4, 1, 32)
+        low = torch.cat([qs & 0x0F, qs >> 4], -2).reshape(rows, n, 8, 32)
+        high = (bl[..., 16:48].reshape(rows, n, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+        q = (low | (high << 4)) + 128
+        scale = (d[..., None] * sc).repeat_interleave(2, -1)
+        offset = -(dmin[..., None] * mn)
+    elif ggml_type == "Q6_K":
+        ql = bl[..., 0:128].reshape(rows, n, 2, 1, 64)
+        low = (torch.cat([ql & 0x0F, ql >> 4], -2)).reshape(rows, n, 256)
+        qh = bl[..., 128:192].reshape(rows, n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        q = (low | ((qh & 3).reshape(rows, n, 256) << 4)) + 96  # q - 32, + 128
+        sc = bl[..., 192:208].contiguous().view(torch.int8).float()
+        scale = _fp16(bl[..., 208:210])[..., None] * sc
+    else:
+        raise ModelError(f"the 8-bit kernel takes GGUF types {', '.join(sorted(SUPPORTED))}, not {ggml_type}")
+    return q.reshape(rows, -1), scale.reshape(rows, -1), None if offset is None else offset.reshape(rows, -1)
+
+
+class GgufQ8Linear(nn.Module):
+    """A linear layer over a GGUF tensor's blocks repacked for swarm's 8-bit kernel: x @ W.T + bias for any leading
+    dims, W being the file's values exactly."""
+
+    packed: torch.Tensor  # buffers (register_buffer), declared for type checkers
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, ggml_type: str, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: q8_kernel.Q8Kernel | None):
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.out_features, self.in_features = packed.shape
+        self.halves, self.offsets = ggml_type in _HALVES, ggml_type in _OFFSETS
+        self.kernel = kernel
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[-1] != self.in_features:
+            raise ModelError(f"a {self.ggml_type} layer of {self.in_features} inputs was given rows of "
+                             f"{flat.shape[-1]}: this is a bug in swarm (the stage's layers do not fit together)")
+        if self.kernel is not None:
+            y = self.kernel.matmul(flat, self.packed, self.scales, self.halves, self.offsets, self.bias)
+        else:  # torch on the weights widened a slice of outputs at a time: the kernel's memory, float's results
+            flat32 = flat.float()
+            y = torch.cat([F.linear(flat32, self._widened(start, start + _FALLBACK_OUTPUTS))
+                           for start in range(0, self.out_features, _FALLBACK_OUTPUTS)], -1)
+            if self.bias is not None:
+                y = y + self.bias
+        y = y if flat.dtype == torch.float32 else y.to(flat.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(levels (out, in) int16, scales per 16 inputs (out, in / 16) float32, offsets per 32 inputs or None): the
+        weight is level x scale (+ offset)."""
+        return self._grid(0, self.out_features)
+
+    def _grid(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        scales = self.scales[start:stop]
+        first = scales[:, 0]
+        second = scales[:, 1] if self.halves else first
+        per_half = torch.stack([first, second], -1).reshape(first.shape[0], -1)
+        return q8_kernel.unpack(self.packed[start:stop]), per_half, scales[:, -1] if self.offsets else None
+
+    def _widened(self, start: int, stop: int) -> torch.Tensor:
+        q, scale, offset = self._grid(start, stop)
+        # scale q, then + offset, each rounded to float32 as gguf-py computes (d * q) + m: the same bits
+        w = scale.repeat_interleave(16, -1) * q.float()
+        return w if offset is None else w + offset.repeat_interleave(q8_kernel.GROUP, -1)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in float32 (out, in): gguf-py's dequantization of the file's blocks, to the bit."""
+        return self._widened(0, self.out_features)
+
+    def extra_repr(self) -> str:
+        kernel = f"swarm's {self.kernel.simd} 8-bit kernel" if self.kernel is not None else "torch, widened"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.ggml_type} on {kernel}"
+
+
+def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias: torch.Tensor | None) -> nn.Module:
+    """A layer computing x @ W.T + bias on a GGUF tensor's ``blocks`` (uint8, rows x the row's block bytes) of
+    ``ggml_type`` (one of SUPPORTED) and logical ``shape`` (out, in), repacked losslessly for swarm's 8-bit kernel."""
+    if ggml_type not in SUPPORTED:
+        raise ModelError(f"swarm's 8-bit kernel computes the GGUF types {', '.join(sorted(SUPPORTED))}; a tensor of "
+                         f"type {ggml_type} needs another layer (this is a bug in swarm's loader)")
+    out_features, in_features = shape
+    values, size = _BLOCKS[ggml_type]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ModelError(f"a {ggml_type} tensor's blocks come as a 2-D uint8 tensor (rows, bytes), not "
+                         f"{blocks.dtype} {tuple(blocks.shape)}: the stored model file may be damaged; import it again")
+    if in_features % values or tuple(blocks.shape) != (out_features, in_features // values * size):
+        raise ModelError(f"{tuple(blocks.shape)} bytes of {ggml_type} blocks ({values} values in {size} bytes each) "
+                         f"cannot hold a weight of shape {tuple(shape)}: the stored model file may be damaged; "
+                         "import it again")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ModelError(f"a bias of shape {tuple(bias.shape)} does not fit a weight of shape {tuple(shape)}: the "
+                         "stored model file may be damaged; import it again")
+    parts = 1 + (ggml_type in _HALVES) + (ggml_type in _OFFSETS)
+    packed = torch.empty((out_features, in_features), dtype=torch.uint8)
+    scales = torch.empty((out_features, parts, in_features // q8_kernel.GROUP), dtype=torch.float32)
+    step = max(1, _REPACK_VALUES // in_features)
+    for start in range(0, out_features, step):
+        chunk = blocks[start : start + step]
+        u, per_half, offset = _decode(chunk.reshape(chunk.shape[0], -1, size), ggml_type)
+        stop = start + chunk.shape[0]
+        packed[start:stop] = q8_kernel.pack_bytes(u.reshape(chunk.shape[0], -1))
+        if ggml_type in _HALVES:
+            scales[start:stop, 0], scales[start:stop, 1] = per_half[:, 0::2], per_half[:, 1::2]
+        else:
+            scales[start:stop, 0] = per_half[:, 0::2]
+        if offset is not None:
+            scales[start:stop, -1] = offset
+    kernel = q8_kernel.kernel() if q8_kernel.takes(in_features) else None
+    return GgufQ8Linear(ggml_type, packed, scales, None if bias is None else bias.float().contiguous(), kernel)

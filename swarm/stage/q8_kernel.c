@@ -1,0 +1,475 @@
+/* swarm's 8-bit group matrix kernel for CPUs: y = x W^T (+ b), with W in 8-bit levels per group of 32 inputs and x
+ * quantized to 8 bits per group of 32 as it comes in -- the scheme of llama.cpp's Q8_0 x Q8_0 dot products, here for
+ * the GGUF types whose blocks are exact on an 8-bit grid: Q8_0, Q5_0, Q5_1, Q5_K and Q6_K (swarm/stage/gguf_q8.py
+ * repacks them; swarm/stage/q8_kernel.py builds and loads this file, as int4_kernel.py does int4_kernel.c).
+ *
+ * W (n outputs x k inputs, k a multiple of 32): level q in -128..127, stored as the byte q + 128 (so that the byte dot
+ * product with the signed activations is VNNI's unsigned-by-signed one); a weight is s q (+ z), with float32 s and z
+ * (they hold the file's fp16 d, and Q6_K's d * sc and Q5_K's d * sc and dmin * m, exactly). Where `halves`, each group
+ * has two scales, one for its first 16 inputs and one for its last 16 (Q6_K's sub-blocks of 16). An output's inputs
+ * come in blocks of 16 groups (512 inputs), then a tail of the groups left over where k is not a multiple of 512:
+ *  - a block is 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each of its groups (group g in bytes
+ *    4g..4g+3, one 32-bit lane). The VNNI dot product of a vector with the activations in the same order sums four
+ *    products per lane, so vectors 0..3 sum each group's first 16 products in its own lane, 4..7 its last 16, in
+ *    integers, and a block needs one conversion to float and one multiply-add per half and row;
+ *  - the tail's groups are in their own order, 32 bytes each, taken two at a time (one 64-byte vector): its lanes'
+ *    sums are folded in integers into the two groups' halves, then converted. Laid out as blocks, a tail of 2 groups
+ *    (576 = 512 + 64 inputs, SmolLM2's width) cost as much as a whole block: 41 against 34 us a 576 x 1536 product.
+ * An output takes k bytes; its scales are `parts` rows of k / 32 floats: the scales (of the first halves, then of the
+ * second where `halves`), then the offsets where `offsets`.
+ *
+ * x (rows x k, float32): each row's groups of 32 quantized alone, d = max|x| / 127, xq = round(x / d), so a row's
+ * result never depends on the other rows of the call; xq is laid out as the weights are (place gives where each input
+ * goes), and the sum of each half group's xq is kept to undo the weights' + 128:
+ *
+ *   y = sum over groups and halves of  s d (u . xq - 128 sum(xq))  +  z sum(x)        (u = q + 128)
+ *
+ * u . xq is VNNI's byte dot product where the CPU has AVX512-VNNI or AVX-VNNI; AVX2 without VNNI multiplies |q| by
+ * xq with q's sign (maddubs, as llama.cpp does: 2 x 128 x 127 fits 16 bits); plain C elsewhere. The integer sums are
+ * exact on every path. Each output is summed by one thread in a fixed order: the same inputs give the same bits,
+ * whatever the thread count and whichever rows share the call. Outputs are split over OpenMP threads.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define PATH_512 1
+#define PATH_NAME "avx512-vnni"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PATH_256 1
+#if defined(__AVXVNNI__)
+#define PATH_NAME "avx2-vnni"
+#else
+#define PATH_NAME "avx2"
+#endif
+#else
+#define PATH_NAME "generic"
+#endif
+
+#define GROUP 32     /* inputs per scale (per two scales where halves) */
+#define BLOCK 512    /* inputs of a whole block: 16 groups */
+#define OUT_BLOCK 16 /* outputs a thread takes at a time */
+#define ROW_TILE 8   /* rows that share one load of the weights */
+#define PREFETCH 8   /* outputs ahead whose weights are asked for (int4_kernel.c: the short rows of a decode step) */
+
+const char *swarm_q8_path(void) { return PATH_NAME; }
+
+/* Where input i of a row goes: in a block, vector (i % 32) / 4, its group's lane; in the tail, where it is */
+static inline int place(int i, int k) {
+    if (i >= k / BLOCK * BLOCK) return i;
+    const int b = i / BLOCK * BLOCK, r = i - b;
+    return b + 64 * (r % GROUP / 4) + 4 * (r / GROUP) + r % 4;
+}
+
+/* One row: xq (k bytes, in place's order), and per group d, sum(x) and the sums of its halves' xq (k / 32 each). */
+typedef struct {
+    int8_t *xq;
+    float *d, *sum;
+    int32_t *lo, *hi;
+} row_q;
+
+#if defined(PATH_512)
+static inline void quantize_group(const float *v, int8_t *q, float *d, float *sum, int32_t *lo, int32_t *hi) {
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    *d = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(*d > 0.0f ? 1.0f / *d : 0.0f);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    /* rounded to the nearest (even) integer, as rintf */
+    const __m512i qa = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), top), bottom);
+    const __m512i qb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), top), bottom);
+    *lo = _mm512_reduce_add_epi32(qa);
+    *hi = _mm512_reduce_add_epi32(qb);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+}
+#else
+static inline void quantize_group(const float *v, int8_t *q, float *d, float *sum, int32_t *lo, int32_t *hi) {
+    float amax = 0.0f, s = 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+        s += v[i];
+    }
+    *d = amax / 127.0f;
+    *sum = s;
+    const float inv = *d > 0.0f ? 1.0f / *d : 0.0f;
+    int32_t l = 0, h = 0;
+    for (int i = 0; i < GROUP; i++) {
+        float r = rintf(v[i] * inv);
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[i] = (int8_t)r;
+        if (i < GROUP / 2) l += q[i]; else h += q[i];
+    }
+    *lo = l;
+    *hi = h;
+}
+#endif
+
+static void quantize_row(const float *x, int k, row_q r) {
+    for (int g = 0; g < k / GROUP; g++) {
+        int8_t q[GROUP];
+        quantize_group(x + GROUP * g, q, r.d + g, r.sum + g, r.lo + g, r.hi + g);
+        if (GROUP * g >= k / BLOCK * BLOCK) {
+            memcpy(r.xq + GROUP * g, q, GROUP);
+            continue;
+        }
+        const int b = GROUP * g / BLOCK * BLOCK, lane = g - b / GROUP;
+        for (int v = 0; v < GROUP / 4; v++) memcpy(r.xq + b + 64 * v + 4 * lane, q + 4 * v, 4);
+    }
+}
+
+/* Where the scales of one output are: its first halves' (or only) scales, its second halves', its offsets */
+typedef struct {
+    const float *s_lo, *s_hi, *z;
+} scales_of;
+
+static inline scales_of scales_at(const float *sz, int groups, int halves, int offsets) {
+    scales_of s = {sz, halves ? sz + groups : sz, offsets ? sz + (1 + halves) * groups : NULL};
+    return s;
+}
+
+#if defined(PATH_512)
+/* The sums of four vectors' lanes, at once: halves added, then pairwise sums across the four. Each vector's sum takes
+ * the same steps whatever the other three are, so a row's or an output's bits do not depend on its neighbours. */
+static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
+/* acc + one block of one row against one output: lo, hi its halves' u . xq (corrected here); s_lo, s_hi, z the
+ * output's scales and offsets for the block's groups; the row's d, sums and halves' xq sums from group g on */
+static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512i lo, __m512i hi, __m512 s_lo,
+                                                               __m512 s_hi, const float *z, __m512 zv, const row_q *x,
+                                                               int g, int halves) {
+    lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(_mm512_loadu_si512(x->lo + g), 7));
+    hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(_mm512_loadu_si512(x->hi + g), 7));
+    const __m512 d = _mm512_loadu_ps(x->d + g);
+    if (halves) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s_lo, d), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s_hi, d), acc);
+    } else {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(s_lo, d), acc);
+    }
+    if (z) acc = _mm512_fmadd_ps(zv, _mm512_loadu_ps(x->sum + g), acc);
+    return acc;
+}
+
+/* c (1 or 2) numbers from p into lanes 0, 1 (0 beyond) */
+static inline __m128 two_f(const float *p, int c) {
+    return c == 2 ? _mm_castpd_ps(_mm_load_sd((const double *)p)) : _mm_load_ss(p);
+}
+static inline __m128i two_i(const int32_t *p, int c) {
+    return c == 2 ? _mm_loadl_epi64((const __m128i *)p) : _mm_cvtsi32_si128(*p);
+}
+
+/* t + a tail pair of groups g, g + 1 (c = 1: g alone) of one row against one output, their 64 bytes in natural order:
+ * dot's lanes are four products each, 0-3 the first group's first half, 4-7 its second, 8-15 the second group's; sc
+ * the output's [first lo, first hi, second lo, second hi] scales, z its offsets */
+static inline __m128 add_pair(__m128 t, __m512i dot, __m128 sc, const float *zp, __m128 z, const row_q *x, int g,
+                              int c) {
+    dot = _mm512_add_epi32(dot, _mm512_shuffle_epi32(dot, _MM_PERM_BADC));
+    dot = _mm512_add_epi32(dot, _mm512_shuffle_epi32(dot, _MM_PERM_CDAB));
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i sums = _mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, dot));
+    const __m128i corr = _mm_unpacklo_epi32(two_i(x->lo + g, c), two_i(x->hi + g, c));
+    const __m128i dots = _mm_sub_epi32(sums, _mm_slli_epi32(corr, 7));
+    const __m128 d = two_f(x->d + g, c);
+    t = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(sc, _mm_unpacklo_ps(d, d)), t);
+    if (zp) t = _mm_fmadd_ps(z, two_f(x->sum + g, c), t);
+    return t;
+}
+
+static inline __mmask16 pair_mask(int c) { return c == 2 ? (__mmask16)0xFFFF : (__mmask16)0x00FF; }
+
+/* acc[r] + one block of `rows` rows against one output: the block's 8 vectors loaded once for the rows */
+static inline __attribute__((always_inline)) void rows_block(int rows, const uint8_t *w, scales_of s, int b,
+                                                             int halves, const row_q *xr, __m512 *acc) {
+    const int g = b / GROUP;
+    __m512i q[8];
+    for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(w + b + 64 * v);
+    const __m512 s_lo = _mm512_loadu_ps(s.s_lo + g), s_hi = _mm512_loadu_ps(s.s_hi + g);
+    const __m512 z = s.z ? _mm512_loadu_ps(s.z + g) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const int8_t *x = xr[r].xq + b;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            lo = _mm512_dpbusd_epi32(lo, q[v], _mm512_loadu_si512(x + 64 * v));
+            hi = _mm512_dpbusd_epi32(hi, q[v + 4], _mm512_loadu_si512(x + 64 * (v + 4)));
+        }
+        acc[r] = add_block(acc[r], lo, hi, s_lo, s_hi, s.z, z, &xr[r], g, halves);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
+                                                           const row_q *xr, float *out) {
+    const int blocked = k / BLOCK * BLOCK, groups = k / GROUP;
+    __m512 acc[ROW_TILE];
+    __m128 tail[ROW_TILE];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm512_setzero_ps();
+        tail[r] = _mm_setzero_ps();
+    }
+    for (int b = 0; b < blocked; b += BLOCK) rows_block(rows, w, s, b, halves, xr, acc);
+    for (int g = blocked / GROUP; g < groups; g += 2) {
+        const int c = groups - g >= 2 ? 2 : 1;
+        const __m512i q = _mm512_maskz_loadu_epi32(pair_mask(c), w + GROUP * g);
+        const __m128 sc = _mm_unpacklo_ps(two_f(s.s_lo + g, c), two_f(s.s_hi + g, c));
+        const __m128 z = s.z ? two_f(s.z + g, c) : _mm_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512i x = _mm512_maskz_loadu_epi32(pair_mask(c), xr[r].xq + GROUP * g);
+            tail[r] = add_pair(tail[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x), sc, s.z, z, &xr[r], g, c);
+        }
+    }
+    __m512 v[8];
+    for (int r = 0; r < 8; r++)
+        v[r] = r < rows ? _mm512_add_ps(acc[r], _mm512_zextps128_ps512(tail[r])) : _mm512_setzero_ps();
+    float sums[8];
+    _mm_storeu_ps(sums, sum_four(v[0], v[1], v[2], v[3]));
+    if (rows > 4) _mm_storeu_ps(sums + 4, sum_four(v[4], v[5], v[6], v[7]));
+    for (int r = 0; r < rows; r++) out[r] = sums[r];
+}
+
+/* One row against four outputs at once (a decode step's case): each block's activations are loaded once for the
+ * four, and their eight dot products are independent chains. w, sz: the first output's; the others follow at k bytes
+ * and parts * k / 32 floats apart. Each output sums as dot_rows sums a row: the same bits. */
+#define FOUR 4
+static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, const row_q *x,
+                            float *out) {
+    const int groups = k / GROUP, parts = 1 + halves + offsets, blocked = k / BLOCK * BLOCK;
+    __m512 acc[FOUR];
+    __m128 tail[FOUR];
+    scales_of s[FOUR];
+    for (int o = 0; o < FOUR; o++) {
+        acc[o] = _mm512_setzero_ps();
+        tail[o] = _mm_setzero_ps();
+        s[o] = scales_at(sz + (size_t)o * parts * groups, groups, halves, offsets);
+    }
+    for (int b = 0; b < blocked; b += BLOCK) {
+        const int g = b / GROUP;
+        __m512i xv[8];
+        for (int v = 0; v < 8; v++) xv[v] = _mm512_loadu_si512(x->xq + b + 64 * v);
+        __m512i lo[FOUR], hi[FOUR];
+        for (int o = 0; o < FOUR; o++) lo[o] = hi[o] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++)
+            for (int o = 0; o < FOUR; o++) {
+                const uint8_t *wo = w + (size_t)o * k + b;
+                lo[o] = _mm512_dpbusd_epi32(lo[o], _mm512_loadu_si512(wo + 64 * v), xv[v]);
+                hi[o] = _mm512_dpbusd_epi32(hi[o], _mm512_loadu_si512(wo + 64 * (v + 4)), xv[v + 4]);
+            }
+        for (int o = 0; o < FOUR; o++) {
+            const __m512 s_lo = _mm512_loadu_ps(s[o].s_lo + g), s_hi = _mm512_loadu_ps(s[o].s_hi + g);
+            const __m512 z = s[o].z ? _mm512_loadu_ps(s[o].z + g) : _mm512_setzero_ps();
+            acc[o] = add_block(acc[o], lo[o], hi[o], s_lo, s_hi, s[o].z, z, x, g, halves);
+        }
+    }
+    for (int g = blocked / GROUP; g < groups; g += 2) {
+        const int c = groups - g >= 2 ? 2 : 1;
+        const __m512i xv = _mm512_maskz_loadu_epi32(pair_mask(c), x->xq + GROUP * g);
+        for (int o = 0; o < FOUR; o++) {
+            const __m512i q = _mm512_maskz_loadu_epi32(pair_mask(c), w + (size_t)o * k + GROUP * g);
+            const __m128 sc = _mm_unpacklo_ps(two_f(s[o].s_lo + g, c), two_f(s[o].s_hi + g, c));
+            const __m128 z = s[o].z ? two_f(s[o].z + g, c) : _mm_setzero_ps();
+            tail[o] = add_pair(tail[o], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv), sc, s[o].z, z, x, g, c);
+        }
+    }
+    for (int o = 0; o < FOUR; o++) acc[o] = _mm512_add_ps(acc[o], _mm512_zextps128_ps512(tail[o]));
+    _mm_storeu_ps(out, sum_four(acc[0], acc[1], acc[2], acc[3]));
+}
+#elif defined(PATH_256)
+/* u . x of 32 weight bytes (u = q + 128) and 32 activations, 8 lanes: VNNI's, then less 128 x sum(x) (corr, per
+ * lane); without VNNI, |q| times x with q's sign, which needs no correction */
+static inline __m256i dot_bytes(__m256i u, __m256i x, __m256i corr) {
+#if defined(__AVXVNNI__)
+    return _mm256_sub_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x), corr);
+#else
+    (void)corr;
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Half a block at a time (its groups 0..7, then 8..15), as the AVX512 path sums whole blocks; a tail group's halves
+ * summed apart */
+static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
+                                                           const row_q *xr, float *out) {
+    const int blocked = k / BLOCK * BLOCK, groups = k / GROUP;
+    __m256 acc[ROW_TILE];
+    float tail[ROW_TILE];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    for (int b = 0; b < blocked; b += BLOCK)
+        for (int part = 0; part < 2; part++) {
+            const int g = b / GROUP + 8 * part, at = 32 * part;
+            __m256i q[8];
+            for (int v = 0; v < 8; v++) q[v] = _mm256_loadu_si256((const __m256i *)(w + b + 64 * v + at));
+            const __m256 s_lo = _mm256_loadu_ps(s.s_lo + g), s_hi = _mm256_loadu_ps(s.s_hi + g);
+            const __m256 z = s.z ? _mm256_loadu_ps(s.z + g) : _mm256_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xr[r].xq + b + at;
+                const __m256i c_lo = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xr[r].lo + g)), 7);
+                const __m256i c_hi = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xr[r].hi + g)), 7);
+                __m256i lo = dot_bytes(q[0], _mm256_loadu_si256((const __m256i *)x), c_lo);
+                __m256i hi = dot_bytes(q[4], _mm256_loadu_si256((const __m256i *)(x + 256)), c_hi);
+                for (int v = 1; v < 4; v++) {
+                    const __m256i none = _mm256_setzero_si256();
+                    lo = _mm256_add_epi32(lo, dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v)), none));
+                    hi = _mm256_add_epi32(
+                        hi, dot_bytes(q[v + 4], _mm256_loadu_si256((const __m256i *)(x + 64 * (v + 4))), none));
+                }
+                const __m256 d = _mm256_loadu_ps(xr[r].d + g);
+                if (halves) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s_lo, d), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s_hi, d), acc[r]);
+                } else {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(s_lo, d),
+                                             acc[r]);
+                }
+                if (s.z) acc[r] = _mm256_fmadd_ps(z, _mm256_loadu_ps(xr[r].sum + g), acc[r]);
+            }
+        }
+    for (int g = blocked / GROUP; g < groups; g++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + GROUP * g));
+        for (int r = 0; r < rows; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xr[r].xq + GROUP * g));
+            __m256i dot = dot_bytes(q, x, _mm256_setzero_si256());
+            dot = _mm256_add_epi32(dot, _mm256_shuffle_epi32(dot, _MM_SHUFFLE(1, 0, 3, 2)));
+            dot = _mm256_add_epi32(dot, _mm256_shuffle_epi32(dot, _MM_SHUFFLE(2, 3, 0, 1)));
+            int32_t lo = _mm256_cvtsi256_si32(dot), hi = _mm256_extract_epi32(dot, 4);
+#if defined(__AVXVNNI__)
+            lo -= 128 * xr[r].lo[g];
+            hi -= 128 * xr[r].hi[g];
+#endif
+            const float d = xr[r].d[g];
+            tail[r] += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
+            if (s.z) tail[r] += s.z[g] * xr[r].sum[g];
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + tail[r];
+}
+#else
+static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves, const row_q *xr, float *out) {
+    for (int r = 0; r < rows; r++) {
+        float acc = 0.0f;
+        for (int g = 0; g < k / GROUP; g++) {
+            int32_t lo = 0, hi = 0;
+            for (int i = GROUP * g; i < GROUP * (g + 1); i++) {
+                const int product = (w[place(i, k)] - 128) * xr[r].xq[place(i, k)];
+                if (i < GROUP * g + GROUP / 2) lo += product; else hi += product;
+            }
+            const float d = xr[r].d[g];
+            if (halves) acc += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
+            else acc += (float)(lo + hi) * (s.s_lo[g] * d);
+            if (s.z) acc += s.z[g] * xr[r].sum[g];
+        }
+        out[r] = acc;
+    }
+}
+#endif
+
+static inline void prefetch_outputs(const uint8_t *w, const float *sz, int k, int parts, int j) {
+    /* addresses made as integers: past the last output a prefetch may point beyond the matrix, and never faults */
+    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * k, szj = (uintptr_t)sz + (uintptr_t)j * parts * (k / 8);
+    for (int b = 0; b < k; b += 64) __builtin_prefetch((const void *)(wj + b));
+    for (int b = 0; b < parts * (k / 8); b += 64) __builtin_prefetch((const void *)(szj + b));
+}
+
+/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k bytes; sz: n x parts x k/32 floats, parts = 1 +
+ * halves + offsets. threads: how many OpenMP threads share the outputs (the stage's torch threads).
+ * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32 (y untouched). */
+int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const float *sz, int halves, int offsets,
+                const float *bias, float *y, int threads) {
+    if (threads < 1) threads = 1;
+    if (k % GROUP || k <= 0) return -2;
+    halves = halves ? 1 : 0;
+    offsets = offsets ? 1 : 0;
+    const int groups = k / GROUP, parts = 1 + halves + offsets;
+    /* the activations' scratch: kept per calling thread, grown as needed */
+    static __thread void *scratch = NULL;
+    static __thread size_t held = 0;
+    const size_t per_row = (size_t)k + 4 * sizeof(float) * (size_t)groups;
+    const size_t need = per_row * (size_t)rows + 64;
+    if (need > held) {
+        void *grown = realloc(scratch, need);
+        if (!grown) return -1;
+        scratch = grown;
+        held = need;
+    }
+    float *d = scratch, *sum = d + (size_t)rows * groups;
+    int32_t *lo = (int32_t *)(sum + (size_t)rows * groups), *hi = lo + (size_t)rows * groups;
+    int8_t *xq = (int8_t *)(hi + (size_t)rows * groups);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 8)
+    for (int r = 0; r < rows; r++) {
+        const size_t at = (size_t)r * groups;
+        const row_q q = {xq + (size_t)r * k, d + at, sum + at, lo + at, hi + at};
+        quantize_row(x + (size_t)r * k, k, q);
+    }
+
+    const int blocks = (n + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int block = 0; block < blocks; block++) {
+        const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
+        for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            row_q xr[ROW_TILE];
+            for (int r = 0; r < tile; r++) {
+                const size_t at = (size_t)(r0 + r) * groups;
+                const row_q q = {xq + (size_t)(r0 + r) * k, d + at, sum + at, lo + at, hi + at};
+                xr[r] = q;
+            }
+            float out[ROW_TILE];
+            int j = first;
+#if defined(PATH_512)
+            if (tile == 1)
+                for (; j + FOUR <= last; j += FOUR) {
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH);
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 1);
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 2);
+                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 3);
+                    dot_four(w + (size_t)j * k, sz + (size_t)j * parts * groups, k, halves, offsets, xr, out);
+                    for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
+                }
+#endif
+            for (; j < last; j++) {
+                if (r0 == 0) prefetch_outputs(w, sz, k, parts, j + PREFETCH);
+                const uint8_t *wj = w + (size_t)j * k;
+                const scales_of s = scales_at(sz + (size_t)j * parts * groups, groups, halves, offsets);
+                switch (tile) { /* a constant row count, so each case's loops unroll */
+                    case 8: dot_rows(8, wj, s, k, halves, xr, out); break;
+                    case 7: dot_rows(7, wj, s, k, halves, xr, out); break;
+                    case 6: dot_rows(6, wj, s, k, halves, xr, out); break;
+                    case 5: dot_rows(5, wj, s, k, halves, xr, out); break;
+                    case 4: dot_rows(4, wj, s, k, halves, xr, out); break;
+                    case 3: dot_rows(3, wj, s, k, halves, xr, out); break;
+                    case 2: dot_rows(2, wj, s, k, halves, xr, out); break;
+                    default: dot_rows(1, wj, s, k, halves, xr, out); break;
+                }
+                const float b = bias ? bias[j] : 0.0f;
+                for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,226 @@
+"""swarm's 8-bit group kernel for CPUs (q8_kernel.c): 8-bit weight levels per group of 32 inputs with float32 scales
+(one per group, or one per half group) and optional offsets, against activations quantized to 8 bits per group of 32
+as they come in -- what GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks compute on without widening to float
+(swarm.stage.gguf_q8 repacks them).
+
+It follows swarm's int4 kernel (int4_kernel.py): the C file is compiled once per CPU and source with the machine's C
+compiler (``cc -O3 -march=native -fopenmp``) into the user's cache folder and loaded with ctypes; where there is no
+compiler, or it fails, layers compute with torch on their dequantized weights and the log says why, once. Every row is
+computed alone and every output by one thread in a fixed order, so a chat's tokens depend neither on the chats batched
+with it nor on the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import platformdirs
+import torch
+
+from swarm.errors import KernelMismatch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("q8_kernel.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+GROUP = 32  # inputs per group: a layer's in_features must be a multiple of it
+BLOCK = 512  # inputs of a whole block (16 groups) in the packed layout; the last block holds what is left
+_COMPILE_TIMEOUT_S = 120
+
+
+class Q8Kernel:
+    """The compiled kernel: :meth:`matmul` computes with levels laid out by :func:`pack`."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._lib = lib
+        self._mm = lib.swarm_q8_mm
+        self._mm.restype = ctypes.c_int
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        self._mm.argtypes = [pointer, number, number, number, pointer, pointer, number, number, pointer, pointer,
+                             number]
+        lib.swarm_q8_path.restype = ctypes.c_char_p
+        self.simd = lib.swarm_q8_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, halves: bool, offsets: bool,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, in) bytes from :func:`pack`; ``scales``: float32
+        (out, parts, in / 32), parts being the scales (of each group's first 16 inputs, then of its last 16 where
+        ``halves``) then the offsets where ``offsets``. x is taken as float32 rows, the bias where it is float32 (else
+        added after)."""
+        if x.dim() != 2 or not x.is_cpu:
+            raise _mismatch("the activations", "a 2-D CPU tensor (rows, in)", _describe(x))
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows, k = x.shape
+        if k % GROUP or k == 0:
+            raise _mismatch("the activations", f"rows of a whole number of groups of {GROUP} inputs", _describe(x))
+        if packed.dim() != 2:
+            raise _mismatch("the packed weights", "a 2-D tensor (out, in)", _describe(packed))
+        out_features = packed.shape[0]
+        expect(packed, "the packed weights", torch.uint8, (out_features, k))
+        expect(scales, "the scales and offsets", torch.float32, (out_features, 1 + halves + offsets, k // GROUP))
+        if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
+            raise _mismatch("the bias", f"a CPU tensor ({out_features},)", _describe(bias))
+        y = torch.empty((rows, out_features), dtype=torch.float32)
+        fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+        bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
+        status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scales.data_ptr(), int(halves),
+                          int(offsets), bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
+        if status:
+            raise MemoryError(f"the 8-bit kernel could not allocate scratch for {rows} rows of {k} inputs")
+        if bias is not None and not fused_bias:
+            y = y + bias
+        return y
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The C file's layout of levels ``q`` (out, in; -128..127), each level stored as the byte q + 128: each output's
+    blocks of 16 groups of 32 inputs, a block being 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each
+    group (group g in bytes 4g..4g+3); then the groups left over (the tail), in their own order."""
+    return pack_bytes((q.to(torch.int16) + 128).to(torch.uint8))
+
+
+def pack_bytes(u: torch.Tensor) -> torch.Tensor:
+    """:func:`pack` of levels given as their bytes ``u`` = q + 128 (uint8, out x in)."""
+    n, k = u.shape
+    if k % GROUP or u.dtype != torch.uint8:
+        raise _mismatch("the levels", f"uint8 rows of a whole number of groups of {GROUP} inputs",
+                        f"{u.dtype} rows of {k}")
+    blocked = k // BLOCK * BLOCK
+    blocks = u[:, :blocked].reshape(n, blocked // BLOCK, BLOCK // GROUP, GROUP // 4, 4).transpose(2, 3)
+    return torch.cat([blocks.reshape(n, blocked), u[:, blocked:]], 1).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The levels (out, in; int16) that :func:`pack` laid out as ``packed``."""
+    n, k = packed.shape
+    blocked = k // BLOCK * BLOCK
+    blocks = packed[:, :blocked].reshape(n, blocked // BLOCK, GROUP // 4, BLOCK // GROUP, 4).transpose(2, 3)
+    return torch.cat([blocks.reshape(n, blocked), packed[:, blocked:]], 1).to(torch.int16) - 128
+
+
+def expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise KernelMismatch unless ``t`` is a contiguous CPU tensor of ``dtype`` and ``shape``: what the C code reads
+    through a raw pointer."""
+    if t.dtype != dtype or t.shape != shape or not t.is_cpu or not t.is_contiguous():
+        raise _mismatch(name, f"a contiguous CPU tensor of {dtype} {tuple(shape)}", _describe(t))
+
+
+def _describe(t: torch.Tensor) -> str:
+    layout = "contiguous" if t.is_contiguous() else "not contiguous"
+    return f"{t.dtype} {tuple(t.shape)}, {layout}, on {t.device}"
+
+
+def _mismatch(name: str, wanted: str, got: str) -> KernelMismatch:
+    return KernelMismatch(f"swarm's 8-bit kernel takes {name} as {wanted}, not {got}: this is a bug in swarm, refused "
+                          "before the C code read the wrong memory; report it, and run with SWARM_INT4_KERNEL=0 "
+                          "(torch computes those layers then) meanwhile")
+
+
+def takes(in_features: int) -> bool:
+    """Whether a layer with this many inputs has the kernel's shape (whole groups of 32)."""
+    return in_features > 0 and in_features % GROUP == 0
+
+
+_lock = threading.Lock()
+_enabled = True
+_built: dict[tuple[str, ...], Q8Kernel | None] = {}
+
+
+def use(enabled: bool) -> None:
+    """Whether 8-bit layers made from now on take this kernel (with SWARM_INT4_KERNEL, swarm's kernels at all)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def kernel(flags: tuple[str, ...] = FLAGS) -> Q8Kernel | None:
+    """The kernel built for this CPU (once per process; ``flags`` for other builds, as the tests compile the AVX2 and
+    plain-C paths), or None where it cannot be built here."""
+    if not _enabled:
+        return None
+    with _lock:
+        if flags not in _built:
+            _built[flags] = _build(flags)
+        return _built[flags]
+
+
+def _build(flags: tuple[str, ...]) -> Q8Kernel | None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("GGUF 8-bit layers (Q8_0, Q5_*, Q6_K) run on torch, widened a slice at a time: this machine has "
+                    "no C compiler (cc) to build swarm's kernel for them; install gcc (apt-get install gcc) and load "
+                    "the model again")
+        return None
+    try:
+        source = SOURCE.read_bytes()
+        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+        key = hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), _cpu_identity()])).hexdigest()
+        folder = Path(platformdirs.user_cache_dir("swarm")) / "kernels"
+        target = folder / f"q8_kernel-{key[:16]}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            # built under another name, then renamed: processes building at once each get a whole file
+            handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
+            os.close(handle)
+            try:
+                done = subprocess.run([compiler, *flags, "-o", temporary, str(SOURCE), "-lm"], capture_output=True,
+                                      text=True, timeout=_COMPILE_TIMEOUT_S)
+                if done.returncode:
+                    raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-400:]}")
+                os.replace(temporary, target)
+            finally:
+                if os.path.exists(temporary):
+                    os.unlink(temporary)
+        built = Q8Kernel(ctypes.CDLL(str(target)), target)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's path, said once
+        log.warning("GGUF 8-bit layers (Q8_0, Q5_*, Q6_K) run on torch, widened a slice at a time: swarm's kernel "
+                    "for them could not be built here (%s: %s); SWARM_INT4_KERNEL=0 silences this",
+                    type(exc).__name__, exc)
+        return None
+    log.info("8-bit kernel: %s path, %s", built.simd, built.path)
+    return built
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(lines)).encode()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, d): rows ``x`` (rows, in) quantized per group of 32 as the C file does, xq (rows, in / 32, 32) in
+    -127..127 and d (rows, in / 32) with x ~ d xq."""
+    rows, k = x.shape
+    groups = x.float().reshape(rows, k // GROUP, GROUP)
+    d = groups.abs().amax(-1) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(groups * inverse[..., None]).clamp(-127, 127), d
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in float64 with torch: ``x`` (rows, in) quantized per group of 32 as the C file
+    quantizes it, against levels ``q`` (out, in) with ``scale`` per half group (out, in / 16) and ``offset`` per group
+    (out, in / 32) or None. For tests and the bench: the kernel must agree with it to float32 rounding."""
+    rows, k = x.shape
+    xq, d = quantize_activations(x)
+    halves = xq.double().reshape(rows, k // 16, 16)
+    dot = torch.einsum("rhi,nhi->rnh", halves, q.double().reshape(q.shape[0], k // 16, 16))
+    d16 = d.double().repeat_interleave(2, -1)
+    y = (dot * scale.double()[None] * d16[:, None]).sum(-1)
+    if offset is not None:
+        y = y + x.double().reshape(rows, k // GROUP, GROUP).sum(-1) @ offset.double().T
+    return y

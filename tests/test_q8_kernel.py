@@ -1,0 +1,276 @@
+"""GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K tensors on swarm's 8-bit kernel (swarm.stage.q8_kernel, gguf_q8): repacked
+without loss (gguf-py's dequantization to the bit), computing what the float layer computes to within the 8-bit
+rounding of the activations (a bound computed per output), each row alone whatever the batch and thread count, the
+same on the kernel's other builds, and on torch where the kernel cannot be built; wrong inputs are refused."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from gguf_files import quantized_blocks
+from swarm.errors import KernelMismatch, ModelError
+from swarm.stage import gguf_q8, q8_kernel
+
+pytestmark = pytest.mark.skipif(q8_kernel.kernel() is None, reason="no C compiler here to build the kernel")
+
+TYPES = sorted(gguf_q8.SUPPORTED)
+# fp16 scales of the K types' blocks (ggml-common.h: block_q5_K's d and dmin, block_q6_K's d), set to random values
+# per block so that the random bytes make blocks of many scales, negative ones included
+_K_SCALES = {"Q5_K": (0, 2), "Q6_K": (208,)}
+# 576 inputs: a block of 16 groups and a last block of 2 (SmolLM2's hidden size); 1536: whole blocks; 96: a last
+# block alone. The K types' rows are whole blocks of 256: 768 (a block of 16 groups and one of 8), 512.
+SHAPES = {"Q8_0": (576, 1536, 96), "Q5_0": (576, 96), "Q5_1": (576, 96), "Q5_K": (768, 512), "Q6_K": (768, 512)}
+
+
+def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """(rows, bytes per row) blocks of ``kind``: random data quantized by gguf-py where it can (Q8_0, Q5_0, Q5_1), else
+    random bytes with random finite fp16 scales"""
+    rng = np.random.default_rng(seed)
+    if kind in _K_SCALES:
+        data = quantized_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
+        for at in _K_SCALES[kind]:
+            scales = (rng.standard_normal((rows, cols // 256)) * 0.003).astype(np.float16)
+            data[:, :, at : at + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+        return data.reshape(rows, -1)
+    return quants.quantize((0.05 * rng.standard_normal((rows, cols))).astype(np.float32), GGMLQuantizationType[kind])
+
+
+def layer(kind: str, rows: int, cols: int, seed: int = 0, bias: torch.Tensor | None = None):
+    raw = blocks(kind, rows, cols, seed)
+    return gguf_q8.q8_linear(torch.from_numpy(raw), kind, (rows, cols), bias), raw
+
+
+def activations(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[0, 5] = 40.0  # an outlier: its group's other activations get a coarser step
+    return x
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_repacked_blocks_dequantize_to_gguf_pys_values_to_the_bit(kind):
+    for cols in SHAPES[kind]:
+        linear, raw = layer(kind, 37, cols)
+        want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+        got = linear.dequantized()
+        assert got.dtype == torch.float32 and got.shape == (37, cols)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), kind  # the bits, signed zeros included
+        # one byte a weight, and float32 scales: one row of them per group (two for Q6_K's halves, one more for offsets)
+        held = linear.packed.numel() + 4 * linear.scales.numel()
+        parts = 1 + (kind == "Q6_K") + (kind in ("Q5_1", "Q5_K"))
+        assert held == 37 * cols * (1 + parts / 8)
+
+
+def bound(linear, x: torch.Tensor) -> torch.Tensor:
+    """Per row and output, how far the kernel may be from the float layer: each activation is rounded to d/2 at
+    most (d = its group's max |x| / 127), which moves the result by sum |s q| d / 2; plus float32 rounding, counted
+    generously as 4 k float32 epsilons of sum |x| |w| (the kernel's and the dequantized weights' own roundings)."""
+    q, scale, offset = linear.grid()
+    rows, k = x.shape
+    _, d = q8_kernel.quantize_activations(x)
+    scaled = (q.double() * scale.double().repeat_interleave(16, -1)).abs()
+    rounding = (d.double().repeat_interleave(32, -1) / 2) @ scaled.T
+    w = scaled if offset is None else scaled + offset.double().abs().repeat_interleave(32, -1)
+    return rounding + 4 * k * 2.0**-24 * (x.double().abs() @ w.T)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_layer_is_the_float_layer_to_within_the_activations_8_bits(kind):
+    for cols in SHAPES[kind]:
+        bias = torch.randn(45, generator=torch.Generator().manual_seed(2))
+        linear, _ = layer(kind, 45, cols, seed=3, bias=bias)
+        x = activations(6, cols)
+        got = linear(x)
+        assert got.shape == (6, 45) and got.dtype == torch.float32
+        exact = x.double() @ linear.dequantized().double().T + bias.double()
+        err = (got.double() - exact).abs()
+        limit = bound(linear, x)
+        assert (err <= limit).all(), (kind, cols, (err / limit).max())
+        # and exactly the kernel's arithmetic: the rows quantized to 8 bits, in integers, to float32 rounding
+        q, scale, offset = linear.grid()
+        want = q8_kernel.reference(x, q, scale, offset) + bias.double()
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_any_leading_dims_and_half_precision_rows():
+    linear, _ = layer("Q8_0", 40, 576)
+    x = activations(6, 576).reshape(2, 3, 576)
+    y = linear(x)
+    assert y.shape == (2, 3, 40) and torch.equal(y.reshape(6, 40), linear(x.reshape(6, 576)))
+    half = linear(x.bfloat16())
+    assert half.dtype == torch.bfloat16 and torch.equal(half, linear(x.bfloat16().float()).bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q5_K"])  # one scale a group; two; with offsets
+def test_each_row_is_computed_alone_whatever_the_batch_and_the_thread_count(kind):
+    cols = SHAPES[kind][0]
+    linear, _ = layer(kind, 200, cols, seed=4)
+    x = activations(11, cols, seed=5)
+    batch = linear(x)
+    for row in range(11):  # a chat's row alone, or batched with any others, gives the same bits
+        assert torch.equal(linear(x[row : row + 1])[0], batch[row])
+    assert torch.equal(linear(x[3:8]), batch[3:8])  # a batch of 5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, batch)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the other builds are x86-64's")
+@pytest.mark.parametrize("march,path", [("x86-64-v3", "avx2"), ("x86-64-v3 -mavxvnni", "avx2-vnni"),
+                                        ("x86-64", "generic")])  # AVX2 (AMD before Zen 4), with AVX-VNNI, plain C
+def test_the_kernels_other_builds_compute_the_same(march, path):
+    flags = tuple(f for flag in q8_kernel.FLAGS for f in (("-march=" + march).split() if flag == "-march=native"
+                                                           else [flag]))
+    other = q8_kernel.kernel(flags)
+    assert other is not None and other.simd == path
+    for kind in ("Q8_0", "Q6_K", "Q5_1"):
+        for cols in SHAPES[kind]:
+            linear, _ = layer(kind, 29, cols, seed=6)
+            x = activations(9, cols, seed=7)
+            got = other.matmul(x, linear.packed, linear.scales, linear.halves, linear.offsets, None)
+            want = q8_kernel.reference(x, *linear.grid())
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (kind, cols)
+
+
+def test_without_the_kernel_layers_compute_on_torch_and_say_why(monkeypatch, caplog):
+    monkeypatch.setattr(q8_kernel, "_built", {})
+    monkeypatch.setattr(q8_kernel.shutil, "which", lambda name: None)  # no C compiler on this machine
+    linear, raw = layer("Q5_K", 40, 768)
+    assert linear.kernel is None
+    assert "no C compiler" in caplog.text and "install gcc" in caplog.text
+    x = activations(3, 768)
+    assert torch.allclose(linear(x), x @ linear.dequantized().T, rtol=1e-5, atol=1e-4)
+    want = quants.dequantize(raw, GGMLQuantizationType.Q5_K).astype(np.float32)
+    assert torch.equal(linear.dequantized(), torch.from_numpy(want))
+    monkeypatch.undo()
+    q8_kernel.use(False)  # SWARM_INT4_KERNEL=0: swarm's kernels off
+    try:
+        assert layer("Q8_0", 8, 96)[0].kernel is None
+    finally:
+        q8_kernel.use(True)
+    assert layer("Q8_0", 8, 96)[0].kernel is not None
+
+
+def test_a_compiler_that_fails_is_said_and_leaves_nothing_half_built(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(q8_kernel, "_built", {})
+    monkeypatch.setattr(q8_kernel.shutil, "which", lambda name: str(broken))
+    monkeypatch.setattr(q8_kernel.platformdirs, "user_cache_dir", lambda name: str(tmp_path / "cache"))
+    assert q8_kernel.kernel() is None
+    assert "could not be built" in caplog.text and "internal error" in caplog.text
+    assert not list((tmp_path / "cache").rglob("*.so*"))
+
+
+N, K = 48, 576
+
+
+@pytest.fixture(scope="module")
+def q6():
+    linear, _ = layer("Q6_K", N, 768)
+    return linear
+
+
+@pytest.mark.parametrize("case,words", [
+    ("packed transposed", "the packed weights"),
+    ("packed as int8", "torch.int8"),
+    ("packed not contiguous", "not contiguous"),
+    ("packed in 1-D", "2-D tensor"),
+    ("scales as float16", "torch.float16"),
+    ("scales without the second halves", "the scales and offsets"),
+    ("scales not contiguous", "not contiguous"),
+    ("bias of another size", "the bias"),
+    ("activations in 3-D", "2-D CPU tensor"),
+    ("activations of another width", "the packed weights"),
+    ("activations off the CPU", "on meta"),
+    ("inputs not whole groups", "whole number of groups of 32"),
+])
+def test_matmul_refuses_what_the_c_code_would_misread(q6, case, words):
+    kernel = q8_kernel.kernel()
+    packed, scales, x, bias = q6.packed, q6.scales, activations(3, 768), None
+    if case == "packed transposed":
+        packed = packed.t().contiguous()
+    elif case == "packed as int8":
+        packed = packed.view(torch.int8)
+    elif case == "packed not contiguous":
+        packed = torch.cat([packed, packed], 1)[:, :768]
+    elif case == "packed in 1-D":
+        packed = packed.reshape(-1)
+    elif case == "scales as float16":
+        scales = scales.half()
+    elif case == "scales without the second halves":
+        scales = scales[:, :1].contiguous()
+    elif case == "scales not contiguous":
+        scales = scales.transpose(1, 2).contiguous().transpose(1, 2)
+    elif case == "bias of another size":
+        bias = torch.zeros(N + 1)
+    elif case == "activations in 3-D":
+        x = x[None]
+    elif case == "activations of another width":
+        x = activations(3, 768 - 32)
+    elif case == "activations off the CPU":
+        x = torch.empty(3, 768, device="meta")
+    elif case == "inputs not whole groups":
+        x = activations(3, 768 - 16)
+    with pytest.raises(KernelMismatch) as caught:
+        kernel.matmul(x, packed, scales, True, False, bias)
+    message = str(caught.value)
+    assert words in message and "bug in swarm" in message, message
+
+
+@pytest.mark.parametrize("case,words", [
+    ("a type the kernel does not take", "Q4_K"),
+    ("blocks of another shape", "cannot hold a weight of shape (40, 576)"),
+    ("blocks as int8", "2-D uint8"),
+    ("a bias of another size", "does not fit a weight"),
+])
+def test_q8_linear_refuses_blocks_that_do_not_fit(case, words):
+    raw = torch.from_numpy(blocks("Q8_0", 40, 576))
+    kind, shape, bias = "Q8_0", (40, 576), None
+    if case == "a type the kernel does not take":
+        kind = "Q4_K"
+    elif case == "blocks of another shape":
+        raw = raw[:, :-34]
+    elif case == "blocks as int8":
+        raw = raw.view(torch.int8)
+    elif case == "a bias of another size":
+        bias = torch.zeros(41)
+    with pytest.raises(ModelError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        gguf_q8.q8_linear(raw, kind, shape, bias)
+    linear, _ = layer("Q8_0", 40, 576)
+    with pytest.raises(ModelError, match="rows of 512"):
+        linear(torch.randn(2, 512))
+
+
+def test_the_built_in_models_q8_0_head_repacks_to_the_bit_and_computes_within_the_bound():
+    """The built-in GGUF's one Q8_0 tensor, token_embd (49152 x 576, the tied head): real blocks, not made-up ones"""
+    from swarm.errors import ImportFailed
+    from swarm.store.gguf_source import GGUFSource
+    from swarm.store.importer import builtin_gguf_path
+
+    try:
+        path = builtin_gguf_path()
+    except ImportFailed as exc:
+        pytest.skip(str(exc))
+    tensor = next(t for t in GGUFSource(path).reader.tensors if t.name == "token_embd.weight")  # the lean reader: 4 s
+    assert tensor.tensor_type == GGMLQuantizationType.Q8_0
+    raw = np.asarray(tensor.data)[:8192]  # a sixth of its rows (each row's blocks stand alone): a few seconds
+    rows, cols = 8192, 576
+    head = gguf_q8.q8_linear(torch.from_numpy(raw.copy()), "Q8_0", (rows, cols), None)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32))
+    assert torch.equal(head.dequantized().view(torch.int32), want.view(torch.int32))
+    some = gguf_q8.q8_linear(torch.from_numpy(raw[:4096].copy()), "Q8_0", (4096, cols), None)
+    x = activations(3, cols) * 0.1
+    got = some(x)
+    assert torch.equal(got, head(x)[:, :4096])  # the same outputs whatever else the layer holds
+    err = (got.double() - x.double() @ want[:4096].double().T).abs()
+    assert (err <= bound(some, x)).all()
