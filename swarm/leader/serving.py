@@ -40,6 +40,7 @@ from swarm.leader.models import (
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import place
 from swarm.leader.prefix_index import PrefixCaches
+from swarm.leader.rebalance import Rebalancer
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, ToStage0, too_long
@@ -82,6 +83,7 @@ class Serving:
         self.prefix = PrefixCaches(settings.serve_prefix_cache_tokens)  # the prefix cache's index, per model
         self.verifier = Verifier(self)  # spot checks of the fellows' work (SWARM_SERVE_VERIFY)
         self.drains = Drains(self)  # fellows that leave hand their stages over first
+        self.rebalance = Rebalancer(self)  # live moves to faster fellows (SWARM_SERVE_REBALANCE)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -574,6 +576,7 @@ class Serving:
             await self._idle(conn, message)
         elif message["t"] == "link_report":
             self.link_matrix.on_report(conn, message)
+            self.rebalance.pool_changed()
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
             self.direct_links.on_message(conn, message)
 
@@ -595,6 +598,7 @@ class Serving:
         What follows from it -- adopting its stages, linking rings -- runs once its welcome has gone out."""
         self.start_task(self._adopt, conn, stages)
         self.link_matrix.fleet_changed()  # its links are measured soon
+        self.rebalance.pool_changed()
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 
     async def _adopt(self, conn, stages: list) -> None:
