@@ -39,9 +39,10 @@ def ready(ring: Ring) -> dict:
     return wait_for(loaded, 240, interval=0.5, message=lambda: str(ring.api("GET", f"/api/v1/models/{MODEL}")))
 
 
-def one_variant(ring: Ring, label: str, body: dict, query: str, tokens: int) -> tuple[float, float, str]:
+def one_variant(ring: Ring, label: str, body: dict, query: str, tokens: int,
+                quantization: dict) -> tuple[float, float, str]:
     """Load as ``body`` asks, warm up, then one timed reply: (predicted tok/s, measured tok/s, the line told)."""
-    status, answer = ring.api("POST", f"/api/v1/models/{MODEL}/load", body)
+    status, answer = ring.api("POST", f"/api/v1/models/{MODEL}/load", {**body, **quantization})
     assert status == 202, answer
     view = ready(ring)
     chat = {"model": MODEL, "messages": COUNT, "temperature": 0}
@@ -67,8 +68,13 @@ def run(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
     if reason:
         raise SystemExit(f"the lab cannot run here: {reason}")
     os.environ.update(SWARM_CALIBRATE="1")  # the fellows inherit it: the planner needs their speed
+    if args.threads:
+        os.environ["SWARM_THREADS"] = str(args.threads)
     print(f"{machine()}; lab: fellows {', '.join(NEAR)} beside the leader, {FAR} {args.far_ms:g} ms each way from "
           "every other host", flush=True)
+    quantization = {"quantization": args.quantization} if args.quantization else {}
+    print(f"stages at {args.quantization or 'full precision'}, SWARM_THREADS={args.threads or 'every core'}",
+          flush=True)
     with lab(delay_ms=0) as the_lab:
         the_lab.add_public_host(LEADER)
         for host in NEAR:
@@ -90,7 +96,7 @@ def run(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
             for round_ in range(args.rounds):
                 print(f"round {round_ + 1}", flush=True)
                 for label, body, query in VARIANTS:
-                    predicted, measured, line = one_variant(ring, label, body, query, args.tokens)
+                    predicted, measured, line = one_variant(ring, label, body, query, args.tokens, quantization)
                     results[label].append((predicted, measured))
                     print(line, flush=True)
             for label, figures in results.items():

@@ -2,7 +2,7 @@
 stages. The goal is within 25 %.
 
     .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--no-pin | --in-process]
-        [--data-dir /tmp/swarm-bench] [--lab [--far-ms 60]]
+        [--data-dir /tmp/swarm-bench] [--lab [--far-ms 60] [--quantization KIND]]
 
 By default the leader and each fellow run in processes of their own (tests/fleet.py), as on real PCs, each fellow on
 a core of its own with one thread (taskset; SWARM_THREADS=1), so that two fellows on one machine behave like two
@@ -184,6 +184,7 @@ def options(parser: argparse.ArgumentParser) -> None:
                         help="the network lab: link-blind against link-aware placement with one far fellow of three "
                              "(bench/lab_placement.py; needs root)")
     parser.add_argument("--far-ms", type=float, default=60.0, help="--lab: the far fellow's delay, each way")
+    parser.add_argument("--quantization", help="--lab: the stages' quantization (e.g. int4-fast); default: none")
     for old in ("--processes", "--pin"):  # the default now; the earlier runs in bench/HISTORY.md name them
         parser.add_argument(old, dest=old[2:], action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
