@@ -33,9 +33,9 @@ from swarm.leader.planner import Hop, LayerSpeed, hop_round_trips, layer_speed, 
 # 0.5-2 ms (measured on loopback through the relay, planner.ASSUMED_RTT_MS), so LAN noise never moves a stage.
 MIN_GAIN_MS = 5.0
 MIN_GAIN_SHARE = 0.15
-# Every order of a ring is tried up to this many stages (6! = 720 predictions, some 0.1 s); beyond, the fellows keep
-# the link-blind order and only leaving one out is weighed.
-MAX_ORDERED = 6
+# Every order of a ring is tried up to this many stages (5! = 120 predictions; weighing which of 6 fellows to leave
+# out tries 6 such rings); beyond, the fellows keep the link-blind order and only leaving one out is weighed.
+MAX_ORDERED = 5
 MAX_SUBSETS = 5000  # sets of fellows tried for a load of a given number of stages, orders included
 
 

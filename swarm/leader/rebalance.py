@@ -119,7 +119,8 @@ class Rebalancer:
             busy = {s.plan.fellow_id for m in serving.models.values() for s in m.stages} | \
                 {s.cover for m in serving.models.values() for s in m.stages if s.cover is not None}
             idle = [c for c in serving.recovery.candidates(model)
-                    if c.fellow_id not in busy and not c.outdated and c.fellow_id not in serving.drains.leaving]
+                    if c.fellow_id not in busy and not c.outdated and not c.standby  # standbys wait for failovers
+                    and c.fellow_id not in serving.drains.leaving]
             fellows = [serving.hub.online[c.fellow_id] for c in idle] + \
                 [serving.hub.online[p] for p in model.fellow_ids if p in serving.hub.online]
             hidden = int(model.manifest.get("hidden_size") or 0) * (2 if all(f.hardware.gpus for f in fellows) else 4)
