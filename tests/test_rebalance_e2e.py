@@ -52,3 +52,40 @@ async def test_a_stage_moves_to_a_faster_idle_fellow_on_request(tmp_path, smollm
             assert (await swarm.http.get("/api/v1/rebalance")).json()["proposals"] == []
             again = await swarm.http.post("/api/v1/rebalance", json={"model": name})
             assert again.status_code == 400 and "no live move is proposed" in again.json()["error"]["message"]
+
+
+async def test_auto_moves_a_stage_mid_reply_and_the_reply_stays_exact(tmp_path, smollm_model_dir, monkeypatch):
+    """SWARM_SERVE_REBALANCE=auto: a faster fellow shows up while a long greedy reply streams; the leader moves a
+    stage to it by itself, between two tokens, and the reply is token for token the one of an uninterrupted run."""
+    from swarm.leader import rebalance
+
+    monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
+    name = smollm_model_dir.name
+    messages = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=3,
+                                 leader_env={"SWARM_SERVE_REBALANCE": "auto"}) as swarm:
+            await swarm.load(name, 2)
+            model = swarm.leader.serving.models[name]
+            (idle,) = set(swarm.leader.hub.online) - model.fellow_ids
+            reference = (await swarm.chat(name, messages, max_tokens=200, ignore_eos=True))["choices"][0]["token_ids"]
+            times: dict[str, float] = {}
+            replies: list[list[int]] = []
+
+            async def long_reply():
+                reply = await swarm.chat(name, messages, max_tokens=200, ignore_eos=True)
+                replies.append(reply["choices"][0]["token_ids"])
+                times["done"] = trio.current_time()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_reply)
+                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
+                await trio.sleep(0.5)
+                for conn in swarm.leader.hub.online.values():
+                    conn.calibration = calibration(1.0 if conn.id == idle else 4.0)
+                swarm.leader.serving.rebalance.pool_changed()  # as a join or a link report does
+                await wait_until(lambda: idle in model.fellow_ids and model.status == "ready", 120)
+                times["moved"] = trio.current_time()
+            assert times["moved"] < times["done"], times  # the switch came while the reply streamed
+            assert replies == [reference]
+            assert len(model.fellow_ids) == 2
