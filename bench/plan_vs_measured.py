@@ -2,7 +2,7 @@
 stages. The goal is within 25 %.
 
     .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--no-pin | --in-process]
-        [--data-dir /tmp/swarm-bench]
+        [--data-dir /tmp/swarm-bench] [--lab [--far-ms 60] [--quantization KIND]]
 
 By default the leader and each fellow run in processes of their own (tests/fleet.py), as on real PCs, each fellow on
 a core of its own with one thread (taskset; SWARM_THREADS=1), so that two fellows on one machine behave like two
@@ -15,6 +15,10 @@ per-stage split and their ratio, and the median ratios.
 --no-pin leaves the fellow processes unpinned with every core each: each one's stage then computes 1.3-1.5x slower
 while serving than its calibration, as the other process's OpenMP threads, still spinning after their pass, and its
 caches share the same cores (two fellows on one PC, which the planner does not model).
+
+--lab [--far-ms 60] runs bench/lab_placement.py: the network lab with three fellows, one of them --far-ms each way
+from the others; the link-blind placement (all three) and the link-aware one (the far fellow left out) side by side,
+each with its plan against its measured decode speed.
 
 --in-process runs the leader and both fellows in this process (tests/harness.py), calibrating afresh right before
 each round (swarm.fellow.calibration.measure, handed to both fellows) so that the plan and the measurement see the
@@ -150,6 +154,11 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
 
 
 async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
+    if args.lab:
+        from lab_placement import run
+
+        await trio.to_thread.run_sync(run, model_dir, tmp, args)
+        return
     summary = []
     for stages in (1, 2):
         if args.processes:
@@ -171,6 +180,11 @@ def options(parser: argparse.ArgumentParser) -> None:
                         help="the fellow processes unpinned, each with every core (two fellows on one PC)")
     parser.add_argument("--in-process", dest="processes", action="store_false",
                         help="the leader and the fellows in this process, calibrated afresh before each round")
+    parser.add_argument("--lab", action="store_true",
+                        help="the network lab: link-blind against link-aware placement with one far fellow of three "
+                             "(bench/lab_placement.py; needs root)")
+    parser.add_argument("--far-ms", type=float, default=60.0, help="--lab: the far fellow's delay, each way")
+    parser.add_argument("--quantization", help="--lab: the stages' quantization (e.g. int4-fast); default: none")
     for old in ("--processes", "--pin"):  # the default now; the earlier runs in bench/HISTORY.md name them
         parser.add_argument(old, dest=old[2:], action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 

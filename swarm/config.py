@@ -94,6 +94,9 @@ class Settings:
     # with a small model of its family it holds whole: auto (the smallest imported model of the pool with the same
     # tokenizer) or a model's name; unset: prompt lookup alone
     serve_draft_model: str | None = None
+    # SWARM_SERVE_REBALANCE: live moves (swarm.leader.rebalance) -- off; propose (a stage move the planner predicts
+    # at least 1.3x faster is shown on GET /api/v1/rebalance); auto (and applied through the drain's handover)
+    serve_rebalance: str = "propose"
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
     # SWARM_METRICS_TOKEN: a bearer token that may read GET /metrics (for a Prometheus server); admins always may
     metrics_token: str | None = None
@@ -129,6 +132,8 @@ class Settings:
             raise ConfigError(
                 f"SWARM_PIPELINE_TRANSPORT is {self.pipeline_transport!r}; use auto, direct or relay."
             )
+        if self.serve_rebalance not in ("off", "propose", "auto"):
+            raise ConfigError(f"SWARM_SERVE_REBALANCE is {self.serve_rebalance!r}; use off, propose or auto.")
         if not 0 <= self.serve_port <= 65535:
             raise ConfigError(f"SWARM_SERVE_PORT is {self.serve_port}; use a port number from 0 to 65535.")
         if self.serve_prefill_chunk < 1:

@@ -366,6 +366,8 @@ def test_admin_page(bg, browser):
         bg.sync(setattr, conn, "protocol", wire.PROTOCOL_VERSION)
     expect(page.locator("#users-table")).to_contain_text("admin")
     expect(page.locator("#pools-table")).to_contain_text("default")
+    # live moves (SWARM_SERVE_REBALANCE=propose by default): none while nothing serves
+    expect(page.locator("#moves-table")).to_contain_text("No faster placement to propose now.")
     switch = page.locator("#direct-links")
     expect(switch).not_to_be_checked()
     switch.check()

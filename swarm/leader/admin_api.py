@@ -202,6 +202,23 @@ class AdminRoutes:
         return JSONResponse(self.leader.serving.link_matrix.view())
 
     @handles_errors
+    async def rebalance(self, request: Request):
+        """Live moves (swarm.leader.rebalance): GET the moves of serving stages to idle fellows the planner predicts at
+        least 1.3x faster; POST {"model": name} applies the one proposed for that model."""
+        await self._admin(request)
+        rebalancer = self.leader.serving.rebalance
+        proposals = rebalancer.proposals()
+        if request.method == "GET":
+            return JSONResponse({"mode": self.leader.serving.settings.serve_rebalance,
+                                 "proposals": [p.view() for p in proposals]})
+        body = await json_body(request)
+        chosen = [p for p in proposals if p.model == body.get("model")]
+        if not chosen:
+            raise BadRequest(f"no live move is proposed for {body.get('model')!r} now: GET /api/v1/rebalance lists "
+                             "the proposals (none with SWARM_SERVE_REBALANCE=off).", "no_proposal")
+        return JSONResponse({"done": await rebalancer.apply(chosen[0])})
+
+    @handles_errors
     async def fellow_update(self, request: Request):
         await self._admin(request)
         body = await json_body(request)
@@ -247,6 +264,7 @@ def admin_routes(leader, web_dir) -> list[Route]:
         Route("/api/v1/settings/hot-cover", admin.hot_cover, methods=["GET", "PUT"]),
         Route("/api/v1/settings/models", admin.model_switches, methods=["GET", "PUT"]),
         Route("/api/v1/links", admin.links, methods=["GET"]),
+        Route("/api/v1/rebalance", admin.rebalance, methods=["GET", "POST"]),
         Route("/api/v1/fellows/{fellow_id:int}", admin.fellow_update, methods=["PUT"]),
         Route("/api/v1/fellows/{fellow_id:int}/drain", admin.fellow_drain, methods=["POST"]),
     ]

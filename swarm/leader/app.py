@@ -260,6 +260,7 @@ class Leader:
         async with self.mcp.run(), trio.open_nursery() as nursery:
             self.serving.nursery = nursery
             nursery.start_soon(self.serving.link_matrix.run)  # measures the links between fellows now and then
+            nursery.start_soon(self.serving.rebalance.run)  # live moves with SWARM_SERVE_REBALANCE=auto
             await self.serving.recovery.restore()  # before any fellow rejoins: models that were serving
             await trio.to_thread.run_sync(self.serving.verifier.load)  # the admin's spot-check fraction
             await trio.to_thread.run_sync(self.quotas.load)  # the quotas, and the last day's usage they count

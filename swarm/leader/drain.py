@@ -164,6 +164,12 @@ class Drains:
             text += "; the rest fails over: " + "; ".join(failed)
         return text
 
+    async def move(self, model: ModelServing, slot: StageState, handover: Handover, old) -> str | None:
+        """A live move (swarm.leader.rebalance): stage ``slot`` from fellow ``old`` (which stays) to its taker, the way
+        a drain hands it over. None when done, else why not."""
+        async with self._lock:
+            return await self._hand_over(model, slot, handover, old)
+
     async def _hand_over(self, model: ModelServing, slot: StageState, handover: Handover, leaving) -> str | None:
         """Load the stage on its taker (unless it holds a hot cover), switch the ring, unload the old stage. None
         when done, else why not."""

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from swarm.leader.link_placement import link_hops
+from swarm.leader.planner import Hop
+
 if TYPE_CHECKING:
     from swarm.leader.serving import Serving
 
@@ -65,6 +68,21 @@ class LinkMatrix:
                 "path": link.get("path") if link.get("path") in ("direct", "relay") else "relay",
                 "rtt_ms": _number(link.get("rtt_ms")), "mbps": _number(link.get("mbps")),
                 "error": str(link["error"])[:200] if link.get("error") else None, "at": trio.current_time()}
+
+    def hops(self) -> dict[tuple[int, int], Hop]:
+        """What placement and the planner know of each pair of fellows: the hops of rings serving now, as their
+        fellows report them (the path the ring really takes), else the latest probe's figures."""
+        known = link_hops(self.links)
+        for model in self.serving.models.values():
+            n = len(model.stages)
+            for i, hop_id in enumerate(model.hop_ids[:n]):
+                stats = self.serving.hop_stats.get(hop_id) or {}
+                rtt = stats.get("rtt_ms")
+                if isinstance(rtt, (int, float)) and rtt > 0:
+                    pair = (model.stages[i].plan.fellow_id, model.stages[(i + 1) % n].plan.fellow_id)
+                    probed = known.get(pair) or known.get((pair[1], pair[0]))
+                    known[pair] = Hop(float(rtt), True, stats.get("transport"), probed.bytes_per_s if probed else None)
+        return known
 
     def view(self) -> dict:
         """The matrix for the admin page: the online fellows, and each measured pair between them."""

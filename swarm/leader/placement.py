@@ -159,6 +159,14 @@ def place(
         )
     chosen = sorted(fellows, key=lambda f: (-f.free_bytes, f.fellow_id))[:num_stages]
     chosen.sort(key=lambda f: f.fellow_id)
+    return place_in_order(size, chosen, context_tokens, draft)
+
+
+def place_in_order(size: ModelSize, chosen: list[FellowCapacity], context_tokens: int,
+                   draft: DraftSize | None = None) -> list[StagePlan]:
+    """The layers of a ring over ``chosen``, stage 0 first, in proportion to their free memory (the link-aware
+    order of swarm.leader.link_placement, or :func:`place`'s); PlacementError when a stage does not fit."""
+    num_stages = len(chosen)
     draft = draft or DraftSize(0, 0)
     room = [max(f.free_bytes, 0) for f in chosen]
     room[-1] = max(room[-1] - draft.weight_bytes - draft.kv_bytes_per_token * context_tokens, 0)

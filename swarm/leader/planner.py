@@ -127,6 +127,11 @@ class Hop:
     rtt_ms: float
     measured: bool  # False: ASSUMED_RTT_MS, no stage has used a link between these fellows yet
     transport: str | None = None
+    bytes_per_s: float | None = None  # measured throughput (the link matrix); None: LINK_BYTES_PER_S
+
+    @property
+    def rate(self) -> float:
+        return self.bytes_per_s if self.bytes_per_s and self.bytes_per_s > 0 else LINK_BYTES_PER_S
 
 
 def head_bytes(size: ModelSize) -> int:
@@ -163,11 +168,11 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     for i, hop in enumerate(hops[:n] if n > 1 else []):
         forward = i < n - 1  # hidden states forward; the last hop carries the token back
         per_token_bytes = hidden_bytes_per_token if forward else TOKEN_BACK_BYTES
-        per_pass = hop.rtt_ms / 2 + per_token_bytes / LINK_BYTES_PER_S * 1e3
+        per_pass = hop.rtt_ms / 2 + per_token_bytes / hop.rate * 1e3
         chunk_bytes = hidden_bytes_per_token * prompt_tokens if forward else TOKEN_BACK_BYTES
         links.append({"from_stage": i, "to_stage": (i + 1) % n, "rtt_ms": hop.rtt_ms, "rtt_measured": hop.measured,
                       "transport": hop.transport, "bytes_per_token": per_token_bytes, "ms_per_token": per_pass,
-                      "prompt_ms": chunks * hop.rtt_ms / 2 + chunk_bytes / LINK_BYTES_PER_S * 1e3})
+                      "bytes_per_s": hop.rate, "prompt_ms": chunks * hop.rtt_ms / 2 + chunk_bytes / hop.rate * 1e3})
     per_token = sum(s["decode_ms"] for s in stages) + sum(link["ms_per_token"] for link in links)
     ttft = _pipelined_prompt_ms(chunk_ms, head, links[: n - 1], chunks, hidden_bytes_per_token * prefill_chunk)
     slowest = max(stages, key=lambda s: s["decode_ms"])
@@ -189,7 +194,7 @@ def _pipelined_prompt_ms(chunk_ms: list[float], head_ms: float, forward_links: l
     next chunk while stage 1 computes this one -- so it takes one chunk's way through every stage and forward link
     (each link's latency once), then the slowest of them once per further chunk, then the head. (The token goes to
     the leader from the last stage; the link back to stage 0 is not on this path.)"""
-    services = chunk_ms + [chunk_bytes / LINK_BYTES_PER_S * 1e3 for _ in forward_links]
+    services = chunk_ms + [chunk_bytes / link["bytes_per_s"] * 1e3 for link in forward_links]
     latency = sum(link["rtt_ms"] / 2 for link in forward_links)
     return sum(services) + latency + (chunks - 1) * max(services, default=0.0) + head_ms
 
@@ -258,18 +263,12 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
         except (ValueError, KeyError, TypeError):
             continue
     missing_speeds(plans, speeds)
-    known: dict[tuple[int, int], Hop] = {}
-    for model in serving.models.values():
-        n = len(model.stages)
-        for i, hop_id in enumerate(model.hop_ids[:n]):
-            stats = serving.hop_stats.get(hop_id) or {}
-            rtt = stats.get("rtt_ms")
-            if isinstance(rtt, (int, float)) and rtt > 0:
-                pair = (model.stages[i].plan.fellow_id, model.stages[(i + 1) % n].plan.fellow_id)
-                known[pair] = Hop(float(rtt), True, stats.get("transport"))
+    known = serving.link_matrix.hops()
     cpu = not all(f.hardware.gpus for f in fellows if f.id in {p.fellow_id for p in plans})
     hidden_bytes = int(manifest.get("hidden_size") or 0) * (4 if cpu else 2)
     prediction = predict(plans, size, speeds, hop_round_trips(plans, known), hidden_bytes,
                          serving.settings.serve_prefill_chunk)
-    prediction.update(model=name, quantization=kind, text=sentence(prediction))
+    left_out = serving.left_out.get(name, [])
+    prediction.update(model=name, quantization=kind, left_out=left_out,
+                      text="; ".join([sentence(prediction), *left_out]))
     return prediction

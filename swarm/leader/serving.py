@@ -25,6 +25,7 @@ from swarm.leader.drafting import sliding, with_drafting
 from swarm.leader.drain import Drains
 from swarm.leader.limits import context_reason, model_context, served_context
 from swarm.leader.link_matrix import LinkMatrix
+from swarm.leader.link_placement import arrange, fellow_speeds
 from swarm.leader.models import (
     ModelServing,
     ModelStatus,
@@ -40,6 +41,7 @@ from swarm.leader.models import (
 from swarm.leader.performance import hop_rate
 from swarm.leader.placement import place
 from swarm.leader.prefix_index import PrefixCaches
+from swarm.leader.rebalance import Rebalancer
 from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, RequestState, ToStage0, too_long
@@ -74,6 +76,7 @@ class Serving:
         # model -> the context its last load asked for (context_tokens, --context-tokens): a cap below its own
         self.context_caps: dict[str, int] = {}
         self.kv_cache_of: dict[str, str] = {}  # model -> how its last load asked stages to hold keys and values
+        self.left_out: dict[str, list[str]] = {}  # model -> why fellows are left out of its ring (link-aware)
         self.served_contexts: dict[str, int] = {}  # model -> its served context when it was last loaded (body limits)
         self.recovery = Recovery(self)
         self.auto_load = AutoLoad(self)  # loads what a request asks for, making room where allowed
@@ -81,6 +84,7 @@ class Serving:
         self.prefix = PrefixCaches(settings.serve_prefix_cache_tokens)  # the prefix cache's index, per model
         self.verifier = Verifier(self)  # spot checks of the fellows' work (SWARM_SERVE_VERIFY)
         self.drains = Drains(self)  # fellows that leave hand their stages over first
+        self.rebalance = Rebalancer(self)  # live moves to faster fellows (SWARM_SERVE_REBALANCE)
 
     # --- queries --------------------------------------------------------------------------------------------------
 
@@ -143,6 +147,7 @@ class Serving:
         if any(f.id == fellow_id for f in outdated):
             raise PlacementError(next(f for f in outdated if f.id == fellow_id).why_incompatible())
         fellows = [f for f in fellows if f.compatible]
+        choose_count = num_stages is None  # the leader chooses: a fellow may be left out for its links
         if num_stages is None:
             num_stages = max(1, min(len(fellows), manifest["num_layers"]))
         fellows, kind = quantized_fellows(asked, fellows, num_stages, self.settings.device)
@@ -164,6 +169,14 @@ class Serving:
             if outdated:
                 raise PlacementError(" ".join(f.why_incompatible() for f in outdated)) from None
             raise
+        self.left_out[name] = []
+        if fellow_id is None and not plans[-1].draft_bytes:  # the ring's order and fellows by the measured links
+            arranged = arrange(size, capacities, plans, fellow_speeds(fellows), self.link_matrix.hops(),
+                               int(manifest.get("hidden_size") or 0) * (4 if cpu else 2), context, choose_count)
+            if arranged.plans != plans:
+                log.info("%s: link-aware placement, %.0f ms a token instead of %.0f%s", name, arranged.ms_per_token,
+                         arranged.link_blind_ms_per_token, "".join(f"; {why}" for why in arranged.left_out))
+            plans, self.left_out[name] = arranged.plans, arranged.left_out
         check_quantization(kind, plans, {f.id: f for f in fellows}, self.settings.device)
         return plans, size, kind, fellows, capacities
 
@@ -564,6 +577,7 @@ class Serving:
             await self._idle(conn, message)
         elif message["t"] == "link_report":
             self.link_matrix.on_report(conn, message)
+            self.rebalance.pool_changed()
         elif message["t"] in ("punch_candidates", "punch_result", "punch_pong") and self.direct_links is not None:
             self.direct_links.on_message(conn, message)
 
@@ -585,6 +599,7 @@ class Serving:
         What follows from it -- adopting its stages, linking rings -- runs once its welcome has gone out."""
         self.start_task(self._adopt, conn, stages)
         self.link_matrix.fleet_changed()  # its links are measured soon
+        self.rebalance.pool_changed()
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 
     async def _adopt(self, conn, stages: list) -> None:

@@ -195,6 +195,18 @@ async function loadLinks() {
   ], "Links are measured between two or more fellows of a pool.");
 }
 
+async function loadMoves() {
+  const { mode, proposals } = await get("/api/v1/rebalance");
+  if (mode === "auto") $("moves-mode").textContent = "Moves the planner predicts at least 1.3x faster are applied as they are found (SWARM_SERVE_REBALANCE=auto).";
+  rows("moves-table", proposals, (p) => [p.text, h("button", {
+    class: "btn small", type: "button", "aria-label": `Apply the move of ${p.model}`,
+    onclick: async () => {
+      try { await post("/api/v1/rebalance", { model: p.model }); } catch (err) { showError(`The move was not made: ${err.message}`); }
+      loadMoves();
+    },
+  }, "Apply")], mode === "off" ? "Live moves are off (SWARM_SERVE_REBALANCE=off)." : "No faster placement to propose now.");
+}
+
 async function loadModelSwitches() {
   const { auto_load: autoLoad, evict_idle: evict } = await get("/api/v1/settings/models");
   $("auto-load").checked = autoLoad;
@@ -261,11 +273,12 @@ async function main() {
       loadModelSwitches();
     });
   }
-  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), loadLinks(), initUsage(), initVerification()]);
+  const results = await Promise.allSettled([loadUsers(), loadPools(), loadFellows(), loadJoinTokens(), loadDirectLinks(), loadHotCover(), loadModelSwitches(), loadLinks(), loadMoves(), initUsage(), initVerification()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) showError(failed.reason.message);
   setInterval(() => loadFellows().catch(() => {}), 5000);
   setInterval(() => loadLinks().catch(() => {}), 15_000);
+  setInterval(() => loadMoves().catch(() => {}), 15_000);
   setInterval(() => loadVerification().catch(() => {}), 15_000);
   setInterval(() => loadUsage().catch(() => {}), 60_000);
 }

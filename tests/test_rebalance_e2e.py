@@ -1,0 +1,91 @@
+"""A live move (issue 37, SWARM_SERVE_REBALANCE): a leader and three fellows in one process, the built-in model over
+two of them. The idle third fellow is made out (by its calibration) to decode four times faster than the two serving;
+the admin API proposes moving a stage to it, applying the proposal moves the stage the drain's way (load beside,
+switch between two tokens, unload the old stage), and the greedy reply afterwards is the one from before the move."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from harness import running_swarm, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def calibration(ms_per_mb: float) -> dict:
+    """A made-up speed (the fellows run with SWARM_CALIBRATE=0): a decode step of ``ms_per_mb`` ms per MB of layer."""
+    return {"prefill_tokens": 256, "points": [
+        {"weight_bytes": 1_000_000, "decode_ms": ms_per_mb, "prefill_ms": 30 * ms_per_mb},
+        {"weight_bytes": 10_000_000, "decode_ms": 10 * ms_per_mb, "prefill_ms": 300 * ms_per_mb}]}
+
+
+async def test_a_stage_moves_to_a_faster_idle_fellow_on_request(tmp_path, smollm_model_dir):
+    name = smollm_model_dir.name
+    messages = [{"role": "user", "content": "Name three colours."}]
+    with trio.fail_after(240):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=3) as swarm:
+            await swarm.load(name, 2)
+            serving = swarm.leader.serving.models[name].fellow_ids
+            (idle,) = set(swarm.leader.hub.online) - serving
+            before = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
+            nothing = (await swarm.http.get("/api/v1/rebalance")).json()
+            assert nothing == {"mode": "propose", "proposals": []}  # no speeds yet: nothing to weigh
+
+            for conn in swarm.leader.hub.online.values():
+                conn.calibration = calibration(1.0 if conn.id == idle else 4.0)
+            proposals = (await swarm.http.get("/api/v1/rebalance")).json()["proposals"]
+            assert len(proposals) == 1, proposals
+            (move,) = proposals[0]["moves"]
+            assert move["to_id"] == idle and move["from_id"] in serving
+            assert proposals[0]["speedup"] >= 1.3 and proposals[0]["text"].startswith(f"{name}: move stage ")
+
+            applied = await swarm.http.post("/api/v1/rebalance", json={"model": name}, timeout=120)
+            assert applied.status_code == 200, applied.text
+            assert f"moved from {move['from_name']} to {move['to_name']}" in applied.json()["done"]
+            model = swarm.leader.serving.models[name]
+            await wait_until(lambda: model.status == "ready", 60)
+            assert model.stages[move["index"]].plan.fellow_id == idle
+            after = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
+            assert after == before
+            # moved already: nothing more to propose, and asking to apply says so
+            assert (await swarm.http.get("/api/v1/rebalance")).json()["proposals"] == []
+            again = await swarm.http.post("/api/v1/rebalance", json={"model": name})
+            assert again.status_code == 400 and "no live move is proposed" in again.json()["error"]["message"]
+
+
+async def test_auto_moves_a_stage_mid_reply_and_the_reply_stays_exact(tmp_path, smollm_model_dir, monkeypatch):
+    """SWARM_SERVE_REBALANCE=auto: a faster fellow shows up while a long greedy reply streams; the leader moves a
+    stage to it by itself, between two tokens, and the reply is token for token the one of an uninterrupted run."""
+    from swarm.leader import rebalance
+
+    monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
+    name = smollm_model_dir.name
+    messages = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=3,
+                                 leader_env={"SWARM_SERVE_REBALANCE": "auto"}) as swarm:
+            await swarm.load(name, 2)
+            model = swarm.leader.serving.models[name]
+            (idle,) = set(swarm.leader.hub.online) - model.fellow_ids
+            reference = (await swarm.chat(name, messages, max_tokens=200, ignore_eos=True))["choices"][0]["token_ids"]
+            times: dict[str, float] = {}
+            replies: list[list[int]] = []
+
+            async def long_reply():
+                reply = await swarm.chat(name, messages, max_tokens=200, ignore_eos=True)
+                replies.append(reply["choices"][0]["token_ids"])
+                times["done"] = trio.current_time()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_reply)
+                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
+                await trio.sleep(0.5)
+                for conn in swarm.leader.hub.online.values():
+                    conn.calibration = calibration(1.0 if conn.id == idle else 4.0)
+                swarm.leader.serving.rebalance.pool_changed()  # as a join or a link report does
+                await wait_until(lambda: idle in model.fellow_ids and model.status == "ready", 120)
+                times["moved"] = trio.current_time()
+            assert times["moved"] < times["done"], times  # the switch came while the reply streamed
+            assert replies == [reference]
+            assert len(model.fellow_ids) == 2
