@@ -129,6 +129,23 @@ class Hop:
     transport: str | None = None
 
 
+def active_layer_bytes(layer_bytes: tuple[int, ...], config: dict, weight_bytes: float) -> tuple[int, ...]:
+    """What one token computes of each layer of a mixture of experts (``config``: its config.json): the layer less
+    its experts the router does not pick (experts - top-k of them, each a gate, an up and a down matrix of hidden x
+    expert rows at ``weight_bytes`` a weight); attention, router and shared experts stay. A prompt's tokens each
+    compute their own top-k too, so prefill counts the same. A layer smaller than its unpicked experts (a dense
+    layer of a model whose first layers are dense, GLM-4.5's) counts whole; a dense model's layers come back as
+    they are."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    top_k = config.get("num_experts_per_tok")
+    rows = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    hidden = config.get("hidden_size")
+    if not (isinstance(experts, int) and isinstance(top_k, int) and rows and hidden and experts > top_k):
+        return layer_bytes
+    idle = int((experts - top_k) * 3 * int(hidden) * int(rows) * weight_bytes)
+    return tuple(b - idle if b > idle else b for b in layer_bytes)
+
+
 def head_bytes(size: ModelSize) -> int:
     """The last stage's output head: the embedding when tied (its final_bytes is then only the norm)."""
     return size.embed_bytes if size.tied_embeddings else size.final_bytes
@@ -146,7 +163,7 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
     for plan in plans:
         speed = speeds[plan.fellow_id]
-        layers = size.layer_bytes[plan.first_layer:plan.end_layer]
+        layers = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
         decode = speed.pass_ms + sum(speed.decode_ms(b, after_idle=n > 1) for b in layers)
         prefill = chunks * speed.pass_ms + sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
         if plan.index == 0:
@@ -211,6 +228,17 @@ def sentence(prediction: dict) -> str:
     return text
 
 
+def expert_weight_bytes(manifest: dict, cpu: bool, kind: str) -> float:
+    """What one expert weight holds at a load of ``kind`` (swarm.leader.models.model_size counts alike)."""
+    from swarm.model_format import DTYPE_BYTES
+    from swarm.quantization import bytes_per_weight
+
+    quantized = bytes_per_weight(kind, "cpu" if cpu else "cuda", manifest.get("hidden_size") or 0)
+    if quantized is not None:
+        return quantized
+    return 4 if cpu else DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
+
+
 def hop_round_trips(plans: list[StagePlan], known: dict[tuple[int, int], Hop]) -> list[Hop]:
     """Each hop of ``plans``' ring: the round trip measured between its two fellows (``known``: (from fellow id,
     to fellow id) -> Hop, either way round), else ASSUMED_RTT_MS."""
@@ -269,6 +297,9 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
                 known[pair] = Hop(float(rtt), True, stats.get("transport"))
     cpu = not all(f.hardware.gpus for f in fellows if f.id in {p.fellow_id for p in plans})
     hidden_bytes = int(manifest.get("hidden_size") or 0) * (4 if cpu else 2)
+    if isinstance(config, dict):  # a mixture of experts: the speed follows the active weights
+        size = dataclasses.replace(size, compute_bytes=active_layer_bytes(
+            size.layer_bytes, config, expert_weight_bytes(manifest, cpu, kind)))
     prediction = predict(plans, size, speeds, hop_round_trips(plans, known), hidden_bytes,
                          serving.settings.serve_prefill_chunk)
     prediction.update(model=name, quantization=kind, text=sentence(prediction))

@@ -163,6 +163,9 @@ class StageModel:
         stage_config = _slice_config(full_config, spec)
         # sdpa is what from_pretrained picks on CPU and GPU; the masks below follow this setting.
         stage_config._attn_implementation = "sdpa"
+        # MoE layers: transformers' loop over the experts the router hit, rows grouped by expert (routed-only: see
+        # swarm.stage.moe_experts); unset, the library warns and takes it all the same
+        stage_config._experts_implementation = "eager"
 
         def read(rel: str, on: torch.device = device) -> dict[str, torch.Tensor]:
             # a GGUF's blocks are dequantized here, one tensor at a time (swarm.stage.weights)
