@@ -225,3 +225,26 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
                 want, margins = await trio.to_thread.run_sync(lambda kind=kind: reference(
                     quantize_model(load_reference_model(moe_dirs[name]), kind), prompt, NEW_TOKENS))
                 assert check_reply(await tokens(swarm), want, margins) == "identical", kind
+
+
+def test_the_plan_of_a_moe_adds_its_routing_to_its_active_weights():
+    from swarm.leader.placement import ModelSize, StagePlan
+    from swarm.leader.planner import layer_speed, predict, with_active_experts
+
+    points = [{"weight_bytes": b, "decode_ms": 0.5 + b * 1e-6, "prefill_ms": 10 + b * 1e-5, "pass_ms": 0.1}
+              for b in (1_000_000, 4_000_000)]
+    speed = layer_speed({"points": points, "prefill_tokens": 1000, "moe": {"router_ms": 0.2, "expert_ms": 0.05}})
+    assert (speed.moe_router_ms, speed.moe_expert_ms) == (0.2, 0.05)
+    # Qwen3-30B-A3B's shape (config.json: hidden 2048, 128 experts of 768 rows, top-8), layers at a byte a weight
+    config = {"hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+    expert = 3 * 2048 * 768
+    layer = 128 * expert + 20_000_000  # its experts, and attention and router besides
+    size = with_active_experts(ModelSize((layer,) * 4, 0, 0, False, 0), config, 1.0)
+    assert size.compute_bytes == (8 * expert + 20_000_000,) * 4 and (size.experts, size.experts_per_token) == (128, 8)
+    plan = [StagePlan(0, 1, "pc", 0, 4, 4 * layer, 0)]
+    got = predict(plan, size, {1: speed}, [], 4096, prefill_chunk=256)["stages"][0]["decode_ms"]
+    per_layer = 0.5 + (8 * expert + 20_000_000) * 1e-6 + 0.2 + 8 * 0.05
+    assert got == pytest.approx(0.1 + 4 * per_layer)
+    # an older calibration (no routing measured): shares of the dense layer's fixed cost
+    older = layer_speed({"points": points, "prefill_tokens": 1000})
+    assert older.moe_ms(8) == pytest.approx(0.5 * (0.25 + 0.33 * 8))
