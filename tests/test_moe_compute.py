@@ -248,3 +248,14 @@ def test_the_plan_of_a_moe_adds_its_routing_to_its_active_weights():
     # an older calibration (no routing measured): shares of the dense layer's fixed cost
     older = layer_speed({"points": points, "prefill_tokens": 1000})
     assert older.moe_ms(8) == pytest.approx(0.5 * (0.25 + 0.33 * 8))
+
+
+def test_the_readme_table_of_real_models_is_the_planner_s(tmp_path):
+    from real_moe_models import table_rows
+
+    rows = table_rows(tmp_path)  # headers of the real models' GGUFs, no weights, through the planner's functions
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert all(f"  {row}\n" in readme for row in rows), rows
+    # the headers are the real files' (sizes as the Hub lists them: Qwen3-30B-A3B-Q4_K_M.gguf 18.6 GB,
+    # Qwen3-235B-A22B Q4_K_M 142 GB in its parts)
+    assert rows[0].startswith("| Qwen3-30B-A3B Q4_K_M | 18.6 GB |") and "| 142.1 GB |" in rows[3]
