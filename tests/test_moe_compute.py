@@ -47,8 +47,8 @@ def moe_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 class _ExpertReads(TorchFunctionMode):
-    """Every use of a fused expert tensor in the pass: (layer, matrix, expert) for a one-expert slice, or (layer,
-    matrix, the function's name) for any use of the whole tensor."""
+    """Every use of a fused expert tensor in the pass: (layer, matrix, expert) for a view of one expert's slice, or
+    (layer, matrix, the function's name) for any other use (the whole tensor, a gathered copy)."""
 
     def __init__(self, watched: dict[int, tuple[int, str]]):
         super().__init__()
@@ -58,8 +58,10 @@ class _ExpertReads(TorchFunctionMode):
         if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.watched:
             layer, matrix = self.watched[id(args[0])]
             index = args[1] if func is torch.Tensor.__getitem__ and len(args) > 1 else None
-            single = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.numel() == 1)
-            self.reads.append((layer, matrix, int(index) if single else getattr(func, "__name__", str(func))))
+            # an int index takes a view of the expert's slice; a tensor index gathers a copy of it (a read and a
+            # write of the whole matrix), which counts as a use of its own
+            single = isinstance(index, int)
+            self.reads.append((layer, matrix, index if single else getattr(func, "__name__", str(func))))
         for a in [*args[1:], *(kwargs or {}).values()]:
             if isinstance(a, torch.Tensor) and id(a) in self.watched:
                 self.reads.append((*self.watched[id(a)], getattr(func, "__name__", str(func))))

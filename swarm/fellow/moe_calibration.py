@@ -4,8 +4,8 @@ expert (transformers' eager loop: find the rows, gather them, two matrix calls a
 A dense layer's calibration (swarm.fellow.calibration) counts a fixed cost and a cost per weight byte; a MoE layer's
 active weights are counted by the planner (swarm.leader.planner.active_layer_bytes), and this adds what its routing
 does per pass: ``router_ms`` once, ``expert_ms`` per expert the pass computes. Measured on a block of tiny experts
-(hidden 64, rows 32) at one row routed to 1 and to 4 experts, so the matrices' own bytes are next to nothing. Measured
-here (2-core VM, 1 thread) the block took 0.70, 1.04, 2.04 and 3.62 ms at 1, 2, 4 and 8 experts a row: a line.
+(hidden 64, rows 32) at one row routed to 1 and to 4 experts, so the matrices' own bytes are next to nothing; the
+stage's own experts loop (swarm.stage.moe_experts). The cost grows in a line with the experts a row takes.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ def measure_moe(device: str, dtype, sync: Callable[[], None], typical: Callable[
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+    from swarm.stage.moe_experts import ROUTED, register
+
+    register()
+
     def block(top_k: int):
         config = Qwen3MoeConfig(hidden_size=64, num_experts=EXPERTS, num_experts_per_tok=top_k,
                                 moe_intermediate_size=32)
-        config._experts_implementation = "eager"  # what a stage runs (swarm.stage.slice)
+        config._experts_implementation = ROUTED  # what a stage runs (swarm.stage.slice)
         module = Qwen3MoeSparseMoeBlock(config).to(device=device, dtype=dtype).eval()
         for p in module.parameters():
             torch.nn.init.normal_(p, std=0.02)

@@ -29,6 +29,8 @@ from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, 
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
 from swarm.stage.kv_cache import new_cache
+from swarm.stage.moe_experts import ROUTED as ROUTED_EXPERTS
+from swarm.stage.moe_experts import register as register_routed_experts
 from swarm.stage.quantize import quantize_head, quantize_linears
 from swarm.stage.weights import read_weights
 
@@ -163,9 +165,9 @@ class StageModel:
         stage_config = _slice_config(full_config, spec)
         # sdpa is what from_pretrained picks on CPU and GPU; the masks below follow this setting.
         stage_config._attn_implementation = "sdpa"
-        # MoE layers: transformers' loop over the experts the router hit, rows grouped by expert (routed-only: see
-        # swarm.stage.moe_experts); unset, the library warns and takes it all the same
-        stage_config._experts_implementation = "eager"
+        # MoE layers: only the experts the router hit, each once for its rows, as views (swarm.stage.moe_experts)
+        register_routed_experts()
+        stage_config._experts_implementation = ROUTED_EXPERTS
 
         def read(rel: str, on: torch.device = device) -> dict[str, torch.Tensor]:
             # a GGUF's blocks are dequantized here, one tensor at a time (swarm.stage.weights)
