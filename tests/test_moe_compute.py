@@ -118,13 +118,21 @@ def test_a_pass_reads_only_its_routed_experts_each_once_for_all_its_rows(moe_dir
         forward_batch(stage, [(f"r{i}", len(p), torch.tensor([[7 + i]]), True) for i, p in enumerate(prompts)],
                       alone=[True] * len(prompts))
 
+    def one_step():  # a decode step of one request
+        stage.forward("r1", len(prompts[1]) + 1, input_ids=torch.tensor([[9]]))
+
     for run, rows in ((lambda: stage.forward("r0", 0, input_ids=torch.tensor([prompts[0]]), want_logits=False), 12),
-                      (batched_decode, 4)):
+                      (batched_decode, 4), (one_step, 1)):
         if rows == 4:
             stage.drop("r0")
             stage.new_request("r0")
             prefill()
         reads, routed = _pass_reads(stage, run)
+        if rows == 1:  # its top-2, once each
+            assert all(len(set(routed[layer])) == 2 and reads[(layer, "up", routed[layer][0])] == 1
+                       for layer in range(4))
+            assert sum(reads.values()) == 4 * 2 * 2
+            continue
         shared = 0
         for layer in range(4):
             hit = sorted(set(routed[layer]))

@@ -36,10 +36,29 @@ def routed_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Te
     if (getattr(self, "is_transposed", False) or getattr(self, "has_bias", False) or not getattr(self, "has_gate", True)
             or getattr(self, "has_post_expert_norm", False)):
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+
+    def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        projected = self._apply_gate(nn.functional.linear(rows, self.gate_up_proj[expert]))
+        return nn.functional.linear(projected, self.down_proj[expert])
+
+    return experts_loop(hidden_states, top_k_index, top_k_weights, self.num_experts, expert_out)
+
+
+def experts_loop(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 num_experts: int, expert_out: Any) -> torch.Tensor:
+    """The sum over the rows' routed experts of ``expert_out(expert, rows)`` times the rows' routing weights, each
+    expert computed once for all its rows, in expert order, added up as transformers' loop adds them. One row (a
+    decode step) takes its experts straight from the router's pick -- no masks, no gather, no scatter: measured
+    here they were half of a step's expert time -- and adds them in the same order, so the sum is the same."""
     final = torch.zeros_like(hidden_states)
-    for expert, token_idx, top_k_pos in route(top_k_index, self.num_experts):
-        projected = self._apply_gate(nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert]))
-        out = nn.functional.linear(projected, self.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
+    if hidden_states.shape[0] == 1:
+        picked = top_k_index[0].tolist()
+        for slot in sorted(range(len(picked)), key=picked.__getitem__):
+            out = expert_out(picked[slot], hidden_states) * top_k_weights[:, slot, None]
+            final.add_(out.to(final.dtype))
+        return final
+    for expert, token_idx, top_k_pos in route(top_k_index, num_experts):
+        out = expert_out(expert, hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, out.to(final.dtype))
     return final
 
@@ -96,17 +115,12 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        final = torch.zeros_like(hidden_states)
-        for expert, token_idx, top_k_pos in route(top_k_index, self.num_experts):
-            rows = hidden_states[token_idx]
+        def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
             projected = self.up[expert](rows)
-            if self.has_gate:
-                projected = self._library[0]._apply_gate(projected)
-            else:
-                projected = self.act_fn(projected)
-            out = self.down[expert](projected) * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
-        return final
+            projected = self._library[0]._apply_gate(projected) if self.has_gate else self.act_fn(projected)
+            return self.down[expert](projected)
+
+        return experts_loop(hidden_states, top_k_index, top_k_weights, self.num_experts, expert_out)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, {self.kind}"
