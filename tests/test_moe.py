@@ -84,8 +84,8 @@ def test_placement_counts_every_expert(moe_dirs, kind):
     assert real <= manifest.bytes_per_layer < real + 4096  # the layer file: its tensors and a small header
     as_dict = json.loads(manifest.to_json())  # the leader reads the manifest as JSON
     assert all(real <= b < real + 4096 for b in model_size(as_dict, cpu=True).layer_bytes)
-    # experts are no linear layers and stay float32 in an int8 load: never counted smaller than they are
-    assert all(b >= real for b in model_size(as_dict, cpu=True, quantization="int8").layer_bytes)
+    # an int8 load quantizes the experts too (swarm.stage.moe_experts): a byte a weight
+    assert all(real / 4 < b < real / 3 for b in model_size(as_dict, cpu=True, quantization="int8").layer_bytes)
 
 
 @pytest.mark.parametrize("kind", list(MOE_MODELS))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-VERSION = 6  # bump when what is measured changes: older cached results are then measured again
+VERSION = 7  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
@@ -276,9 +276,11 @@ def measure(device: str = "cpu", threads: int | None = None, cpu: CpuBudget | No
     IDLE_GAP_S), the same two through the lean decode step (``lean_decode_ms``, ``lean_decode_idle_ms``), and its
     PREFILL_TOKENS-token prefill chunk's ms; what a decode pass costs besides its layers (``pass_ms``: rotary table,
     causal mask, the copy for the wire); the first stage's embedding (``embed_ms``); and the last stage's final norm,
-    head and greedy pick over HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``). ``cpu``: the CPU time it
-    may spend (:class:`CpuBudget`)."""
+    head and greedy pick over HEAD_VOCAB tokens (``head_ms`` for a head of ``head_bytes``); and a mixture-of-experts
+    layer's routing (``moe``: swarm.fellow.moe_calibration). ``cpu``: the CPU time it may spend (:class:`CpuBudget`)."""
     import torch
+
+    from swarm.fellow.moe_calibration import measure_moe
 
     dtype = torch.float32 if device == "cpu" else torch.float16
     old_threads = torch.get_num_threads()
@@ -288,10 +290,12 @@ def measure(device: str = "cpu", threads: int | None = None, cpu: CpuBudget | No
     try:
         with torch.inference_mode():
             points = [_point(hidden, device, dtype, sync, cpu or CpuBudget()) for hidden in HIDDEN_SIZES]
+            moe = measure_moe(device, dtype, sync, lambda fn, on, repeats, budget_s: _typical(
+                fn, on, repeats, budget_s, cpu=cpu or CpuBudget()))
     finally:
         torch.set_num_threads(old_threads)
     return {"version": VERSION, "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "prefill_tokens": PREFILL_TOKENS, "points": points}
+            "prefill_tokens": PREFILL_TOKENS, "points": points, "moe": moe}
 
 
 LOCK_WAIT_S = 120.0  # past this, measure anyway: a stuck lock must not leave a fellow out of the planner

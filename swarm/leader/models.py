@@ -225,18 +225,17 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     of the decoder layers, and on CPU the head too (4 bits at int4-fast, int8 otherwise; a tied head is then a
     quantized copy, so the last stage holds no float embedding for it). The embedding, the norms and the KV cache stay
     in the compute dtype, and so does the head on CUDA. The KV cache holds ``kv_cache``'s bytes an element
-    (swarm.kv_kinds: the compute dtype's at auto). A mixture-of-experts layer's experts are fused 3D tensors,
-    not linear layers, and stay in the compute dtype: its layers count at full size (an overestimate by its
-    attention's share, never an underestimate)."""
-    from swarm.model_format import MOE_ARCHITECTURES
+    (swarm.kv_kinds: the compute dtype's at auto). A mixture-of-experts layer's experts are quantized too, a linear
+    layer per expert matrix (swarm.stage.moe_experts); its router stays in the compute dtype but is counted at the
+    kind's size like the rest (experts x hidden weights: under 0.1 % of a real model's layer), and its experts' rows
+    are counted at the hidden size where some are shorter (an int8 row's scale: 2 bytes a row)."""
     from swarm.quantization import bytes_per_weight
 
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
     device = "cpu" if cpu else "cuda"
     hidden = manifest.get("hidden_size") or 0  # the shortest row of a decoder layer's linears, and the head's row
-    moe = manifest.get("architecture") in MOE_ARCHITECTURES
-    layer_q = None if moe else bytes_per_weight(quantization, device, hidden)
+    layer_q = bytes_per_weight(quantization, device, hidden)
     head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization != "none" and cpu else "none"
     head_q = bytes_per_weight(head_kind, device, hidden)
     norm = hidden * stored  # one norm's weight, as stored

@@ -32,6 +32,11 @@ class ModelSize:
     final_bytes: int  # final norm and untied head (last stage)
     tied_embeddings: bool
     kv_bytes_per_token_per_layer: int
+    # what a token's pass reads of each layer, where that is less than the layer (a mixture of experts computes only
+    # its routed experts): the planner's speed follows it (swarm.leader.planner.active_layer_bytes); None: all of it
+    compute_bytes: tuple[int, ...] | None = None
+    experts: int = 0  # a mixture of experts: experts per MoE layer, and how many a token is routed to
+    experts_per_token: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,18 @@ class LayerSpeed:
     # The decode step after the core waited (a stage of a ring of several); None on an older calibration.
     idle_fixed_ms: float | None = None
     idle_per_byte_ms: float | None = None
+    # a mixture-of-experts layer's routing per pass: once, and per expert computed (swarm.fellow.moe_calibration);
+    # None on an older calibration
+    moe_router_ms: float | None = None
+    moe_expert_ms: float | None = None
+
+    def moe_ms(self, experts: int) -> float:
+        """A MoE layer's routing in a pass that computes ``experts`` experts (their weights apart). Without the
+        calibration's figures: shares of the dense layer's fixed cost, as measured on a 2-core VM, 1 thread (the
+        routing 0.25 of it, each expert 0.33: swarm.fellow.moe_calibration)."""
+        if self.moe_router_ms is None or self.moe_expert_ms is None:
+            return self.decode_fixed_ms * (0.25 + 0.33 * experts)
+        return self.moe_router_ms + self.moe_expert_ms * experts
 
     def decode_ms(self, weight_bytes: int, after_idle: bool = False) -> float:
         if after_idle and self.idle_per_byte_ms is not None:
@@ -112,7 +124,12 @@ def layer_speed(calibration: dict, lean: bool = False) -> LayerSpeed:
         raise ValueError("calibration decode_idle_ms out of range")
     head = _line(heads) if len(heads) == len(points) else (None, None)
     after_idle = _line(idle) if len(idle) == len(points) else (None, None)
-    return LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
+    moe = calibration.get("moe")
+    routing: tuple[float | None, float | None] = (None, None)
+    if isinstance(moe, dict) and all(isinstance(moe.get(k), (int, float)) for k in ("router_ms", "expert_ms")):
+        routing = (max(float(moe["router_ms"]), 0.0), max(float(moe["expert_ms"]), 0.0))
+    speed = LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
+    return dataclasses.replace(speed, moe_router_ms=routing[0], moe_expert_ms=routing[1])
 
 
 def takes_lean_step(architecture: str, config: dict) -> bool:
@@ -134,6 +151,41 @@ class Hop:
         return self.bytes_per_s if self.bytes_per_s and self.bytes_per_s > 0 else LINK_BYTES_PER_S
 
 
+def with_active_experts(size: ModelSize, config: dict, weight_bytes: float) -> ModelSize:
+    """``size`` with what a token computes of each layer (:func:`active_layer_bytes`) and the experts a pass
+    routes to: the planner's speed of a mixture of experts; a dense model's size as it is."""
+    experts, top_k = moe_shape(config)
+    if not experts:
+        return size
+    return dataclasses.replace(size, compute_bytes=active_layer_bytes(size.layer_bytes, config, weight_bytes),
+                               experts=experts, experts_per_token=top_k)
+
+
+def moe_shape(config: dict) -> tuple[int, int]:
+    """(experts, experts per token) of a mixture of experts' config.json; (0, 0) for a dense model."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    top_k = config.get("num_experts_per_tok")
+    if isinstance(experts, int) and isinstance(top_k, int) and experts > top_k > 0:
+        return experts, top_k
+    return 0, 0
+
+
+def active_layer_bytes(layer_bytes: tuple[int, ...], config: dict, weight_bytes: float) -> tuple[int, ...]:
+    """What one token computes of each layer of a mixture of experts (``config``: its config.json): the layer less
+    its experts the router does not pick (experts - top-k of them, each a gate, an up and a down matrix of hidden x
+    expert rows at ``weight_bytes`` a weight); attention, router and shared experts stay. A prompt's tokens each
+    compute their own top-k too, so prefill counts the same. A layer smaller than its unpicked experts (a dense
+    layer of a model whose first layers are dense, GLM-4.5's) counts whole; a dense model's layers come back as
+    they are."""
+    experts, top_k = moe_shape(config)
+    rows = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    hidden = config.get("hidden_size")
+    if not (experts and rows and hidden):
+        return layer_bytes
+    idle = int((experts - top_k) * 3 * int(hidden) * int(rows) * weight_bytes)
+    return tuple(b - idle if b > idle else b for b in layer_bytes)
+
+
 def head_bytes(size: ModelSize) -> int:
     """The last stage's output head: the embedding when tied (its final_bytes is then only the norm)."""
     return size.embed_bytes if size.tied_embeddings else size.final_bytes
@@ -151,9 +203,13 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     chunks = math.ceil(prompt_tokens / max(prefill_chunk, 1))
     for plan in plans:
         speed = speeds[plan.fellow_id]
-        layers = size.layer_bytes[plan.first_layer:plan.end_layer]
+        layers = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
         decode = speed.pass_ms + sum(speed.decode_ms(b, after_idle=n > 1) for b in layers)
         prefill = chunks * speed.pass_ms + sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
+        routed = sum(a < b for a, b in zip(layers, size.layer_bytes[plan.first_layer:plan.end_layer]))
+        if routed:  # MoE layers: their routing, a decode step's top-k experts, a chunk's (nearly) every expert
+            decode += routed * speed.moe_ms(size.experts_per_token)
+            prefill += routed * chunks * speed.moe_ms(min(size.experts, prefill_chunk * size.experts_per_token))
         if plan.index == 0:
             decode += speed.embed_ms
             prefill += chunks * speed.embed_ms
@@ -216,6 +272,17 @@ def sentence(prediction: dict) -> str:
     return text
 
 
+def expert_weight_bytes(manifest: dict, cpu: bool, kind: str) -> float:
+    """What one expert weight holds at a load of ``kind`` (swarm.leader.models.model_size counts alike)."""
+    from swarm.model_format import DTYPE_BYTES
+    from swarm.quantization import bytes_per_weight
+
+    quantized = bytes_per_weight(kind, "cpu" if cpu else "cuda", manifest.get("hidden_size") or 0)
+    if quantized is not None:
+        return quantized
+    return 4 if cpu else DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
+
+
 def hop_round_trips(plans: list[StagePlan], known: dict[tuple[int, int], Hop]) -> list[Hop]:
     """Each hop of ``plans``' ring: the round trip measured between its two fellows (``known``: (from fellow id,
     to fellow id) -> Hop, either way round), else ASSUMED_RTT_MS."""
@@ -266,6 +333,8 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     known = serving.link_matrix.hops()
     cpu = not all(f.hardware.gpus for f in fellows if f.id in {p.fellow_id for p in plans})
     hidden_bytes = int(manifest.get("hidden_size") or 0) * (4 if cpu else 2)
+    if isinstance(config, dict):  # a mixture of experts: the speed follows the active weights
+        size = with_active_experts(size, config, expert_weight_bytes(manifest, cpu, kind))
     prediction = predict(plans, size, speeds, hop_round_trips(plans, known), hidden_bytes,
                          serving.settings.serve_prefill_chunk)
     left_out = serving.left_out.get(name, [])

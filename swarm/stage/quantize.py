@@ -64,6 +64,9 @@ def quantize_linears(module: Any, kind: str, *, skip: Iterable[str] = ()) -> Any
         return module
     if isinstance(module, nn.Linear):
         return quantize_linear(module, kind)
+    from swarm.stage.moe_experts import quantize_experts
+
+    quantize_experts(module, quantize_linear, kind)  # a MoE layer's experts: a linear layer per expert matrix
     skip = set(skip)
     for parent in list(module.modules()):
         _fuse_siblings(parent, kind, skip)

@@ -29,6 +29,8 @@ from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, 
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
 from swarm.stage.kv_cache import new_cache
+from swarm.stage.moe_experts import ROUTED as ROUTED_EXPERTS
+from swarm.stage.moe_experts import register as register_routed_experts
 from swarm.stage.quantize import quantize_head, quantize_linears
 from swarm.stage.weights import read_weights
 
@@ -167,6 +169,9 @@ class StageModel:
         # sdpa is what from_pretrained picks on CPU and GPU (eager for a family that cannot take it: gpt-oss's sinks);
         # the masks below follow this setting.
         stage_config._attn_implementation = blocks.attention
+        # MoE layers: only the experts the router hit, each once for its rows, as views (swarm.stage.moe_experts)
+        register_routed_experts()
+        stage_config._experts_implementation = ROUTED_EXPERTS
 
         keep_float32 = blocks.keep_float32(dtype)  # GLM's router in float32, as from_pretrained keeps it
 
