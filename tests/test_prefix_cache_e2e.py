@@ -88,12 +88,9 @@ async def test_a_hit_reports_cached_tokens_keeps_the_reply_and_a_failover_clears
             assert (response.json()["prompt_eval_count"], response.json()["prompt_eval_cached_count"]) == (prompt, hit)
             # the next turn: the reply's blocks were kept, so the hit goes through the reply up to its last
             # computed row (the reply's last token is never computed), block by block
-            ids, usage = await next_turn(swarm, name, want)
+            _, usage = await next_turn(swarm, name, want)
             through = (prompt + replied - 1) // BLOCK_TOKENS * BLOCK_TOKENS
             assert usage["prompt_tokens_details"]["cached_tokens"] == through > hit
-            again, usage = await next_turn(swarm, name, want)  # now its own prompt is cached: the same reply
-            assert again == ids and usage["prompt_tokens_details"]["cached_tokens"] == \
-                (usage["prompt_tokens"] - 1) // BLOCK_TOKENS * BLOCK_TOKENS
             # a failover: stage 1's fellow dies, the standby takes it over, the ring's cache starts over
             victim = next(f for f in fellows if f.name == placed[1])
             await trio.to_thread.run_sync(victim.kill)
