@@ -92,6 +92,9 @@ async def test_a_32k_prompt_is_exact_within_its_plan_in_chunks_and_a_short_chat_
         async with running_swarm(tmp_path, [long_model], fellows=2) as swarm:
             await swarm.load(name, 2)
             serving = swarm.leader.serving
+            # the fellows said in their hello that they carry out prefix cache plans: the ring gets them
+            assert all(conn.prefix_cache for conn in swarm.leader.hub.online.values())
+            assert serving.prefix.ring_takes_plans(serving.models[name], swarm.leader.hub.online)
             plans = {s.plan.fellow_id: s.plan for s in serving.models[name].stages}
             stages = [swarm.stage(name, i).driver.stage_model for i in range(2)]
             peak = [0, 0]

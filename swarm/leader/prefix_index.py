@@ -18,7 +18,10 @@ and tells the stages with each request (messages.PrefixPlan; swarm.stage.prefix_
   which the stages computed while decoding: the next turn of a chat sends the prompt, the reply and a new message,
   and reuses all of it up to the last full block the reply's tokens match (a chat template that renders the reply
   otherwise than it was generated stops the hit there). The stages keep them under keys the plan gives
-  (PrefixPlan.reply_key); the leader names them by their tokens when the reply's end arrives.
+  (PrefixPlan.reply_key); the leader names them by their tokens when the reply's end arrives. They count as held at
+  once: the last token reaches stage 0 over one hop while the leader streams it to the client, who must read the
+  reply before sending the turn that holds it (a request that still beat it there fails on the stage that lacks a
+  block, and the index starts over: see PrefixCaches.failed).
 
 A block a request was to keep but that never became held (the request ended before its first token) may still have
 been kept by some stage: it is evicted with the next plan. A failover, unload or reload resets the index: a new
