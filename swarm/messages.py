@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 from swarm.wire import from_map, message, record, to_map
@@ -58,11 +59,20 @@ class PrefixPlan:
     keep: list[bytes] = dataclasses.field(default_factory=list)  # blocks to keep once the prompt is computed...
     keep_at: list[int] = dataclasses.field(default_factory=list)  # ...and where each is in the prompt (block index)
     evict: list[bytes] = dataclasses.field(default_factory=list)  # blocks to forget (least recently used)
+    # The reply's blocks: once the request ends with its last token (not a cancel, not a failure), each stage keeps up
+    # to ``reply_blocks`` blocks from block prompt_len // block on -- the prompt's tail and the reply, whose KV the
+    # stages computed while decoding -- named ``reply_key(i)``: the leader learns their tokens only at the end.
+    reply: bytes = b""
+    reply_blocks: int = 0
 
     @property
     def cached(self) -> int:
         """Prompt tokens the stages take from the cache."""
         return len(self.reuse) * self.block
+
+    def reply_key(self, index: int) -> bytes:
+        """What the stages name block ``index`` of a request's prompt and reply by (its tokens are not known yet)."""
+        return hashlib.blake2b(self.reply + index.to_bytes(8, "little"), digest_size=16).digest()
 
 
 @record
@@ -164,6 +174,9 @@ class Sampled:
 class Free:
     model: str
     rids: list[str]
+    # for requests that ended with their last token: its position, so many rows of each stage's cache are the
+    # request's own (rows past it may be guessed tokens a pass rejected); stages keep the reply's blocks up to it
+    ends: list[int] = dataclasses.field(default_factory=list)
 
 
 @record

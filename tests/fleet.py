@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from harness import install_model, wait_for
+from harness import install_model, wait_for, wait_until
 
 
 class FellowProcess:
@@ -190,3 +191,33 @@ class Pool:
         for f in self.fellows:
             f.stop()
         self.leader.stop()
+
+
+def fellows_for(swarm, tmp_path: Path, count: int, standby: set[int] = frozenset(),
+                env: dict | None = None) -> list[FellowProcess]:
+    """``count`` fellows started as processes joining ``swarm`` (tests/harness.py), fellow-0, fellow-1, ... (those
+    numbered in ``standby`` as standbys)."""
+    join = swarm.join_token(uses=count)
+    return [FellowProcess(swarm.url, join, tmp_path / f"fellow-{i}", f"fellow-{i}", standby=i in standby,
+                          env=env).start() for i in range(count)]
+
+
+async def start_fleet(swarm, fellows: list[FellowProcess]) -> None:
+    """Until every one of ``fellows`` is online at the leader."""
+    await wait_until(lambda: len(swarm.leader.hub.online) == len(fellows), 120, message=lambda: logs(fellows))
+
+
+@contextlib.asynccontextmanager
+async def fellow_fleet(swarm, tmp_path: Path, count: int, standby: set[int] = frozenset(), env: dict | None = None):
+    """``count`` fellow processes online at ``swarm``; their logs are printed if the test fails, and they are stopped
+    when it ends."""
+    fellows = fellows_for(swarm, tmp_path, count, standby, env)
+    try:
+        await start_fleet(swarm, fellows)
+        yield fellows
+    except BaseException:
+        print(logs(fellows))
+        raise
+    finally:
+        for f in fellows:
+            f.stop()

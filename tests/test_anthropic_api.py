@@ -73,6 +73,11 @@ async def raw_events(swarm, body: dict, headers: dict) -> list[tuple[str, dict]]
     return out
 
 
+def prompt_tokens(reply) -> int:
+    """The whole prompt of a reply: what was computed and what the prefix cache held."""
+    return reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+
+
 def texts(reply) -> list[tuple[str, str]]:
     return [(b.type, b.text if b.type == "text" else getattr(b, "thinking", b.type)) for b in reply.content]
 
@@ -113,16 +118,18 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
                 "model": name, "messages": ASK, "temperature": 0, "max_tokens": 12,
                 "chat_template_kwargs": {"enable_thinking": False}})).json()
             assert openai["choices"][0]["message"]["content"] == ANSWER
-            assert openai["usage"]["prompt_tokens"] == reply.usage.input_tokens
+            # the prompt: input_tokens computed and cache_read_input_tokens the prefix cache held, as Anthropic counts
+            assert openai["usage"]["prompt_tokens"] == prompt_tokens(reply)
+            assert openai["usage"]["prompt_tokens_details"]["cached_tokens"] >= reply.usage.cache_read_input_tokens
             assert openai["usage"]["completion_tokens"] == reply.usage.output_tokens
             # count_tokens: the same count as the reply's usage, tools and a system prompt included
             counted = await call(client.messages.count_tokens, model=name, messages=ASK, thinking=NO_THINKING)
-            assert counted.input_tokens == reply.usage.input_tokens
+            assert counted.input_tokens == prompt_tokens(reply)
             system = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in English."}]
             counted = await call(client.messages.count_tokens, model=name, messages=ASK, tools=[TOOL], system=system)
             called = await call(client.messages.create, model=name, max_tokens=12, messages=ASK, tools=[TOOL],
                                 system=system, **GREEDY)
-            assert counted.input_tokens == called.usage.input_tokens > reply.usage.input_tokens
+            assert counted.input_tokens == prompt_tokens(called) > prompt_tokens(reply)
 
             # streamed: Anthropic's event sequence, off the wire, with x-api-key as Claude Code sends it
             body = {"model": name, "max_tokens": 12, "messages": ASK, "thinking": NO_THINKING, **GREEDY["extra_body"]}
@@ -131,7 +138,9 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             names = [n for n, _ in wire]
             assert names == ["message_start", "ping", "content_block_start", "content_block_delta",
                              "content_block_stop", "message_delta", "message_stop"]
-            assert wire[0][1]["message"]["usage"] == {"input_tokens": reply.usage.input_tokens, "output_tokens": 0}
+            started = wire[0][1]["message"]["usage"]
+            assert started["output_tokens"] == 0 and started["cache_creation_input_tokens"] == 0
+            assert started["input_tokens"] + started["cache_read_input_tokens"] == prompt_tokens(reply)
             assert wire[2][1]["content_block"] == {"type": "text", "text": ""}
             assert wire[3][1]["delta"] == {"type": "text_delta", "text": ANSWER}
             assert wire[5][1]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
@@ -219,7 +228,7 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
                 "model": smol, "max_tokens": 16, "temperature": 0, "messages": [
                     {"role": "system", "content": "You are a helpful assistant."}, *turns]})).json()
             assert texts(own) == [("text", openai["choices"][0]["message"]["content"])]
-            assert (own.usage.input_tokens, own.usage.output_tokens) == (
+            assert (prompt_tokens(own), own.usage.output_tokens) == (
                 openai["usage"]["prompt_tokens"], openai["usage"]["completion_tokens"])
             assert own.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
                 openai["choices"][0]["finish_reason"]]

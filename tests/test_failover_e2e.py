@@ -11,7 +11,7 @@ import torch
 import trio
 
 from exactness import check_reply, reference
-from fleet import FellowProcess, logs
+from fleet import fellows_for, logs, start_fleet
 from harness import running_swarm, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -31,17 +31,6 @@ def expected(smollm_model_dir):
     tokens, margins = reference(model, prompt, TOKENS, eos=[2])
     assert len(tokens) > 120, "the reference reply is too short to cut in the middle"
     return prompt, tokens, margins
-
-
-def fellows_for(swarm, tmp_path, count: int, standby: set[int] = frozenset(), env: dict | None = None):
-    join = swarm.join_token(uses=count)
-    return [FellowProcess(swarm.url, join, tmp_path / f"fellow-{i}", f"fellow-{i}", standby=i in standby,
-                          env=env).start() for i in range(count)]
-
-
-async def start_fleet(swarm, fellows) -> None:
-    await wait_until(lambda: len(swarm.leader.hub.online) == len(fellows), 120,
-                     message=lambda: logs(fellows))
 
 
 async def chat_while(swarm, name: str, act, at_tokens: int = 40, stream: bool = False):

@@ -134,22 +134,32 @@ def ring_of(model_dir, stages: int, max_batch: int = 16, chunk: int = B, kv_cach
 
 
 def run_turns(ring: LocalRing, index: PrefixIndex | None, prompts: list[list[int]], steps: int, draft: int = 0,
-              together: bool = False) -> list[list[int]]:
-    """Each prompt's greedy reply, one after the other (or all at once, ``together``), planned by ``index``."""
+              together: bool = False, replies_too: bool = False) -> list[list[int]]:
+    """Each prompt's greedy reply, one after the other (or all at once, ``together``), planned by ``index`` (with
+    ``replies_too``, the stages keep the replies' blocks as well)."""
     replies = []
     rids = [f"t{len(ring.replies)}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(rids, prompts):
-        plan = index.plan(rid, prompt, BIG) if index is not None else None
+        plan = index.plan(rid, prompt, BIG, reply=steps if replies_too else 0) if index is not None else None
         replies.append(ring.submit(rid, prompt, steps, draft=draft, prefix=plan))
         if not together:
             ring.run()
+            end(index, rid, replies[-1].tokens)
     ring.run()
-    for rid in rids:
-        if index is not None:
-            index.first_token(rid)
-            index.ended(rid)
+    for rid, reply in zip(rids, replies):
+        if together:
+            end(index, rid, reply.tokens)
     assert all(r.error is None for r in replies), [r.error for r in replies]
     return [r.tokens for r in replies]
+
+
+def end(index: PrefixIndex | None, rid: str, tokens: list[int]) -> None:
+    """What the leader does when a reply ends with its last token (swarm.leader.prefix_index.PrefixCaches)."""
+    if index is not None:
+        index.first_token(rid)
+        index.reply_tokens(rid, tokens)
+        index.finished(rid)
+        index.ended(rid)
 
 
 def held(ring: LocalRing) -> list[set[bytes]]:
@@ -262,3 +272,76 @@ def test_the_built_in_model_over_three_stages_drafting_on_a_chat_s_next_turn(smo
     assert run_turns(ring, index, [turn2], steps, draft=3) == [want2]
     # ...which the next plan keeps again rather than evicts: every stage holds every block of both prompts
     assert held(ring) == [set(block_names(turn2, index.block)) | set(block_names(turn1, index.block))] * 3
+
+
+# --- replies' blocks -------------------------------------------------------------------------------------------------
+
+
+def test_a_finished_reply_s_blocks_are_named_by_its_tokens_and_a_cut_off_one_s_are_evicted():
+    index = PrefixIndex(B)
+    prompt = prompt_of(2 * B + 3)
+    plan = index.plan("r1", prompt, BIG, reply=3 * B)
+    assert plan is not None and plan.reply and plan.reply_blocks == (3 + 3 * B) // B
+    reply = prompt_of(2 * B, 3)
+    index.first_token("r1")
+    index.reply_tokens("r1", reply[:5])
+    index.reply_tokens("r1", reply[5:])
+    index.finished("r1")
+    index.ended("r1")
+    # the stages computed every row up to the last token's position: blocks 2 and 3 (prompt's tail, then the reply)
+    whole = prompt + reply
+    names = block_names(whole[: len(whole) - 1], B)
+    assert [index.blocks[n].key for n in names[2:]] == [plan.reply_key(2), plan.reply_key(3)]
+    # the one block its plan allowed but the reply did not fill is evicted with the next plan, under its stage key
+    nxt = index.plan("r2", whole + [1], BIG)
+    assert nxt is not None and nxt.cached == 4 * B and nxt.reuse[2:] == [plan.reply_key(2), plan.reply_key(3)]
+    assert nxt.evict == [plan.reply_key(4)]
+    index.ended("r2")
+    # a request cut off after its first tokens (a cancel, a failure): whatever a stage kept of it goes
+    plan = index.plan("r3", prompt_of(B + 1, 8), BIG, reply=B)
+    assert plan is not None and plan.reply_blocks == 1
+    index.first_token("r3")
+    index.reply_tokens("r3", [5, 6])
+    index.ended("r3")
+    assert index.plan("r4", prompt_of(3, 9), BIG).evict == [plan.reply_key(1)]  # type: ignore[union-attr]
+
+
+def test_plans_go_only_to_rings_whose_fellows_all_take_them():
+    from types import SimpleNamespace
+
+    serving = SimpleNamespace(stages=[SimpleNamespace(plan=SimpleNamespace(fellow_id=i)) for i in (1, 2)])
+    new, old = SimpleNamespace(prefix_cache=True), SimpleNamespace(prefix_cache=False)
+    assert PrefixCaches.ring_takes_plans(serving, {1: new, 2: new})
+    assert not PrefixCaches.ring_takes_plans(serving, {1: new, 2: old})  # an older fellow's hello lacks the flag
+    assert not PrefixCaches.ring_takes_plans(serving, {1: new})  # offline
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_the_next_turn_hits_through_the_reply_over_two_stages_batched_and_drafting(llama, draft):
+    """A chat's next turn is the prompt, the reply and a new message: with the replies' blocks kept it reuses every
+    full block up to the reply's last computed row, and its reply is the one the same ring gives without the cache
+    (the reply's KV was computed while decoding, in other shapes than a prefill: the same computation)."""
+    model_dir, _ = llama
+    steps = 3 * B + 2
+    firsts = [prompt_of(2 * B + 3 + i, 30 + i) for i in range(3)]
+    cold = ring_of(model_dir, 2)
+    replies1 = run_turns(cold, None, firsts, steps, draft=draft, together=True)
+    seconds = [p + r + prompt_of(B + 1, 40 + i) for i, (p, r) in enumerate(zip(firsts, replies1))]
+    want2 = run_turns(cold, None, seconds, steps, draft=draft, together=True)
+
+    index = PrefixIndex(B)
+    ring = ring_of(model_dir, 2)
+    before = ring.batches
+    assert run_turns(ring, index, firsts, steps, draft=draft, together=True, replies_too=True) == replies1
+    assert ring.batches - before < 2 * sum(-(-len(p) // B) + steps for p in firsts)  # batched: fewer passes
+    computed = [p.prefill_tokens for p in ring.protocols]
+    hits = [(len(p) + len(r) - 1) // B * B for p, r in zip(firsts, replies1)]  # the reply's last row is not computed
+    plans = [index.plan(f"peek{i}", s, BIG) for i, s in enumerate(seconds)]
+    assert [p.cached for p in plans if p is not None] == hits
+    for i in range(len(seconds)):
+        index.ended(f"peek{i}")
+    assert run_turns(ring, index, seconds, steps, draft=draft, together=True, replies_too=True) == want2
+    assert [p.prefill_tokens - c for p, c in zip(ring.protocols, computed)] == \
+        [sum(len(s) - h for s, h in zip(seconds, hits))] * 2
+    assert held(ring)[0] == held(ring)[1]  # both stages keep the same blocks
+    assert ring.holding() == [[]] * 2 and not any(stage.requests() for stage in ring.stages)

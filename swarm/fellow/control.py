@@ -109,6 +109,7 @@ class ControlLink:
             "updates": True,  # it installs the leader's version when told to (swarm.fellow.update)
             "drafting": True,  # its stages run guessed tokens and verify them (swarm.stage.drafting)
             "draft_model": True,  # its last stage holds a draft model when sent one (swarm.stage.draft_model)
+            "prefix_cache": True,  # its stages carry out prefix cache plans (swarm.stage.prefix_cache)
             "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
             "hardware": self.lent(hardware.probe()).to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},

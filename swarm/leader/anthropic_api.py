@@ -64,8 +64,16 @@ def stop_reason(choice: Choice) -> tuple[str, str | None]:
 
 
 def usage(choice: Choice) -> dict:
-    request = choice.request
-    return {"input_tokens": len(request.prompt), "output_tokens": min(choice.text.used, len(request.tokens))}
+    return {**input_usage(choice.request), "output_tokens": min(choice.text.used, len(choice.request.tokens))}
+
+
+def input_usage(request) -> dict:
+    """The prompt's tokens as Anthropic counts them: ``input_tokens`` those computed, ``cache_read_input_tokens`` those
+    the prefix cache held (swarm.leader.prefix_index); their sum is the prompt. The cache is written without asking
+    (no cache_control breakpoints), so nothing counts as a cache write."""
+    cached = min(request.cached_tokens, len(request.prompt))
+    return {"input_tokens": len(request.prompt) - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}
 
 
 def sse(name: str, data: dict) -> str:
@@ -172,7 +180,7 @@ class AnthropicRoutes:
             yield sse("message_start", {"message": {
                 "id": f"msg_{request.id}", "type": "message", "role": "assistant", "model": model, "content": [],
                 "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": len(request.prompt), "output_tokens": 0}}})
+                "usage": {**input_usage(request), "output_tokens": 0}}})
             yield sse("ping", {})
             while choice.finish is None:
                 _, kind, value = await next_event([choice])

@@ -72,7 +72,7 @@ class CompletionRoutes:
                 else:
                     serving.check_context(params.model, len(prompt) + reply, len(prompt), reply)  # before decoding
                     text = await trio.to_thread.run_sync(_prompt_text, tokenizer, prompt, vocab, params.model)
-                    prompts.append((text, list(prompt)))
+                    prompts.append((text, prompt if isinstance(prompt, list) else list(prompt)))  # not a 2nd copy
             # the prompt's own logprobs only when they are returned: echo with logprobs
             prompt_logprobs = params.logprobs if params.echo else None
             for _, ids in prompts:

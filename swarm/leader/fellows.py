@@ -64,6 +64,7 @@ class FellowConn:
     updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
     drafting: bool = False  # its stages run and verify guessed tokens (drafting ahead; its hello says so)
     draft_model: bool = False  # its last stage can hold a draft model (SWARM_SERVE_DRAFT_MODEL; its hello says so)
+    prefix_cache: bool = False  # its stages carry out prefix cache plans, replies' blocks included (its hello says so)
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
     calibration: dict | None = None  # how fast it runs a decoder layer, as its hello or heartbeat said (planner)
@@ -382,7 +383,7 @@ class FellowHub:
             version=hello["version"][:64] if isinstance(hello.get("version"), str) else "?",
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
-            draft_model=hello.get("draft_model") is True,
+            draft_model=hello.get("draft_model") is True, prefix_cache=hello.get("prefix_cache") is True,
             disk_free_bytes=_count(hello.get("disk_free_bytes")),
             calibration=hello["calibration"] if isinstance(hello.get("calibration"), dict) else None,
         )

@@ -192,7 +192,8 @@ def durations(choice: Choice) -> dict:
     return {
         "total_duration": _ns(trio.current_time() - request.created_at),
         "load_duration": _ns(request.queue_s),
-        "prompt_eval_count": len(request.prompt),
+        "prompt_eval_count": len(request.prompt),  # the whole prompt, cached tokens included, as Ollama counts it
+        "prompt_eval_cached_count": min(request.cached_tokens, len(request.prompt)),  # Ollama's api.Metrics field
         "prompt_eval_duration": _ns(first - started) if first is not None and started is not None else 0,
         "eval_count": min(choice.text.used, len(request.tokens)),
         "eval_duration": _ns(end - first) if first is not None else 0,

@@ -116,8 +116,10 @@ class Request:
         self.changed = trio.Event()
 
     def generate_message(self) -> messages.Generate:
-        """This attempt's message to stage 0: the prompt plus what was streamed already, with the tokens left."""
-        return messages.Generate(self.model, self.rid, self.prompt + self.tokens, self.max_tokens - len(self.tokens),
+        """This attempt's message to stage 0: the prompt plus what was streamed already, with the tokens left. A first
+        attempt's message holds the request's own prompt, not a copy (a long prompt is held once per request)."""
+        prompt = self.prompt + self.tokens if self.tokens else self.prompt
+        return messages.Generate(self.model, self.rid, prompt, self.max_tokens - len(self.tokens),
                                  self.eos, self.sampling, drawn=len(self.tokens))
 
 

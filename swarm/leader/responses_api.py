@@ -168,7 +168,7 @@ class Reply:
         await timing.settle(self.routes.leader.serving, choice.request)
         request = choice.request
         used = min(choice.text.used, len(request.tokens))
-        usage = {"input_tokens": len(request.prompt), "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": len(request.prompt), "input_tokens_details": {"cached_tokens": request.cached_tokens},
                  "output_tokens": used, "output_tokens_details": {"reasoning_tokens": min(self.reasoning_tokens, used)},
                  "total_tokens": len(request.prompt) + used}
         status = "incomplete" if choice.finish == "length" else "completed"

@@ -497,7 +497,8 @@ class Serving:
         if not isinstance(message, messages.Generate):
             return message
         budget = self.book.budgets.get(message.model)
-        if budget is None:
+        serving = self.models.get(message.model)
+        if budget is None or serving is None or not self.prefix.ring_takes_plans(serving, self.online):
             return message
         room = budget.tokens - sum(r.need for r in self.book.of_model(message.model))
         message = self.prefix.attach(message, room, reuse)

@@ -15,6 +15,7 @@ from typing import Any
 
 from swarm import messages, wire
 from swarm.errors import ModelError
+from swarm.stage import prefix_cache
 from swarm.stage.protocol import Output, PromptLogprobs, Release, Report, Send, StageProtocol, Stream, Work
 from swarm.stage.timing import StageTimer
 
@@ -145,6 +146,7 @@ class LocalRing:
                 # What the leader does with a failure: cancel the request on stage 0, which frees it everywhere.
                 self.inboxes[0].append(messages.Cancel(self.model, action.message.rid))
             elif isinstance(action, Release):
+                prefix_cache.finish(self.stages[index], action)  # a reply's blocks, when its plan keeps them
                 self.stages[index].drop(action.rid)
                 times = self.timers[index].finish(action.rid)
                 if times is not None:

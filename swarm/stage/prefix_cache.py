@@ -9,6 +9,10 @@ the same blocks; stages after the first never see tokens, only the blocks' names
   after   a computed batch: the last prompt chunk of a request keeps the plan's new blocks (copies of its cache's
           rows), and a request's first chunk forgets the blocks its plan evicts -- after the keeps of the same batch,
           which came before it on the ring
+  finish  a request that ended with its last token (not a cancel, not a failure): before its cache is dropped, it
+          keeps the blocks of its prompt's tail and its reply, under names the plan gives (the leader names them by
+          their tokens once it has them all), so the next turn of a chat -- the prompt, the reply, a new message --
+          reuses the reply too
 
 A plan's ``epoch`` is the leader's cache generation: a newer one (a failover, a reload, a new leader) empties the
 store first, and a plan of an older one neither reuses nor keeps anything. A sliding-window layer keeps only its last
@@ -101,15 +105,36 @@ def after(stage: Any, batch: list) -> None:
                 store_of(stage).blocks.pop(h, None)
 
 
+def finish(stage: Any, release: Any) -> None:
+    """Request ``release.rid`` ended with its last token at ``release.end``: before its cache goes, keep the blocks of
+    its prompt's tail and its reply that its plan asks for (the rows the stage computed while decoding: the same
+    computation the next turn's prompt would make of those tokens)."""
+    plan = release.start.prefix if release.start is not None else None
+    if plan is None or not plan.reply or plan.reply_blocks <= 0 or not stage.has_request(release.rid):
+        return
+    store = store_of(stage)
+    if not store.adopt(plan.epoch):
+        return
+    first = release.start.prompt_len // plan.block
+    # rows past ``end`` may be guessed tokens a pass rejected (drafting ahead): they are never kept
+    count = min(plan.reply_blocks, release.end // plan.block - first)
+    at = list(range(first, first + count))
+    _keep_rows(store, stage.request_cache(release.rid), plan.block, [plan.reply_key(i) for i in at], at)
+
+
 def _keep(store: PrefixStore, cache: Any, plan: Any) -> None:
+    _keep_rows(store, cache, plan.block, plan.keep, plan.keep_at)
+
+
+def _keep_rows(store: PrefixStore, cache: Any, block: int, names: list[bytes], at: list[int]) -> None:
     layers = cache.layers
     if any(getattr(layer, "is_sliding", False) or (getattr(layer, "keys", None) is None
                                                    and not isinstance(layer, PackedLayer)) for layer in layers):
         return  # a sliding window (or a cache that keeps its rows otherwise) cannot give a block's rows back
     length = cache.get_seq_length()
     with torch.inference_mode():
-        for h, at in zip(plan.keep, plan.keep_at):
-            start, end = at * plan.block, (at + 1) * plan.block
+        for h, i in zip(names, at):
+            start, end = i * block, (i + 1) * block
             if end <= length:
                 store.blocks[h] = [_rows(layer, start, end) for layer in layers]
 

@@ -84,6 +84,10 @@ class PromptLogprobs:
 @dataclasses.dataclass(frozen=True)
 class Release:
     rid: str
+    # a request that ended with its last token, at position ``end``: the stage keeps its reply's blocks first, as its
+    # prefix cache plan says (swarm.stage.prefix_cache.finish)
+    start: messages.RequestStart | None = None
+    end: int = 0
 
 
 Action = Send | Report | Stream | Release | PromptLogprobs
@@ -296,13 +300,14 @@ class StageProtocol:
         if request is None:
             return []  # cancelled: the token came back after the request was dropped
         if sampled.done:
-            return self._end(sampled.rid, last_dropped=True)
+            return self._end(sampled.rid, last_dropped=True, end=sampled.pos)
         ids = [sampled.token, *sampled.draft]  # with drafted tokens: one pass runs them all (the last stage verifies)
         self._enqueue(Work(request, sampled.pos, len(ids), True, ids=ids))
         return []
 
     def _free(self, message: messages.Free) -> list[Action]:
-        actions: list[Action] = [Release(rid) for rid in message.rids if self._forget(rid)]
+        ends = message.ends if len(message.ends) == len(message.rids) else [0] * len(message.rids)
+        actions: list[Action] = [r for rid, end in zip(message.rids, ends) if (r := self._release(rid, end))]
         if not self.is_first and not self.is_last:
             actions.append(Send(message))  # the stages after this one hold caches of these requests too
         return actions
@@ -413,8 +418,9 @@ class StageProtocol:
             finish = "length"
         actions: list[Action] = [Stream(request.rid, token, finish, logprob)]
         if finish is not None:
-            self._forget(request.rid)
-            actions.append(Release(request.rid))
+            release = self._release(request.rid, pos)
+            if release is not None:
+                actions.append(release)
         sampled.append(messages.SampledToken(request.rid, pos, token, finish is not None))
         return actions
 
@@ -500,15 +506,24 @@ class StageProtocol:
     def _fail_new(self, rids: list[str], text: str) -> list[Action]:
         return [Report(messages.Failed(self.model, rid, text, stage=self.index)) for rid in rids]
 
-    def _end(self, rid: str, last_dropped: bool = False) -> list[Action]:
-        """Stage 0 ends a request (its last token came back, or it was cancelled): drop its cache here and on the
-        stages after this one (the last stage dropped it already when it sampled the final token)."""
+    def _end(self, rid: str, last_dropped: bool = False, end: int = 0) -> list[Action]:
+        """Stage 0 ends a request (its last token came back at position ``end``, or it was cancelled): drop its cache
+        here and on the stages after this one (the last stage dropped it already when it sampled the final token)."""
         actions: list[Action] = []
-        if self._forget(rid):
-            actions.append(Release(rid))
+        release = self._release(rid, end)
+        if release is not None:
+            actions.append(release)
         if self.num_stages > 1 and not (last_dropped and self.num_stages == 2):
-            actions.append(Send(messages.Free(self.model, [rid])))
+            actions.append(Send(messages.Free(self.model, [rid], [end] if end else [])))
         return actions
+
+    def _release(self, rid: str, end: int = 0) -> Release | None:
+        """Forget ``rid`` here: the Release that drops its cache (None if it was not here). ``end``: it ended with its
+        last token at that position, and the stage keeps its reply's blocks if its plan says so."""
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return None
+        return Release(rid, request.start, end) if end else Release(rid)
 
     def _forget(self, rid: str) -> bool:
         return self.requests.pop(rid, None) is not None
