@@ -13,28 +13,21 @@ with it nor on the thread count.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
-import platformdirs
 import torch
 
 from swarm.errors import KernelMismatch
+from swarm.stage import c_build
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q8_kernel.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = c_build.FLAGS
 GROUP = 32  # inputs per group: a layer's in_features must be a multiple of it
 BLOCK = 512  # inputs of a whole block (16 groups) in the packed layout; the last block holds what is left
-_COMPILE_TIMEOUT_S = 120
 
 
 class Q8Kernel:
@@ -112,19 +105,14 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """Raise KernelMismatch unless ``t`` is a contiguous CPU tensor of ``dtype`` and ``shape``: what the C code reads
     through a raw pointer."""
-    if t.dtype != dtype or t.shape != shape or not t.is_cpu or not t.is_contiguous():
-        raise _mismatch(name, f"a contiguous CPU tensor of {dtype} {tuple(shape)}", _describe(t))
+    c_build.expect(t, name, dtype, shape, "8-bit kernel")
 
 
-def _describe(t: torch.Tensor) -> str:
-    layout = "contiguous" if t.is_contiguous() else "not contiguous"
-    return f"{t.dtype} {tuple(t.shape)}, {layout}, on {t.device}"
+_describe = c_build.describe
 
 
 def _mismatch(name: str, wanted: str, got: str) -> KernelMismatch:
-    return KernelMismatch(f"swarm's 8-bit kernel takes {name} as {wanted}, not {got}: this is a bug in swarm, refused "
-                          "before the C code read the wrong memory; report it, and run with SWARM_INT4_KERNEL=0 "
-                          "(torch computes those layers then) meanwhile")
+    return c_build.mismatch("8-bit kernel", name, wanted, got)
 
 
 def takes(in_features: int) -> bool:
@@ -155,33 +143,13 @@ def kernel(flags: tuple[str, ...] = FLAGS) -> Q8Kernel | None:
 
 
 def _build(flags: tuple[str, ...]) -> Q8Kernel | None:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    if c_build.compiler() is None:
         log.warning("GGUF 8-bit layers (Q8_0, Q5_*, Q6_K) run on torch, widened a slice at a time: this machine has "
                     "no C compiler (cc) to build swarm's kernel for them; install gcc (apt-get install gcc) and load "
                     "the model again")
         return None
     try:
-        source = SOURCE.read_bytes()
-        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-        key = hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), _cpu_identity()])).hexdigest()
-        folder = Path(platformdirs.user_cache_dir("swarm")) / "kernels"
-        target = folder / f"q8_kernel-{key[:16]}.so"
-        if not target.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            # built under another name, then renamed: processes building at once each get a whole file
-            handle, temporary = tempfile.mkstemp(dir=folder, suffix=".so.part")
-            os.close(handle)
-            try:
-                done = subprocess.run([compiler, *flags, "-o", temporary, str(SOURCE), "-lm"], capture_output=True,
-                                      text=True, timeout=_COMPILE_TIMEOUT_S)
-                if done.returncode:
-                    raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-400:]}")
-                os.replace(temporary, target)
-            finally:
-                if os.path.exists(temporary):
-                    os.unlink(temporary)
-        built = Q8Kernel(ctypes.CDLL(str(target)), target)
+        built = Q8Kernel(*c_build.build(SOURCE, flags))
     except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's path, said once
         log.warning("GGUF 8-bit layers (Q8_0, Q5_*, Q6_K) run on torch, widened a slice at a time: swarm's kernel "
                     "for them could not be built here (%s: %s); SWARM_INT4_KERNEL=0 silences this",
@@ -189,16 +157,6 @@ def _build(flags: tuple[str, ...]) -> Q8Kernel | None:
         return None
     log.info("8-bit kernel: %s path, %s", built.simd, built.path)
     return built
-
-
-def _cpu_identity() -> bytes:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-        return "\n".join(dict.fromkeys(lines)).encode()
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}".encode()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
