@@ -42,19 +42,25 @@ PENDING_S = 900.0  # a pick whose sample or result never came is forgotten after
 SERVED_KEPT = 10_000  # requests remembered per stage since its last good check
 ALERTS_KEPT = 100
 
-# The largest difference an honest stage shows, relative to its output's size (swarm.stage.recompute.difference):
-# float32 on CPUs, where the checker runs the same kernels and only a batch's row grouping changes reduction order
-# (measured on the built-in model over tests/test_verify_e2e.py's checks: at most ~1e-6); a 16-bit or quantized
-# stage, or a checker on another kind of device, rounds differently at every layer (bfloat16 keeps 8 bits of mantissa:
-# ~4e-3 per rounding, compounding over a stage's layers). A broken fellow's error is orders of magnitude larger.
-TOLERANCE_FLOAT32 = 1e-4
-TOLERANCE_ROUNDED = 5e-2
+# How far an honest stage and its checker may be apart (swarm.leader.verify.difference: relative to the output's largest
+# value), per kind -- measured by bench/verify_bounds.py (bench/RESULTS.md, "Spot checks"), margin above the largest
+# honest difference seen. TOLERANCES_MEASURED_AT says where; see TOLERANCE_GPU for what was not measured.
+TOLERANCES = {"none": 1e-4, "int8": 1e-4, "nf4": 1e-4, "int4-fast": 1e-4}
+TOLERANCE_FLOAT32 = TOLERANCES["none"]
+# A stage or a checker on a GPU computes in 16 bits (bfloat16 keeps 8 bits of mantissa: ~4e-3 per rounding,
+# compounding over a stage's layers) with other kernels than a CPU's: an estimate, not measured (no GPU was at hand).
+TOLERANCE_GPU = 5e-2
 
 
-def tolerance(quantization: str, gpu_checked: bool, gpu_checker: bool) -> float:
-    """How far apart an honest stage and its checker may be, by how the stage computes."""
-    exact = quantization == "none" and not gpu_checked and not gpu_checker  # CPUs compute float32 by default
-    return TOLERANCE_FLOAT32 if exact else TOLERANCE_ROUNDED
+def tolerance(quantization: str, gpu_checked: bool, gpu_checker: bool) -> float | None:
+    """How far apart an honest stage and its checker may be, by how the stage computes; None where no bound holds:
+    a quantized stage on a CPU and its checker on a GPU (or the other way) hold different weights (swarm.stage.quantize:
+    the CPU's int grids against bitsandbytes'), so one cannot check the other."""
+    if quantization != "none" and gpu_checked != gpu_checker:
+        return None
+    if gpu_checked or gpu_checker:
+        return TOLERANCE_GPU
+    return TOLERANCES.get(quantization, TOLERANCE_GPU)
 
 
 def pass_starts(prompt_len: int, max_tokens: int, chunk: int, last_stage: bool) -> list[int]:
@@ -173,7 +179,9 @@ class Verifier:
                 picked = [starts[0], *picked][:MAX_PICKS]
             if not picked:
                 continue
-            tol = tolerance(model.quantization, bool(conn.hardware.gpus), bool(checker.hardware.gpus))
+            tol = tolerance(model.quantization, _on_gpu(conn), _on_gpu(checker))
+            if tol is None:
+                continue
             picks = []
             for pos in picked:
                 check_id = "c" + secrets.token_hex(6)
@@ -301,4 +309,41 @@ class Verifier:
                 "suspects": [{"model": m, "stage": i, "fellow_id": f,
                               "fellow": online[f].name if f in online else f"fellow {f}"}
                              for m, i, f in sorted(self.recheck)],
-                "alerts": list(self.alerts)}
+                "alerts": list(self.alerts), "unchecked": self.unchecked()}
+
+    def unchecked(self) -> list[dict]:
+        """The stages of the serving models that nothing checks while checks are on, each with why and what to do."""
+        if self.fraction <= 0 or self.serving.hub is None:
+            return []
+        online = self.serving.hub.online
+        out = []
+        for model in list(self.serving.models.values()):
+            if model.status != "ready":
+                continue
+            for slot in model.stages:
+                why = _no_checker(model, slot, online)
+                if why:
+                    out.append({"model": model.name, "stage": slot.plan.index,
+                                "message": f"no checker for stage {slot.plan.index} of {model.name}: {why}"})
+        return out
+
+
+def _on_gpu(conn) -> bool:
+    """Whether the fellow computes its stages on a GPU (it has one: fellows take the GPU by default)."""
+    return bool(conn.hardware.gpus)
+
+
+def _no_checker(model: ModelServing, slot, online: dict) -> str:
+    """Why nothing checks ``slot`` (empty when its checker is there and fits it)."""
+    if slot.cover is None:
+        return (f"no standby has room for a copy of it (it needs {slot.plan.need_bytes / 1e9:.1f} GB; each standby "
+                "holds one copy); add a standby (swarm join --standby) with that much free memory")
+    checker, conn = online.get(slot.cover), online.get(slot.plan.fellow_id)
+    if checker is None or conn is None:
+        return "its checker is offline; checks resume when a standby holds a copy again"
+    if not slot.cover_ready:
+        return f"its checker {checker.name} is still loading the copy"
+    if tolerance(model.quantization, _on_gpu(conn), _on_gpu(checker)) is None:
+        return (f"its checker {checker.name} and {conn.name} compute {model.quantization} on different devices (a CPU "
+                "and a GPU hold different quantized weights); add a standby of the same kind of device")
+    return ""
