@@ -203,3 +203,24 @@ def test_a_stage_nothing_checks_is_named_with_what_to_do():
     verifier.on_generate(model, generate())
     assert not conns[1].posted  # nothing picked: the standby could not judge pc-a's passes
     assert fleet(0.0)[0].view()["unchecked"] == []  # checks off: nothing to say
+
+
+def test_a_checker_on_another_4_bit_kernel_is_not_used_and_the_admin_is_told_why():
+    """Honest int4-fast fellows on swarm's kernel and on torch's differ by up to ~1e-1 (bench/verify_bounds.py):
+    as much as a broken one. Such a pair is not judged, and not picked again."""
+    verifier, model, conns, taken_out = fleet(1.0)
+    model.quantization = "int4-fast"
+    verifier.on_generate(model, generate())
+    check = conns[1].posted[0]["picks"][0][1]
+    verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]], "inputs": [1, 2, 3],
+                                   "prompt_len": 3, "path": "swarm",
+                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8) * 1.1)}})
+    verifier.on_message(conns[3], {"t": "verify_result", "check": check, "path": "torch",
+                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    assert verifier.checks == 0 and verifier.failures == 0 and not verifier.recheck and not taken_out
+    message = verifier.view()["unchecked"][0]["message"]
+    assert message.startswith("no checker for stage 0 of m: its checker standby computes 4 bits with torch's")
+    assert "SWARM_INT4_KERNEL" in message
+    conns[1].posted.clear()
+    verifier.on_generate(model, generate())
+    assert not conns[1].posted

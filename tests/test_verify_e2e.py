@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 PROMPTS = [[{"role": "user", "content": text}] for text in
            ("Count from 1 to 10.", "Name three colours.", "What is the capital of France?")]
 TOKENS = 16
-HONEST_CHATS = 4  # two at a time: batched passes are checked against single-row recomputations
+HONEST_CHATS = 2  # two at a time: batched passes are checked against single-row recomputations
 FRACTION = 0.1  # while the corrupt stage serves: 2 failures need ~2 / 0.1 = 20 passes, about one reply
 
 
@@ -100,7 +100,7 @@ async def test_honest_fellows_pass_every_check_and_a_corrupt_middle_stage_is_cau
             # the stage moved to its copy on the standby; replies are the honest ones again
             await swarm.leader.serving.wait_ready(name, 120)
             assert model.stages[index].plan.fellow_name == "standby"
-            for i, prompt in enumerate(PROMPTS):
+            for i, prompt in enumerate(PROMPTS[:HONEST_CHATS]):
                 reply = await swarm.chat(name, prompt, max_tokens=TOKENS)
                 assert reply["choices"][0]["token_ids"] == honest[i]
             nursery.cancel_scope.cancel()

@@ -118,6 +118,7 @@ class Check:
     started_at: float
     tolerance: float
     claimed: dict | None = None
+    path: str | None = None  # the checked stage's 4-bit kernel (swarm.stage.quantize.int4_path)
 
 
 class Verifier:
@@ -132,6 +133,8 @@ class Verifier:
         # (model, stage, fellow) -> (when, request id, user id) of the requests served since its last good check
         self.served: dict[tuple[str, int, int], collections.deque] = {}
         self.alerts: collections.deque = collections.deque(maxlen=ALERTS_KEPT)
+        # (model, stage) -> (fellow, checker) whose 4-bit kernels differ: no bound holds, that checker is not used
+        self.mismatched: dict[tuple[str, int], tuple[int, int, str]] = {}
         self.checks = self.failures = 0
         self.largest_honest = 0.0  # the largest difference a passed check showed: the tolerance's margin
 
@@ -171,6 +174,8 @@ class Verifier:
             conn, checker = online.get(slot.plan.fellow_id), online.get(slot.cover) if slot.cover_ready else None
             last = slot.plan.index == len(model.stages) - 1
             if conn is None or checker is None or checker.id == conn.id or (last and not greedy):
+                continue
+            if self.mismatched.get((model.name, slot.plan.index), (0, 0, ""))[:2] == (conn.id, checker.id):
                 continue
             starts = pass_starts(len(message.prompt), message.max_tokens, self.serving.settings.serve_prefill_chunk,
                                  last)
@@ -217,6 +222,7 @@ class Verifier:
             return
         output = sample.get("output")
         check.claimed = output if isinstance(output, dict) else {}
+        check.path = sample.get("path") if isinstance(sample.get("path"), str) else None
         plan = model.stages[check.index].plan
         checker.post({"t": "verify_run", "model": check.model, "check": sample["check"],
                       "first_layer": plan.first_layer, "end_layer": plan.end_layer, "rid": check.rid,
@@ -226,6 +232,15 @@ class Verifier:
     def _judge(self, check: Check, result: dict) -> None:
         if result.get("error") or not isinstance(result.get("output"), dict):
             log.info("a check of stage %d of %s could not run: %s", check.index, check.model, result.get("error"))
+            return
+        if result.get("path") != check.path:  # honest fellows on other 4-bit kernels differ like a broken one
+            checker = self.serving.hub.online.get(check.checker_id)
+            self.mismatched[(check.model, check.index)] = (check.fellow_id, check.checker_id, (
+                f"its checker {checker.name if checker else 'standby'} computes 4 bits with {result.get('path')}'s "
+                f"kernel, the stage with {check.path}'s (honest fellows on the two differ as much as a broken one); "
+                "give both the same SWARM_INT4_KERNEL"))
+            log.warning("stage %d of %s is not checked: %s", check.index, check.model,
+                        self.mismatched[(check.model, check.index)][2])
             return
         try:
             diff = difference(check.claimed or {}, result["output"])
@@ -322,6 +337,9 @@ class Verifier:
                 continue
             for slot in model.stages:
                 why = _no_checker(model, slot, online)
+                mismatch = self.mismatched.get((model.name, slot.plan.index))
+                if not why and mismatch is not None and mismatch[:2] == (slot.plan.fellow_id, slot.cover):
+                    why = mismatch[2]
                 if why:
                     out.append({"model": model.name, "stage": slot.plan.index,
                                 "message": f"no checker for stage {slot.plan.index} of {model.name}: {why}"})
