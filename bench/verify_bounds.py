@@ -43,14 +43,16 @@ def model_dir(which: str, tmp: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama", help="a tiny family of tests/conftest.py, or 'builtin'")
-    parser.add_argument("--checks", type=int, default=10_000, help="checks in all, shared by the kinds")
+    parser.add_argument("--checks", type=int, default=10_000,
+                        help="checks of the pairs the leader judges, shared by the kinds (the cross-kernel pair "
+                             "gets as many more)")
     parser.add_argument("--kinds", default=",".join(KINDS) + ",int4-fast/torch",
                         help="comma-separated; int4-fast/torch: a checker without swarm's int4 kernel")
     args = parser.parse_args()
     import torch
 
     variants = [(kind.split("/")[0], not kind.endswith("/torch")) for kind in args.kinds.split(",")]
-    per_variant = args.checks // len(variants)
+    per_variant = args.checks // max(1, sum(kernel for _, kernel in variants))  # --checks: of the pairs judged
     flagged = total = 0
     bad_note = ""
     with tempfile.TemporaryDirectory() as tmp:

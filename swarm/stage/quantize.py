@@ -353,7 +353,7 @@ def module_bytes(module: Any) -> int:
 
 def int4_path(stage: Any) -> str | None:
     """Which kernel the stage's 4-bit layers compute with -- "swarm" (8-bit activations) or "torch" (bfloat16 ones) --
-    None without 4-bit layers. Two honest fellows on different paths differ by up to ~1e-1 of a stage's output
+    None without 4-bit layers. Two honest fellows on different paths differ by up to 1.9e-1 of a stage's output
     (bench/verify_bounds.py), as much as a broken one: the spot checks pair only fellows on the same path."""
     for layer in stage.layers:
         for module in layer.modules():
