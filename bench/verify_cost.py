@@ -3,9 +3,10 @@
     .venv/bin/python bench/verify_cost.py [--tokens 64] [--chats 3]
 
 A leader and three fellows in this process serve the built-in model over 2 stages, float32 on CPU; the third fellow
-is a standby holding a copy of one stage, the checker. For each fraction (set through the admin API) a few greedy
-chats run one after the other; the figure is each reply's tokens per second over its whole request (a short prompt's
-prefill included), and how many checks ran. The checked stage copies its inputs and sends samples after each picked
+is a standby holding a copy of one stage, the checker. The fractions alternate (set through the admin API): each round
+runs one greedy chat at off, 0.02 and 0.1, in a rotating order, so that the machine's swings fall on all three alike;
+the figure is each reply's tokens per second over its whole request (a short prompt's prefill included), and how
+many checks ran. The checked stage copies its inputs and sends samples after each picked
 pass, and the checker recomputes them on the same machine's cores: on a pool of separate PCs only the first costs the
 ring.
 """
@@ -48,18 +49,21 @@ async def run(model_dir: Path, work: Path, tokens: int, chats: int) -> dict[floa
         await wait_until(lambda: any(s.cover_ready for s in model.stages), 180)
         verifier = swarm.leader.serving.verifier
         await swarm.chat(name, PROMPT, max_tokens=8)  # warm up
-        for fraction in FRACTIONS:
-            await swarm.http.put("/api/v1/verification", json={"fraction": fraction})
-            before = verifier.checks
-            speeds = []
-            for _ in range(chats):
+        speeds: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+        checks = dict.fromkeys(FRACTIONS, 0)
+        for round_ in range(chats):
+            order = FRACTIONS[round_ % len(FRACTIONS):] + FRACTIONS[:round_ % len(FRACTIONS)]
+            for fraction in order:
+                await swarm.http.put("/api/v1/verification", json={"fraction": fraction})
+                before = verifier.checks
                 began = time.perf_counter()
                 reply = await swarm.chat(name, PROMPT, max_tokens=tokens)
-                speeds.append(reply["usage"]["completion_tokens"] / (time.perf_counter() - began))
-            await wait_until(lambda: not verifier.pending, 120)
-            results[fraction] = (speeds, verifier.checks - before)
-            print(f"F={fraction}: {', '.join(f'{s:.1f}' for s in speeds)} tok/s, {verifier.checks - before} checks, "
-                  f"{verifier.failures} failures", flush=True)
+                speeds[fraction].append(reply["usage"]["completion_tokens"] / (time.perf_counter() - began))
+                await wait_until(lambda: not verifier.outstanding, 120)  # its checks end before the next chat
+                checks[fraction] += verifier.checks - before
+                print(f"round {round_ + 1} F={fraction}: {speeds[fraction][-1]:.1f} tok/s, "
+                      f"{verifier.checks - before} checks, {verifier.failures} failures", flush=True)
+        results.update({f: (speeds[f], checks[f]) for f in FRACTIONS})
         nursery.cancel_scope.cancel()
     return results
 
@@ -67,7 +71,7 @@ async def run(model_dir: Path, work: Path, tokens: int, chats: int) -> dict[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--chats", type=int, default=3)
+    parser.add_argument("--chats", type=int, default=3, help="rounds: chats per fraction")
     args = parser.parse_args()
     from swarm.store.importer import import_model
 

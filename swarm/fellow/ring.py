@@ -57,7 +57,7 @@ class StageDriver:
         self._times: list[messages.StageTimes] = []  # requests' times here, posted after the tokens
         self._stream_ready = trio.Event()
         self.last_used = trio.current_time()
-        self.audits = StageAudits(model)  # the leader's spot checks of this stage (swarm.fellow.verify)
+        self.audits = StageAudits(model, stage_model)  # the leader's spot checks of this stage (swarm.fellow.verify)
 
     @property
     def index(self) -> int | None:

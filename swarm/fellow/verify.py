@@ -41,8 +41,9 @@ class _Record:
 class StageAudits:
     """The requests a stage was asked to keep inputs for, and their samples once the picked passes ran."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, stage_model=None):
         self.model = model
+        self.stage_model = stage_model
         self.records: dict[str, _Record] = {}
 
     def pick(self, rid: str, picks: list) -> None:
@@ -94,6 +95,10 @@ class StageAudits:
             return []
 
     def _after(self, batch: list, output, is_last: bool) -> list[dict]:
+        from swarm.stage.quantize import int4_path  # a stage is loaded here: torch is in already
+
+        # the stage's 4-bit kernel: the leader judges it only against a checker on the same one
+        path = int4_path(self.stage_model) if self.stage_model is not None else None
         samples = []
         hidden = wire.tensor_from_wire(output.hidden) if output.hidden is not None else None
         row = 0
@@ -119,7 +124,7 @@ class StageAudits:
             samples.append({"t": "verify_sample", "model": self.model, "check": ids[0],
                             "rid": work.rid, "passes": [list(p) for p in record.passes[record.sent:]],
                             "inputs": inputs, "prompt_len": work.request.start.prompt_len, "output": claimed,
-                            "final": not record.checks})
+                            "final": not record.checks, "path": path})
             record.sent, record.inputs = len(record.passes), []
             if not record.checks:
                 self.forget(work.rid)
@@ -176,6 +181,9 @@ class Checker:
                 model, rid = self.replays.popitem(last=False)[0]
                 if model in self.fellow.stages:
                     self.fellow.stages[model].driver.stage_model.drop("verify-" + rid)
+        from swarm.stage.quantize import int4_path
+
+        answer["path"] = int4_path(stage_model)
         claimed = (message.get("output") or {}).get("token")
         try:
             answer["output"] = await compute.run(recompute, stage_model, "verify-" + key[1], message["passes"],

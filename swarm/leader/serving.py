@@ -604,9 +604,13 @@ class Serving:
         return sorted(set(self.recovery.keeps(conn, stages)) | set(self.models_on_fellow(conn.id)))
 
     async def _adopt(self, conn, stages: list) -> None:
-        if self.online.get(conn.id) is conn:
-            self.recovery.adopt(conn, stages)
-            self.recovery.fleet_changed()
+        joined = self.online.get(conn.id)
+        if joined is None or joined is not conn:
+            return
+        self.recovery.adopt(joined, stages)
+        self.recovery.fleet_changed()
+        if joined.standby and self.verifier.fraction > 0:
+            await self.verifier.cover_all()  # spot checks: a standby that joins checks a stage nothing checks
 
     async def on_fellow_lost(self, conn) -> None:
         self.recovery.fellow_lost(conn)

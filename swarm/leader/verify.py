@@ -42,19 +42,30 @@ PENDING_S = 900.0  # a pick whose sample or result never came is forgotten after
 SERVED_KEPT = 10_000  # requests remembered per stage since its last good check
 ALERTS_KEPT = 100
 
-# The largest difference an honest stage shows, relative to its output's size (swarm.stage.recompute.difference):
-# float32 on CPUs, where the checker runs the same kernels and only a batch's row grouping changes reduction order
-# (measured on the built-in model over tests/test_verify_e2e.py's checks: at most ~1e-6); a 16-bit or quantized
-# stage, or a checker on another kind of device, rounds differently at every layer (bfloat16 keeps 8 bits of mantissa:
-# ~4e-3 per rounding, compounding over a stage's layers). A broken fellow's error is orders of magnitude larger.
-TOLERANCE_FLOAT32 = 1e-4
-TOLERANCE_ROUNDED = 5e-2
+# How far an honest stage and its checker may be apart (difference(): relative to the output's largest value), per
+# kind on CPUs, where the checker runs the same kernels on the same quantized weights. Measured by
+# bench/verify_bounds.py (bench/RESULTS.md, "Spot checks"): every pass of a 3-stage ring -- prompt chunks, single and
+# batched ragged decode, lean/compiled steps, drafting's verifying passes -- recomputed as a checker does. Largest
+# honest differences over 10,440 checks (tiny model, 2,088 a kind): float32 1.6e-6 (1.8e-6 in an earlier run; the
+# built-in model 7.8e-7 over 146); int8, nf4 and int4-fast 0 (their kernels compute each row alone).
+# 1e-4 keeps a 50x margin over float32 and is still 500x below the test double's 5 % error.
+TOLERANCES = {"none": 1e-4, "int8": 1e-4, "nf4": 1e-4, "int4-fast": 1e-4}
+TOLERANCE_FLOAT32 = TOLERANCES["none"]
+# A stage or a checker on a GPU computes in 16 bits with other kernels than a CPU's. bfloat16 on a CPU, as a stand-in,
+# measured 8.8e-3 at most (2,088 checks: batched rows round once differently); 5e-2 leaves ~6x for a GPU's own
+# kernels -- an estimate: no GPU was at hand.
+TOLERANCE_GPU = 5e-2
 
 
-def tolerance(quantization: str, gpu_checked: bool, gpu_checker: bool) -> float:
-    """How far apart an honest stage and its checker may be, by how the stage computes."""
-    exact = quantization == "none" and not gpu_checked and not gpu_checker  # CPUs compute float32 by default
-    return TOLERANCE_FLOAT32 if exact else TOLERANCE_ROUNDED
+def tolerance(quantization: str, gpu_checked: bool, gpu_checker: bool) -> float | None:
+    """How far apart an honest stage and its checker may be, by how the stage computes; None where no bound holds:
+    a quantized stage on a CPU and its checker on a GPU (or the other way) hold different weights (swarm.stage.quantize:
+    the CPU's int grids against bitsandbytes'), so one cannot check the other."""
+    if quantization != "none" and gpu_checked != gpu_checker:
+        return None
+    if gpu_checked or gpu_checker:
+        return TOLERANCE_GPU
+    return TOLERANCES.get(quantization, TOLERANCE_GPU)
 
 
 def pass_starts(prompt_len: int, max_tokens: int, chunk: int, last_stage: bool) -> list[int]:
@@ -112,6 +123,7 @@ class Check:
     started_at: float
     tolerance: float
     claimed: dict | None = None
+    path: str | None = None  # the checked stage's 4-bit kernel (swarm.stage.quantize.int4_path)
 
 
 class Verifier:
@@ -126,6 +138,8 @@ class Verifier:
         # (model, stage, fellow) -> (when, request id, user id) of the requests served since its last good check
         self.served: dict[tuple[str, int, int], collections.deque] = {}
         self.alerts: collections.deque = collections.deque(maxlen=ALERTS_KEPT)
+        # (model, stage) -> (fellow, checker) whose 4-bit kernels differ: no bound holds, that checker is not used
+        self.mismatched: dict[tuple[str, int], tuple[int, int, str]] = {}
         self.checks = self.failures = 0
         self.largest_honest = 0.0  # the largest difference a passed check showed: the tolerance's margin
 
@@ -166,6 +180,8 @@ class Verifier:
             last = slot.plan.index == len(model.stages) - 1
             if conn is None or checker is None or checker.id == conn.id or (last and not greedy):
                 continue
+            if self.mismatched.get((model.name, slot.plan.index), (0, 0, ""))[:2] == (conn.id, checker.id):
+                continue
             starts = pass_starts(len(message.prompt), message.max_tokens, self.serving.settings.serve_prefill_chunk,
                                  last)
             picked = draw(starts, fraction, self.rng)
@@ -173,7 +189,9 @@ class Verifier:
                 picked = [starts[0], *picked][:MAX_PICKS]
             if not picked:
                 continue
-            tol = tolerance(model.quantization, bool(conn.hardware.gpus), bool(checker.hardware.gpus))
+            tol = tolerance(model.quantization, _on_gpu(conn), _on_gpu(checker))
+            if tol is None:
+                continue
             picks = []
             for pos in picked:
                 check_id = "c" + secrets.token_hex(6)
@@ -209,6 +227,7 @@ class Verifier:
             return
         output = sample.get("output")
         check.claimed = output if isinstance(output, dict) else {}
+        check.path = sample.get("path") if isinstance(sample.get("path"), str) else None
         plan = model.stages[check.index].plan
         checker.post({"t": "verify_run", "model": check.model, "check": sample["check"],
                       "first_layer": plan.first_layer, "end_layer": plan.end_layer, "rid": check.rid,
@@ -218,6 +237,15 @@ class Verifier:
     def _judge(self, check: Check, result: dict) -> None:
         if result.get("error") or not isinstance(result.get("output"), dict):
             log.info("a check of stage %d of %s could not run: %s", check.index, check.model, result.get("error"))
+            return
+        if result.get("path") != check.path:  # honest fellows on other 4-bit kernels differ like a broken one
+            checker = self.serving.hub.online.get(check.checker_id)
+            self.mismatched[(check.model, check.index)] = (check.fellow_id, check.checker_id, (
+                f"its checker {checker.name if checker else 'standby'} computes 4 bits with {result.get('path')}'s "
+                f"kernel, the stage with {check.path}'s (honest fellows on the two differ as much as a broken one); "
+                "give both the same SWARM_INT4_KERNEL"))
+            log.warning("stage %d of %s is not checked: %s", check.index, check.model,
+                        self.mismatched[(check.model, check.index)][2])
             return
         try:
             diff = difference(check.claimed or {}, result["output"])
@@ -301,4 +329,44 @@ class Verifier:
                 "suspects": [{"model": m, "stage": i, "fellow_id": f,
                               "fellow": online[f].name if f in online else f"fellow {f}"}
                              for m, i, f in sorted(self.recheck)],
-                "alerts": list(self.alerts)}
+                "alerts": list(self.alerts), "unchecked": self.unchecked()}
+
+    def unchecked(self) -> list[dict]:
+        """The stages of the serving models that nothing checks while checks are on, each with why and what to do."""
+        if self.fraction <= 0 or self.serving.hub is None:
+            return []
+        online = self.serving.hub.online
+        out = []
+        for model in list(self.serving.models.values()):
+            if model.status != "ready":
+                continue
+            for slot in model.stages:
+                why = _no_checker(model, slot, online)
+                mismatch = self.mismatched.get((model.name, slot.plan.index))
+                if not why and mismatch is not None and mismatch[:2] == (slot.plan.fellow_id, slot.cover):
+                    why = mismatch[2]
+                if why:
+                    out.append({"model": model.name, "stage": slot.plan.index,
+                                "message": f"no checker for stage {slot.plan.index} of {model.name}: {why}"})
+        return out
+
+
+def _on_gpu(conn) -> bool:
+    """Whether the fellow computes its stages on a GPU (it has one: fellows take the GPU by default)."""
+    return bool(conn.hardware.gpus)
+
+
+def _no_checker(model: ModelServing, slot, online: dict) -> str:
+    """Why nothing checks ``slot`` (empty when its checker is there and fits it)."""
+    if slot.cover is None:
+        return (f"no standby has room for a copy of it (it needs {slot.plan.need_bytes / 1e9:.1f} GB; each standby "
+                "holds one copy); add a standby (swarm join --standby) with that much free memory")
+    checker, conn = online.get(slot.cover), online.get(slot.plan.fellow_id)
+    if checker is None or conn is None:
+        return "its checker is offline; checks resume when a standby holds a copy again"
+    if not slot.cover_ready:
+        return f"its checker {checker.name} is still loading the copy"
+    if tolerance(model.quantization, _on_gpu(conn), _on_gpu(checker)) is None:
+        return (f"its checker {checker.name} and {conn.name} compute {model.quantization} on different devices (a CPU "
+                "and a GPU hold different quantized weights); add a standby of the same kind of device")
+    return ""

@@ -352,3 +352,14 @@ def module_bytes(module: Any) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+def int4_path(stage: Any) -> str | None:
+    """Which kernel the stage's 4-bit layers compute with -- "swarm" (8-bit activations) or "torch" (bfloat16 ones) --
+    None without 4-bit layers. Two honest fellows on different paths differ by up to 1.9e-1 of a stage's output
+    (bench/verify_bounds.py), as much as a broken one: the spot checks pair only fellows on the same path."""
+    for layer in stage.layers:
+        for module in layer.modules():
+            if isinstance(module, Int4Linear):
+                return "swarm" if module.kernel is not None else "torch"
+    return None
