@@ -9,7 +9,10 @@ from typing import Any
 
 from swarm.errors import BadRequest
 
-KINDS = ("none", "int8", "nf4", "int4-fast")
+KINDS = ("none", "int8", "nf4", "int4-fast", "gguf")
+# gguf: a GGUF model's linear layers computed on the file's own quantized blocks (swarm.stage.gguf_linear); the
+# default kind of a model imported from a .gguf file, refused for one without kept blocks (check_model_kind)
+GGUF_KIND = "gguf"
 INT4_GROUP = 32  # weights per scale/offset on CPU: the smallest group torchao's int4 offers, the best perplexity
 
 # Bytes a quantized weight takes, scales included, for placement and the KV budget (what swarm.stage.quantize's modules
@@ -29,6 +32,39 @@ def check_kind(kind: Any) -> str:
     if not isinstance(kind, str) or kind not in KINDS:
         raise BadRequest(f"quantization must be one of {', '.join(KINDS)}; got {kind!r}.", "invalid_quantization")
     return kind
+
+
+def default_kind(manifest: dict | None) -> str:
+    """The kind a model loads at when none is asked: ``gguf`` for a model that keeps a GGUF's blocks (its manifest's
+    storage), ``none`` otherwise."""
+    return GGUF_KIND if manifest and manifest.get("storage") == "gguf" else "none"
+
+
+def check_model_kind(kind: str, manifest: dict | None, name: str) -> str:
+    """``kind`` when model ``name`` can load at it; BadRequest saying why not and what to do otherwise."""
+    kind = check_kind(kind)
+    if kind == GGUF_KIND and default_kind(manifest) != GGUF_KIND:
+        raise BadRequest(f"quantization gguf computes on a GGUF file's own quantized blocks, and model {name} has none "
+                         "(it was imported from a safetensors folder, or before imports kept a GGUF's blocks). Load it "
+                         "at none, int8, nf4 or int4-fast, or import its .gguf file again.", "invalid_quantization")
+    return kind
+
+
+# What a stage at gguf holds per byte of a layer's stored blocks, by the file's type as llama.cpp names it
+# (manifest file_type): Q4_0 and Q4_1 repack to half a byte a weight plus a float16 scale and offset per 32 (0.625
+# bytes: Q4_1's own size, Q4_0's 18 bytes a block of 32 become 20); Q4_K to a float32 scale and offset per 32 (0.75
+# bytes against 144 / 256 = 0.5625). Other types widen to float32 for now (None: 4 bytes a weight).
+GGUF_HELD_PER_STORED = {"Q4_0": 20 / 18, "Q4_1": 1.0, "Q4_K": 0.75 / 0.5625}
+
+
+def gguf_layer_bytes(file_type: str, stored: int, params: int) -> int:
+    """What a layer file of ``stored`` bytes holding ``params`` weight values takes in a stage at ``gguf`` on CPU
+    (swarm.stage.gguf_linear); the file's type decides. A file of mixed types (Q4_K_M holds Q6_K tensors too) counts
+    as widened to float32: an upper bound until the 8-bit group kernel takes its other types."""
+    ratio = GGUF_HELD_PER_STORED.get(file_type.upper())
+    if ratio is None or not stored:
+        return params * 4
+    return int(stored * ratio)
 
 
 # int8 also holds a scale per output row: bfloat16 on CPU, float32 in bitsandbytes' LLM.int8 (its SCB).
@@ -72,12 +108,12 @@ def kinds_on(device_type: str) -> list[str]:
         # _weight_int8pack_mm has run on CPU since torch 2.3, _weight_int4pack_mm_for_cpu since 2.6.
         if _torch_version() >= (2, 6):
             kinds += ["int8", "nf4", "int4-fast"]
-        return kinds
+        return [*kinds, GGUF_KIND]  # swarm's own kernel, or the blocks' float values where it cannot be built
     if _installed("bitsandbytes"):
         kinds += ["int8", "nf4", "int4-fast"]  # int4-fast is plain nf4 without torchao
     elif _installed("torchao"):
         kinds += ["int4-fast"]
-    return kinds
+    return [*kinds, GGUF_KIND]  # on CUDA each layer's blocks widen to the card's dtype at load
 
 
 def needs(kind: str, device_type: str) -> str:

@@ -220,7 +220,7 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     not linear layers, and stay in the compute dtype: its layers count at full size (an overestimate by its
     attention's share, never an underestimate)."""
     from swarm.model_format import MOE_ARCHITECTURES
-    from swarm.quantization import bytes_per_weight
+    from swarm.quantization import GGUF_KIND, bytes_per_weight, gguf_layer_bytes
 
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
@@ -228,7 +228,8 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     hidden = manifest.get("hidden_size") or 0  # the shortest row of a decoder layer's linears, and the head's row
     moe = manifest.get("architecture") in MOE_ARCHITECTURES
     layer_q = None if moe else bytes_per_weight(quantization, device, hidden)
-    head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization != "none" and cpu else "none"
+    head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization not in ("none", GGUF_KIND) \
+        and cpu else "none"  # at gguf the head and embedding widen to float
     head_q = bytes_per_weight(head_kind, device, hidden)
     norm = hidden * stored  # one norm's weight, as stored
 
@@ -244,7 +245,10 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     embed = final = 0
     for f in manifest["files"]:
         size = int(f.get("params") or 0) * stored or f["size"]  # as if stored in `stored`
-        if f["kind"] == "layer":
+        if f["kind"] == "layer" and quantization == GGUF_KIND and cpu and not moe:
+            # the file's blocks, repacked (swarm.stage.gguf_linear), and its two norms in float32
+            layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
+        elif f["kind"] == "layer":
             layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms
         elif f["kind"] == "embed":
             embed = int(size * scale)

@@ -12,6 +12,7 @@ sliding-window layers (Qwen2/Mistral) get sliding cache layers.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 from collections.abc import Mapping
@@ -28,9 +29,10 @@ from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
+from swarm.stage.gguf_linear import place_linears
 from swarm.stage.kv_cache import new_cache
 from swarm.stage.quantize import quantize_head, quantize_linears
-from swarm.stage.weights import read_weights
+from swarm.stage.weights import read_weights, read_weights_and_blocks
 
 if TYPE_CHECKING:
     from swarm.stage.draft_model import DraftModel
@@ -171,6 +173,15 @@ class StageModel:
         with torch.device("meta"):
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))
         for local, index in enumerate(range(spec.first_layer, spec.end_layer)):
+            if quantization == "gguf":  # the linear layers on the file's blocks (swarm.stage.gguf_linear)
+                rel = layer_file(index)
+                layer = layers[local]
+                tensors, kept = read_weights_and_blocks(
+                    files[rel], config, functools.partial(_is_linear_weight, layer), dtype, devices[local],
+                    what=f"{rel} from {files[rel]}")
+                place_linears(layer, kept, tensors, devices[local], dtype or torch.float32)
+                _assign(layer, tensors, f"layer {index}", partial=True)
+                continue
             _assign(layers[local], read(layer_file(index), devices[local]), f"layer {index}")
             quantize_linears(layers[local], quantization)
 
@@ -466,9 +477,26 @@ def _materialise_buffers(module: nn.Module, device: torch.device) -> None:
             setattr(module, name, torch.tensor(value, device=device))
 
 
-def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """Give a meta-device module its real weights (no copy), refusing missing or unexpected tensors."""
+def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str, partial: bool = False) -> None:
+    """Give a meta-device module its real weights (no copy), refusing missing or unexpected tensors. ``partial``:
+    some of its weights are in place already (the gguf kind's linear layers): those may be missing from ``tensors``,
+    none may stay on the meta device."""
     try:
-        module.load_state_dict(dict(tensors), strict=True, assign=True)
+        result = module.load_state_dict(dict(tensors), strict=not partial, assign=True)
+        if partial:
+            left = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta]
+            if result.unexpected_keys or left:
+                raise RuntimeError(f"unexpected {result.unexpected_keys}, missing {left}")
     except RuntimeError as exc:
         raise ModelError(f"the weights of the {what} do not fit this model's config: {exc}") from exc
+
+
+def _is_linear_weight(layer: nn.Module, key: str) -> bool:
+    """Whether state-dict name ``key`` is the weight of an ``nn.Linear`` in ``layer``."""
+    path, _, leaf = key.rpartition(".")
+    if leaf != "weight":
+        return False
+    try:
+        return isinstance(layer.get_submodule(path), nn.Linear)
+    except AttributeError:
+        return False
