@@ -4,7 +4,8 @@ memory against its layers' file bytes, and decode speed over 1 and 2 stages.
     .venv/bin/python bench/gguf_kind.py [--tokens 48] [--rounds 3] [--data-dir /tmp/swarm-bench-gguf]
 
 Memory: each kind in a fresh process, the middle stage of a 3-stage split (layers 10-19: no embedding, no head, so
-the figure is the layers' alone): the process's RSS after the load minus before it, the bytes the stage's tensors
+the figure is the layers' alone): the process's RSS after the load minus before it (after one other layer was loaded
+to pay for the imports and the kernel), the bytes the stage's tensors
 hold, and the layers' file bytes (what the fellow downloads). Speed: greedy decode of one chat in one process
 through swarm's stages (swarm.stage.local.LocalRing: the stages' own passes, no network), 1 stage and 2 stages, the
 kinds alternated round by round -- this machine is shared and noisy, so read the spread, not one figure.
@@ -64,12 +65,16 @@ def measure_memory(folder: Path, kind: str) -> dict:
 
     torch.set_num_threads(1)
     spec = stage_specs(30, 3)[1]
+    # one layer first (layer 5, not measured): the imports, the kernel's build and the first allocations are paid
+    # there, so the figure is what the ten layers take
+    warm = StageModel.load_dir(folder, stage_specs(30, 30)[5], quantization=kind)
     gc.collect()
     before = rss()
     stage = StageModel.load_dir(folder, spec, quantization=kind)
     gc.collect()
     after = rss()
     files = sum((folder / layer_file(i)).stat().st_size for i in range(spec.first_layer, spec.end_layer))
+    del warm
     return {"kind": kind, "layers": [spec.first_layer, spec.end_layer], "rss_bytes": after - before,
             "held_bytes": stage.parameter_bytes(), "file_bytes": files}
 

@@ -69,13 +69,14 @@ def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
 def gguf_reference_model(model_dir: Path) -> Any:
     """The whole model in one process at the ``gguf`` kind, as a ring's stages hold it: each decoder layer's linear
     layers built from the file's blocks (swarm.stage.gguf_linear, with the same sibling stacking and the compiled
-    decode step where it applies), the embedding, norms and head as the float reference has them. The reference a
+    decode step where it applies), an untied head too; the embedding (its rows are the file's values either way),
+    norms and a tied head as the float reference has them. The reference a
     ring at gguf is checked against, as quantize_model's is for the other kinds."""
     import functools
     import json
 
     from swarm.stage.compiled_decode import install
-    from swarm.stage.gguf_linear import place_linears
+    from swarm.stage.gguf_linear import gguf_linear, place_linears
     from swarm.stage.slice import _is_linear_weight
     from swarm.stage.weights import read_weights_and_blocks
 
@@ -88,4 +89,9 @@ def gguf_reference_model(model_dir: Path) -> Any:
                   for key in kept}
         place_linears(layer, kept, {k: v.detach() for k, v in biases.items() if v is not None})
     install(model.model.layers, model.config)
+    if not model.config.tie_word_embeddings:  # an untied head on its blocks, as a last stage holds it
+        _, head = read_weights_and_blocks(Path(model_dir) / FINAL_FILE, raw_config, lambda key: key == "lm_head.weight")
+        if "lm_head.weight" in head:
+            kept = head["lm_head.weight"]
+            model.lm_head = gguf_linear(kept.blocks, kept.ggml_type, kept.shape, None)
     return model

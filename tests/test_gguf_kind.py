@@ -153,6 +153,7 @@ def _linears(stage) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", TYPES)
 def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_one_process(tmp_path, kind):
     from reference_model import gguf_reference_model
+    from swarm.stage.gguf_linear import GGUFEmbedding, dequantized
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel, stage_specs
     from swarm.store.importer import import_model
@@ -169,6 +170,12 @@ def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_o
         assert sorted(held) == sorted(floats) and len(held) == 7  # q, k, v, o, gate, up, down
         for name, weight in floats.items():  # the file's values, q and k's rows permuted as transformers does
             assert torch.equal(_bits(held[name]), _bits(weight)), name
+    # the first stage's embedding stays in blocks, looked up a row at a time; the last stage's untied head on them
+    embed = at_gguf[0].embed
+    assert isinstance(embed, GGUFEmbedding) and at_gguf[1].lm_head.kernel is not None
+    ids = torch.tensor([[3, 250, 3, 0]])
+    assert torch.equal(_bits(embed(ids)), _bits(at_none[0].embed(ids)))
+    assert torch.equal(_bits(dequantized(at_gguf[1].lm_head)), _bits(at_none[1].lm_head.weight))
     prompt = [1, 17, 42, 99, 7, 250, 31, 5]
     want, margins = reference(gguf_reference_model(model_dir), prompt, 16)
     assert check_reply(LocalRing(at_gguf).generate(prompt, 16), want, margins) == "identical"

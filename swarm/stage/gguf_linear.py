@@ -211,3 +211,27 @@ def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[
         parent = module.get_submodule(parent_name)
         setattr(parent, name, gguf_linear(weight.blocks, weight.ggml_type, weight.shape, bias_of(path), device,
                                           dtype))
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding kept as the file's blocks: a lookup dequantizes only the rows it looks up (gguf-py, the file's
+    values, in float32). For a large vocabulary the embedding is most of a first stage's weights (a 262k-token
+    Gemma's); a decode step looks up one row a request."""
+
+    blocks: torch.Tensor  # a buffer (register_buffer), declared for type checkers
+
+    def __init__(self, weight: GGUFBlocks, padding_idx: int | None = None):
+        super().__init__()
+        self.register_buffer("blocks", weight.blocks)
+        self.ggml_type, self.num_embeddings, self.embedding_dim = weight.ggml_type, *weight.shape
+        self.padding_idx = padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from swarm.stage.weights import dequantize
+
+        flat = ids.reshape(-1).cpu()
+        rows = dequantize(self.blocks[flat], self.ggml_type, (flat.numel(), self.embedding_dim), "the embedding")
+        return rows.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.ggml_type} blocks (rows dequantized as looked up)"

@@ -29,7 +29,7 @@ from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
-from swarm.stage.gguf_linear import place_linears
+from swarm.stage.gguf_linear import GGUFBlocks, GGUFEmbedding, gguf_linear, place_linears
 from swarm.stage.kv_cache import new_cache
 from swarm.stage.quantize import quantize_head, quantize_linears
 from swarm.stage.weights import read_weights, read_weights_and_blocks
@@ -187,7 +187,14 @@ class StageModel:
 
         # int4-fast on CPU: single-row passes through the C step (swarm.stage.compiled_decode) where it takes them
         install_compiled_step(layers, stage_config)
-        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1])
+        def read_blocks(rel: str, key: str, on: torch.device) -> tuple[dict[str, torch.Tensor], GGUFBlocks | None]:
+            # at gguf on CPU: the embedding and an untied head as their blocks (swarm.stage.gguf_linear)
+            tensors, kept = read_weights_and_blocks(files[rel], config, lambda k: k == key, dtype, on,
+                                                    what=f"{rel} from {files[rel]}")
+            return tensors, kept.get(key)
+
+        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1],
+                                     read_blocks if quantization == "gguf" else None)
         if lm_head is not None:
             lm_head = quantize_head(lm_head, quantization)
         with device:
@@ -415,16 +422,25 @@ class StageModel:
             self.drop(rid)
 
 
-def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device) -> tuple:
+def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device,
+          read_blocks=None) -> tuple:
     """The embedding (first stage, with the first layer) and the final norm and head (last stage, with the last
-    layer), or None where this stage has none."""
-    embed: nn.Embedding | None = None
+    layer), or None where this stage has none. ``read_blocks`` (the gguf kind): the embedding, unless the same stage's
+    tied head needs it whole, and an untied head are kept as the file's blocks where they are quantized and on CPU."""
+    embed: nn.Module | None = None
     norm: nn.Module | None = None
-    lm_head: nn.Linear | None = None
+    lm_head: nn.Module | None = None
     embed_weight: torch.Tensor | None = None
-    if spec.is_first or (spec.is_last and tied):
+    if read_blocks is not None and spec.is_first and not (spec.is_last and tied) and blocks.embedding is None \
+            and first.type == "cpu":
+        tensors, kept = read_blocks(EMBED_FILE, "embed_tokens.weight", first)
+        if kept is not None:
+            embed = GGUFEmbedding(kept, config.pad_token_id)
+        else:
+            embed_weight = tensors["embed_tokens.weight"]
+    elif spec.is_first or (spec.is_last and tied):
         embed_weight = read(EMBED_FILE, first if spec.is_first else last)["embed_tokens.weight"]
-    if spec.is_first:
+    if spec.is_first and embed is None:
         with torch.device("meta"):
             if blocks.embedding is not None:
                 embed = blocks.embedding(config)
@@ -434,13 +450,19 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
         _assign(embed, {"weight": embed_weight}, "embedding")
         _materialise_buffers(embed, first)
     if spec.is_last:
-        final = read(FINAL_FILE, last)
+        head_blocks = None
+        if read_blocks is not None and not tied and last.type == "cpu":
+            final, head_blocks = read_blocks(FINAL_FILE, "lm_head.weight", last)
+        else:
+            final = read(FINAL_FILE, last)
         with torch.device("meta"):
             norm = blocks.norm(config.hidden_size, eps=config.rms_norm_eps)
             lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _assign(norm, {"weight": final["norm.weight"]}, "final norm")
+        if head_blocks is not None:  # the gguf kind: the head on the file's blocks
+            return embed, norm, gguf_linear(head_blocks.blocks, head_blocks.ggml_type, head_blocks.shape, None, last)
         if tied:  # the head is the embedding matrix: share the stage's one copy (on the last card when it differs)
-            head_weight = embed.weight if embed is not None else embed_weight
+            head_weight: Any = embed.weight if embed is not None else embed_weight
             assert head_weight is not None  # the embedding was read above for a tied last stage
             head_weight = head_weight if head_weight.device == last else head_weight.to(last)
         else:
