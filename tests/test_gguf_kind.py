@@ -209,6 +209,9 @@ def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
     assert gguf.layer_bytes == (2_000_000, 2_000_000)  # Q4_1 repacks to its own size
     assert model_size(manifest, cpu=True).layer_bytes == (12_800_000, 12_800_000)  # float32 at none
     assert model_size({**manifest, "file_type": "Q4_0"}, cpu=True, quantization="gguf").layer_bytes[0] == 2_222_222
+    assert gguf.embed_bytes == 112_000_000  # tied: the last stage holds the head widened, counted so
+    untied = model_size({**manifest, "tie_word_embeddings": False}, cpu=True, quantization="gguf")
+    assert untied.embed_bytes == 30_000_000  # stage 0 alone holds it, as its blocks
     # a file of mixed types widens what has no kernel yet: counted as float32, never under
     assert model_size({**manifest, "file_type": "Q4_K_M"}, cpu=True, quantization="gguf").layer_bytes[0] == 12_800_000
 
