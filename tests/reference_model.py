@@ -76,15 +76,14 @@ def gguf_reference_model(model_dir: Path) -> Any:
     import json
 
     from swarm.stage.compiled_decode import install
-    from swarm.stage.gguf_linear import gguf_linear, place_linears
-    from swarm.stage.slice import _is_linear_weight
+    from swarm.stage.gguf_linear import gguf_linear, is_linear_weight, place_linears
     from swarm.stage.weights import read_weights_and_blocks
 
     model = load_reference_model(model_dir)
     raw_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
     for i, layer in enumerate(model.model.layers):
         _, kept = read_weights_and_blocks(Path(model_dir) / layer_file(i), raw_config,
-                                          functools.partial(_is_linear_weight, layer))
+                                          functools.partial(is_linear_weight, layer))
         biases = {f"{key[: -len('.weight')]}.bias": layer.get_submodule(key[: -len(".weight")]).bias
                   for key in kept}
         place_linears(layer, kept, {k: v.detach() for k, v in biases.items() if v is not None})

@@ -235,3 +235,14 @@ class GGUFEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.ggml_type} blocks (rows dequantized as looked up)"
+
+
+def is_linear_weight(layer: nn.Module, key: str) -> bool:
+    """Whether state-dict name ``key`` is the weight of an ``nn.Linear`` in ``layer``."""
+    path, _, leaf = key.rpartition(".")
+    if leaf != "weight":
+        return False
+    try:
+        return isinstance(layer.get_submodule(path), nn.Linear)
+    except AttributeError:
+        return False

@@ -29,7 +29,8 @@ from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
-from swarm.stage.gguf_linear import GGUFBlocks, GGUFEmbedding, gguf_linear, place_linears
+from swarm.stage.devices import return_freed_memory
+from swarm.stage.gguf_linear import GGUFBlocks, GGUFEmbedding, gguf_linear, is_linear_weight, place_linears
 from swarm.stage.kv_cache import new_cache
 from swarm.stage.quantize import quantize_head, quantize_linears
 from swarm.stage.weights import read_weights, read_weights_and_blocks
@@ -177,7 +178,7 @@ class StageModel:
                 rel = layer_file(index)
                 layer = layers[local]
                 tensors, kept = read_weights_and_blocks(
-                    files[rel], config, functools.partial(_is_linear_weight, layer), dtype, devices[local],
+                    files[rel], config, functools.partial(is_linear_weight, layer), dtype, devices[local],
                     what=f"{rel} from {files[rel]}")
                 place_linears(layer, kept, tensors, devices[local], dtype or torch.float32)
                 _assign(layer, tensors, f"layer {index}", partial=True)
@@ -204,6 +205,7 @@ class StageModel:
         stage.quantization = quantization
         for module in stage.modules():
             module.eval()
+        return_freed_memory()
         return stage
 
     @classmethod
@@ -511,14 +513,3 @@ def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str, p
                 raise RuntimeError(f"unexpected {result.unexpected_keys}, missing {left}")
     except RuntimeError as exc:
         raise ModelError(f"the weights of the {what} do not fit this model's config: {exc}") from exc
-
-
-def _is_linear_weight(layer: nn.Module, key: str) -> bool:
-    """Whether state-dict name ``key`` is the weight of an ``nn.Linear`` in ``layer``."""
-    path, _, leaf = key.rpartition(".")
-    if leaf != "weight":
-        return False
-    try:
-        return isinstance(layer.get_submodule(path), nn.Linear)
-    except AttributeError:
-        return False
