@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench-gguf"))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the speed part (default 1: on a "
+                        "shared machine two spinning OpenMP threads fall far behind one)")
+    parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--memory", choices=KINDS, help=argparse.SUPPRESS)  # the child process's job
     args = parser.parse_args()
     args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -102,18 +105,23 @@ def main() -> None:
         print(json.dumps(measure_memory(folder, args.memory)))
         return
 
-    print(f"machine: {machine()}")
-    print("memory: the middle stage of 3 (layers 10-19), each kind in a fresh process")
-    for kind in KINDS:
+    print(f"machine: {machine()}", flush=True)
+    if not args.skip_memory:
+        print("memory: the middle stage of 3 (layers 10-19), each kind in a fresh process", flush=True)
+    for kind in () if args.skip_memory else KINDS:
         out = subprocess.run([sys.executable, __file__, "--memory", kind, "--data-dir", str(args.data_dir)],
                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         m = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"  {kind:>9}: RSS +{m['rss_bytes'] / 1e6:6.1f} MB, tensors {m['held_bytes'] / 1e6:6.1f} MB, "
               f"layer files {m['file_bytes'] / 1e6:5.1f} MB: RSS {m['rss_bytes'] / m['file_bytes']:.2f}x, "
-              f"tensors {m['held_bytes'] / m['file_bytes']:.2f}x the files")
+              f"tensors {m['held_bytes'] / m['file_bytes']:.2f}x the files", flush=True)
+
+    import torch
 
     from swarm.leader.chat_format import encode_chat
     from swarm.stage.slice import StageModel, stage_specs
+
+    torch.set_num_threads(args.threads)
 
     prompt = encode_chat(folder, [{"role": "user", "content": PROMPT}], None)
     rings = {(kind, n): [StageModel.load_dir(folder, s, quantization=kind) for s in stage_specs(30, n)]
@@ -122,7 +130,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for key in (rings if round_ % 2 == 0 else reversed(list(rings))):  # alternated: the noise falls on both
             speeds[key].append(decode_speed(rings[key], prompt, args.tokens))
-    print(f"decode, {args.tokens} tokens a chat, tok/s per round (median), in one process through the stages:")
+    print(f"decode, {args.tokens} tokens a chat, tok/s per round (median), in one process through the stages, "
+          f"{args.threads} thread{'s' if args.threads > 1 else ''}:")
     for (kind, n), values in speeds.items():
         print(f"  {kind:>9}, {n} stage{'s' if n > 1 else ' '}: {' '.join(f'{v:5.1f}' for v in values)} "
               f"({statistics.median(values):.1f})")

@@ -150,8 +150,8 @@ def _linears(stage) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_one_process(tmp_path, kind):
+@pytest.mark.parametrize("kind,tied", [*((kind, False) for kind in TYPES), ("Q4_0", True)])
+def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_one_process(tmp_path, kind, tied):
     from reference_model import gguf_reference_model
     from swarm.stage.gguf_linear import GGUFEmbedding, dequantized
     from swarm.stage.local import LocalRing
@@ -159,7 +159,8 @@ def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_o
     from swarm.store.importer import import_model
 
     gguf = tmp_path / f"tiny-{kind}.gguf"
-    write_llama_gguf(gguf, hidden=256, intermediate=512, layers=2, vocab=256, heads=4, kv_heads=2, matrices=kind)
+    write_llama_gguf(gguf, hidden=256, intermediate=512, layers=2, vocab=256, heads=4, kv_heads=2, matrices=kind,
+                     tied=tied)
     import_model(str(gguf), tmp_path / "models", "m")
     model_dir = tmp_path / "models" / "m"
     at_gguf = [StageModel.load_dir(model_dir, s, quantization="gguf") for s in stage_specs(2, 2)]
@@ -170,7 +171,8 @@ def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_o
         assert sorted(held) == sorted(floats) and len(held) == 7  # q, k, v, o, gate, up, down
         for name, weight in floats.items():  # the file's values, q and k's rows permuted as transformers does
             assert torch.equal(_bits(held[name]), _bits(weight)), name
-    # the first stage's embedding stays in blocks, looked up a row at a time; the last stage's untied head on them
+    # the first stage's embedding stays in blocks, looked up a row at a time; the last stage's head (tied: the
+    # embedding's blocks) on the kernel
     embed = at_gguf[0].embed
     assert isinstance(embed, GGUFEmbedding) and at_gguf[1].lm_head.kernel is not None
     ids = torch.tensor([[3, 250, 3, 0]])
@@ -209,7 +211,7 @@ def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
     assert gguf.layer_bytes == (2_000_000, 2_000_000)  # Q4_1 repacks to its own size
     assert model_size(manifest, cpu=True).layer_bytes == (12_800_000, 12_800_000)  # float32 at none
     assert model_size({**manifest, "file_type": "Q4_0"}, cpu=True, quantization="gguf").layer_bytes[0] == 2_222_222
-    assert gguf.embed_bytes == 112_000_000  # tied: the last stage holds the head widened, counted so
+    assert gguf.embed_bytes == 142_000_000  # tied: the blocks and the head widened (Q8_0 has no kernel yet)
     untied = model_size({**manifest, "tie_word_embeddings": False}, cpu=True, quantization="gguf")
     assert untied.embed_bytes == 30_000_000  # stage 0 alone holds it, as its blocks
     # a file of mixed types widens what has no kernel yet: counted as float32, never under

@@ -250,8 +250,10 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
             layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
         elif f["kind"] == "layer":
             layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms
-        elif f["kind"] == "embed" and quantization == GGUF_KIND and cpu and not tied:
-            embed = f["size"]  # stage 0 keeps its blocks (gguf_linear.GGUFEmbedding); tied, a last stage widens it
+        elif f["kind"] == "embed" and quantization == GGUF_KIND and cpu:
+            # stage 0 keeps its blocks (gguf_linear.GGUFEmbedding); a tied head is a gguf_linear on them, widened to
+            # float32 where no kernel takes its type: counted as both, an upper bound for any stage
+            embed = f["size"] + (int(size * scale) if tied else 0)
         elif f["kind"] == "embed":
             embed = int(size * scale)
             if tied and head_q is not None:

@@ -427,19 +427,22 @@ class StageModel:
 def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device,
           read_blocks=None) -> tuple:
     """The embedding (first stage, with the first layer) and the final norm and head (last stage, with the last
-    layer), or None where this stage has none. ``read_blocks`` (the gguf kind): the embedding, unless the same stage's
-    tied head needs it whole, and an untied head are kept as the file's blocks where they are quantized and on CPU."""
+    layer), or None where this stage has none. ``read_blocks`` (the gguf kind): the embedding and the head -- tied or
+    not -- are kept as the file's blocks where they are quantized and on CPU (the head a gguf_linear on them)."""
     embed: nn.Module | None = None
     norm: nn.Module | None = None
     lm_head: nn.Module | None = None
     embed_weight: torch.Tensor | None = None
-    if read_blocks is not None and spec.is_first and not (spec.is_last and tied) and blocks.embedding is None \
-            and first.type == "cpu":
-        tensors, kept = read_blocks(EMBED_FILE, "embed_tokens.weight", first)
-        if kept is not None:
-            embed = GGUFEmbedding(kept, config.pad_token_id)
-        else:
+    tied_blocks: GGUFBlocks | None = None
+    if read_blocks is not None and (spec.is_first or (spec.is_last and tied)) and blocks.embedding is None \
+            and (first if spec.is_first else last).type == "cpu" and last.type == "cpu":
+        tensors, tied_blocks = read_blocks(EMBED_FILE, "embed_tokens.weight", first if spec.is_first else last)
+        if tied_blocks is None:
             embed_weight = tensors["embed_tokens.weight"]
+        elif spec.is_first:
+            embed = GGUFEmbedding(tied_blocks, config.pad_token_id)
+        if not tied:
+            tied_blocks = None
     elif spec.is_first or (spec.is_last and tied):
         embed_weight = read(EMBED_FILE, first if spec.is_first else last)["embed_tokens.weight"]
     if spec.is_first and embed is None:
@@ -452,7 +455,7 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
         _assign(embed, {"weight": embed_weight}, "embedding")
         _materialise_buffers(embed, first)
     if spec.is_last:
-        head_blocks = None
+        head_blocks = tied_blocks
         if read_blocks is not None and not tied and last.type == "cpu":
             final, head_blocks = read_blocks(FINAL_FILE, "lm_head.weight", last)
         else:
