@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-stages", type=int)
     p.add_argument("--fellow-id", type=int, help="serve on this one fellow (with --num-stages 1)")
     p.add_argument("--quantization", choices=KINDS,
-                   help="hold the weights at 8 or 4 bits (each fellow quantizes its own layers); default none")
+                   help="hold the weights at 8 or 4 bits (each fellow quantizes its own layers), or gguf: compute on "
+                        "a GGUF model's own quantized blocks; default gguf for a model imported from a .gguf file, "
+                        "none otherwise")
     p.add_argument("--context-tokens", type=int, metavar="N",
                    help="serve at most N tokens of conversation (prompt and reply) and budget the KV cache for that; "
                         "default: the model's own context (capped by SWARM_SERVE_CONTEXT_TOKENS where set)")
@@ -257,7 +259,10 @@ def _dispatch(args) -> int | None:
                 for s in view["stages"]:
                     print(f"Stage {s['index']}: {s['fellow']} · L{s['layers'][0]}-{s['layers'][1] - 1} · "
                           f"{s['memory_bytes'] / 1e6:.0f} MB")
-                if view.get("quantization", "none") != "none":
+                if view.get("quantization") == "gguf":
+                    print(f"Quantization gguf (the file's own blocks): weights {view['compression']:.1f}x smaller "
+                          "than float32")
+                elif view.get("quantization", "none") != "none":
                     print(f"Quantized {view['quantization']}: weights {view['compression']:.1f}x smaller")
                 if view.get("context_tokens"):
                     print(f"Context: {view['context_tokens']} tokens, KV cache {view.get('kv_cache', 'auto')}")

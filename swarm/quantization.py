@@ -9,7 +9,10 @@ from typing import Any
 
 from swarm.errors import BadRequest
 
-KINDS = ("none", "int8", "nf4", "int4-fast")
+KINDS = ("none", "int8", "nf4", "int4-fast", "gguf")
+# gguf: a GGUF model's linear layers computed on the file's own quantized blocks (swarm.stage.gguf_linear); the
+# default kind of a model imported from a .gguf file, refused for one without kept blocks (check_model_kind)
+GGUF_KIND = "gguf"
 INT4_GROUP = 32  # weights per scale/offset on CPU: the smallest group torchao's int4 offers, the best perplexity
 
 # Bytes a quantized weight takes, scales included, for placement and the KV budget (what swarm.stage.quantize's modules
@@ -29,6 +32,58 @@ def check_kind(kind: Any) -> str:
     if not isinstance(kind, str) or kind not in KINDS:
         raise BadRequest(f"quantization must be one of {', '.join(KINDS)}; got {kind!r}.", "invalid_quantization")
     return kind
+
+
+def default_kind(manifest: dict | None) -> str:
+    """The kind a model loads at when none is asked: ``gguf`` for a model that keeps a GGUF's blocks (its manifest's
+    storage), ``none`` otherwise."""
+    return GGUF_KIND if manifest and manifest.get("storage") == "gguf" else "none"
+
+
+def check_model_kind(kind: str, manifest: dict | None, name: str) -> str:
+    """``kind`` when model ``name`` can load at it; BadRequest saying why not and what to do otherwise."""
+    kind = check_kind(kind)
+    if kind == GGUF_KIND and default_kind(manifest) != GGUF_KIND:
+        raise BadRequest(f"quantization gguf computes on a GGUF file's own quantized blocks, and model {name} has none "
+                         "(it was imported from a safetensors folder, or before imports kept a GGUF's blocks). Load it "
+                         "at none, int8, nf4 or int4-fast, or import its .gguf file again.", "invalid_quantization")
+    return kind
+
+
+# What a stage at gguf holds per byte of a layer's stored blocks (swarm.stage.gguf_linear), by GGUF type: Q4_0 and
+# Q4_1 repack to half a byte a weight plus a float16 scale and offset per 32 (0.625 bytes: Q4_1's own size, Q4_0's 18
+# bytes a block of 32 become 20); Q4_K to a float32 scale and offset per 32 (0.75 bytes against 144 / 256 = 0.5625);
+# the 8-bit group types to a byte a weight and float32 scales (swarm.stage.gguf_q8: 1.125 bytes for Q8_0 and Q5_0,
+# 1.25 for Q5_1, Q5_K and Q6_K).
+GGUF_HELD_PER_STORED = {"Q4_0": 20 / 18, "Q4_1": 1.0, "Q4_K": 0.75 / 0.5625, "Q8_0": 1.125 / (34 / 32),
+                        "Q5_0": 1.125 / (22 / 32), "Q5_1": 1.25 / (24 / 32), "Q5_K": 1.25 / (176 / 256),
+                        "Q6_K": 1.25 / (210 / 256)}
+# The types llama.cpp's mixes put in a layer (Q4_K_M: Q4_K with some Q6_K, and Q5_0/Q8_0 where rows do not fit 256):
+# a layer of a mix counts at its most expensive type, an upper bound.
+_GGUF_MIXES = {"Q4_K": ("Q4_K", "Q5_0", "Q6_K", "Q8_0"), "Q5_K": ("Q5_K", "Q5_0", "Q6_K", "Q8_0"),
+               "Q6_K": ("Q6_K", "Q8_0"), "Q3_K": (), "Q2_K": ()}
+
+
+def gguf_layer_bytes(file_type: str, stored: int, params: int) -> int:
+    """What a layer file of ``stored`` bytes holding ``params`` weight values takes in a stage at ``gguf`` on CPU
+    (swarm.stage.gguf_linear); the file's type as llama.cpp names it (manifest file_type: Q4_1, Q4_K_M) decides. Types
+    no kernel takes (Q2_K, Q3_K, IQ*) widen to float32: 4 bytes a weight."""
+    name = file_type.upper()
+    family = name.rsplit("_", 1)[0] if name.endswith(("_S", "_M", "_L", "_XS")) else name
+    types = _GGUF_MIXES.get(family, (family,))
+    ratios = [GGUF_HELD_PER_STORED.get(t) for t in types]
+    if not stored or not ratios or None in ratios:
+        return params * 4
+    return int(stored * max(r for r in ratios if r is not None))
+
+
+def gguf_head_bytes(file_type: str, stored: int, params: int) -> int:
+    """What a head built on an embedding's blocks of ``stored`` bytes takes at ``gguf`` on CPU: llama.cpp's files keep
+    the embedding at a type of their own (Q8_0 in a Q4_1 file, Q6_K in a Q4_K_M one), so it counts at the most a
+    kernel's layout holds per stored byte -- or at float32 for a file whose layers have no kernel either."""
+    if gguf_layer_bytes(file_type, stored, params) == params * 4:
+        return params * 4
+    return int(stored * max(GGUF_HELD_PER_STORED.values()))
 
 
 # int8 also holds a scale per output row: bfloat16 on CPU, float32 in bitsandbytes' LLM.int8 (its SCB).
@@ -72,12 +127,12 @@ def kinds_on(device_type: str) -> list[str]:
         # _weight_int8pack_mm has run on CPU since torch 2.3, _weight_int4pack_mm_for_cpu since 2.6.
         if _torch_version() >= (2, 6):
             kinds += ["int8", "nf4", "int4-fast"]
-        return kinds
+        return [*kinds, GGUF_KIND]  # swarm's own kernel, or the blocks' float values where it cannot be built
     if _installed("bitsandbytes"):
         kinds += ["int8", "nf4", "int4-fast"]  # int4-fast is plain nf4 without torchao
     elif _installed("torchao"):
         kinds += ["int4-fast"]
-    return kinds
+    return [*kinds, GGUF_KIND]  # on CUDA each layer's blocks widen to the card's dtype at load
 
 
 def needs(kind: str, device_type: str) -> str:

@@ -171,8 +171,10 @@ class Pool:
     def online(self) -> list[dict]:
         return [f for f in self.http.get("/api/v1/fellows").json()["fellows"] if f["state"] == "online"]
 
-    def load(self, num_stages: int = 2, timeout: float = 180) -> None:
-        assert self.http.post(f"/api/v1/models/{self.name}/load", json={"num_stages": num_stages}).status_code == 202
+    def load(self, num_stages: int = 2, timeout: float = 180, quantization: str = "none") -> None:
+        """Load at ``quantization``: none by default, what the exactness tests compare with (a GGUF's own: gguf)."""
+        body = {"num_stages": num_stages, "quantization": quantization}
+        assert self.http.post(f"/api/v1/models/{self.name}/load", json=body).status_code == 202
         wait_for(lambda: self.status() == "ready", timeout, interval=0.01, message=lambda: logs(self.fellows))
 
     def status(self) -> str | None:

@@ -77,8 +77,13 @@ class Swarm:
         return make_join_token(self.leader.public, self.leader.store.create_join_token(pool.id, uses=uses),
                                self.leader.cert_pin)
 
-    async def load(self, model: str, num_stages: int, timeout: float = 120) -> dict:
-        response = await self.http.post(f"/api/v1/models/{model}/load", json={"num_stages": num_stages})
+    async def load(self, model: str, num_stages: int, timeout: float = 120, quantization: str | None = "none") -> dict:
+        """Load ``model`` over ``num_stages`` at ``quantization``: none by default, the float32 weights the exactness
+        tests compare with transformers' reference (a GGUF model's own default is gguf); None: the model's default."""
+        body: dict = {"num_stages": num_stages}
+        if quantization is not None:
+            body["quantization"] = quantization
+        response = await self.http.post(f"/api/v1/models/{model}/load", json=body)
         assert response.status_code == 202, response.text
         await self.leader.serving.wait_ready(model, timeout)
         return (await self.http.get(f"/api/v1/models/{model}")).json()

@@ -64,3 +64,38 @@ def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     model.eval()
     return model
+
+
+def gguf_reference_model(model_dir: Path) -> Any:
+    """The whole model in one process at the ``gguf`` kind, as a ring's stages hold it: each decoder layer's linear
+    layers built from the file's blocks (swarm.stage.gguf_linear, with the same sibling stacking and the compiled
+    decode step where it applies) and the head (a tied one on the embedding's blocks); the embedding (its rows are
+    the file's values either way) and the norms as the float reference has them. The reference a
+    ring at gguf is checked against, as quantize_model's is for the other kinds."""
+    import functools
+    import json
+
+    from swarm.stage.compiled_decode import install
+    from swarm.stage.gguf_linear import gguf_linear, is_linear_weight, place_linears
+    from swarm.stage.weights import read_weights_and_blocks
+
+    model = load_reference_model(model_dir)
+    raw_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
+    for i, layer in enumerate(model.model.layers):
+        _, kept = read_weights_and_blocks(Path(model_dir) / layer_file(i), raw_config,
+                                          functools.partial(is_linear_weight, layer))
+        biases = {f"{key[: -len('.weight')]}.bias": layer.get_submodule(key[: -len(".weight")]).bias
+                  for key in kept}
+        place_linears(layer, kept, {k: v.detach() for k, v in biases.items() if v is not None})
+    install(model.model.layers, model.config)
+    # the head on its blocks (a tied one on the embedding's), as a last stage holds it
+    tied = bool(model.config.tie_word_embeddings)
+    file, key = (EMBED_FILE, "embed_tokens.weight") if tied else (FINAL_FILE, "lm_head.weight")
+    _, head = read_weights_and_blocks(Path(model_dir) / file, raw_config, lambda name: name == key)
+    if key in head:
+        kept = head[key]
+        model.lm_head = gguf_linear(kept.blocks, kept.ggml_type, kept.shape, None)
+        model.config.tie_word_embeddings = False  # generate() must not tie the embedding back onto it
+        if hasattr(model, "_tied_weights_keys"):
+            model._tied_weights_keys = None
+    return model

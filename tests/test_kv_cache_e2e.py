@@ -46,7 +46,8 @@ def test_a_q8_ring_with_a_capped_context_answers_as_generate_and_refuses_longer(
         with trio.fail_after(280):
             async with running_swarm(tmp_path, [smollm_model_dir]) as swarm:
                 response = await swarm.http.post(f"/api/v1/models/{name}/load",
-                                                 json={"num_stages": 2, "kv_cache": "q8", "context_tokens": 1024})
+                                                 json={"num_stages": 2, "kv_cache": "q8", "context_tokens": 1024,
+                                                       "quantization": "none"})  # float32: the reference's
                 assert response.status_code == 202, response.text
                 await swarm.leader.serving.wait_ready(name, 200)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()

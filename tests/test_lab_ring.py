@@ -253,7 +253,7 @@ class Ring:
         wait_for(all_online, 120, interval=0.2, message=lambda: f"online: {self.online()}, wanted {hosts}")
 
     def load(self) -> dict:
-        status, body = self.api("POST", f"/api/v1/models/{MODEL}/load", {"num_stages": 2})
+        status, body = self.api("POST", f"/api/v1/models/{MODEL}/load", {"num_stages": 2, "quantization": "none"})
         assert status == 202, body
 
         def ready():

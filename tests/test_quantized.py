@@ -156,8 +156,8 @@ def test_this_machine_reports_the_kinds_it_runs():
     from swarm.messages import Hardware
 
     hardware = Hardware.from_wire(probe().to_wire())
-    assert hardware.quantization["cpu"] == ["none", "int8", "nf4", "int4-fast"]
-    assert hardware.quantization_kinds("cpu") == ["none", "int8", "nf4", "int4-fast"]
+    assert hardware.quantization["cpu"] == ["none", "int8", "nf4", "int4-fast", "gguf"]
+    assert hardware.quantization_kinds("cpu") == ["none", "int8", "nf4", "int4-fast", "gguf"]
     assert Hardware.from_wire({"cpu_cores": 1, "ram_total_bytes": 1, "ram_free_bytes": 1}).quantization is None
 
 

@@ -595,7 +595,7 @@ def test_sending_while_not_loaded_loads_first(bg, browser, model):
 def test_a_quantized_load_from_the_choice_beside_load_shows_its_compression(bg, browser, model):
     """After the not-loaded test: loads the model again, at int8, as picked beside Load; Settings shows it."""
     page = signed_in_page(bg, browser, column="settings", not_loaded=model)
-    expect(page.locator("#quantization-picker")).to_have_value("none")
+    expect(page.locator("#quantization-picker")).to_have_value("")  # the model's own kind
     page.select_option("#quantization-picker", "int8")
     page.click("#load-button")
     expect_ready(bg, page, model)

@@ -144,7 +144,7 @@ class StageLoader:
         await trio.to_thread.run_sync(_import_stage_code)
         import torch
 
-        from swarm.stage import int4_kernel
+        from swarm.stage import int4_kernel, q8_kernel
         from swarm.stage.slice import (  # torch is heavy: import when a stage is placed here
             StageModel,
             StageSpec,
@@ -168,6 +168,7 @@ class StageLoader:
             raise ModelError(f"this fellow cannot load {quantization} on {device}: it needs "
                              f"{needs(quantization, 'cpu' if device == 'cpu' else 'cuda')}")
         int4_kernel.use(self.fellow.settings.int4_kernel)
+        q8_kernel.use(self.fellow.settings.int4_kernel)  # SWARM_INT4_KERNEL: swarm's kernels at all
         stage_model = await compute.run(
             lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
                                     layer_devices=layer_devices, quantization=quantization)

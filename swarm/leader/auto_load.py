@@ -98,7 +98,7 @@ class AutoLoad:
             why = "it was unloaded while idle" if name in serving.reload_on_request else "auto-load is on"
             await serving.context_of(name)  # its own context, read from its config: what placement budgets KV for
             try:
-                serving.placement(name, row.manifest, None, None, serving.quantization_of.get(name, "none"),
+                serving.placement(name, row.manifest, None, None, serving.kind_of(name, row.manifest),
                                   row.pool_id)
             except PlacementError as exc:
                 await self._make_room(name, row, exc)
@@ -123,7 +123,7 @@ class AutoLoad:
             for n in range(1, len(idle) + 1):
                 going = frozenset(idle[:n])
                 try:
-                    serving.placement(name, row.manifest, None, None, serving.quantization_of.get(name, "none"),
+                    serving.placement(name, row.manifest, None, None, serving.kind_of(name, row.manifest),
                                       row.pool_id, releasing=going)
                 except PlacementError:
                     continue

@@ -137,7 +137,8 @@ def build_server(leader) -> MCPServer:
 
     @server.tool(description="Load a model on the pool. num_stages splits it over that many fellows (1: one PC, "
                              "with fellow_id to choose which); by default the leader places it. quantization "
-                             "(none, int8, nf4, int4-fast) holds the weights at 8 or 4 bits; context_tokens caps "
+                             "(none, int8, nf4, int4-fast, gguf) holds the weights at 8 or 4 bits, or gguf: on a "
+                             "GGUF model's own quantized blocks (its default); context_tokens caps "
                              "the conversation length served (default: the model's own); kv_cache (auto, f32, f16, "
                              "q8) holds keys and values at that width, q8 at about half of f16. Returns at once; "
                              "the model is ready when models_list says so.")

@@ -229,14 +229,17 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     layer per expert matrix (swarm.stage.moe_experts); its router stays in the compute dtype but is counted at the
     kind's size like the rest (experts x hidden weights: under 0.1 % of a real model's layer), and its experts' rows
     are counted at the hidden size where some are shorter (an int8 row's scale: 2 bytes a row)."""
-    from swarm.quantization import bytes_per_weight
+    from swarm.model_format import MOE_ARCHITECTURES
+    from swarm.quantization import GGUF_KIND, bytes_per_weight, gguf_head_bytes, gguf_layer_bytes
 
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
     device = "cpu" if cpu else "cuda"
     hidden = manifest.get("hidden_size") or 0  # the shortest row of a decoder layer's linears, and the head's row
+    moe = manifest.get("architecture") in MOE_ARCHITECTURES  # a GGUF MoE's experts are not kept as blocks yet
     layer_q = bytes_per_weight(quantization, device, hidden)
-    head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization != "none" and cpu else "none"
+    head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization not in ("none", GGUF_KIND) \
+        and cpu else "none"  # at gguf the head and embedding widen to float
     head_q = bytes_per_weight(head_kind, device, hidden)
     norm = hidden * stored  # one norm's weight, as stored
 
@@ -252,8 +255,16 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     embed = final = 0
     for f in manifest["files"]:
         size = int(f.get("params") or 0) * stored or f["size"]  # as if stored in `stored`
-        if f["kind"] == "layer":
+        if f["kind"] == "layer" and quantization == GGUF_KIND and cpu and not moe:
+            # the file's blocks, repacked (swarm.stage.gguf_linear), and its two norms in float32
+            layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
+        elif f["kind"] == "layer":
             layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms
+        elif f["kind"] == "embed" and quantization == GGUF_KIND and cpu:
+            # stage 0 keeps its blocks (gguf_linear.GGUFEmbedding); a tied head is a gguf_linear on them, widened to
+            # float32 where no kernel takes its type: counted as both, an upper bound for any stage
+            embed = f["size"] + (gguf_head_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
+                                 if tied else 0)
         elif f["kind"] == "embed":
             embed = int(size * scale)
             if tied and head_q is not None:

@@ -314,7 +314,7 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     has not reported its speed. ``serving``: the leader's swarm.leader.serving.ServingHub."""
     row = await serving.model_row(name)
     manifest = row.manifest
-    kind = serving.quantization_of.get(name, "none")
+    kind = serving.kind_of(name, manifest)
     await serving.context_of(name)  # its own context, read from its config: placement keeps room for it
     plans, size, kind, fellows, _ = serving.placement(name, manifest, num_stages, None, kind, row.pool_id)
     try:

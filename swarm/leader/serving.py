@@ -46,6 +46,7 @@ from swarm.leader.recovery import Recovery
 from swarm.leader.relay import RelayHub
 from swarm.leader.requests import NotLoaded, Request, RequestBook, RequestState, ToStage0, too_long
 from swarm.leader.verify import Verifier
+from swarm.quantization import check_model_kind, default_kind
 
 if TYPE_CHECKING:
     from swarm.leader.direct_links import DirectLinkCoordinator
@@ -213,10 +214,15 @@ class Serving:
             return False
         asked_otherwise = (num_stages is not None and num_stages != len(current.stages)) or \
             (fellow_id is not None and current.stages[0].plan.fellow_id != fellow_id)
-        requantized = quantization is not None and quantization != self.quantization_of.get(name, "none")
+        requantized = quantization is not None and quantization != self.quantization_of.get(name, current.quantization)
         requantized |= context_tokens is not None and context_tokens != self.context_caps.get(name)
         requantized |= kv_cache is not None and kv_cache != current.kv_cache
         return requantized or (current.status == ModelStatus.RECOVERING and asked_otherwise)
+
+    def kind_of(self, name: str, manifest: dict | None) -> str:
+        """The kind ``name`` loads at when none is asked: as it was last asked, else its own default (gguf for a model
+        that keeps a GGUF's blocks, none otherwise: swarm.quantization.default_kind)."""
+        return self.quantization_of.get(name) or default_kind(manifest)
 
     async def load(self, name: str, num_stages: int | None = None, fellow_id: int | None = None,
                    quantization: str | None = None, context_tokens: int | None = None,
@@ -228,6 +234,8 @@ class Serving:
         loaded, else SWARM_SERVE_KV_CACHE) is how its stages hold keys and values."""
         row = await self.model_row(name)
         manifest = row.manifest
+        if quantization is not None:  # refused before anything serving is unloaded for it
+            check_model_kind(quantization, manifest, name)
         current = self.models.get(name)
         if current is not None and current.status in (ModelStatus.LOADING, ModelStatus.READY, ModelStatus.RECOVERING):
             if not self.restarts(name, num_stages, fellow_id, quantization, context_tokens, kv_cache):
@@ -235,7 +243,7 @@ class Serving:
             # asked for another shape while the old one is still being put back together, or another quantization:
             # start over as asked
             await self.unload(name, reason=f"model {name} is being loaded again as asked")
-        asked = quantization if quantization is not None else self.quantization_of.get(name, "none")
+        asked = quantization if quantization is not None else self.kind_of(name, manifest)
         config_file = self.models_root / name / "config.json"
         config = await trio.to_thread.run_sync(lambda: json.loads(config_file.read_text()))
         self.own_contexts[name] = model_context(config)

@@ -37,7 +37,7 @@ from transformers.cache_utils import DynamicCache
 
 from swarm.errors import KernelMismatch
 from swarm.model_format import LEAN_DECODE_FAMILIES
-from swarm.stage.int4_kernel import GROUP, expect
+from swarm.stage.int4_kernel import GROUP, SCALE_FORMATS, expect
 from swarm.stage.kv_cache import is_packed
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class _Layer(ctypes.Structure):
         ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("eps", ctypes.c_float),
         ("scaling", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
             "in_norm", "post_norm", "q_norm", "k_norm", "w_qkv", "s_qkv", "b_qkv", "w_o", "s_o", "b_o",
-            "w_gate_up", "s_gate_up", "w_down", "s_down")]
+            "w_gate_up", "s_gate_up", "w_down", "s_down")] + [("scale_format", ctypes.c_int)]
 
 
 class CompiledStep:
@@ -89,7 +89,8 @@ class CompiledStep:
             s_qkv=qkv.scale_zeros.data_ptr(), b_qkv=pointer(self._qkv_bias), w_o=attn.o_proj.packed.data_ptr(),
             s_o=attn.o_proj.scale_zeros.data_ptr(), b_o=pointer(self._o_bias), w_gate_up=gate_up.packed.data_ptr(),
             s_gate_up=gate_up.scale_zeros.data_ptr(), w_down=mlp.down_proj.packed.data_ptr(),
-            s_down=mlp.down_proj.scale_zeros.data_ptr())
+            s_down=mlp.down_proj.scale_zeros.data_ptr(),
+            scale_format=SCALE_FORMATS[qkv.scale_zeros.dtype])  # bfloat16, or a GGUF's exact scales (gguf_linear)
         self._tensors = (qkv, attn.o_proj, gate_up, mlp.down_proj)  # the buffers the pointers point into
         self._check_weights()
         self._qkv_call, self._rest_call = kernel.layer_calls(_Layer)
@@ -103,7 +104,9 @@ class CompiledStep:
                                  self.heads * hd), ("gate, up", self._tensors[2], 2 * inter, hidden),
                                  ("down", self._tensors[3], hidden, inter)):
             expect(part.packed, f"layer {self.index}'s {name} weights", torch.uint8, (n, k // 2))
-            expect(part.scale_zeros, f"layer {self.index}'s {name} scales", torch.bfloat16, (n, 2, k // GROUP))
+            # every matrix's scales in one dtype, as the struct says (scale_format: its scale format)
+            expect(part.scale_zeros, f"layer {self.index}'s {name} scales", self._tensors[0].scale_zeros.dtype,
+                   (n, 2, k // GROUP))
         for name, t, size in (("input norm", self._in_norm, hidden), ("post-attention norm", self._post_norm, hidden),
                               ("q norm", self._q_norm, hd), ("k norm", self._k_norm, hd),
                               ("q, k, v bias", self._qkv_bias, width), ("o bias", self._o_bias, hidden)):
@@ -296,6 +299,8 @@ def _takes_layer(layer: Any, config: Any) -> bool:
                                                                                    "fused", None)
     parts = (qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None))
     if any(getattr(p, "kernel", None) is None for p in parts):
+        return False
+    if len({p.scale_zeros.dtype for p in parts if p is not None}) != 1:  # one format per struct (a GGUF of mixed types)
         return False
     assert attn is not None and mlp is not None and gate_up is not None  # their projections have kernels
     if gate_up.bias is not None or mlp.down_proj.bias is not None:

@@ -8,6 +8,8 @@ times as possible (once per card); the embedding stays with the first layer, the
 
 from __future__ import annotations
 
+import ctypes
+
 from swarm.errors import ModelError
 
 GB = 1e9
@@ -37,3 +39,13 @@ def layer_devices(layer_bytes: list[int], cards: list[tuple[str, int]], first_ex
         out.append(cards[card][0])
         used += need
     return out
+
+
+def return_freed_memory() -> None:
+    """Hand the heap a load freed back to the system: glibc keeps freed memory in the process (its arenas) until asked
+    (malloc_trim). Measured (bench/gguf_kind.py's middle stage of the built-in model at gguf, 22.2 MB of tensors):
+    RSS added by the load 38.0 MB before, 22.8 MB after. Elsewhere than glibc there is nothing to call or to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -2,7 +2,9 @@
  * the scheme of llama.cpp's Q4 x Q8 dot products (swarm/stage/int4_kernel.py builds and loads this file).
  *
  * W (n outputs x k inputs): groups of 32 inputs, each with a bfloat16 scale s and offset z (w = (q - 8) s + z, q in
- * 0..15 -- the grid of swarm.stage.quantize's Int4Linear). An output's inputs come in blocks of 16 groups (512
+ * 0..15 -- the grid of swarm.stage.quantize's Int4Linear), or, through swarm_int4_mm_exact, a float32 or float16
+ * scale s and the offset's factor m = z - 8 s itself (w = q s + m): the forms that hold a GGUF's Q4_0, Q4_1 and Q4_K
+ * blocks exactly (d and -8 d, d and m in float16; d sc and -dmin m in float32; swarm/stage/gguf_linear.py). An output's inputs come in blocks of 16 groups (512
  * inputs), then a tail of pairs of groups where k is not a multiple of 512:
  *  - a block is 8 vectors of 64 weights, vector v holding inputs 4v..4v+3 of each of its 16 groups (group g in bytes
  *    4g..4g+3, one 32-bit lane). The VNNI dot product of a vector with the activations in the same order sums four
@@ -68,6 +70,39 @@ static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)h << 16;
     return v.f;
+}
+
+/* IEEE half precision to float (exact: every half is a float) */
+static inline float f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0x1F) v.u = sign | 0x7F800000 | (mantissa << 13); /* inf, nan */
+    else if (exponent) v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else { /* zero and subnormals: mantissa * 2^-24 */
+        v.f = (float)mantissa * 5.9604644775390625e-08f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+
+/* How a matrix's scales are held (fmt): per output, its k / 32 scales then its k / 32 offsets -- */
+#define SCALES_BF16 0 /* bfloat16 s and z, m = z - 8 s (int4-fast's) */
+#define SCALES_F32 1  /* float32 s and m (a GGUF's Q4_K: d sc and -dmin m) */
+#define SCALES_F16 2  /* float16 s and m (a GGUF's Q4_0 and Q4_1: d and -8 d, d and m) */
+/* output j's scales start k / 16 values after output j - 1's */
+static inline const void *scales_of(const void *sz, int fmt, size_t j, int k) {
+    return (const char *)sz + j * (size_t)(k / 16) * (fmt == SCALES_F32 ? 4 : 2);
+}
+static inline float half_at(const void *sz, int fmt, int i) {
+    if (fmt == SCALES_F32) return ((const float *)sz)[i];
+    const uint16_t h = ((const uint16_t *)sz)[i];
+    return fmt == SCALES_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+static inline float scale_at(const void *sz, int fmt, int g) { return half_at(sz, fmt, g); }
+/* m = z - 8 s of group g (groups: the output's k / 32) */
+static inline float factor_at(const void *sz, int fmt, int groups, int g) {
+    if (fmt != SCALES_BF16) return half_at(sz, fmt, groups + g);
+    return half_at(sz, fmt, groups + g) - 8.0f * half_at(sz, fmt, g);
 }
 
 /* The byte of a tail pair's 64 quantized activations that meets weight j (0..31) of its first group (second: + 4): the
@@ -157,7 +192,7 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *sx
 }
 #endif
 
-/* w: one output's k / 2 packed bytes; sz: its k / 32 scales then its k / 32 offsets, in bfloat16; xq, dx, sx: `rows`
+/* w: one output's k / 2 packed bytes; sz, fmt: its scales (scales_of); xq, dx, sx: `rows`
  * rows of quantized activations (k, k / 32 and k / 32 apart); out: a result per row. */
 #if defined(PATH_512)
 static inline __m512 two_floats(const float *ab) {
@@ -167,7 +202,16 @@ static inline __m512 two_floats(const float *ab) {
 }
 
 /* groups g.. (those in `some`) of one output: their scales s as floats into *scales, and z - 8 s returned */
-static inline __m512 widen_scales(const uint16_t *sz, int groups, int g, __mmask16 some, __m512 *scales) {
+static inline __m512 widen_scales(const void *scales_, int fmt, int groups, int g, __mmask16 some, __m512 *scales) {
+    if (fmt == SCALES_F32) {
+        *scales = _mm512_maskz_loadu_ps(some, (const float *)scales_ + g);
+        return _mm512_maskz_loadu_ps(some, (const float *)scales_ + groups + g);
+    }
+    if (fmt == SCALES_F16) {
+        *scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(some, (const uint16_t *)scales_ + g));
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(some, (const uint16_t *)scales_ + groups + g));
+    }
+    const uint16_t *sz = scales_;
     *scales = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(some, sz + g)), 16));
     const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -225,10 +269,10 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 /* One row against four outputs at once (a decode step's case): each block's activations are loaded once for the
- * four. w, sz: output j's; the others follow at k / 2 bytes and k / 16 scales apart. Each output sums as dot_rows
+ * four. w, sz: output j's; the others follow at k / 2 bytes and k / 16 scales apart (scales_of). Each output sums as dot_rows
  * sums a row: the same bits. */
 #define FOUR 4
-static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq, const float *dx,
+static inline void dot_four(int j, const uint8_t *w, const void *sz, int fmt, int k, const int8_t *xq, const float *dx,
                             const float *sx, float *out) {
     const int groups = k / 32, blocked = k / BLOCK * BLOCK, pairs = tail_pairs(k);
     __m512 acc[FOUR], tail[FOUR];
@@ -250,7 +294,7 @@ static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, 
         }
         for (int o = 0; o < FOUR; o++) {
             __m512 s;
-            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, b / 32, (__mmask16)0xFFFF, &s);
+            const __m512 m = widen_scales(scales_of(sz, fmt, o, k), fmt, groups, b / 32, (__mmask16)0xFFFF, &s);
             acc[o] = add_block(acc[o], _mm512_add_epi32(lo[o], hi[o]), s, m, dx + b / 32, sx + b / 32);
         }
     }
@@ -262,7 +306,7 @@ static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, 
             for (int p = 0; p < pairs; p++) q[p] = unpack_pair(t + 32 * p);
             const __mmask16 some = (__mmask16)((1u << (2 * pairs)) - 1);
             __m512 s;
-            const __m512 m = widen_scales(sz + (size_t)o * (k / 16), groups, blocked / 32, some, &s);
+            const __m512 m = widen_scales(scales_of(sz, fmt, o, k), fmt, groups, blocked / 32, some, &s);
             tail[o] = tail_sum(pairs, q, s, m, xq + blocked, dx + blocked / 32, sx + blocked / 32, some, &acc[o]);
         }
     }
@@ -270,8 +314,8 @@ static inline void dot_four(int j, const uint8_t *w, const uint16_t *sz, int k, 
                                 _mm512_add_ps(acc[2], tail[2]), _mm512_add_ps(acc[3], tail[3])));
 }
 
-static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
-                                                           int k, const int8_t *xq, const float *dx, const float *sx,
+static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const void *sz,
+                                                           int fmt, int k, const int8_t *xq, const float *dx, const float *sx,
                                                            float *out) {
     const int groups = k / 32, blocked = k / BLOCK * BLOCK, pairs = tail_pairs(k);
     __m512 acc[ROW_TILE], tail[ROW_TILE];
@@ -281,7 +325,7 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
         __m512i q[8];
         unpack_block(blocks + b / 2, q);
         __m512 s;
-        const __m512 m = widen_scales(sz, groups, b / 32, (__mmask16)0xFFFF, &s);
+        const __m512 m = widen_scales(sz, fmt, groups, b / 32, (__mmask16)0xFFFF, &s);
         __m512i dot[ROW_TILE];
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
         for (int v = 0; v < 8; v++) /* the rows side by side: independent chains */
@@ -296,7 +340,7 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
         for (int p = 0; p < pairs; p++) q[p] = unpack_pair(t + 32 * p);
         const __mmask16 some = (__mmask16)((1u << (2 * pairs)) - 1);
         __m512 s;
-        const __m512 m = widen_scales(sz, groups, blocked / 32, some, &s);
+        const __m512 m = widen_scales(sz, fmt, groups, blocked / 32, some, &s);
         for (int r = 0; r < rows; r++)
             tail[r] = tail_sum(pairs, q, s, m, xq + (size_t)r * k + blocked, dx + (size_t)r * groups + blocked / 32,
                                sx + (size_t)r * groups + blocked / 32, some, &acc[r]);
@@ -338,10 +382,31 @@ static inline __m256 widen8(const uint16_t *h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
 }
 
+/* groups g..g+7 of one output: their scales into *s, their offsets' factors m = z - 8 s returned */
+static inline __m256 scales8(const void *sz, int fmt, int groups, int g, __m256 *s) {
+    if (fmt == SCALES_F32) {
+        *s = _mm256_loadu_ps((const float *)sz + g);
+        return _mm256_loadu_ps((const float *)sz + groups + g);
+    }
+    if (fmt == SCALES_F16) {
+#if defined(__F16C__)
+        *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sz + g)));
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sz + groups + g)));
+#else
+        float a[8], b[8];
+        for (int i = 0; i < 8; i++) a[i] = half_at(sz, fmt, g + i), b[i] = half_at(sz, fmt, groups + g + i);
+        *s = _mm256_loadu_ps(a);
+        return _mm256_loadu_ps(b);
+#endif
+    }
+    *s = widen8((const uint16_t *)sz + g);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), *s, widen8((const uint16_t *)sz + groups + g));
+}
+
 /* Half a block at a time: its 8 vectors' halves (groups 0..7, then 8..15) summed per group, as the AVX512 path sums
  * whole vectors; a tail pair 32 of its weights at a time (16 of each group), each lane with its group's s d. */
-static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz,
-                                                           int k, const int8_t *xq, const float *dx, const float *sx,
+static inline __attribute__((always_inline)) void dot_rows(int rows, int j, const uint8_t *w, const void *sz,
+                                                           int fmt, int k, const int8_t *xq, const float *dx, const float *sx,
                                                            float *out) {
     const int groups = k / 32, blocked = k / BLOCK * BLOCK, pairs = tail_pairs(k);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -357,7 +422,8 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
                 q[c] = _mm256_and_si256(v, nibble);
                 q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
-            const __m256 s = widen8(sz + g), m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, widen8(sz + groups + g));
+            __m256 s;
+            const __m256 m = scales8(sz, fmt, groups, g, &s);
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xq + (size_t)r * k + b + 32 * half;
                 __m256i dot = dot_bytes(q[0], _mm256_loadu_si256((const __m256i *)x));
@@ -370,7 +436,7 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, int j, cons
         }
     float offsets[ROW_TILE] = {0.0f}, sd[ROW_TILE][MAX_TAIL];
     for (int g = blocked / 32; g < groups; g++) {
-        const float scale = bf16_to_float(sz[g]), m = bf16_to_float(sz[groups + g]) - 8.0f * scale;
+        const float scale = scale_at(sz, fmt, g), m = factor_at(sz, fmt, groups, g);
         for (int r = 0; r < rows; r++) {
             sd[r][g - blocked / 32] = scale * dx[(size_t)r * groups + g];
             offsets[r] += m * sx[(size_t)r * groups + g];
@@ -400,7 +466,7 @@ static inline int level(const uint8_t *w, int j, int k, int i) {
     return (tail_at(w, j, k)[(i - blocked) / 64 * 32 + r % 32] >> (4 * (r / 32))) & 0x0F;
 }
 
-static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *sz, int k, const int8_t *xq,
+static inline void dot_rows(int rows, int j, const uint8_t *w, const void *sz, int fmt, int k, const int8_t *xq,
                             const float *dx, const float *sx, float *out) {
     const int groups = k / 32;
     for (int r = 0; r < rows; r++) {
@@ -408,9 +474,8 @@ static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *s
         for (int g = 0; g < groups; g++) {
             int32_t dot = 0;
             for (int i = 32 * g; i < 32 * g + 32; i++) dot += level(w, j, k, i) * xq[(size_t)r * k + place(i, k)];
-            const float scale = bf16_to_float(sz[g]);
-            acc += (float)dot * (scale * dx[(size_t)r * groups + g]);
-            offsets += (bf16_to_float(sz[groups + g]) - 8.0f * scale) * sx[(size_t)r * groups + g];
+            acc += (float)dot * (scale_at(sz, fmt, g) * dx[(size_t)r * groups + g]);
+            offsets += factor_at(sz, fmt, groups, g) * sx[(size_t)r * groups + g];
         }
         out[r] = acc + offsets;
     }
@@ -424,17 +489,19 @@ static inline void dot_rows(int rows, int j, const uint8_t *w, const uint16_t *s
  * pointers, for C's sake).
  * No bounds test here: GCC deletes prefetch loops behind one (12.2, -O1 and up). */
 #define PREFETCH 8 /* outputs ahead */
-static inline void prefetch_outputs(const uint8_t *w, const uint16_t *sz, int k, int j, int count) {
-    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * (k / 2), szj = (uintptr_t)sz + (uintptr_t)j * (k / 8);
+static inline void prefetch_outputs(const uint8_t *w, const void *sz, int fmt, int k, int j, int count) {
+    const int bytes = fmt == SCALES_F32 ? k / 4 : k / 8; /* an output's scales and offsets */
+    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * (k / 2), szj = (uintptr_t)sz + (uintptr_t)j * bytes;
     for (int b = 0; b < count * (k / 2); b += 64) __builtin_prefetch((const void *)(wj + b));
-    for (int b = 0; b < count * (k / 8); b += 64) __builtin_prefetch((const void *)(szj + b));
+    for (int b = 0; b < count * bytes; b += 64) __builtin_prefetch((const void *)(szj + b));
 }
 
-/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k/2 bytes; sz: n x k/32 x 2 bfloat16 (scale, offset).
- * k must be a multiple of 64; threads: how many OpenMP threads share the outputs (the stage's torch threads).
- * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 64 (y untouched). */
-int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, const uint16_t *sz, const float *bias,
-                  float *y, int threads) {
+/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k/2 bytes; sz: n x 2 x k/32 bfloat16 (scales, offsets)
+ * or, fmt, float32 (scales, offsets' factors). k must be a multiple of 64; threads: how many OpenMP threads share the
+ * outputs (the stage's torch threads). Returns 0; -1 where scratch memory could not be had, -2 where k is not a
+ * multiple of 64 (y untouched). */
+static int int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, const void *sz, int fmt,
+                   const float *bias, float *y, int threads) {
     if (threads < 1) threads = 1;
     if (k % 64) return -2;
     const int groups = k / 32;
@@ -467,24 +534,24 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
 #if defined(PATH_512)
             if (tile == 1)
                 for (; j + FOUR <= last; j += FOUR) {
-                    prefetch_outputs(w, sz, k, j + PREFETCH, FOUR);
-                    dot_four(j, w + (size_t)j * (k / 2), sz + (size_t)j * (k / 16), k, xt, dt, st, out);
+                    prefetch_outputs(w, sz, fmt, k, j + PREFETCH, FOUR);
+                    dot_four(j, w + (size_t)j * (k / 2), scales_of(sz, fmt, j, k), fmt, k, xt, dt, st, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
             for (; j < last; j++) {
-                if (r0 == 0) prefetch_outputs(w, sz, k, j + PREFETCH, 1);
+                if (r0 == 0) prefetch_outputs(w, sz, fmt, k, j + PREFETCH, 1);
                 const uint8_t *wj = w + (size_t)j * (k / 2);
-                const uint16_t *szj = sz + (size_t)j * (k / 16);
+                const void *szj = scales_of(sz, fmt, j, k);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
-                    case 8: dot_rows(8, j, wj, szj, k, xt, dt, st, out); break;
-                    case 7: dot_rows(7, j, wj, szj, k, xt, dt, st, out); break;
-                    case 6: dot_rows(6, j, wj, szj, k, xt, dt, st, out); break;
-                    case 5: dot_rows(5, j, wj, szj, k, xt, dt, st, out); break;
-                    case 4: dot_rows(4, j, wj, szj, k, xt, dt, st, out); break;
-                    case 3: dot_rows(3, j, wj, szj, k, xt, dt, st, out); break;
-                    case 2: dot_rows(2, j, wj, szj, k, xt, dt, st, out); break;
-                    default: dot_rows(1, j, wj, szj, k, xt, dt, st, out); break;
+                    case 8: dot_rows(8, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    case 7: dot_rows(7, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    case 6: dot_rows(6, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    case 5: dot_rows(5, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    case 4: dot_rows(4, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    case 3: dot_rows(3, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    case 2: dot_rows(2, j, wj, szj, fmt, k, xt, dt, st, out); break;
+                    default: dot_rows(1, j, wj, szj, fmt, k, xt, dt, st, out); break;
                 }
                 const float b = bias ? bias[j] : 0.0f;
                 for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;
@@ -492,6 +559,18 @@ int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, cons
         }
     }
     return 0;
+}
+
+int swarm_int4_mm(const float *x, int rows, int k, int n, const uint8_t *w, const uint16_t *sz, const float *bias,
+                  float *y, int threads) {
+    return int4_mm(x, rows, k, n, w, sz, 0, bias, y, threads);
+}
+
+/* swarm_int4_mm with float32 (fmt SCALES_F32) or float16 (SCALES_F16) scales and offsets' factors: w = q s + m */
+int swarm_int4_mm_exact(const float *x, int rows, int k, int n, const uint8_t *w, const void *sm, int fmt,
+                        const float *bias, float *y, int threads) {
+    if (fmt != SCALES_F32 && fmt != SCALES_F16) return -3;
+    return int4_mm(x, rows, k, n, w, sm, fmt, bias, y, threads);
 }
 
 /* --- a decoder layer's step for rows that are each one request's next token ---------------------------------------
@@ -516,6 +595,7 @@ typedef struct {
     const uint16_t *s_gate_up;
     const uint8_t *w_down;
     const uint16_t *s_down;
+    int scale_format; /* how every s_ above holds its scales: SCALES_BF16, SCALES_F32 or SCALES_F16 */
 } swarm_layer;
 
 /* swarm_layer's size, then each field's offset in the order declared: the Python side (compiled_decode._Layer, a ctypes
@@ -530,7 +610,7 @@ int swarm_layer_layout(long long *out, int n) {
         offsetof(swarm_layer, w_qkv), offsetof(swarm_layer, s_qkv), offsetof(swarm_layer, b_qkv),
         offsetof(swarm_layer, w_o), offsetof(swarm_layer, s_o), offsetof(swarm_layer, b_o),
         offsetof(swarm_layer, w_gate_up), offsetof(swarm_layer, s_gate_up), offsetof(swarm_layer, w_down),
-        offsetof(swarm_layer, s_down)};
+        offsetof(swarm_layer, s_down), offsetof(swarm_layer, scale_format)};
     const int count = (int)(sizeof layout / sizeof layout[0]);
     for (int i = 0; i < count && i < n; i++) out[i] = layout[i];
     return count;
@@ -644,7 +724,7 @@ int swarm_layer_qkv(const swarm_layer *L, const float *x, int rows, const float 
     if (!h) return -1;
     float *qkv = h + (size_t)rows * L->hidden;
     for (int r = 0; r < rows; r++) rms_norm(x + (size_t)r * L->hidden, L->hidden, L->in_norm, L->eps, h + (size_t)r * L->hidden);
-    int status = swarm_int4_mm(h, rows, L->hidden, width, L->w_qkv, L->s_qkv, L->b_qkv, qkv, threads);
+    int status = int4_mm(h, rows, L->hidden, width, L->w_qkv, L->s_qkv, L->scale_format, L->b_qkv, qkv, threads);
     if (status) return status;
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (size_t)r * width;
@@ -705,14 +785,14 @@ int swarm_layer_rest(const swarm_layer *L, float *x, int rows, const float *q, c
             for (int i = 0; i < hd; i++) out_h[i] += weight * vh[(size_t)t * hd + i];
         }
     }
-    int status = swarm_int4_mm(a, rows, nq, hidden, L->w_o, L->s_o, L->b_o, o, threads);
+    int status = int4_mm(a, rows, nq, hidden, L->w_o, L->s_o, L->scale_format, L->b_o, o, threads);
     if (status) return status;
     for (size_t i = 0; i < out; i++) x[i] += o[i];
     for (int r = 0; r < rows; r++) rms_norm(x + (size_t)r * hidden, hidden, L->post_norm, L->eps, h + (size_t)r * hidden);
-    status = swarm_int4_mm(h, rows, hidden, 2 * L->inter, L->w_gate_up, L->s_gate_up, NULL, gu, threads);
+    status = int4_mm(h, rows, hidden, 2 * L->inter, L->w_gate_up, L->s_gate_up, L->scale_format, NULL, gu, threads);
     if (status) return status;
     for (int r = 0; r < rows; r++) silu_mul(gu + (size_t)r * 2 * L->inter, L->inter, m + (size_t)r * L->inter);
-    status = swarm_int4_mm(m, rows, L->inter, hidden, L->w_down, L->s_down, NULL, o, threads);
+    status = int4_mm(m, rows, L->inter, hidden, L->w_down, L->s_down, L->scale_format, NULL, o, threads);
     if (status) return status;
     for (size_t i = 0; i < out; i++) x[i] += o[i];
     return 0;

@@ -36,6 +36,9 @@ FLAGS = c_build.FLAGS
 GROUP = 32  # inputs per scale and offset
 PAIR = 64  # inputs two groups share in the packed layout: a layer's in_features must be a multiple of it
 BLOCK = 512  # inputs of a block (16 groups) in the packed layout; the rest of a row is packed in pairs
+# The C file's scale formats (SCALES_BF16 = 0, SCALES_F32, SCALES_F16) by the dtype the scales are held in
+SCALE_FORMATS = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
+EXACT_SCALES = (torch.float32, torch.float16)  # pack_exact's: w = q s + m with s and m as a GGUF has them
 
 
 class Int4Kernel:
@@ -48,6 +51,10 @@ class Int4Kernel:
         self._mm.restype = ctypes.c_int
         self._mm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        # float32 or float16 scales and offsets' factors (pack_exact's): a GGUF's Q4 blocks held exactly
+        self._mm_exact = lib.swarm_int4_mm_exact
+        self._mm_exact.restype = ctypes.c_int
+        self._mm_exact.argtypes = [*self._mm.argtypes[:6], ctypes.c_int, *self._mm.argtypes[6:]]
         lib.swarm_int4_path.restype = ctypes.c_char_p
         self.simd = lib.swarm_int4_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
         qkv, rest = lib.swarm_layer_qkv, lib.swarm_layer_rest
@@ -113,6 +120,39 @@ class Int4Kernel:
             packed[1::2] = torch.cat([tail[1::2], blocks[1::2]], 1)  # odd outputs: the tail first
         return packed.contiguous(), torch.stack([scale, zero], dim=1).to(torch.bfloat16).contiguous()
 
+    @classmethod
+    def pack_exact(cls, q: torch.Tensor, scale: torch.Tensor, factor: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scales) for levels ``q`` (out, in; 0..15) with weights w = q * scale + factor per group of 32
+        inputs (``scale``, ``factor``: (out, in / 32)), the scales kept in ``dtype``, float32 or float16 -- which hold
+        a GGUF's Q4 scales exactly (float16: Q4_0's and Q4_1's, which the file has in float16), where bfloat16 would
+        round them: (out, 2, in / 32), each output's scales then its factors. The kernel computes such a matrix through
+        swarm_int4_mm_exact (:meth:`matmul` picks it by the scales' dtype)."""
+        if dtype not in EXACT_SCALES:
+            raise KernelMismatch(f"pack_exact keeps scales in float32 or float16, not {dtype}: a bug in swarm")
+        both = torch.stack([scale, factor], dim=1)
+        held = both.to(dtype)
+        if not torch.equal(held.to(both.dtype), both):
+            raise KernelMismatch(f"scales that {dtype} cannot hold exactly were given to pack_exact: a bug in swarm")
+        return cls.pack(q, scale, factor)[0], held.contiguous()
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
+        """The levels (out, in) of a matrix :meth:`pack` laid out: its inverse, for tests and checks."""
+        n = packed.shape[0]
+        blocked = k // BLOCK * BLOCK
+        pairs = (k - blocked) // PAIR
+        data = packed.clone()
+        if pairs % 2:
+            data[1::2] = torch.cat([packed[1::2, pairs * PAIR // 2 :], packed[1::2, : pairs * PAIR // 2]], 1)
+        blocks = data[:, : blocked // 2].reshape(n, blocked // BLOCK, 4, PAIR)
+        vectors = torch.cat([blocks & 0x0F, blocks >> 4], 2)  # (n, blocks, 8 vectors, 64)
+        levels = (vectors.reshape(n, blocked // BLOCK, GROUP // 4, BLOCK // GROUP, 4).transpose(2, 3)
+                  .reshape(n, blocked))
+        tail = data[:, blocked // 2 :].reshape(n, pairs, PAIR // 2)
+        rest = torch.cat([tail & 0x0F, tail >> 4], 2).reshape(n, k - blocked)
+        return torch.cat([levels, rest], 1)
+
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
                bias: torch.Tensor | None) -> torch.Tensor:
         """x (rows, in) @ W.T (+ bias) in float32: x is taken as float32 rows, the bias where it is float32 (else
@@ -126,14 +166,22 @@ class Int4Kernel:
             raise KernelMismatch(f"the int4 kernel takes layers whose inputs are a multiple of {PAIR}, not {k}: "
                                  "this is a bug in swarm (int4_kernel.takes decides which layers it gets)")
         expect(packed, "the packed weights", torch.uint8, (out_features, k // 2))
-        expect(scale_zeros, "the scales and offsets", torch.bfloat16, (out_features, 2, k // GROUP))
+        fmt = SCALE_FORMATS.get(scale_zeros.dtype, 0)  # bfloat16, or pack_exact's float32 or float16
+        expect(scale_zeros, "the scales and offsets", scale_zeros.dtype if fmt else torch.bfloat16,
+               (out_features, 2, k // GROUP))
         if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
             raise _mismatch("the bias", f"a CPU tensor ({out_features},)", _describe(bias))
         y = torch.empty((rows, out_features), dtype=torch.float32)
         fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
         bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
-        status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scale_zeros.data_ptr(),
-                          bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
+        if not rows:
+            status = 0
+        elif fmt:
+            status = self._mm_exact(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scale_zeros.data_ptr(),
+                                    fmt, bias_ptr, y.data_ptr(), torch.get_num_threads())
+        else:
+            status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scale_zeros.data_ptr(),
+                              bias_ptr, y.data_ptr(), torch.get_num_threads())
         if status:
             raise MemoryError(f"the int4 kernel could not allocate scratch for {rows} rows of {k} inputs")
         if bias is not None and not fused_bias:

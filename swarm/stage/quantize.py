@@ -1,8 +1,9 @@
 """Quantized loads: a stage's linear layers held and computed at 8 or 4 bits, quantized as they are loaded.
 
-Kinds (the seed's "Quantized models"): ``none``, ``int8``, ``nf4``, ``int4-fast``. Each fellow quantizes only its own
-layers, one decoder layer at a time right after its float weights are read, so the float copy of the whole stage is
-never held at once. Embeddings, norms and the KV caches stay in the compute dtype.
+Kinds (the seed's "Quantized models"): ``none``, ``int8``, ``nf4``, ``int4-fast`` -- and ``gguf``, a GGUF model's
+own blocks, which swarm.stage.gguf_linear builds as the stage reads them (nothing to quantize here). Each fellow
+quantizes only its own layers, one decoder layer at a time right after its float weights are read, so the float copy
+of the whole stage is never held at once. Embeddings, norms and the KV caches stay in the compute dtype.
 
 On CUDA: int8 and nf4 with bitsandbytes (LLM.int8 and NF4 with 64-weight blocks); int4-fast with torchao's int4
 weight-only kernels (tinygemm) where torchao is installed, else plain nf4 (the seed's rule).
@@ -60,7 +61,7 @@ def quantize_linears(module: Any, kind: str, *, skip: Iterable[str] = ()) -> Any
     """Replace every ``nn.Linear`` inside ``module`` (at any depth) by its ``kind`` counterpart on the device its
     weight is on; ``module`` itself is returned (or its replacement, when it is a Linear itself)."""
     kind = check_kind(kind)
-    if kind == "none":
+    if kind in ("none", "gguf"):  # gguf: built from the file's blocks as they are read (swarm.stage.gguf_linear)
         return module
     if isinstance(module, nn.Linear):
         return quantize_linear(module, kind)
@@ -147,7 +148,7 @@ class FusedPart(nn.Module):
 def quantize_head(lm_head: Any, kind: str) -> Any:
     """The head for a ``kind`` load: on CPU int8 for int8 and nf4, 4 bits for int4-fast; unchanged on CUDA (see the
     module doc)."""
-    if kind == "none" or lm_head.weight.device.type != "cpu":
+    if kind in ("none", "gguf") or lm_head.weight.device.type != "cpu":  # gguf: the file's head, widened
         return lm_head
     return quantize_linear(lm_head, "int4-fast" if kind == "int4-fast" else "int8")
 

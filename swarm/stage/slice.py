@@ -12,6 +12,7 @@ sliding-window layers (Qwen2/Mistral) get sliding cache layers.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 from collections.abc import Mapping
@@ -28,11 +29,13 @@ from swarm.errors import ModelError
 from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, split_layers, stage_file_paths
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
+from swarm.stage.devices import return_freed_memory
+from swarm.stage.gguf_linear import GGUFBlocks, GGUFEmbedding, gguf_linear, is_linear_weight, place_linears
 from swarm.stage.kv_cache import new_cache
 from swarm.stage.moe_experts import ROUTED as ROUTED_EXPERTS
 from swarm.stage.moe_experts import register as register_routed_experts
 from swarm.stage.quantize import quantize_head, quantize_linears
-from swarm.stage.weights import read_weights
+from swarm.stage.weights import read_weights, read_weights_and_blocks
 
 if TYPE_CHECKING:
     from swarm.stage.draft_model import DraftModel
@@ -183,12 +186,28 @@ class StageModel:
         with torch.device("meta"):
             layers = nn.ModuleList(blocks.decoder_layer(stage_config, i) for i in range(spec.num_layers))
         for local, index in enumerate(range(spec.first_layer, spec.end_layer)):
+            if quantization == "gguf":  # the linear layers on the file's blocks (swarm.stage.gguf_linear)
+                rel = layer_file(index)
+                layer = layers[local]
+                tensors, kept = read_weights_and_blocks(
+                    files[rel], config, functools.partial(is_linear_weight, layer), dtype, devices[local],
+                    what=f"{rel} from {files[rel]}", keep_float32=keep_float32)
+                place_linears(layer, kept, tensors, devices[local], dtype or torch.float32)
+                _assign(layer, tensors, f"layer {index}", partial=True)
+                continue
             _assign(layers[local], read(layer_file(index), devices[local]), f"layer {index}")
             quantize_linears(layers[local], quantization)
 
         # int4-fast on CPU: single-row passes through the C step (swarm.stage.compiled_decode) where it takes them
         install_compiled_step(layers, stage_config)
-        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1])
+        def read_blocks(rel: str, key: str, on: torch.device) -> tuple[dict[str, torch.Tensor], GGUFBlocks | None]:
+            # at gguf on CPU: the embedding and an untied head as their blocks (swarm.stage.gguf_linear)
+            tensors, kept = read_weights_and_blocks(files[rel], config, lambda k: k == key, dtype, on,
+                                                    what=f"{rel} from {files[rel]}")
+            return tensors, kept.get(key)
+
+        embed, norm, lm_head = _ends(full_config, spec, blocks, tied, read, devices[0], devices[-1],
+                                     read_blocks if quantization == "gguf" else None)
         if lm_head is not None:
             lm_head = quantize_head(lm_head, quantization)
         with device:
@@ -198,6 +217,7 @@ class StageModel:
         stage.quantization = quantization
         for module in stage.modules():
             module.eval()
+        return_freed_memory()
         return stage
 
     @classmethod
@@ -416,16 +436,28 @@ class StageModel:
             self.drop(rid)
 
 
-def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device) -> tuple:
+def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device,
+          read_blocks=None) -> tuple:
     """The embedding (first stage, with the first layer) and the final norm and head (last stage, with the last
-    layer), or None where this stage has none."""
-    embed: nn.Embedding | None = None
+    layer), or None where this stage has none. ``read_blocks`` (the gguf kind): the embedding and the head -- tied or
+    not -- are kept as the file's blocks where they are quantized and on CPU (the head a gguf_linear on them)."""
+    embed: nn.Module | None = None
     norm: nn.Module | None = None
-    lm_head: nn.Linear | None = None
+    lm_head: nn.Module | None = None
     embed_weight: torch.Tensor | None = None
-    if spec.is_first or (spec.is_last and tied):
+    tied_blocks: GGUFBlocks | None = None
+    if read_blocks is not None and (spec.is_first or (spec.is_last and tied)) and blocks.embedding is None \
+            and (first if spec.is_first else last).type == "cpu" and last.type == "cpu":
+        tensors, tied_blocks = read_blocks(EMBED_FILE, "embed_tokens.weight", first if spec.is_first else last)
+        if tied_blocks is None:
+            embed_weight = tensors["embed_tokens.weight"]
+        elif spec.is_first:
+            embed = GGUFEmbedding(tied_blocks, config.pad_token_id)
+        if not tied:
+            tied_blocks = None
+    elif spec.is_first or (spec.is_last and tied):
         embed_weight = read(EMBED_FILE, first if spec.is_first else last)["embed_tokens.weight"]
-    if spec.is_first:
+    if spec.is_first and embed is None:
         with torch.device("meta"):
             if blocks.embedding is not None:
                 embed = blocks.embedding(config)
@@ -435,13 +467,19 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
         _assign(embed, {"weight": embed_weight}, "embedding")
         _materialise_buffers(embed, first)
     if spec.is_last:
-        final = read(FINAL_FILE, last)
+        head_blocks = tied_blocks
+        if read_blocks is not None and not tied and last.type == "cpu":
+            final, head_blocks = read_blocks(FINAL_FILE, "lm_head.weight", last)
+        else:
+            final = read(FINAL_FILE, last)
         with torch.device("meta"):
             norm = blocks.norm(config.hidden_size, eps=config.rms_norm_eps)
             lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _assign(norm, {"weight": final["norm.weight"]}, "final norm")
+        if head_blocks is not None:  # the gguf kind: the head on the file's blocks
+            return embed, norm, gguf_linear(head_blocks.blocks, head_blocks.ggml_type, head_blocks.shape, None, last)
         if tied:  # the head is the embedding matrix: share the stage's one copy (on the last card when it differs)
-            head_weight = embed.weight if embed is not None else embed_weight
+            head_weight: Any = embed.weight if embed is not None else embed_weight
             assert head_weight is not None  # the embedding was read above for a tied last stage
             head_weight = head_weight if head_weight.device == last else head_weight.to(last)
         else:
@@ -478,9 +516,15 @@ def _materialise_buffers(module: nn.Module, device: torch.device) -> None:
             setattr(module, name, torch.tensor(value, device=device))
 
 
-def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """Give a meta-device module its real weights (no copy), refusing missing or unexpected tensors."""
+def _assign(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str, partial: bool = False) -> None:
+    """Give a meta-device module its real weights (no copy), refusing missing or unexpected tensors. ``partial``:
+    some of its weights are in place already (the gguf kind's linear layers): those may be missing from ``tensors``,
+    none may stay on the meta device."""
     try:
-        module.load_state_dict(dict(tensors), strict=True, assign=True)
+        result = module.load_state_dict(dict(tensors), strict=not partial, assign=True)
+        if partial:
+            left = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta]
+            if result.unexpected_keys or left:
+                raise RuntimeError(f"unexpected {result.unexpected_keys}, missing {left}")
     except RuntimeError as exc:
         raise ModelError(f"the weights of the {what} do not fit this model's config: {exc}") from exc

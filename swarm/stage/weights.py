@@ -8,13 +8,16 @@ numpy dequantizers make a few arrays of the slice's size, so the intermediates s
 tensor's size), then given transformers' per-family fix-up (``TENSOR_PROCESSORS``: Llama's q/k row permutation,
 Gemma's norm offset) in float32, as ``from_pretrained(gguf_file=...)`` does, and only then converted to the compute
 dtype. In float32 a stage so holds exactly what transformers' float32 load of the GGUF holds.
+
+At the ``gguf`` kind the quantized linear weights are not widened: :func:`read_weights_and_blocks` hands them over as
+their blocks, which swarm.stage.gguf_linear computes on.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import torch
 
 from swarm.errors import ModelError
 from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_TENSORS_KEY, GGUF_TYPES
+from swarm.stage.gguf_linear import GGUFBlocks, row_order
 
 # Values dequantized per slice of rows (the importer's bound before blocks were kept: swarm.store.gguf_source).
 DEQUANT_SLICE_ELEMENTS = 4 << 20
@@ -34,9 +38,23 @@ def read_weights(path: Path, config: Mapping[str, Any], dtype: torch.dtype | Non
     tensors, the stored dtype otherwise) on ``device``. ``config``: the model's config.json contents (the GGUF
     fix-ups read the head counts from it). ``what``: the file as messages name it. ``keep_float32``: the names of the
     tensors read in float32 whatever ``dtype`` is (the family's ``_keep_in_fp32_modules_strict``: GLM's router)."""
+    return read_weights_and_blocks(path, config, None, dtype, device, what, keep_float32)[0]
+
+
+def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callable[[str], bool] | None,
+                            dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                            what: str = "", keep_float32: re.Pattern | None = None,
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, GGUFBlocks]]:
+    """As :func:`read_weights`, but the file's quantized GGUF tensors whose names ``keep`` takes (the ``gguf`` kind's
+    linear weights) come back apart, as their blocks (swarm.stage.gguf_linear), never widened: a fix-up that permutes
+    their rows (Llama's q and k) is applied to the blocks' rows; one that does more widens them as before."""
     from safetensors import safe_open
 
+    def wanted(key: str, value: torch.Tensor) -> torch.dtype:
+        return torch.float32 if keep_float32 is not None and keep_float32.search(key) else dtype or value.dtype
+
     out: dict[str, torch.Tensor] = {}
+    kept_blocks: dict[str, GGUFBlocks] = {}
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -46,23 +64,29 @@ def read_weights(path: Path, config: Mapping[str, Any], dtype: torch.dtype | Non
                 info = kept.get(key)
                 if info is None:
                     value = f.get_tensor(key)
-                else:
-                    value = dequantize(f.get_tensor(key), info["type"], tuple(info["shape"]),
-                                       f"{key} of {what or path}")
-                    if info.get("fixup"):
-                        if processor is None:
-                            processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
-                        value = processor.process(weights=value, name=info["name"]).weights.contiguous()
-                wanted = dtype or value.dtype
-                if keep_float32 is not None and keep_float32.search(key):
-                    wanted = torch.float32
-                out[key] = value.to(device=device, dtype=wanted)
+                    out[key] = value.to(device=device, dtype=wanted(key, value))
+                    continue
+                if info.get("fixup") and processor is None:
+                    processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
+                shape = tuple(info["shape"])
+                if keep is not None and keep(key) and info["type"] not in GGUF_FLOAT_TYPES and len(shape) == 2:
+                    # a copy: the stage must not hold safetensors' map of the file (see dequantize)
+                    blocks = f.get_tensor(key).clone()
+                    order = row_order(processor, info["name"], blocks.shape[0]) if info.get("fixup") else None
+                    if order is not None or not info.get("fixup"):
+                        kept_blocks[key] = GGUFBlocks(blocks if order is None else blocks[order].contiguous(),
+                                                      info["type"], (int(shape[0]), int(shape[1])))
+                        continue
+                value = dequantize(f.get_tensor(key), info["type"], shape, f"{key} of {what or path}")
+                if info.get("fixup") and processor is not None:
+                    value = processor.process(weights=value, name=info["name"]).weights.contiguous()
+                out[key] = value.to(device=device, dtype=wanted(key, value))
                 del value
     except ModelError:
         raise
     except Exception as exc:  # safetensors and gguf raise many kinds for a damaged file
         raise ModelError(f"cannot read {what or path} ({exc}); fetch it again") from exc
-    return out
+    return out, kept_blocks
 
 
 def dequantize(stored: torch.Tensor, gguf_type: str, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:

@@ -163,7 +163,7 @@ export function initModels() {
   loadButton().addEventListener("click", onLoadButton);
   const quantization = quantizationPicker();
   if (quantization) {
-    quantization.value = store.get("quantization", "none");
+    quantization.value = store.get("quantization", ""); // "": the model's own kind (gguf for a GGUF, else none)
     quantization.addEventListener("change", () => store.set("quantization", quantization.value));
   }
   const kvCache = document.getElementById("kv-cache-picker");

@@ -19,9 +19,13 @@ function stageLine(stage) {
   return `Stage ${stage.index}: ${stage.fellow} · L${first}-${end - 1} · ${formatBytes(stage.memory_bytes)}`;
 }
 
-/** "int8 · 3.6x smaller" for a quantized load, "None (full precision)" otherwise. */
+/** "int8 · 3.6x smaller" for a quantized load, "gguf (the file's own blocks) · ..." at gguf, "None (full precision)"
+ * otherwise. */
 function compression(model) {
   if (!model.quantization || model.quantization === "none") return model.num_stages ? "None (full precision)" : "—";
+  if (model.quantization === "gguf") {
+    return `gguf (the file's own blocks) · ${Number(model.compression || 1).toFixed(1)}x smaller than float32`;
+  }
   return `${model.quantization} · ${Number(model.compression || 1).toFixed(1)}x smaller`;
 }
 
