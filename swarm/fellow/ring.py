@@ -24,7 +24,6 @@ from swarm.errors import ProtocolError, SwarmError
 from swarm.fellow import compute
 from swarm.fellow.verify import StageAudits
 from swarm.mesh.hop import OutgoingHop
-from swarm.stage import prefix_cache
 from swarm.stage.protocol import PromptLogprobs, Release, Report, Send, StageProtocol, Stream
 from swarm.stage.timing import StageTimer
 
@@ -188,6 +187,8 @@ class StageDriver:
                 self._batch(action.rid).prompt_logprobs.extend(action.entries)
             elif isinstance(action, Release):
                 if action.end:  # the reply's blocks its plan keeps (copies of its rows: milliseconds)
+                    from swarm.stage import prefix_cache  # torch: a stage is loaded here
+
                     prefix_cache.finish(self.stage_model, action)
                 self.stage_model.drop(action.rid)
                 self.audits.forget(action.rid)
