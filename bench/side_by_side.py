@@ -20,12 +20,13 @@ while it was measured (steal, from /proc/stat): a round with much of it measured
   llama-cpp-python source package, which vendors llama.cpp::
 
       pip download llama-cpp-python --no-deps --no-binary :all: && tar xzf llama_cpp_python-*.tar.gz
-      cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_RPC=ON -DLLAMA_CURL=OFF \
-          -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+      cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DGGML_RPC=ON -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF \
+          -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON \
+          -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
       nice -n 19 cmake --build build -j2 --target ggml-rpc-server llama-bench llama-perplexity
 
-  (The AMX switches: this VM's CPU lists AMX, ggml's native build then takes its AMX kernels, and the first matrix
-  product dies of SIGILL where the hypervisor does not hand AMX tile state to guests.)
+  (GGML_NATIVE=OFF and the CPU's features by name: where the CPU lists AMX, -march=native builds ggml's AMX kernels,
+  and on a VM whose hypervisor does not hand AMX tile state to guests the first matrix product dies of SIGILL.)
 
   Without it the rows are skipped with a note.
 - Drafting ahead (SWARM_SERVE_SPECULATIVE, bench/drafting.py's chats): the same ring of 2 stages at
