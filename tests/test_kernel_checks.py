@@ -48,7 +48,7 @@ def _other_k(layer):
     ("packed for fewer outputs", "the packed weights"),
     ("packed as int32", "torch.int32"),
     ("packed not contiguous", "not contiguous"),
-    ("scales as float32", "torch.float32"),
+    ("scales as float64", "torch.float64"),  # bfloat16, or pack_exact's float32 / float16: nothing else
     ("scales of another layer", "the scales and offsets"),
     ("scales not contiguous", "not contiguous"),
     ("bias of another size", "the bias"),
@@ -69,8 +69,8 @@ def test_matmul_refuses_what_the_c_code_would_misread(layer, case, words):
         packed = packed.to(torch.int32)
     elif case == "packed not contiguous":
         packed = torch.cat([packed, packed], 1)[:, : K // 2]
-    elif case == "scales as float32":
-        scale_zeros = scale_zeros.float()
+    elif case == "scales as float64":
+        scale_zeros = scale_zeros.double()
     elif case == "scales of another layer":
         scale_zeros = _other_k(layer)
     elif case == "scales not contiguous":
@@ -98,7 +98,7 @@ def test_the_c_struct_layout_is_the_python_mirrors():
     size, *offsets = kernel.layer_layout
     assert size == ctypes.sizeof(mirror)
     assert offsets == [getattr(mirror, name).offset for name, _ in mirror._fields_]
-    assert len(offsets) == 21  # 5 ints, 2 floats, 14 pointers
+    assert len(offsets) == 22  # 5 ints, 2 floats, 14 pointers, the scales' format
     assert kernel.layer_calls(mirror) == kernel.layer_calls(mirror)
 
 

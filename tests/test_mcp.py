@@ -78,7 +78,7 @@ async def test_mcp_tools_reach_models_and_chats_as_the_api_does(tmp_path, smollm
                     assert planned["text"].startswith("about ")
                 kind, text = await mcp.call("models_plan", {"model": name, "num_stages": 3})
                 assert kind == "error" and "needs 3 fellows online" in text and "HTTP 409" in text
-                kind, started = await mcp.call("models_load", {"model": name, "num_stages": 2})
+                kind, started = await mcp.call("models_load", {"model": name, "num_stages": 2, "quantization": "none"})
                 assert kind == "ok", started
                 await swarm.leader.serving.wait_ready(name, 120)
                 kind, reply = await mcp.call("chat", {"model": name, "prompt": QUESTION, "temperature": 0,
