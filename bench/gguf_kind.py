@@ -118,7 +118,7 @@ def main() -> None:
 
     import torch
 
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.stage.slice import StageModel, stage_specs
 
     torch.set_num_threads(args.threads)

@@ -185,7 +185,7 @@ def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_o
 
 def test_the_builtin_model_over_two_stages_at_gguf_answers_as_gguf_in_one_process(smollm_model_dir):
     from reference_model import gguf_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel, stage_specs
 
@@ -200,7 +200,7 @@ def test_the_builtin_model_over_two_stages_at_gguf_answers_as_gguf_in_one_proces
 
 
 def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
-    from swarm.leader.models import model_size
+    from swarm.leader.serving.models import model_size
 
     manifest = {"dtype": "bfloat16", "num_layers": 2, "tie_word_embeddings": True, "kv_bytes_per_token": 1000,
                 "storage": "gguf", "file_type": "Q4_1", "hidden_size": 576,
@@ -240,7 +240,7 @@ def test_gguf_is_the_default_of_a_gguf_model_and_refused_for_a_folders():
 async def test_the_builtin_model_loads_at_gguf_by_default_and_answers_as_gguf_in_one_process(
         tmp_path, smollm_model_dir, tiny_model_dirs):
     from reference_model import gguf_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     name, folder = smollm_model_dir.name, tiny_model_dirs["llama"].name
     prompt = "Write a haiku about the sea."

@@ -22,7 +22,7 @@ import pytest
 from fleet import _stop, _tail, free_port
 from harness import install_model, wait_for
 from swarm import __version__, wire
-from swarm.leader.updates import build_from_source, repack_installed, source_root
+from swarm.leader.fleet.updates import build_from_source, repack_installed, source_root
 
 pytestmark = pytest.mark.e2e
 
