@@ -59,10 +59,12 @@ def test_repacked_blocks_dequantize_to_gguf_pys_values_to_the_bit(kind):
         got = linear.dequantized()
         assert got.dtype == torch.float32 and got.shape == (37, cols)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), kind  # the bits, signed zeros included
-        # one byte a weight, and float32 scales: one row of them per group (two for Q6_K's halves, one more for offsets)
+        # a byte a weight for Q8_0, 5/8 for the 5-bit types and 6/8 for Q6_K (each output's last 64 inputs padded),
+        # and float32 scales: one row of them per group (two for Q6_K's halves, one more for offsets)
         held = linear.packed.numel() + 4 * linear.scales.numel()
         parts = 1 + (kind == "Q6_K") + (kind in ("Q5_1", "Q5_K"))
-        assert held == 37 * cols * (1 + parts / 8)
+        level_bytes = {"Q8_0": cols, "Q6_K": -(-cols // 64) * 48}.get(kind, -(-cols // 64) * 40)
+        assert held == 37 * (level_bytes + cols * parts / 8)
 
 
 def bound(linear, x: torch.Tensor) -> torch.Tensor:
@@ -131,13 +133,17 @@ def test_the_kernels_other_builds_compute_the_same(march, path):
                                                            else [flag]))
     other = q8_kernel.kernel(flags)
     assert other is not None and other.simd == path
-    for kind in ("Q8_0", "Q6_K", "Q5_1"):
+    for kind in TYPES:
         for cols in SHAPES[kind]:
             linear, _ = layer(kind, 29, cols, seed=6)
             x = activations(9, cols, seed=7)
-            got = other.matmul(x, linear.packed, linear.scales, linear.halves, linear.offsets, None)
+            got = other.matmul(x, linear.packed, linear.scales, linear.halves, linear.offsets, None, linear.bits,
+                               linear.zero)
             want = q8_kernel.reference(x, *linear.grid())
             assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (kind, cols)
+            if linear.bits != 8:  # the planes and a byte a level: the same integers, the same float steps
+                wide = gguf_q8.q8_linear(torch.from_numpy(blocks(kind, 29, cols, 6)), kind, (29, cols), None, False)
+                assert torch.equal(got, other.matmul(x, wide.packed, wide.scales, wide.halves, wide.offsets, None))
 
 
 def test_without_the_kernel_layers_compute_on_torch_and_say_why(monkeypatch, caplog):
@@ -193,16 +199,18 @@ def q6():
     ("activations of another width", "the packed weights"),
     ("activations off the CPU", "on meta"),
     ("inputs not whole groups", "whole number of groups of 32"),
+    ("levels of 7 bits", "8/6/5-bit levels"),
+    ("a zero beyond 6 bits", "6 bits with zero 64"),
 ])
 def test_matmul_refuses_what_the_c_code_would_misread(q6, case, words):
     kernel = q8_kernel.kernel()
-    packed, scales, x, bias = q6.packed, q6.scales, activations(3, 768), None
+    packed, scales, x, bias, bits, zero = q6.packed, q6.scales, activations(3, 768), None, q6.bits, q6.zero
     if case == "packed transposed":
         packed = packed.t().contiguous()
     elif case == "packed as int8":
         packed = packed.view(torch.int8)
     elif case == "packed not contiguous":
-        packed = torch.cat([packed, packed], 1)[:, :768]
+        packed = torch.cat([packed, packed], 1)[:, : packed.shape[1]]
     elif case == "packed in 1-D":
         packed = packed.reshape(-1)
     elif case == "scales as float16":
@@ -216,13 +224,17 @@ def test_matmul_refuses_what_the_c_code_would_misread(q6, case, words):
     elif case == "activations in 3-D":
         x = x[None]
     elif case == "activations of another width":
-        x = activations(3, 768 - 32)
+        x = activations(3, 768 - 64)  # at 6 bits, 768 - 32 pads to the same bytes: the scales say it
     elif case == "activations off the CPU":
         x = torch.empty(3, 768, device="meta")
     elif case == "inputs not whole groups":
         x = activations(3, 768 - 16)
+    elif case == "levels of 7 bits":
+        bits = 7
+    elif case == "a zero beyond 6 bits":
+        zero = 64
     with pytest.raises(KernelMismatch) as caught:
-        kernel.matmul(x, packed, scales, True, False, bias)
+        kernel.matmul(x, packed, scales, True, False, bias, bits, zero)
     message = str(caught.value)
     assert words in message and "bug in swarm" in message, message
 

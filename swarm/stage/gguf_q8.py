@@ -33,6 +33,10 @@ SUPPORTED: frozenset[str] = frozenset({"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"})
 _BLOCKS = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 _HALVES = frozenset({"Q6_K"})  # a scale per 16 values
 _OFFSETS = frozenset({"Q5_1", "Q5_K"})
+# (bits, zero) of the levels as the kernel holds them, u = level + zero: the 5- and 6-bit types in planes of nibbles
+# and high bits (q8_kernel.pack_planes), each level the file's own unsigned q (Q5_0's q - 16 is u - 16, Q6_K's
+# q - 32 is u - 32); Q8_0 a byte a level
+_LEVELS = {"Q8_0": (8, 128), "Q5_0": (5, 16), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 32)}
 _REPACK_VALUES = 1 << 22  # values decoded at a time: the intermediates stay tens of MB whatever the tensor
 _FALLBACK_OUTPUTS = 4096  # outputs widened at a time where torch computes
 
@@ -104,10 +108,11 @@ class GgufQ8Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, ggml_type: str, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 kernel: q8_kernel.Q8Kernel | None):
+                 kernel: q8_kernel.Q8Kernel | None, in_features: int, bits: int = 8, zero: int = 128):
         super().__init__()
         self.ggml_type = ggml_type
-        self.out_features, self.in_features = packed.shape
+        self.out_features, self.in_features = packed.shape[0], in_features
+        self.bits, self.zero = bits, zero
         self.halves, self.offsets = ggml_type in _HALVES, ggml_type in _OFFSETS
         self.kernel = kernel
         self.register_buffer("packed", packed)
@@ -121,7 +126,8 @@ class GgufQ8Linear(nn.Module):
             raise ModelError(f"a {self.ggml_type} layer of {self.in_features} inputs was given rows of "
                              f"{flat.shape[-1]}: this is a bug in swarm (the stage's layers do not fit together)")
         if self.kernel is not None:
-            y = self.kernel.matmul(flat, self.packed, self.scales, self.halves, self.offsets, self.bias)
+            y = self.kernel.matmul(flat, self.packed, self.scales, self.halves, self.offsets, self.bias, self.bits,
+                                   self.zero)
         else:  # torch on the weights widened a slice of outputs at a time: the kernel's memory, float's results
             flat32 = flat.float()
             y = torch.cat([F.linear(flat32, self._widened(start, start + _FALLBACK_OUTPUTS))
@@ -144,12 +150,19 @@ class GgufQ8Linear(nn.Module):
         first = scales[:, 0]
         second = scales[:, 1] if self.halves else first
         per_half = torch.stack([first, second], -1).reshape(first.shape[0], -1)
-        return q8_kernel.unpack(self.packed[rows]), per_half, scales[:, -1] if self.offsets else None
+        return self._levels_of(rows), per_half, scales[:, -1] if self.offsets else None
+
+    def _levels_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """The levels (int16, rows x in) of outputs ``rows``, in their natural order."""
+        if self.bits == 8:
+            return q8_kernel.unpack(self.packed[rows])
+        u = q8_kernel.unpack_planes(self.packed[rows], self.in_features, self.bits)
+        return q8_kernel.unpack(u) + (128 - self.zero)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """The weight's rows ``index`` (a 1-D tensor of output numbers) in float32: a tied embedding's lookup on the
         head's own bytes, so a stage holding both keeps the matrix once."""
-        if self.halves:
+        if self.halves or self.bits != 8:
             return self._widened_of(index)
         if self._order is None:  # where each input's byte lies in a packed row (the kernel's layout, undone)
             self._order = _unpacked_order(self.in_features)
@@ -164,7 +177,7 @@ class GgufQ8Linear(nn.Module):
     def _widened_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
         if not self.halves:  # a scale per group of 32: taken as it is held (the same values as per half)
             scales = self.scales[rows]
-            w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * q8_kernel.unpack(self.packed[rows]).float()
+            w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * self._levels_of(rows).float()
             return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
         q, scale, offset = self._grid_of(rows)
         # scale q, then + offset, each rounded to float32 as gguf-py computes (d * q) + m: the same bits
@@ -208,9 +221,11 @@ def widen(blocks: torch.Tensor, ggml_type: str, in_features: int) -> torch.Tenso
     return w if offset is None else w + offset.repeat_interleave(q8_kernel.GROUP, -1)
 
 
-def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias: torch.Tensor | None) -> nn.Module:
+def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias: torch.Tensor | None,
+              planes: bool = True) -> nn.Module:
     """A layer computing x @ W.T + bias on a GGUF tensor's ``blocks`` (uint8, rows x the row's block bytes) of
-    ``ggml_type`` (one of SUPPORTED) and logical ``shape`` (out, in), repacked losslessly for swarm's 8-bit kernel."""
+    ``ggml_type`` (one of SUPPORTED) and logical ``shape`` (out, in), repacked losslessly for swarm's 8-bit kernel:
+    5- and 6-bit types in planes of nibbles and high bits, or a byte a level where ``planes`` is False."""
     if ggml_type not in SUPPORTED:
         raise ModelError(f"swarm's 8-bit kernel computes the GGUF types {', '.join(sorted(SUPPORTED))}; a tensor of "
                          f"type {ggml_type} needs another layer (this is a bug in swarm's loader)")
@@ -227,14 +242,16 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
         raise ModelError(f"a bias of shape {tuple(bias.shape)} does not fit a weight of shape {tuple(shape)}: the "
                          "stored model file may be damaged; import it again")
     parts = 1 + (ggml_type in _HALVES) + (ggml_type in _OFFSETS)
-    packed = torch.empty((out_features, in_features), dtype=torch.uint8)
+    bits, zero = _LEVELS[ggml_type] if planes else (8, 128)
+    packed = torch.empty((out_features, q8_kernel.row_bytes(in_features, bits)), dtype=torch.uint8)
     scales = torch.empty((out_features, parts, in_features // q8_kernel.GROUP), dtype=torch.float32)
     step = max(1, _REPACK_VALUES // in_features)
     for start in range(0, out_features, step):
         chunk = blocks[start : start + step]
         u, per_half, offset = _decode(chunk.reshape(chunk.shape[0], -1, size), ggml_type)
         stop = start + chunk.shape[0]
-        packed[start:stop] = q8_kernel.pack_bytes(u.reshape(chunk.shape[0], -1))
+        ordered = q8_kernel.pack_bytes(u.reshape(chunk.shape[0], -1) - (128 - zero))  # uint8: u = level + zero
+        packed[start:stop] = ordered if bits == 8 else q8_kernel.pack_planes(ordered, bits)
         if ggml_type in _HALVES:
             scales[start:stop, 0], scales[start:stop, 1] = per_half[:, 0::2], per_half[:, 1::2]
         else:
@@ -242,4 +259,5 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
         if offset is not None:
             scales[start:stop, -1] = offset
     kernel = q8_kernel.kernel() if q8_kernel.takes(in_features) else None
-    return GgufQ8Linear(ggml_type, packed, scales, None if bias is None else bias.float().contiguous(), kernel)
+    return GgufQ8Linear(ggml_type, packed, scales, None if bias is None else bias.float().contiguous(), kernel,
+                        in_features, bits, zero)

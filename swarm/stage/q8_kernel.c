@@ -76,6 +76,26 @@ typedef struct {
     int32_t *lo, *hi;
 } row_q;
 
+/* Bytes an output's levels take: k where bits is 8; else per 64 inputs (a chunk, padded at the row's end) 32 bytes of
+ * nibbles -- byte i the low 4 bits of input i in its low half, of input 32 + i in its high half -- then, per level bit
+ * above the fourth, 8 bytes of that bit of the 64 inputs (bit i % 8 of byte i / 8). Inputs are in place's order. */
+static inline size_t row_bytes(int k, int bits) {
+    return bits == 8 ? (size_t)k : (size_t)(k + 63) / 64 * (size_t)(32 + 8 * (bits - 4));
+}
+
+/* u of the input at p (place's order) of one output's levels */
+static inline int u_at(const uint8_t *w, int p, int bits) {
+    if (bits == 8) return w[p];
+    const uint8_t *c = w + (size_t)(32 + 8 * (bits - 4)) * (size_t)(p / 64);
+    const int i = p % 64;
+    int u = i < 32 ? (c[i] & 0x0F) : (c[i - 32] >> 4);
+    u |= ((c[32 + i / 8] >> (i % 8)) & 1) << 4;
+    if (bits == 6) u |= ((c[40 + i / 8] >> (i % 8)) & 1) << 5;
+    return u;
+}
+
+int swarm_q8_row_bytes(int k, int bits) { return (int)row_bytes(k, bits); }
+
 #if defined(PATH_512)
 static inline void quantize_group(const float *v, int8_t *q, float *d, float *sum, int32_t *lo, int32_t *hi) {
     const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
@@ -115,10 +135,13 @@ static inline void quantize_group(const float *v, int8_t *q, float *d, float *su
 }
 #endif
 
-static void quantize_row(const float *x, int k, row_q r) {
+/* lo, hi come out times zero: what the byte dot products of the weights' u = q + zero with xq need taken off */
+static void quantize_row(const float *x, int k, int zero, row_q r) {
     for (int g = 0; g < k / GROUP; g++) {
         int8_t q[GROUP];
         quantize_group(x + GROUP * g, q, r.d + g, r.sum + g, r.lo + g, r.hi + g);
+        r.lo[g] *= zero;
+        r.hi[g] *= zero;
         if (GROUP * g >= k / BLOCK * BLOCK) {
             memcpy(r.xq + GROUP * g, q, GROUP);
             continue;
@@ -155,8 +178,8 @@ static inline __m128 sum_four(__m512 a, __m512 b, __m512 c, __m512 d) {
 static inline __attribute__((always_inline)) __m512 add_block(__m512 acc, __m512i lo, __m512i hi, __m512 s_lo,
                                                                __m512 s_hi, const float *z, __m512 zv, const row_q *x,
                                                                int g, int halves) {
-    lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(_mm512_loadu_si512(x->lo + g), 7));
-    hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(_mm512_loadu_si512(x->hi + g), 7));
+    lo = _mm512_sub_epi32(lo, _mm512_loadu_si512(x->lo + g));
+    hi = _mm512_sub_epi32(hi, _mm512_loadu_si512(x->hi + g));
     const __m512 d = _mm512_loadu_ps(x->d + g);
     if (halves) {
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s_lo, d), acc);
@@ -186,7 +209,7 @@ static inline __m128 add_pair(__m128 t, __m512i dot, __m128 sc, const float *zp,
     const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m128i sums = _mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, dot));
     const __m128i corr = _mm_unpacklo_epi32(two_i(x->lo + g, c), two_i(x->hi + g, c));
-    const __m128i dots = _mm_sub_epi32(sums, _mm_slli_epi32(corr, 7));
+    const __m128i dots = _mm_sub_epi32(sums, corr);
     const __m128 d = two_f(x->d + g, c);
     t = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(sc, _mm_unpacklo_ps(d, d)), t);
     if (zp) t = _mm_fmadd_ps(z, two_f(x->sum + g, c), t);
@@ -195,12 +218,30 @@ static inline __m128 add_pair(__m128 t, __m512i dot, __m128 sc, const float *zp,
 
 static inline __mmask16 pair_mask(int c) { return c == 2 ? (__mmask16)0xFFFF : (__mmask16)0x00FF; }
 
+/* The 64 bytes u of chunk `chunk` (inputs 64 chunk .. 64 chunk + 63 in place's order) of one output's levels; where
+ * bits is 8 and c (groups wanted) is 1, only the first 32 are read */
+static inline __m512i u_vec(const uint8_t *w, int chunk, int bits, int c) {
+    if (bits == 8) return _mm512_maskz_loadu_epi32(pair_mask(c), w + 64 * (size_t)chunk);
+    const uint8_t *at = w + (size_t)(32 + 8 * (bits - 4)) * (size_t)chunk;
+    const __m256i nib = _mm256_loadu_si256((const __m256i *)at), low = _mm256_set1_epi8(0x0F);
+    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(nib, low)),
+                                   _mm256_and_si256(_mm256_srli_epi16(nib, 4), low), 1);
+    uint64_t high;
+    memcpy(&high, at + 32, 8);
+    u = _mm512_or_si512(u, _mm512_maskz_set1_epi8((__mmask64)high, 0x10));
+    if (bits == 6) {
+        memcpy(&high, at + 40, 8);
+        u = _mm512_or_si512(u, _mm512_maskz_set1_epi8((__mmask64)high, 0x20));
+    }
+    return u;
+}
+
 /* acc[r] + one block of `rows` rows against one output: the block's 8 vectors loaded once for the rows */
 static inline __attribute__((always_inline)) void rows_block(int rows, const uint8_t *w, scales_of s, int b,
-                                                             int halves, const row_q *xr, __m512 *acc) {
+                                                             int halves, int bits, const row_q *xr, __m512 *acc) {
     const int g = b / GROUP;
     __m512i q[8];
-    for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(w + b + 64 * v);
+    for (int v = 0; v < 8; v++) q[v] = u_vec(w, b / 64 + v, bits, 2);
     const __m512 s_lo = _mm512_loadu_ps(s.s_lo + g), s_hi = _mm512_loadu_ps(s.s_hi + g);
     const __m512 z = s.z ? _mm512_loadu_ps(s.z + g) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
@@ -215,7 +256,7 @@ static inline __attribute__((always_inline)) void rows_block(int rows, const uin
 }
 
 static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
-                                                           const row_q *xr, float *out) {
+                                                           int bits, const row_q *xr, float *out) {
     const int blocked = k / BLOCK * BLOCK, groups = k / GROUP;
     __m512 acc[ROW_TILE];
     __m128 tail[ROW_TILE];
@@ -223,10 +264,10 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
         acc[r] = _mm512_setzero_ps();
         tail[r] = _mm_setzero_ps();
     }
-    for (int b = 0; b < blocked; b += BLOCK) rows_block(rows, w, s, b, halves, xr, acc);
+    for (int b = 0; b < blocked; b += BLOCK) rows_block(rows, w, s, b, halves, bits, xr, acc);
     for (int g = blocked / GROUP; g < groups; g += 2) {
         const int c = groups - g >= 2 ? 2 : 1;
-        const __m512i q = _mm512_maskz_loadu_epi32(pair_mask(c), w + GROUP * g);
+        const __m512i q = u_vec(w, GROUP * g / 64, bits, c);
         const __m128 sc = _mm_unpacklo_ps(two_f(s.s_lo + g, c), two_f(s.s_hi + g, c));
         const __m128 z = s.z ? two_f(s.z + g, c) : _mm_setzero_ps();
         for (int r = 0; r < rows; r++) {
@@ -247,8 +288,9 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
  * four, and their eight dot products are independent chains. w, sz: the first output's; the others follow at k bytes
  * and parts * k / 32 floats apart. Each output sums as dot_rows sums a row: the same bits. */
 #define FOUR 4
-static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, const row_q *x,
-                            float *out) {
+static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, int bits,
+                            const row_q *x, float *out) {
+    const size_t stride = row_bytes(k, bits);
     const int groups = k / GROUP, parts = 1 + halves + offsets, blocked = k / BLOCK * BLOCK;
     __m512 acc[FOUR];
     __m128 tail[FOUR];
@@ -266,9 +308,9 @@ static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves
         for (int o = 0; o < FOUR; o++) lo[o] = hi[o] = _mm512_setzero_si512();
         for (int v = 0; v < 4; v++)
             for (int o = 0; o < FOUR; o++) {
-                const uint8_t *wo = w + (size_t)o * k + b;
-                lo[o] = _mm512_dpbusd_epi32(lo[o], _mm512_loadu_si512(wo + 64 * v), xv[v]);
-                hi[o] = _mm512_dpbusd_epi32(hi[o], _mm512_loadu_si512(wo + 64 * (v + 4)), xv[v + 4]);
+                const uint8_t *wo = w + (size_t)o * stride;
+                lo[o] = _mm512_dpbusd_epi32(lo[o], u_vec(wo, b / 64 + v, bits, 2), xv[v]);
+                hi[o] = _mm512_dpbusd_epi32(hi[o], u_vec(wo, b / 64 + v + 4, bits, 2), xv[v + 4]);
             }
         for (int o = 0; o < FOUR; o++) {
             const __m512 s_lo = _mm512_loadu_ps(s[o].s_lo + g), s_hi = _mm512_loadu_ps(s[o].s_hi + g);
@@ -280,7 +322,7 @@ static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves
         const int c = groups - g >= 2 ? 2 : 1;
         const __m512i xv = _mm512_maskz_loadu_epi32(pair_mask(c), x->xq + GROUP * g);
         for (int o = 0; o < FOUR; o++) {
-            const __m512i q = _mm512_maskz_loadu_epi32(pair_mask(c), w + (size_t)o * k + GROUP * g);
+            const __m512i q = u_vec(w + (size_t)o * stride, GROUP * g / 64, bits, c);
             const __m128 sc = _mm_unpacklo_ps(two_f(s[o].s_lo + g, c), two_f(s[o].s_hi + g, c));
             const __m128 z = s[o].z ? two_f(s[o].z + g, c) : _mm_setzero_ps();
             tail[o] = add_pair(tail[o], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv), sc, s[o].z, z, x, g, c);
@@ -290,16 +332,46 @@ static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves
     _mm_storeu_ps(out, sum_four(acc[0], acc[1], acc[2], acc[3]));
 }
 #elif defined(PATH_256)
-/* u . x of 32 weight bytes (u = q + 128) and 32 activations, 8 lanes: VNNI's, then less 128 x sum(x) (corr, per
- * lane); without VNNI, |q| times x with q's sign, which needs no correction */
-static inline __m256i dot_bytes(__m256i u, __m256i x, __m256i corr) {
+/* u . x of 32 weight bytes (u = q + zero) and 32 activations, 8 lanes: VNNI's, then less zero x sum(x) (corr, per
+ * lane); without VNNI, 8-bit levels multiply |q| by x with q's sign, which needs no correction, and the narrower ones
+ * (u below 64: 2 x 63 x 127 fits 16 bits) u by x as they are */
+#define NEEDS_CORR(bits) (VNNI_256 || (bits) != 8)
 #if defined(__AVXVNNI__)
+#define VNNI_256 1
+#else
+#define VNNI_256 0
+#endif
+static inline __m256i dot_bytes(__m256i u, __m256i x, __m256i corr, int bits) {
+#if defined(__AVXVNNI__)
+    (void)bits;
     return _mm256_sub_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x), corr);
 #else
-    (void)corr;
+    if (bits != 8)
+        return _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)), corr);
     const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
 #endif
+}
+
+/* The 32 bytes u of inputs p .. p + 31 (p a multiple of 32, place's order) of one output's levels */
+static inline __m256i u_32(const uint8_t *w, int p, int bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(w + p));
+    const uint8_t *at = w + (size_t)(32 + 8 * (bits - 4)) * (size_t)(p / 64);
+    const int part = p / 32 % 2;
+    const __m256i nib = _mm256_loadu_si256((const __m256i *)at), low = _mm256_set1_epi8(0x0F);
+    __m256i u = _mm256_and_si256(part ? _mm256_srli_epi16(nib, 4) : nib, low);
+    /* byte i of each high-bit plane's 32 bits, spread to bytes 8 (i % 4) .. 8 (i % 4) + 7 of a lane, one bit each */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    for (int plane = 0; plane < bits - 4; plane++) {
+        uint32_t high;
+        memcpy(&high, at + 32 + 8 * plane + 4 * part, 4);
+        const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)high), spread);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8((char)(0x10 << plane))));
+    }
+    return u;
 }
 
 static inline float hsum256(__m256 v) {
@@ -312,7 +384,7 @@ static inline float hsum256(__m256 v) {
 /* Half a block at a time (its groups 0..7, then 8..15), as the AVX512 path sums whole blocks; a tail group's halves
  * summed apart */
 static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves,
-                                                           const row_q *xr, float *out) {
+                                                           int bits, const row_q *xr, float *out) {
     const int blocked = k / BLOCK * BLOCK, groups = k / GROUP;
     __m256 acc[ROW_TILE];
     float tail[ROW_TILE];
@@ -324,20 +396,21 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
         for (int part = 0; part < 2; part++) {
             const int g = b / GROUP + 8 * part, at = 32 * part;
             __m256i q[8];
-            for (int v = 0; v < 8; v++) q[v] = _mm256_loadu_si256((const __m256i *)(w + b + 64 * v + at));
+            for (int v = 0; v < 8; v++) q[v] = u_32(w, b + 64 * v + at, bits);
             const __m256 s_lo = _mm256_loadu_ps(s.s_lo + g), s_hi = _mm256_loadu_ps(s.s_hi + g);
             const __m256 z = s.z ? _mm256_loadu_ps(s.z + g) : _mm256_setzero_ps();
             for (int r = 0; r < rows; r++) {
                 const int8_t *x = xr[r].xq + b + at;
-                const __m256i c_lo = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xr[r].lo + g)), 7);
-                const __m256i c_hi = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xr[r].hi + g)), 7);
-                __m256i lo = dot_bytes(q[0], _mm256_loadu_si256((const __m256i *)x), c_lo);
-                __m256i hi = dot_bytes(q[4], _mm256_loadu_si256((const __m256i *)(x + 256)), c_hi);
+                const __m256i c_lo = _mm256_loadu_si256((const __m256i *)(xr[r].lo + g));
+                const __m256i c_hi = _mm256_loadu_si256((const __m256i *)(xr[r].hi + g));
+                __m256i lo = dot_bytes(q[0], _mm256_loadu_si256((const __m256i *)x), c_lo, bits);
+                __m256i hi = dot_bytes(q[4], _mm256_loadu_si256((const __m256i *)(x + 256)), c_hi, bits);
                 for (int v = 1; v < 4; v++) {
                     const __m256i none = _mm256_setzero_si256();
-                    lo = _mm256_add_epi32(lo, dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v)), none));
+                    lo = _mm256_add_epi32(lo,
+                                          dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v)), none, bits));
                     hi = _mm256_add_epi32(
-                        hi, dot_bytes(q[v + 4], _mm256_loadu_si256((const __m256i *)(x + 64 * (v + 4))), none));
+                        hi, dot_bytes(q[v + 4], _mm256_loadu_si256((const __m256i *)(x + 64 * (v + 4))), none, bits));
                 }
                 const __m256 d = _mm256_loadu_ps(xr[r].d + g);
                 if (halves) {
@@ -351,17 +424,17 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
             }
         }
     for (int g = blocked / GROUP; g < groups; g++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + GROUP * g));
+        const __m256i q = u_32(w, GROUP * g, bits);
         for (int r = 0; r < rows; r++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xr[r].xq + GROUP * g));
-            __m256i dot = dot_bytes(q, x, _mm256_setzero_si256());
+            __m256i dot = dot_bytes(q, x, _mm256_setzero_si256(), bits);
             dot = _mm256_add_epi32(dot, _mm256_shuffle_epi32(dot, _MM_SHUFFLE(1, 0, 3, 2)));
             dot = _mm256_add_epi32(dot, _mm256_shuffle_epi32(dot, _MM_SHUFFLE(2, 3, 0, 1)));
             int32_t lo = _mm256_cvtsi256_si32(dot), hi = _mm256_extract_epi32(dot, 4);
-#if defined(__AVXVNNI__)
-            lo -= 128 * xr[r].lo[g];
-            hi -= 128 * xr[r].hi[g];
-#endif
+            if (NEEDS_CORR(bits)) {
+                lo -= xr[r].lo[g];
+                hi -= xr[r].hi[g];
+            }
             const float d = xr[r].d[g];
             tail[r] += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
             if (s.z) tail[r] += s.z[g] * xr[r].sum[g];
@@ -370,15 +443,18 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
     for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + tail[r];
 }
 #else
-static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves, const row_q *xr, float *out) {
+static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int halves, int bits, const row_q *xr,
+                            float *out) {
     for (int r = 0; r < rows; r++) {
         float acc = 0.0f;
         for (int g = 0; g < k / GROUP; g++) {
             int32_t lo = 0, hi = 0;
             for (int i = GROUP * g; i < GROUP * (g + 1); i++) {
-                const int product = (w[place(i, k)] - 128) * xr[r].xq[place(i, k)];
+                const int product = u_at(w, place(i, k), bits) * xr[r].xq[place(i, k)];
                 if (i < GROUP * g + GROUP / 2) lo += product; else hi += product;
             }
+            lo -= xr[r].lo[g];
+            hi -= xr[r].hi[g];
             const float d = xr[r].d[g];
             if (halves) acc += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
             else acc += (float)(lo + hi) * (s.s_lo[g] * d);
@@ -389,20 +465,24 @@ static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int 
 }
 #endif
 
-static inline void prefetch_outputs(const uint8_t *w, const float *sz, int k, int parts, int j) {
+static inline void prefetch_outputs(const uint8_t *w, const float *sz, int k, size_t stride, int parts, int j) {
     /* addresses made as integers: past the last output a prefetch may point beyond the matrix, and never faults */
-    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * k, szj = (uintptr_t)sz + (uintptr_t)j * parts * (k / 8);
-    for (int b = 0; b < k; b += 64) __builtin_prefetch((const void *)(wj + b));
+    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * stride, szj = (uintptr_t)sz + (uintptr_t)j * parts * (k / 8);
+    for (size_t b = 0; b < stride; b += 64) __builtin_prefetch((const void *)(wj + b));
     for (int b = 0; b < parts * (k / 8); b += 64) __builtin_prefetch((const void *)(szj + b));
 }
 
-/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n x k bytes; sz: n x parts x k/32 floats, parts = 1 +
- * halves + offsets. threads: how many OpenMP threads share the outputs (the stage's torch threads).
- * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32 (y untouched). */
+/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n outputs of row_bytes(k, bits) bytes, a level q held as
+ * u = q + zero in `bits` bits (8, 6 or 5); sz: n x parts x k/32 floats, parts = 1 + halves + offsets. threads: how
+ * many OpenMP threads share the outputs (the stage's torch threads).
+ * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits or zero is
+ * not one of these (y untouched). */
 int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const float *sz, int halves, int offsets,
-                const float *bias, float *y, int threads) {
+                int bits, int zero, const float *bias, float *y, int threads) {
     if (threads < 1) threads = 1;
     if (k % GROUP || k <= 0) return -2;
+    if ((bits != 8 && bits != 6 && bits != 5) || zero < 0 || zero >= (1 << bits)) return -3;
+    const size_t stride = row_bytes(k, bits);
     halves = halves ? 1 : 0;
     offsets = offsets ? 1 : 0;
     const int groups = k / GROUP, parts = 1 + halves + offsets;
@@ -424,7 +504,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
     for (int r = 0; r < rows; r++) {
         const size_t at = (size_t)r * groups;
         const row_q q = {xq + (size_t)r * k, d + at, sum + at, lo + at, hi + at};
-        quantize_row(x + (size_t)r * k, k, q);
+        quantize_row(x + (size_t)r * k, k, zero, q);
     }
 
     const int blocks = (n + OUT_BLOCK - 1) / OUT_BLOCK;
@@ -444,27 +524,28 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
 #if defined(PATH_512)
             if (tile == 1)
                 for (; j + FOUR <= last; j += FOUR) {
-                    prefetch_outputs(w, sz, k, parts, j + PREFETCH);
-                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 1);
-                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 2);
-                    prefetch_outputs(w, sz, k, parts, j + PREFETCH + 3);
-                    dot_four(w + (size_t)j * k, sz + (size_t)j * parts * groups, k, halves, offsets, xr, out);
+                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH);
+                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH + 1);
+                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH + 2);
+                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH + 3);
+                    dot_four(w + (size_t)j * stride, sz + (size_t)j * parts * groups, k, halves, offsets, bits, xr,
+                             out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
             for (; j < last; j++) {
-                if (r0 == 0) prefetch_outputs(w, sz, k, parts, j + PREFETCH);
-                const uint8_t *wj = w + (size_t)j * k;
+                if (r0 == 0) prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH);
+                const uint8_t *wj = w + (size_t)j * stride;
                 const scales_of s = scales_at(sz + (size_t)j * parts * groups, groups, halves, offsets);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
-                    case 8: dot_rows(8, wj, s, k, halves, xr, out); break;
-                    case 7: dot_rows(7, wj, s, k, halves, xr, out); break;
-                    case 6: dot_rows(6, wj, s, k, halves, xr, out); break;
-                    case 5: dot_rows(5, wj, s, k, halves, xr, out); break;
-                    case 4: dot_rows(4, wj, s, k, halves, xr, out); break;
-                    case 3: dot_rows(3, wj, s, k, halves, xr, out); break;
-                    case 2: dot_rows(2, wj, s, k, halves, xr, out); break;
-                    default: dot_rows(1, wj, s, k, halves, xr, out); break;
+                    case 8: dot_rows(8, wj, s, k, halves, bits, xr, out); break;
+                    case 7: dot_rows(7, wj, s, k, halves, bits, xr, out); break;
+                    case 6: dot_rows(6, wj, s, k, halves, bits, xr, out); break;
+                    case 5: dot_rows(5, wj, s, k, halves, bits, xr, out); break;
+                    case 4: dot_rows(4, wj, s, k, halves, bits, xr, out); break;
+                    case 3: dot_rows(3, wj, s, k, halves, bits, xr, out); break;
+                    case 2: dot_rows(2, wj, s, k, halves, bits, xr, out); break;
+                    default: dot_rows(1, wj, s, k, halves, bits, xr, out); break;
                 }
                 const float b = bias ? bias[j] : 0.0f;
                 for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;

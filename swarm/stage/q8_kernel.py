@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from swarm.errors import KernelMismatch
 from swarm.stage import c_build
@@ -28,6 +29,8 @@ SOURCE = Path(__file__).with_name("q8_kernel.c")
 FLAGS = c_build.FLAGS
 GROUP = 32  # inputs per group: a layer's in_features must be a multiple of it
 BLOCK = 512  # inputs of a whole block (16 groups) in the packed layout; the last block holds what is left
+CHUNK = 64  # inputs whose 5- or 6-bit levels are laid out together (pack_planes): one 64-byte vector of the C file
+BITS = (8, 6, 5)  # the level widths the C file reads
 
 
 class Q8Kernel:
@@ -39,17 +42,24 @@ class Q8Kernel:
         self._mm = lib.swarm_q8_mm
         self._mm.restype = ctypes.c_int
         pointer, number = ctypes.c_void_p, ctypes.c_int
-        self._mm.argtypes = [pointer, number, number, number, pointer, pointer, number, number, pointer, pointer,
-                             number]
+        self._mm.argtypes = [pointer, number, number, number, pointer, pointer, number, number, number, number,
+                             pointer, pointer, number]
         lib.swarm_q8_path.restype = ctypes.c_char_p
         self.simd = lib.swarm_q8_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
+        lib.swarm_q8_row_bytes.restype = ctypes.c_int
+        lib.swarm_q8_row_bytes.argtypes = [number, number]
+        for k, bits in ((32, 5), (576, 5), (640, 6), (1536, 8), (2048, 6)):  # the C file reads what pack lays out
+            if lib.swarm_q8_row_bytes(k, bits) != row_bytes(k, bits):
+                raise KernelMismatch(f"swarm's 8-bit kernel ({path}) takes {lib.swarm_q8_row_bytes(k, bits)} bytes "
+                                     f"for an output of {k} {bits}-bit levels where swarm packs {row_bytes(k, bits)}: "
+                                     "its C file and q8_kernel.py are from different versions; reinstall swarm")
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, halves: bool, offsets: bool,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, in) bytes from :func:`pack`; ``scales``: float32
-        (out, parts, in / 32), parts being the scales (of each group's first 16 inputs, then of its last 16 where
-        ``halves``) then the offsets where ``offsets``. x is taken as float32 rows, the bias where it is float32 (else
-        added after)."""
+               bias: torch.Tensor | None, bits: int = 8, zero: int = 128) -> torch.Tensor:
+        """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, row_bytes(in, bits)) bytes from :func:`pack`
+        (bits 8) or :func:`pack_planes` (5 or 6), a level q held as q + ``zero``; ``scales``: float32 (out, parts,
+        in / 32), parts being the scales (of each group's first 16 inputs, then of its last 16 where ``halves``) then
+        the offsets where ``offsets``. x is taken as float32 rows, the bias where it is float32 (else added after)."""
         if x.dim() != 2 or not x.is_cpu:
             raise _mismatch("the activations", "a 2-D CPU tensor (rows, in)", _describe(x))
         if x.dtype != torch.float32 or not x.is_contiguous():
@@ -60,7 +70,10 @@ class Q8Kernel:
         if packed.dim() != 2:
             raise _mismatch("the packed weights", "a 2-D tensor (out, in)", _describe(packed))
         out_features = packed.shape[0]
-        expect(packed, "the packed weights", torch.uint8, (out_features, k))
+        if bits not in BITS or not 0 <= zero < 1 << bits:
+            raise _mismatch("the levels", f"{'/'.join(map(str, BITS))}-bit levels with a zero in their range",
+                            f"{bits} bits with zero {zero}")
+        expect(packed, "the packed weights", torch.uint8, (out_features, row_bytes(k, bits)))
         expect(scales, "the scales and offsets", torch.float32, (out_features, 1 + halves + offsets, k // GROUP))
         if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
             raise _mismatch("the bias", f"a CPU tensor ({out_features},)", _describe(bias))
@@ -68,7 +81,9 @@ class Q8Kernel:
         fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
         bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
         status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scales.data_ptr(), int(halves),
-                          int(offsets), bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
+                          int(offsets), bits, zero, bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
+        if status == -3:
+            raise _mismatch("the levels", "8-, 6- or 5-bit levels", f"{bits} bits with zero {zero}")
         if status:
             raise MemoryError(f"the 8-bit kernel could not allocate scratch for {rows} rows of {k} inputs")
         if bias is not None and not fused_bias:
@@ -92,6 +107,46 @@ def pack_bytes(u: torch.Tensor) -> torch.Tensor:
     blocked = k // BLOCK * BLOCK
     blocks = u[:, :blocked].reshape(n, blocked // BLOCK, BLOCK // GROUP, GROUP // 4, 4).transpose(2, 3)
     return torch.cat([blocks.reshape(n, blocked), u[:, blocked:]], 1).contiguous()
+
+
+def row_bytes(k: int, bits: int) -> int:
+    """Bytes an output of ``k`` inputs takes at ``bits`` bits a level: k bytes at 8; at 5 and 6, per 64 inputs (the
+    last padded) 32 bytes of nibbles and 8 bytes per bit above the fourth (:func:`pack_planes`)."""
+    return k if bits == 8 else -(-k // CHUNK) * (CHUNK // 2 + (bits - 4) * CHUNK // 8)
+
+
+def pack_planes(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """The C file's 5- or 6-bit layout of bytes ``u`` (uint8, out x in, each below 2**bits) already in :func:`pack`'s
+    order: per chunk of 64 inputs, 32 bytes whose low nibbles are inputs 0..31's low 4 bits and high nibbles inputs
+    32..63's, then for each bit above the fourth 8 bytes holding that bit of the 64 inputs (bit i % 8 of byte i / 8).
+    About 0.625 bytes a weight at 5 bits, 0.75 at 6."""
+    n, k = u.shape
+    if u.dtype != torch.uint8 or bits not in (5, 6) or k % GROUP:
+        raise _mismatch("the levels", f"uint8 rows of whole groups of {GROUP} for 5 or 6 bits",
+                        f"{u.dtype} rows of {k} for {bits} bits")
+    chunks = -(-k // CHUNK)
+    padded = F.pad(u, (0, chunks * CHUNK - k)).reshape(n, chunks, CHUNK)
+    planes = [(padded[..., : CHUNK // 2] & 0x0F) | ((padded[..., CHUNK // 2 :] & 0x0F) << 4)]
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    for bit in range(4, bits):
+        set_bits = ((padded >> bit) & 1).reshape(n, chunks, CHUNK // 8, 8).to(torch.int32)
+        planes.append((set_bits * weights).sum(-1).to(torch.uint8))
+    return torch.cat(planes, -1).reshape(n, -1).contiguous()
+
+
+def unpack_planes(packed: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """The bytes u (uint8, out x k, in :func:`pack`'s order) that :func:`pack_planes` laid out as ``packed``."""
+    n = packed.shape[0]
+    chunks = -(-k // CHUNK)
+    c = packed.reshape(n, chunks, -1)
+    nib = c[..., : CHUNK // 2]
+    u = torch.cat([nib & 0x0F, nib >> 4], -1)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    for plane, bit in enumerate(range(4, bits)):
+        at = CHUNK // 2 + plane * CHUNK // 8
+        high = ((c[..., at : at + CHUNK // 8, None] >> shifts) & 1).reshape(n, chunks, CHUNK)
+        u = u | (high << bit)
+    return u.reshape(n, chunks * CHUNK)[:, :k]
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
