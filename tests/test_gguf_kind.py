@@ -211,13 +211,19 @@ def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
     assert gguf.layer_bytes == (2_000_000, 2_000_000)  # Q4_1 repacks to its own size
     assert model_size(manifest, cpu=True).layer_bytes == (12_800_000, 12_800_000)  # float32 at none
     assert model_size({**manifest, "file_type": "Q4_0"}, cpu=True, quantization="gguf").layer_bytes[0] == 2_222_222
-    # tied: the blocks, and the head on them at the most a kernel's layout holds per stored byte (Q5_K's 1.25 / 0.6875)
-    assert gguf.embed_bytes == 30_000_000 + int(30_000_000 * 1.25 / (176 / 256))
+    # tied: the blocks, and the head on them at the most a kernel's layout holds per stored byte (Q4_K's 0.75 / 0.5625;
+    # the 8-bit kernel's types at most Q5_K's 0.875 / 0.6875, its levels in nibbles and a high-bit plane)
+    assert gguf.embed_bytes == 30_000_000 + int(30_000_000 * 0.75 / 0.5625)
     untied = model_size({**manifest, "tie_word_embeddings": False}, cpu=True, quantization="gguf")
     assert untied.embed_bytes == 30_000_000  # stage 0 alone holds it, as its blocks
-    # a file of mixed types counts at its most expensive type (Q4_K_M's Q5_0: 1.125 bytes a weight for 0.6875)
+    # a file of mixed types counts at its most expensive type (Q4_K_M's: Q4_K at 0.75 bytes a weight for 0.5625,
+    # above its Q6_K's 1.0 for 0.8203 and Q5_0's 0.75 for 0.6875)
     assert model_size({**manifest, "file_type": "Q4_K_M"}, cpu=True, quantization="gguf").layer_bytes[0] == \
-        int(2_000_000 * 1.125 / (22 / 32))
+        int(2_000_000 * 0.75 / 0.5625)
+    # the 8-bit kernel's 5- and 6-bit types, their levels in nibbles and high-bit planes
+    for file_type, held in (("Q5_0", 0.75 / (22 / 32)), ("Q5_1", 0.875 / 0.75), ("Q6_K", 1.0 / (210 / 256))):
+        assert model_size({**manifest, "file_type": file_type}, cpu=True, quantization="gguf").layer_bytes[0] == \
+            int(2_000_000 * held), file_type
     # a type no kernel takes widens to float32, never counted under
     assert model_size({**manifest, "file_type": "Q3_K_M"}, cpu=True, quantization="gguf").layer_bytes[0] == 12_800_000
 
