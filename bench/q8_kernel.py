@@ -86,11 +86,11 @@ def candidates(k: int, n: int, rows: int, types: list[str], rng: np.random.Gener
             continue  # a K-quant row is whole blocks of 256: files hold such tensors in Q8_0, Q5_0 ... instead
         raw = random_blocks(kind, n, k, rng)
         layer = gguf_q8.q8_linear(raw, kind, (n, k), None)
-        held = layer.packed.numel() + 4 * layer.scales.numel()
+        held = layer.packed.numel() + layer.scales.element_size() * layer.scales.numel()
         yield f"swarm q8 kernel, {kind}", held, lambda layer=layer: layer(x)
         if layer.bits != 8:  # the same type a byte a level (the layout before the planes), for comparison
             wide = gguf_q8.q8_linear(raw, kind, (n, k), None, planes=False)
-            held = wide.packed.numel() + 4 * wide.scales.numel()
+            held = wide.packed.numel() + wide.scales.element_size() * wide.scales.numel()
             yield f"swarm q8 kernel, {kind} a byte a level", held, lambda wide=wide: wide(x)
     w = torch.randn(n, k) * 0.02
     yield "torch float32 matmul (widened)", 4 * n * k, lambda: F.linear(x, w)

@@ -217,11 +217,12 @@ def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
     untied = model_size({**manifest, "tie_word_embeddings": False}, cpu=True, quantization="gguf")
     assert untied.embed_bytes == 30_000_000  # stage 0 alone holds it, as its blocks
     # a file of mixed types counts at its most expensive type (Q4_K_M's: Q4_K at 0.75 bytes a weight for 0.5625,
-    # above its Q6_K's 1.0 for 0.8203 and Q5_0's 0.75 for 0.6875)
+    # above its Q6_K's 1.0 for 0.8203 and Q5_0's own 0.6875)
     assert model_size({**manifest, "file_type": "Q4_K_M"}, cpu=True, quantization="gguf").layer_bytes[0] == \
         int(2_000_000 * 0.75 / 0.5625)
-    # the 8-bit kernel's 5- and 6-bit types, their levels in nibbles and high-bit planes
-    for file_type, held in (("Q5_0", 0.75 / (22 / 32)), ("Q5_1", 0.875 / 0.75), ("Q6_K", 1.0 / (210 / 256))):
+    # the 8-bit kernel's types, the 5- and 6-bit levels in nibbles and high-bit planes
+    # (Q5_0's and Q5_1's fp16 scales as the file has them: their files' size), Q6_K's float32 scales d sc
+    for file_type, held in (("Q5_0", 1.0), ("Q5_1", 1.0), ("Q8_0", 1.0), ("Q6_K", 1.0 / (210 / 256))):
         assert model_size({**manifest, "file_type": file_type}, cpu=True, quantization="gguf").layer_bytes[0] == \
             int(2_000_000 * held), file_type
     # a type no kernel takes widens to float32, never counted under

@@ -60,11 +60,13 @@ def test_repacked_blocks_dequantize_to_gguf_pys_values_to_the_bit(kind):
         assert got.dtype == torch.float32 and got.shape == (37, cols)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), kind  # the bits, signed zeros included
         # a byte a weight for Q8_0, 5/8 for the 5-bit types and 6/8 for Q6_K (each output's last 64 inputs padded),
-        # and float32 scales: one row of them per group (two for Q6_K's halves, one more for offsets)
-        held = linear.packed.numel() + 4 * linear.scales.numel()
+        # and scales: one row of them per group (two for Q6_K's halves, one more for offsets)
+        # fp16 scales (and offsets) where the file's are fp16 (Q8_0, Q5_0, Q5_1), else float32
+        held = linear.packed.numel() + linear.scales.element_size() * linear.scales.numel()
         parts = 1 + (kind == "Q6_K") + (kind in ("Q5_1", "Q5_K"))
         level_bytes = {"Q8_0": cols, "Q6_K": -(-cols // 64) * 48}.get(kind, -(-cols // 64) * 40)
-        assert held == 37 * (level_bytes + cols * parts / 8)
+        scale_bytes = 2 if kind in ("Q8_0", "Q5_0", "Q5_1") else 4
+        assert held == 37 * (level_bytes + cols // 32 * parts * scale_bytes)
 
 
 def bound(linear, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +193,7 @@ def q6():
     ("packed as int8", "torch.int8"),
     ("packed not contiguous", "not contiguous"),
     ("packed in 1-D", "2-D tensor"),
-    ("scales as float16", "torch.float16"),
+    ("scales as bfloat16", "torch.bfloat16"),
     ("scales without the second halves", "the scales and offsets"),
     ("scales not contiguous", "not contiguous"),
     ("bias of another size", "the bias"),
@@ -213,8 +215,8 @@ def test_matmul_refuses_what_the_c_code_would_misread(q6, case, words):
         packed = torch.cat([packed, packed], 1)[:, : packed.shape[1]]
     elif case == "packed in 1-D":
         packed = packed.reshape(-1)
-    elif case == "scales as float16":
-        scales = scales.half()
+    elif case == "scales as bfloat16":
+        scales = scales.bfloat16()
     elif case == "scales without the second halves":
         scales = scales[:, :1].contiguous()
     elif case == "scales not contiguous":
@@ -286,3 +288,32 @@ def test_the_built_in_models_q8_0_head_repacks_to_the_bit_and_computes_within_th
     assert torch.equal(got, head(x)[:, :4096])  # the same outputs whatever else the layer holds
     err = (got.double() - x.double() @ want[:4096].double().T).abs()
     assert (err <= bound(some, x)).all()
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_1"])
+def test_fp16_scales_of_any_value_are_held_and_computed_exactly(kind):
+    """Q8_0's d and Q5_1's d and m stay the file's fp16 values: zero, negative, subnormal and large ones included, on
+    every build of the kernel (the plain-C conversion of halves too)"""
+    values, size = {"Q8_0": (32, 34), "Q5_1": (32, 24)}[kind]
+    raw = blocks(kind, 16, 576, seed=8).reshape(16, 576 // values, size).copy()
+    special = np.array([0.0, -0.0, 6e-8, -3e-6, 6.1e-5, -2.5, 60000.0, 1e-3], dtype=np.float16)
+    picked = special[np.random.default_rng(9).integers(0, len(special), raw.shape[:2] + (2,))]  # d, m per block
+    raw[:, :, 0:2] = picked[..., 0:1].view(np.uint8)
+    if kind == "Q5_1":
+        raw[:, :, 2:4] = picked[..., 1:2].view(np.uint8)
+    raw = raw.reshape(16, -1)
+    linear = gguf_q8.q8_linear(torch.from_numpy(raw), kind, (16, 576), None)
+    assert linear.scales.dtype == torch.float16
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+    assert torch.equal(linear.dequantized().view(torch.int32), want.view(torch.int32))
+    x = activations(3, 576, seed=10) * 0.01
+    reference = q8_kernel.reference(x, *linear.grid())
+    builds = [q8_kernel.FLAGS]
+    if platform.machine() in ("x86_64", "AMD64"):
+        builds += [tuple(f for flag in q8_kernel.FLAGS for f in ([f"-march={march}"] if flag == "-march=native"
+                                                                 else [flag])) for march in ("x86-64-v3", "x86-64")]
+    for flags in builds:
+        built = q8_kernel.kernel(flags)
+        assert built is not None
+        got = built.matmul(x, linear.packed, linear.scales, False, linear.offsets, None, linear.bits, linear.zero)
+        assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()), flags

@@ -1,20 +1,23 @@
 """GGUF's 8-bit-exact types as layers of swarm's 8-bit kernel (swarm.stage.q8_kernel): Q8_0, Q5_0, Q5_1, Q5_K and
 Q6_K blocks repacked losslessly at load -- every weight is s q (+ z) with an integer level q and the file's own
-scale, kept in float32, so ``dequantized()`` is gguf-py's dequantization to the bit.
+scale, so ``dequantized()`` is gguf-py's dequantization to the bit.
 
 Per type (value = what gguf-py computes; level and scales = what the kernel holds):
-- Q8_0: d q, q in -128..127 -> level q, scale d (fp16 in the file);
-- Q5_0: d (q - 16), q in 0..31 -> level q - 16, scale d;
-- Q5_1: d q + m -> level q, scale d, offset m;
-- Q5_K: (d sc) q - (dmin m), 6-bit sc and m per 32 values -> level q, scale d sc, offset -(dmin m) (both exact in
-  float32: an 11-bit fp16 mantissa times a 6-bit integer);
-- Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, exact in float32).
+- Q8_0: d q, q in -128..127 -> level q, scale d (fp16 in the file, held as fp16);
+- Q5_0: d (q - 16), q in 0..31 -> level q - 16, scale d (fp16);
+- Q5_1: d q + m -> level q, scale d, offset m (both fp16);
+- Q5_K: (d sc) q - (dmin m), 6-bit sc and m per 32 values -> level q, scale d sc, offset -(dmin m) (float32, exact:
+  an 11-bit fp16 mantissa times a 6-bit integer);
+- Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, float32, exact).
   Two halves of a group of 32 have their own scales in the file; folding them into one per group is exact only where
   both scales are at most 4 times a common divisor (levels up to 32 x 4 still fit 8 bits), which a general block's
-  6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K: 1.25 bytes a weight in all,
-  against 1.125 for Q8_0 and Q5_0, and 0.5 us more than Q8_0 on a 1536 x 576 product (bench/RESULTS.md, Kernels).
+  6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K.
 
-A layer holds 1 byte a weight plus float32 scales (4 bytes per 32 weights per scale row). Where the kernel cannot be
+Levels: Q8_0 a byte each; the 5- and 6-bit types as the file's unsigned q in planes -- nibbles, then one plane per
+higher bit (q8_kernel.pack_planes) -- unpacked to bytes in registers. Bytes a weight held: Q8_0 1.0625, Q5_0 0.6875
+and Q5_1 0.75 (their files' sizes), Q5_K 0.875 (file 0.6875), Q6_K 1.0 (file 0.8203); a byte a level
+(``planes=False``, the layout before the planes: 0.5 byte a weight more for the 5-bit types) computes the same bits,
+some 10 % faster per product where the weights sit in cache (bench/RESULTS.md, Kernels). Where the kernel cannot be
 built here, the layer computes with torch on its weights widened a few thousand outputs at a time.
 """
 
@@ -37,6 +40,9 @@ _OFFSETS = frozenset({"Q5_1", "Q5_K"})
 # and high bits (q8_kernel.pack_planes), each level the file's own unsigned q (Q5_0's q - 16 is u - 16, Q6_K's
 # q - 32 is u - 32); Q8_0 a byte a level
 _LEVELS = {"Q8_0": (8, 128), "Q5_0": (5, 16), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 32)}
+# types whose scales (and offsets) are the file's fp16 d (and m): held as fp16, exactly; the K types' d sc and
+# dmin m are not fp16 values and stay float32
+_HALF_SCALES = frozenset({"Q8_0", "Q5_0", "Q5_1"})
 _REPACK_VALUES = 1 << 22  # values decoded at a time: the intermediates stay tens of MB whatever the tensor
 _FALLBACK_OUTPUTS = 4096  # outputs widened at a time where torch computes
 
@@ -146,7 +152,7 @@ class GgufQ8Linear(nn.Module):
         return self._grid_of(slice(start, stop))
 
     def _grid_of(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        scales = self.scales[rows]
+        scales = self.scales[rows].float()
         first = scales[:, 0]
         second = scales[:, 1] if self.halves else first
         per_half = torch.stack([first, second], -1).reshape(first.shape[0], -1)
@@ -166,7 +172,7 @@ class GgufQ8Linear(nn.Module):
             return self._widened_of(index)
         if self._order is None:  # where each input's byte lies in a packed row (the kernel's layout, undone)
             self._order = _unpacked_order(self.in_features)
-        scales = self.scales[index]
+        scales = self.scales[index].float()
         q = self.packed[index][:, self._order].to(torch.int16) - 128
         w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * q.float()
         return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
@@ -176,7 +182,7 @@ class GgufQ8Linear(nn.Module):
 
     def _widened_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
         if not self.halves:  # a scale per group of 32: taken as it is held (the same values as per half)
-            scales = self.scales[rows]
+            scales = self.scales[rows].float()
             w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * self._levels_of(rows).float()
             return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
         q, scale, offset = self._grid_of(rows)
@@ -244,7 +250,8 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
     parts = 1 + (ggml_type in _HALVES) + (ggml_type in _OFFSETS)
     bits, zero = _LEVELS[ggml_type] if planes else (8, 128)
     packed = torch.empty((out_features, q8_kernel.row_bytes(in_features, bits)), dtype=torch.uint8)
-    scales = torch.empty((out_features, parts, in_features // q8_kernel.GROUP), dtype=torch.float32)
+    scales = torch.empty((out_features, parts, in_features // q8_kernel.GROUP),
+                         dtype=torch.float16 if ggml_type in _HALF_SCALES else torch.float32)
     step = max(1, _REPACK_VALUES // in_features)
     for start in range(0, out_features, step):
         chunk = blocks[start : start + step]

@@ -58,6 +58,7 @@
 #define BLOCK 512    /* inputs of a whole block: 16 groups */
 #define OUT_BLOCK 16 /* outputs a thread takes at a time */
 #define ROW_TILE 8   /* rows that share one load of the weights */
+#define FOUR 4       /* outputs a decode step's row meets at once (AVX512) */
 #define PREFETCH 8   /* outputs ahead whose weights are asked for (int4_kernel.c: the short rows of a decode step) */
 
 const char *swarm_q8_path(void) { return PATH_NAME; }
@@ -95,6 +96,33 @@ static inline int u_at(const uint8_t *w, int p, int bits) {
 }
 
 int swarm_q8_row_bytes(int k, int bits) { return (int)row_bytes(k, bits); }
+
+/* IEEE half h as a float: exact (every half is a float), NaN kept a NaN */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits = sign;
+    float f;
+    if (exp == 0x1F) {
+        bits |= 0x7F800000u | (man << 13);
+    } else if (exp) {
+        bits |= ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: man x 2^-24 */
+        f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* count scales held as halves (Q8_0's, Q5_0's and Q5_1's fp16 d and m, as the file has them) into floats */
+static void halves_to_floats(const uint16_t *h, float *f, size_t count) {
+    size_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < count; i++) f[i] = half_to_float(h[i]);
+}
 
 #if defined(PATH_512)
 static inline void quantize_group(const float *v, int8_t *q, float *d, float *sum, int32_t *lo, int32_t *hi) {
@@ -288,7 +316,6 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
 /* One row against four outputs at once (a decode step's case): each block's activations are loaded once for the
  * four, and their eight dot products are independent chains. w, sz: the first output's; the others follow at k bytes
  * and parts * k / 32 floats apart. Each output sums as dot_rows sums a row: the same bits. */
-#define FOUR 4
 static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, int bits,
                             const row_q *x, float *out) {
     const size_t stride = row_bytes(k, bits);
@@ -466,20 +493,28 @@ static inline void dot_rows(int rows, const uint8_t *w, scales_of s, int k, int 
 }
 #endif
 
-static inline void prefetch_outputs(const uint8_t *w, const float *sz, int k, size_t stride, int parts, int j) {
+static inline void prefetch_outputs(const uint8_t *w, const void *sz, size_t scale_bytes, size_t stride, int j) {
     /* addresses made as integers: past the last output a prefetch may point beyond the matrix, and never faults */
-    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * stride, szj = (uintptr_t)sz + (uintptr_t)j * parts * (k / 8);
+    const uintptr_t wj = (uintptr_t)w + (uintptr_t)j * stride, szj = (uintptr_t)sz + (uintptr_t)j * scale_bytes;
     for (size_t b = 0; b < stride; b += 64) __builtin_prefetch((const void *)(wj + b));
-    for (int b = 0; b < parts * (k / 8); b += 64) __builtin_prefetch((const void *)(szj + b));
+    for (size_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch((const void *)(szj + b));
 }
 
 /* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n outputs of row_bytes(k, bits) bytes, a level q held as
- * u = q + zero in `bits` bits (8, 6 or 5); sz: n x parts x k/32 floats, parts = 1 + halves + offsets. threads: how
- * many OpenMP threads share the outputs (the stage's torch threads).
+ * u = q + zero in `bits` bits (8, 6 or 5); sz: n x parts x k/32 floats (IEEE halves where half_scales, converted an
+ * output or four at a time as they are used), parts = 1 + halves + offsets. threads: how many OpenMP threads share
+ * the outputs (the stage's torch threads).
  * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits or zero is
  * not one of these (y untouched). */
-int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const float *sz, int halves, int offsets,
-                int bits, int zero, const float *bias, float *y, int threads) {
+/* The scales of outputs j .. j + count - 1 as floats: where they are, or converted into held */
+static inline const float *scales_from(const void *sz, int half, int j, int count, size_t per_output, float *held) {
+    if (!half) return (const float *)sz + (size_t)j * per_output;
+    halves_to_floats((const uint16_t *)sz + (size_t)j * per_output, held, (size_t)count * per_output);
+    return held;
+}
+
+int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const void *sz, int halves, int offsets,
+                int bits, int zero, int half_scales, const float *bias, float *y, int threads) {
     if (threads < 1) threads = 1;
     if (k % GROUP || k <= 0) return -2;
     if ((bits != 8 && bits != 6 && bits != 5) || zero < 0 || zero >= (1 << bits)) return -3;
@@ -487,6 +522,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
     halves = halves ? 1 : 0;
     offsets = offsets ? 1 : 0;
     const int groups = k / GROUP, parts = 1 + halves + offsets;
+    const size_t per_output = (size_t)parts * groups, scale_bytes = per_output * (half_scales ? 2 : 4);
     /* the activations' scratch: kept per calling thread, grown as needed */
     static __thread void *scratch = NULL;
     static __thread size_t held = 0;
@@ -512,6 +548,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int block = 0; block < blocks; block++) {
         const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
+        float held[half_scales ? FOUR * per_output : 1]; /* an output's (or four's) scales as floats */
         for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             row_q xr[ROW_TILE];
@@ -525,19 +562,20 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
 #if defined(PATH_512)
             if (tile == 1)
                 for (; j + FOUR <= last; j += FOUR) {
-                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH);
-                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH + 1);
-                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH + 2);
-                    prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH + 3);
-                    dot_four(w + (size_t)j * stride, sz + (size_t)j * parts * groups, k, halves, offsets, bits, xr,
-                             out);
+                    prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH);
+                    prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 1);
+                    prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 2);
+                    prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 3);
+                    dot_four(w + (size_t)j * stride, scales_from(sz, half_scales, j, FOUR, per_output, held), k,
+                             halves, offsets, bits, xr, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
             for (; j < last; j++) {
-                if (r0 == 0) prefetch_outputs(w, sz, k, stride, parts, j + PREFETCH);
+                if (r0 == 0) prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH);
                 const uint8_t *wj = w + (size_t)j * stride;
-                const scales_of s = scales_at(sz + (size_t)j * parts * groups, groups, halves, offsets);
+                const scales_of s = scales_at(scales_from(sz, half_scales, j, 1, per_output, held), groups, halves,
+                                              offsets);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
                     case 8: dot_rows(8, wj, s, k, halves, bits, xr, out); break;
                     case 7: dot_rows(7, wj, s, k, halves, bits, xr, out); break;

@@ -43,7 +43,7 @@ class Q8Kernel:
         self._mm.restype = ctypes.c_int
         pointer, number = ctypes.c_void_p, ctypes.c_int
         self._mm.argtypes = [pointer, number, number, number, pointer, pointer, number, number, number, number,
-                             pointer, pointer, number]
+                             number, pointer, pointer, number]
         lib.swarm_q8_path.restype = ctypes.c_char_p
         self.simd = lib.swarm_q8_path().decode()  # which of the C file's paths this CPU got (avx512-vnni, ...)
         lib.swarm_q8_row_bytes.restype = ctypes.c_int
@@ -57,9 +57,10 @@ class Q8Kernel:
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, halves: bool, offsets: bool,
                bias: torch.Tensor | None, bits: int = 8, zero: int = 128) -> torch.Tensor:
         """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, row_bytes(in, bits)) bytes from :func:`pack`
-        (bits 8) or :func:`pack_planes` (5 or 6), a level q held as q + ``zero``; ``scales``: float32 (out, parts,
-        in / 32), parts being the scales (of each group's first 16 inputs, then of its last 16 where ``halves``) then
-        the offsets where ``offsets``. x is taken as float32 rows, the bias where it is float32 (else added after)."""
+        (bits 8) or :func:`pack_planes` (5 or 6), a level q held as q + ``zero``; ``scales``: float32, or float16 (the
+        file's own fp16 d and m), (out, parts, in / 32), parts being the scales (of each group's first 16 inputs,
+        then of its last 16 where ``halves``) then the offsets where ``offsets``. x is taken as float32 rows, the bias
+        where it is float32 (else added after)."""
         if x.dim() != 2 or not x.is_cpu:
             raise _mismatch("the activations", "a 2-D CPU tensor (rows, in)", _describe(x))
         if x.dtype != torch.float32 or not x.is_contiguous():
@@ -74,14 +75,17 @@ class Q8Kernel:
             raise _mismatch("the levels", f"{'/'.join(map(str, BITS))}-bit levels with a zero in their range",
                             f"{bits} bits with zero {zero}")
         expect(packed, "the packed weights", torch.uint8, (out_features, row_bytes(k, bits)))
-        expect(scales, "the scales and offsets", torch.float32, (out_features, 1 + halves + offsets, k // GROUP))
+        half_scales = scales.dtype == torch.float16
+        expect(scales, "the scales and offsets", torch.float16 if half_scales else torch.float32,
+               (out_features, 1 + halves + offsets, k // GROUP))
         if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
             raise _mismatch("the bias", f"a CPU tensor ({out_features},)", _describe(bias))
         y = torch.empty((rows, out_features), dtype=torch.float32)
         fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
         bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
         status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scales.data_ptr(), int(halves),
-                          int(offsets), bits, zero, bias_ptr, y.data_ptr(), torch.get_num_threads()) if rows else 0
+                          int(offsets), bits, zero, int(half_scales), bias_ptr, y.data_ptr(),
+                          torch.get_num_threads()) if rows else 0
         if status == -3:
             raise _mismatch("the levels", "8-, 6- or 5-bit levels", f"{bits} bits with zero {zero}")
         if status:
