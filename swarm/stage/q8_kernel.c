@@ -59,6 +59,9 @@
 #define OUT_BLOCK 16 /* outputs a thread takes at a time */
 #define ROW_TILE 8   /* rows that share one load of the weights */
 #define FOUR 4       /* outputs a decode step's row meets at once (AVX512) */
+/* "bits" of 5- or 6-bit levels unpacked to a byte each (u below 64, so no sign trick): a prefill's output block is
+ * unpacked once and its row tiles read the bytes */
+#define WIDENED 7
 #define PREFETCH 8   /* outputs ahead whose weights are asked for (int4_kernel.c: the short rows of a decode step) */
 
 const char *swarm_q8_path(void) { return PATH_NAME; }
@@ -81,12 +84,12 @@ typedef struct {
  * nibbles -- byte i the low 4 bits of input i in its low half, of input 32 + i in its high half -- then, per level bit
  * above the fourth, 8 bytes of that bit of the 64 inputs (bit i % 8 of byte i / 8). Inputs are in place's order. */
 static inline size_t row_bytes(int k, int bits) {
-    return bits == 8 ? (size_t)k : (size_t)(k + 63) / 64 * (size_t)(32 + 8 * (bits - 4));
+    return bits >= WIDENED ? (size_t)k : (size_t)(k + 63) / 64 * (size_t)(32 + 8 * (bits - 4));
 }
 
 /* u of the input at p (place's order) of one output's levels */
 static inline int u_at(const uint8_t *w, int p, int bits) {
-    if (bits == 8) return w[p];
+    if (bits >= WIDENED) return w[p];
     const uint8_t *c = w + (size_t)(32 + 8 * (bits - 4)) * (size_t)(p / 64);
     const int i = p % 64;
     int u = i < 32 ? (c[i] & 0x0F) : (c[i - 32] >> 4);
@@ -249,7 +252,7 @@ static inline __mmask16 pair_mask(int c) { return c == 2 ? (__mmask16)0xFFFF : (
 /* The 64 bytes u of chunk `chunk` (inputs 64 chunk .. 64 chunk + 63 in place's order) of one output's levels; where
  * bits is 8 and c (groups wanted) is 1, only the first 32 are read */
 static inline __m512i u_vec(const uint8_t *w, int chunk, int bits, int c) {
-    if (bits == 8) return _mm512_maskz_loadu_epi32(pair_mask(c), w + 64 * (size_t)chunk);
+    if (bits >= WIDENED) return _mm512_maskz_loadu_epi32(pair_mask(c), w + 64 * (size_t)chunk);
     const uint8_t *at = w + (size_t)(32 + 8 * (bits - 4)) * (size_t)chunk;
     /* the 32 nibble bytes in both halves, the upper half's shifted down a nibble (3 instructions), then each high
      * bit added where its mask says (one masked add a plane) */
@@ -383,7 +386,7 @@ static inline __m256i dot_bytes(__m256i u, __m256i x, __m256i corr, int bits) {
 
 /* The 32 bytes u of inputs p .. p + 31 (p a multiple of 32, place's order) of one output's levels */
 static inline __m256i u_32(const uint8_t *w, int p, int bits) {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(w + p));
+    if (bits >= WIDENED) return _mm256_loadu_si256((const __m256i *)(w + p));
     const uint8_t *at = w + (size_t)(32 + 8 * (bits - 4)) * (size_t)(p / 64);
     const int part = p / 32 % 2;
     const __m256i nib = _mm256_loadu_si256((const __m256i *)at), low = _mm256_set1_epi8(0x0F);
@@ -506,6 +509,17 @@ static inline void prefetch_outputs(const uint8_t *w, const void *sz, size_t sca
  * the outputs (the stage's torch threads).
  * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits or zero is
  * not one of these (y untouched). */
+/* u of one output's k levels at `bits` bits, a byte each, into u (k + 64 bytes: a last half chunk spills) */
+static void widen_output(const uint8_t *w, int k, int bits, uint8_t *u) {
+#if defined(PATH_512)
+    for (int c = 0; c < (k + 63) / 64; c++) _mm512_storeu_si512(u + 64 * c, u_vec(w, c, bits, 2));
+#elif defined(PATH_256)
+    for (int p = 0; p < k; p += 32) _mm256_storeu_si256((__m256i *)(u + p), u_32(w, p, bits));
+#else
+    for (int p = 0; p < k; p++) u[p] = (uint8_t)u_at(w, p, bits);
+#endif
+}
+
 /* The scales of outputs j .. j + count - 1 as floats: where they are, or converted into held */
 static inline const float *scales_from(const void *sz, int half, int j, int count, size_t per_output, float *held) {
     if (!half) return (const float *)sz + (size_t)j * per_output;
@@ -549,6 +563,25 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
     for (int block = 0; block < blocks; block++) {
         const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
         float held[half_scales ? FOUR * per_output : 1]; /* an output's (or four's) scales as floats */
+        /* more than one row tile (a prefill): the block's 5- or 6-bit levels unpacked once, not once a tile -- 5 to
+         * 13 % of a 64-row product on Gemma 3's shapes (bench/RESULTS.md) */
+        static __thread uint8_t *wide = NULL;
+        static __thread size_t wide_held = 0;
+        const size_t wide_need = (size_t)OUT_BLOCK * k + 64;
+        int widened = bits < WIDENED && rows > ROW_TILE;
+        if (widened && wide_need > wide_held) {
+            uint8_t *grown = realloc(wide, wide_need);
+            if (grown) {
+                wide = grown;
+                wide_held = wide_need;
+            } else {
+                widened = 0; /* no memory for it: each tile unpacks for itself */
+            }
+        }
+        if (widened)
+            for (int j = first; j < last; j++)
+                widen_output(w + (size_t)j * stride, k, bits, wide + (size_t)(j - first) * k);
+        const int tile_bits = widened ? WIDENED : bits;
         for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             row_q xr[ROW_TILE];
@@ -573,18 +606,18 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
 #endif
             for (; j < last; j++) {
                 if (r0 == 0) prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH);
-                const uint8_t *wj = w + (size_t)j * stride;
+                const uint8_t *wj = widened ? wide + (size_t)(j - first) * k : w + (size_t)j * stride;
                 const scales_of s = scales_at(scales_from(sz, half_scales, j, 1, per_output, held), groups, halves,
                                               offsets);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
-                    case 8: dot_rows(8, wj, s, k, halves, bits, xr, out); break;
-                    case 7: dot_rows(7, wj, s, k, halves, bits, xr, out); break;
-                    case 6: dot_rows(6, wj, s, k, halves, bits, xr, out); break;
-                    case 5: dot_rows(5, wj, s, k, halves, bits, xr, out); break;
-                    case 4: dot_rows(4, wj, s, k, halves, bits, xr, out); break;
-                    case 3: dot_rows(3, wj, s, k, halves, bits, xr, out); break;
-                    case 2: dot_rows(2, wj, s, k, halves, bits, xr, out); break;
-                    default: dot_rows(1, wj, s, k, halves, bits, xr, out); break;
+                    case 8: dot_rows(8, wj, s, k, halves, tile_bits, xr, out); break;
+                    case 7: dot_rows(7, wj, s, k, halves, tile_bits, xr, out); break;
+                    case 6: dot_rows(6, wj, s, k, halves, tile_bits, xr, out); break;
+                    case 5: dot_rows(5, wj, s, k, halves, tile_bits, xr, out); break;
+                    case 4: dot_rows(4, wj, s, k, halves, tile_bits, xr, out); break;
+                    case 3: dot_rows(3, wj, s, k, halves, tile_bits, xr, out); break;
+                    case 2: dot_rows(2, wj, s, k, halves, tile_bits, xr, out); break;
+                    default: dot_rows(1, wj, s, k, halves, tile_bits, xr, out); break;
                 }
                 const float b = bias ? bias[j] : 0.0f;
                 for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;
