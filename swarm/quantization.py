@@ -55,11 +55,11 @@ def check_model_kind(kind: str, manifest: dict | None, name: str) -> str:
 # bytes a block of 32 become 20); Q4_K to a float32 scale and offset per 32 (0.75 bytes against 144 / 256 = 0.5625);
 # the 8-bit group kernel's types (swarm.stage.gguf_q8) to their levels -- a byte a weight for Q8_0, nibbles and
 # high-bit planes for the 5- and 6-bit types (5/8 and 6/8 of a byte; rows are padded to 64 inputs, which the
-# models' widths already are) -- and scales per 32: the file's fp16 d (and m) as they are for Q8_0, Q5_0 and Q5_1
-# (1/16 byte a weight each: those three at their file's size), float32 for the K types' products d sc, dmin m (1/8):
-# 1.0625 bytes for Q8_0, 0.6875 for Q5_0, 0.75 for Q5_1, 0.875 for Q5_K, 1.0 for Q6_K.
+# models' widths already are) -- and scales per 32 as exact as the file's: fp16 d (and m) for Q8_0, Q5_0 and Q5_1
+# (those three at their file's size), int8 sub-scales plus an fp16 multiplier per 8 for Q5_K and Q6_K (Q6_K's per
+# 16): 1.0625 bytes for Q8_0, 0.6875 for Q5_0, 0.75 for Q5_1, 0.703 for Q5_K (file 0.6875), 0.828 for Q6_K (0.820).
 GGUF_HELD_PER_STORED = {"Q4_0": 20 / 18, "Q4_1": 1.0, "Q4_K": 0.75 / 0.5625, "Q8_0": 1.0, "Q5_0": 1.0, "Q5_1": 1.0,
-                        "Q5_K": 0.875 / (176 / 256), "Q6_K": 1.0 / (210 / 256)}
+                        "Q5_K": (0.625 + 2 * 1.25 / 32) / (176 / 256), "Q6_K": (0.75 + 2 * 1.25 / 32) / (210 / 256)}
 # The types llama.cpp's mixes put in a layer (Q4_K_M: Q4_K with some Q6_K, and Q5_0/Q8_0 where rows do not fit 256):
 # a layer of a mix counts at its most expensive type, an upper bound.
 _GGUF_MIXES = {"Q4_K": ("Q4_K", "Q5_0", "Q6_K", "Q8_0"), "Q5_K": ("Q5_K", "Q5_0", "Q6_K", "Q8_0"),

@@ -212,17 +212,18 @@ def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
     assert model_size(manifest, cpu=True).layer_bytes == (12_800_000, 12_800_000)  # float32 at none
     assert model_size({**manifest, "file_type": "Q4_0"}, cpu=True, quantization="gguf").layer_bytes[0] == 2_222_222
     # tied: the blocks, and the head on them at the most a kernel's layout holds per stored byte (Q4_K's 0.75 / 0.5625;
-    # the 8-bit kernel's types at most Q5_K's 0.875 / 0.6875, its levels in nibbles and a high-bit plane)
+    # the 8-bit kernel's types at most 1.023x, Q5_K's 0.703 / 0.6875)
     assert gguf.embed_bytes == 30_000_000 + int(30_000_000 * 0.75 / 0.5625)
     untied = model_size({**manifest, "tie_word_embeddings": False}, cpu=True, quantization="gguf")
     assert untied.embed_bytes == 30_000_000  # stage 0 alone holds it, as its blocks
     # a file of mixed types counts at its most expensive type (Q4_K_M's: Q4_K at 0.75 bytes a weight for 0.5625,
-    # above its Q6_K's 1.0 for 0.8203 and Q5_0's own 0.6875)
+    # above its Q6_K's 0.828 for 0.820 and Q5_0's own 0.6875)
     assert model_size({**manifest, "file_type": "Q4_K_M"}, cpu=True, quantization="gguf").layer_bytes[0] == \
         int(2_000_000 * 0.75 / 0.5625)
-    # the 8-bit kernel's types, the 5- and 6-bit levels in nibbles and high-bit planes
-    # (Q5_0's and Q5_1's fp16 scales as the file has them: their files' size), Q6_K's float32 scales d sc
-    for file_type, held in (("Q5_0", 1.0), ("Q5_1", 1.0), ("Q8_0", 1.0), ("Q6_K", 1.0 / (210 / 256))):
+    # the 8-bit kernel's types, the 5- and 6-bit levels in nibbles and high-bit planes: Q5_0's and Q5_1's fp16 scales
+    # as the file has them (their files' size), Q6_K's int8 sub-scales per 16 and fp16 d per 256 (0.828 bytes a weight
+    # for 0.820)
+    for file_type, held in (("Q5_0", 1.0), ("Q5_1", 1.0), ("Q8_0", 1.0), ("Q6_K", (0.75 + 2.5 / 32) / (210 / 256))):
         assert model_size({**manifest, "file_type": file_type}, cpu=True, quantization="gguf").layer_bytes[0] == \
             int(2_000_000 * held), file_type
     # a type no kernel takes widens to float32, never counted under

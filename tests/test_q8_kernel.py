@@ -61,11 +61,12 @@ def test_repacked_blocks_dequantize_to_gguf_pys_values_to_the_bit(kind):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), kind  # the bits, signed zeros included
         # a byte a weight for Q8_0, 5/8 for the 5-bit types and 6/8 for Q6_K (each output's last 64 inputs padded),
         # and scales: one row of them per group (two for Q6_K's halves, one more for offsets)
-        # fp16 scales (and offsets) where the file's are fp16 (Q8_0, Q5_0, Q5_1), else float32
+        # fp16 scales (and offsets) where the file's are fp16 (Q8_0, Q5_0, Q5_1); the K types' as their int8 sub-scales
+        # plus an fp16 multiplier per 8 of them (1.25 bytes a scale)
         held = linear.packed.numel() + linear.scales.element_size() * linear.scales.numel()
         parts = 1 + (kind == "Q6_K") + (kind in ("Q5_1", "Q5_K"))
         level_bytes = {"Q8_0": cols, "Q6_K": -(-cols // 64) * 48}.get(kind, -(-cols // 64) * 40)
-        scale_bytes = 2 if kind in ("Q8_0", "Q5_0", "Q5_1") else 4
+        scale_bytes = 2 if kind in ("Q8_0", "Q5_0", "Q5_1") else 1.25
         assert held == 37 * (level_bytes + cols // 32 * parts * scale_bytes)
 
 
@@ -220,7 +221,7 @@ def test_matmul_refuses_what_the_c_code_would_misread(q6, case, words):
     elif case == "scales without the second halves":
         scales = scales[:, :1].contiguous()
     elif case == "scales not contiguous":
-        scales = scales.transpose(1, 2).contiguous().transpose(1, 2)
+        scales = torch.cat([scales, scales], 1)[:, : scales.shape[1]]  # Q6_K's int8 sub-scales and fp16 d, as bytes
     elif case == "bias of another size":
         bias = torch.zeros(N + 1)
     elif case == "activations in 3-D":

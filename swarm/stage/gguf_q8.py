@@ -6,19 +6,20 @@ Per type (value = what gguf-py computes; level and scales = what the kernel hold
 - Q8_0: d q, q in -128..127 -> level q, scale d (fp16 in the file, held as fp16);
 - Q5_0: d (q - 16), q in 0..31 -> level q - 16, scale d (fp16);
 - Q5_1: d q + m -> level q, scale d, offset m (both fp16);
-- Q5_K: (d sc) q - (dmin m), 6-bit sc and m per 32 values -> level q, scale d sc, offset -(dmin m) (float32, exact:
-  an 11-bit fp16 mantissa times a 6-bit integer);
-- Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, float32, exact).
+- Q5_K: (d sc) q - (dmin m), 6-bit sc and m per 32 values -> level q, scale d sc, offset -(dmin m) (exact in
+  float32: an 11-bit fp16 mantissa times a 6-bit integer);
+- Q6_K: (d sc) (q - 32), int8 sc per 16 values -> level q - 32, one scale per half group (d sc, exact).
   Two halves of a group of 32 have their own scales in the file; folding them into one per group is exact only where
   both scales are at most 4 times a common divisor (levels up to 32 x 4 still fit 8 bits), which a general block's
   6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K.
 
 Levels: Q8_0 a byte each; the 5- and 6-bit types as the file's unsigned q in planes -- nibbles, then one plane per
-higher bit (q8_kernel.pack_planes) -- unpacked to bytes in registers. Bytes a weight held: Q8_0 1.0625, Q5_0 0.6875
-and Q5_1 0.75 (their files' sizes), Q5_K 0.875 (file 0.6875), Q6_K 1.0 (file 0.8203); a byte a level
-(``planes=False``, the layout before the planes: 0.5 byte a weight more for the 5-bit types) computes the same bits,
-some 10 % faster per product where the weights sit in cache (bench/RESULTS.md, Kernels). Where the kernel cannot be
-built here, the layer computes with torch on its weights widened a few thousand outputs at a time.
+higher bit (q8_kernel.pack_planes) -- unpacked to bytes in registers. Scales: the K types' as their int8 sub-scales
+and fp16 d (and -dmin) per block (_k_scales), multiplied as an output is computed: exact. Bytes a weight held:
+Q8_0 1.0625, Q5_0 0.6875 and Q5_1 0.75 (their files' sizes), Q5_K 0.703 (file 0.6875), Q6_K 0.828 (file 0.820). A
+byte a level (``planes=False``, the layout before the planes, for tests and the bench) computes the same bits, within
+noise as fast on a stage's shapes (bench/RESULTS.md, Kernels). Where the kernel cannot be built here, the layer
+computes with torch on its weights widened a few thousand outputs at a time.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class GgufQ8Linear(nn.Module):
         self.ggml_type = ggml_type
         self.out_features, self.in_features = packed.shape[0], in_features
         self.bits, self.zero = bits, zero
+        self.scales_per_output = (1 + (ggml_type in _HALVES) + (ggml_type in _OFFSETS)) * in_features // 32
         self.halves, self.offsets = ggml_type in _HALVES, ggml_type in _OFFSETS
         self.kernel = kernel
         self.register_buffer("packed", packed)
@@ -152,11 +154,18 @@ class GgufQ8Linear(nn.Module):
         return self._grid_of(slice(start, stop))
 
     def _grid_of(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        scales = self.scales[rows].float()
+        scales = self._scales_of(rows)
         first = scales[:, 0]
         second = scales[:, 1] if self.halves else first
         per_half = torch.stack([first, second], -1).reshape(first.shape[0], -1)
         return self._levels_of(rows), per_half, scales[:, -1] if self.offsets else None
+
+    def _scales_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """The scales (and offsets) of outputs ``rows`` as float32 (rows, parts, in / 32), whichever way held."""
+        held = self.scales[rows]
+        if held.dtype != torch.uint8:
+            return held.float()
+        return _k_floats(held, self.scales_per_output // (self.in_features // q8_kernel.GROUP))
 
     def _levels_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """The levels (int16, rows x in) of outputs ``rows``, in their natural order."""
@@ -172,7 +181,7 @@ class GgufQ8Linear(nn.Module):
             return self._widened_of(index)
         if self._order is None:  # where each input's byte lies in a packed row (the kernel's layout, undone)
             self._order = _unpacked_order(self.in_features)
-        scales = self.scales[index].float()
+        scales = self._scales_of(index)
         q = self.packed[index][:, self._order].to(torch.int16) - 128
         w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * q.float()
         return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
@@ -182,7 +191,7 @@ class GgufQ8Linear(nn.Module):
 
     def _widened_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
         if not self.halves:  # a scale per group of 32: taken as it is held (the same values as per half)
-            scales = self.scales[rows].float()
+            scales = self._scales_of(rows)
             w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * self._levels_of(rows).float()
             return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
         q, scale, offset = self._grid_of(rows)
@@ -210,6 +219,37 @@ def _unpacked_order(in_features: int) -> torch.Tensor:
                        at[:, blocked:]], 1)
     positions[0, moved[0]] = torch.arange(in_features)
     return positions[0]
+
+
+def _k_scales(bl: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """A K type's scales as the kernel takes them (q8_kernel: scales held as int8 sub-scales and fp16 multipliers):
+    per output (rows), its parts x groups int8 -- Q6_K's sc of each group's first halves then of its second, Q5_K's
+    6-bit sc then m -- then per 8 of them (a block) the fp16 they multiply: Q6_K's d; Q5_K's d, then -dmin (a sign
+    flipped: exact). Their float32 products are the file's d sc and -(dmin m), exactly."""
+    rows, n = bl.shape[:2]
+    d = bl[..., 0:2] if ggml_type == "Q5_K" else bl[..., 208:210]
+    if ggml_type == "Q6_K":
+        sc = bl[..., 192:208]
+        ints = torch.stack([sc[..., 0::2], sc[..., 1::2]], 1)  # (rows, 2, n, 8)
+        supers = torch.stack([d, d], 1)
+    else:
+        s = bl[..., 4:16].reshape(rows, n, 3, 4)
+        a, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+        sc = torch.cat([a & 0x3F, (md & 0x0F) | ((a >> 2) & 0x30)], -1)
+        mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+        minus_dmin = bl[..., 2:4].clone()
+        minus_dmin[..., 1] ^= 0x80  # the fp16 sign bit
+        ints, supers = torch.stack([sc, mn], 1), torch.stack([d, minus_dmin], 1)
+    return torch.cat([ints.reshape(rows, -1), supers.reshape(rows, -1)], 1)
+
+
+def _k_floats(held: torch.Tensor, parts: int) -> torch.Tensor:
+    """The float32 scales (rows, parts, groups) of K scales ``held`` as :func:`_k_scales` lays them out."""
+    rows, size = held.shape
+    count = size * 4 // 5
+    ints = held[:, :count].view(torch.int8).float().reshape(rows, parts, -1)
+    supers = held[:, count:].contiguous().view(torch.float16).float().reshape(rows, parts, -1)
+    return ints * supers.repeat_interleave(8, -1)
 
 
 def widen(blocks: torch.Tensor, ggml_type: str, in_features: int) -> torch.Tensor:
@@ -250,8 +290,10 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
     parts = 1 + (ggml_type in _HALVES) + (ggml_type in _OFFSETS)
     bits, zero = _LEVELS[ggml_type] if planes else (8, 128)
     packed = torch.empty((out_features, q8_kernel.row_bytes(in_features, bits)), dtype=torch.uint8)
-    scales = torch.empty((out_features, parts, in_features // q8_kernel.GROUP),
-                         dtype=torch.float16 if ggml_type in _HALF_SCALES else torch.float32)
+    groups = in_features // q8_kernel.GROUP
+    k_type = ggml_type in ("Q5_K", "Q6_K")
+    scales = torch.empty((out_features, parts * groups * 5 // 4), dtype=torch.uint8) if k_type else \
+        torch.empty((out_features, parts, groups), dtype=torch.float16 if ggml_type in _HALF_SCALES else torch.float32)
     step = max(1, _REPACK_VALUES // in_features)
     for start in range(0, out_features, step):
         chunk = blocks[start : start + step]
@@ -259,6 +301,9 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
         stop = start + chunk.shape[0]
         ordered = q8_kernel.pack_bytes(u.reshape(chunk.shape[0], -1) - (128 - zero))  # uint8: u = level + zero
         packed[start:stop] = ordered if bits == 8 else q8_kernel.pack_planes(ordered, bits)
+        if k_type:
+            scales[start:stop] = _k_scales(chunk.reshape(chunk.shape[0], -1, size), ggml_type)
+            continue
         if ggml_type in _HALVES:
             scales[start:stop, 0], scales[start:stop, 1] = per_half[:, 0::2], per_half[:, 1::2]
         else:

@@ -503,12 +503,6 @@ static inline void prefetch_outputs(const uint8_t *w, const void *sz, size_t sca
     for (size_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch((const void *)(szj + b));
 }
 
-/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n outputs of row_bytes(k, bits) bytes, a level q held as
- * u = q + zero in `bits` bits (8, 6 or 5); sz: n x parts x k/32 floats (IEEE halves where half_scales, converted an
- * output or four at a time as they are used), parts = 1 + halves + offsets. threads: how many OpenMP threads share
- * the outputs (the stage's torch threads).
- * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits or zero is
- * not one of these (y untouched). */
 /* u of one output's k levels at `bits` bits, a byte each, into u (k + 64 bytes: a last half chunk spills) */
 static void widen_output(const uint8_t *w, int k, int bits, uint8_t *u) {
 #if defined(PATH_512)
@@ -520,23 +514,55 @@ static void widen_output(const uint8_t *w, int k, int bits, uint8_t *u) {
 #endif
 }
 
-/* The scales of outputs j .. j + count - 1 as floats: where they are, or converted into held */
-static inline const float *scales_from(const void *sz, int half, int j, int count, size_t per_output, float *held) {
-    if (!half) return (const float *)sz + (size_t)j * per_output;
-    halves_to_floats((const uint16_t *)sz + (size_t)j * per_output, held, (size_t)count * per_output);
+/* How an output's scales are held (its per_output = parts x k/32 of them): */
+#define SCALES_FLOAT 0 /* float32 */
+#define SCALES_HALF 1  /* IEEE halves: the file's fp16 d and m (Q8_0, Q5_0, Q5_1) */
+#define SCALES_K 2     /* per_output int8 sub-scales, then per 8 of them an IEEE half: the K types' d sc, dmin m */
+
+static inline size_t scale_bytes_of(int format, size_t per_output) {
+    return format == SCALES_FLOAT ? 4 * per_output : format == SCALES_HALF ? 2 * per_output : per_output / 4 * 5;
+}
+
+/* The scales of outputs j .. j + count - 1 as floats: where they are, or converted into held. A K type's scale is the
+ * product of a half (11-bit mantissa) and an integer of 8 bits at most: exact in float32, the same bits as gguf-py's
+ * float32 product. */
+static inline const float *scales_from(const void *sz, int format, int j, int count, size_t per_output, float *held) {
+    if (format == SCALES_FLOAT) return (const float *)sz + (size_t)j * per_output;
+    if (format == SCALES_HALF) {
+        halves_to_floats((const uint16_t *)sz + (size_t)j * per_output, held, (size_t)count * per_output);
+        return held;
+    }
+    const size_t bytes = scale_bytes_of(format, per_output);
+    for (int o = 0; o < count; o++) {
+        const uint8_t *at = (const uint8_t *)sz + (size_t)(j + o) * bytes;
+        const int8_t *ints = (const int8_t *)at;
+        for (size_t i = 0; i < per_output; i += 8) {
+            uint16_t h;
+            memcpy(&h, at + per_output + 2 * (i / 8), 2);
+            const float d = half_to_float(h);
+            for (size_t e = i; e < i + 8; e++) held[(size_t)o * per_output + e] = d * (float)ints[e];
+        }
+    }
     return held;
 }
 
+/* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n outputs of row_bytes(k, bits) bytes, a level q held as
+ * u = q + zero in `bits` bits (8, 6 or 5); sz: n x parts x k/32 scales, parts = 1 + halves + offsets, as floats or as
+ * scale_format says (converted an output or four at a time as they are used; SCALES_K needs k a multiple of 256). threads: how many OpenMP threads share
+ * the outputs (the stage's torch threads).
+ * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits, zero or
+ * scale_format is not one of these (y untouched). */
 int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const void *sz, int halves, int offsets,
-                int bits, int zero, int half_scales, const float *bias, float *y, int threads) {
+                int bits, int zero, int scale_format, const float *bias, float *y, int threads) {
     if (threads < 1) threads = 1;
     if (k % GROUP || k <= 0) return -2;
     if ((bits != 8 && bits != 6 && bits != 5) || zero < 0 || zero >= (1 << bits)) return -3;
+    if (scale_format < SCALES_FLOAT || scale_format > SCALES_K || (scale_format == SCALES_K && k % 256)) return -3;
     const size_t stride = row_bytes(k, bits);
     halves = halves ? 1 : 0;
     offsets = offsets ? 1 : 0;
     const int groups = k / GROUP, parts = 1 + halves + offsets;
-    const size_t per_output = (size_t)parts * groups, scale_bytes = per_output * (half_scales ? 2 : 4);
+    const size_t per_output = (size_t)parts * groups, scale_bytes = scale_bytes_of(scale_format, per_output);
     /* the activations' scratch: kept per calling thread, grown as needed */
     static __thread void *scratch = NULL;
     static __thread size_t held = 0;
@@ -562,7 +588,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int block = 0; block < blocks; block++) {
         const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
-        float held[half_scales ? FOUR * per_output : 1]; /* an output's (or four's) scales as floats */
+        float held[scale_format != SCALES_FLOAT ? FOUR * per_output : 1]; /* an output's (or four's) scales as floats */
         /* more than one row tile (a prefill): the block's 5- or 6-bit levels unpacked once, not once a tile -- 5 to
          * 13 % of a 64-row product on Gemma 3's shapes (bench/RESULTS.md) */
         static __thread uint8_t *wide = NULL;
@@ -599,7 +625,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 1);
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 2);
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 3);
-                    dot_four(w + (size_t)j * stride, scales_from(sz, half_scales, j, FOUR, per_output, held), k,
+                    dot_four(w + (size_t)j * stride, scales_from(sz, scale_format, j, FOUR, per_output, held), k,
                              halves, offsets, bits, xr, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
@@ -607,7 +633,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
             for (; j < last; j++) {
                 if (r0 == 0) prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH);
                 const uint8_t *wj = widened ? wide + (size_t)(j - first) * k : w + (size_t)j * stride;
-                const scales_of s = scales_at(scales_from(sz, half_scales, j, 1, per_output, held), groups, halves,
+                const scales_of s = scales_at(scales_from(sz, scale_format, j, 1, per_output, held), groups, halves,
                                               offsets);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
                     case 8: dot_rows(8, wj, s, k, halves, tile_bits, xr, out); break;

@@ -31,6 +31,10 @@ GROUP = 32  # inputs per group: a layer's in_features must be a multiple of it
 BLOCK = 512  # inputs of a whole block (16 groups) in the packed layout; the last block holds what is left
 CHUNK = 64  # inputs whose 5- or 6-bit levels are laid out together (pack_planes): one 64-byte vector of the C file
 BITS = (8, 6, 5)  # the level widths the C file reads
+K_BLOCK = 256  # inputs a K type's fp16 multiplier covers: scales held as int8 sub-scales need rows of whole blocks
+# how the C file reads scales of each dtype (its SCALES_*): float32; the file's fp16 d, m; a K type's int8 sub-scales
+# then per 8 of them the fp16 they multiply (gguf_q8._k_scales), as raw bytes
+_SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 
 
 class Q8Kernel:
@@ -59,8 +63,9 @@ class Q8Kernel:
         """x (rows, in) @ W.T (+ bias) in float32. ``packed``: (out, row_bytes(in, bits)) bytes from :func:`pack`
         (bits 8) or :func:`pack_planes` (5 or 6), a level q held as q + ``zero``; ``scales``: float32, or float16 (the
         file's own fp16 d and m), (out, parts, in / 32), parts being the scales (of each group's first 16 inputs,
-        then of its last 16 where ``halves``) then the offsets where ``offsets``. x is taken as float32 rows, the bias
-        where it is float32 (else added after)."""
+        then of its last 16 where ``halves``) then the offsets where ``offsets``; or uint8 (out, parts x in / 32 x
+        5 / 4): a K type's int8 sub-scales and fp16 multipliers (gguf_q8._k_scales). x is taken as float32 rows, the
+        bias where it is float32 (else added after)."""
         if x.dim() != 2 or not x.is_cpu:
             raise _mismatch("the activations", "a 2-D CPU tensor (rows, in)", _describe(x))
         if x.dtype != torch.float32 or not x.is_contiguous():
@@ -75,16 +80,21 @@ class Q8Kernel:
             raise _mismatch("the levels", f"{'/'.join(map(str, BITS))}-bit levels with a zero in their range",
                             f"{bits} bits with zero {zero}")
         expect(packed, "the packed weights", torch.uint8, (out_features, row_bytes(k, bits)))
-        half_scales = scales.dtype == torch.float16
-        expect(scales, "the scales and offsets", torch.float16 if half_scales else torch.float32,
-               (out_features, 1 + halves + offsets, k // GROUP))
+        parts = 1 + halves + offsets
+        scale_format = _SCALE_FORMATS.get(scales.dtype, 0)
+        if scale_format == 2 and k % K_BLOCK:
+            raise _mismatch("the scales and offsets", f"int8 sub-scales of rows of whole blocks of {K_BLOCK}",
+                            f"rows of {k} inputs")
+        groups = k // GROUP
+        shape = (out_features, parts * groups * 5 // 4) if scale_format == 2 else (out_features, parts, groups)
+        expect(scales, "the scales and offsets", scales.dtype if scale_format else torch.float32, shape)
         if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
             raise _mismatch("the bias", f"a CPU tensor ({out_features},)", _describe(bias))
         y = torch.empty((rows, out_features), dtype=torch.float32)
         fused_bias = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
         bias_ptr = bias.data_ptr() if bias is not None and fused_bias else None
         status = self._mm(x.data_ptr(), rows, k, out_features, packed.data_ptr(), scales.data_ptr(), int(halves),
-                          int(offsets), bits, zero, int(half_scales), bias_ptr, y.data_ptr(),
+                          int(offsets), bits, zero, scale_format, bias_ptr, y.data_ptr(),
                           torch.get_num_threads()) if rows else 0
         if status == -3:
             raise _mismatch("the levels", "8-, 6- or 5-bit levels", f"{bits} bits with zero {zero}")
