@@ -438,8 +438,8 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
                 __m256i hi = dot_bytes(q[4], _mm256_loadu_si256((const __m256i *)(x + 256)), c_hi, bits);
                 for (int v = 1; v < 4; v++) {
                     const __m256i none = _mm256_setzero_si256();
-                    lo = _mm256_add_epi32(lo,
-                                          dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v)), none, bits));
+                    lo = _mm256_add_epi32(
+                        lo, dot_bytes(q[v], _mm256_loadu_si256((const __m256i *)(x + 64 * v)), none, bits));
                     hi = _mm256_add_epi32(
                         hi, dot_bytes(q[v + 4], _mm256_loadu_si256((const __m256i *)(x + 64 * (v + 4))), none, bits));
                 }
@@ -536,11 +536,29 @@ static inline const float *scales_from(const void *sz, int format, int j, int co
     for (int o = 0; o < count; o++) {
         const uint8_t *at = (const uint8_t *)sz + (size_t)(j + o) * bytes;
         const int8_t *ints = (const int8_t *)at;
-        for (size_t i = 0; i < per_output; i += 8) {
+        float *f = held + (size_t)o * per_output;
+        size_t i = 0;
+#if defined(PATH_512)
+        /* 16 sub-scales at once: their two multipliers picked from 16 converted together */
+        const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        __m512 multipliers = _mm512_setzero_ps();
+        for (; i + 16 <= per_output; i += 16) {
+            if (i % 128 == 0) {
+                const size_t left = (per_output - i) / 8;
+                const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                multipliers = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, at + per_output + 2 * (i / 8)));
+            }
+            const __m512 d =
+                _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32((int)(i % 128 / 8)), pair), multipliers);
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ints + i))));
+            _mm512_storeu_ps(f + i, _mm512_mul_ps(d, v));
+        }
+#endif
+        for (; i < per_output; i += 8) {
             uint16_t h;
             memcpy(&h, at + per_output + 2 * (i / 8), 2);
             const float d = half_to_float(h);
-            for (size_t e = i; e < i + 8; e++) held[(size_t)o * per_output + e] = d * (float)ints[e];
+            for (size_t e = i; e < i + 8; e++) f[e] = d * (float)ints[e];
         }
     }
     return held;
@@ -548,10 +566,17 @@ static inline const float *scales_from(const void *sz, int format, int j, int co
 
 /* y (rows x n) = x (rows x k) W^T + bias (NULL: none). w: n outputs of row_bytes(k, bits) bytes, a level q held as
  * u = q + zero in `bits` bits (8, 6 or 5); sz: n x parts x k/32 scales, parts = 1 + halves + offsets, as floats or as
- * scale_format says (converted an output or four at a time as they are used; SCALES_K needs k a multiple of 256). threads: how many OpenMP threads share
- * the outputs (the stage's torch threads).
+ * scale_format says (converted to floats a block of outputs at a time; SCALES_K needs k a multiple of 256). threads:
+ * how many OpenMP threads share the outputs (the stage's torch threads).
  * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits, zero or
- * scale_format is not one of these (y untouched). */
+ * scale_format is not one of these (y untouched but on -1). */
+/* Output j's scales as floats: where they are, or in held, its block's (from output `first`) converted */
+static inline const float *scales_of_output(const void *sz, int format, int j, int first, size_t per_output,
+                                            const float *held) {
+    if (format == SCALES_FLOAT) return (const float *)sz + (size_t)j * per_output;
+    return held + (size_t)(j - first) * per_output;
+}
+
 int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const void *sz, int halves, int offsets,
                 int bits, int zero, int scale_format, const float *bias, float *y, int threads) {
     if (threads < 1) threads = 1;
@@ -585,10 +610,26 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
     }
 
     const int blocks = (n + OUT_BLOCK - 1) / OUT_BLOCK;
+    int short_of_memory = 0;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int block = 0; block < blocks; block++) {
         const int first = block * OUT_BLOCK, last = first + OUT_BLOCK < n ? first + OUT_BLOCK : n;
-        float held[scale_format != SCALES_FLOAT ? FOUR * per_output : 1]; /* an output's (or four's) scales as floats */
+        /* the block's scales as floats, converted once for all its row tiles where they are held otherwise */
+        static __thread float *held = NULL;
+        static __thread size_t held_floats = 0;
+        if (scale_format != SCALES_FLOAT) {
+            if ((size_t)OUT_BLOCK * per_output > held_floats) {
+                float *grown = realloc(held, (size_t)OUT_BLOCK * per_output * sizeof(float));
+                if (!grown) {
+#pragma omp atomic write
+                    short_of_memory = 1;
+                    continue;
+                }
+                held = grown;
+                held_floats = (size_t)OUT_BLOCK * per_output;
+            }
+            scales_from(sz, scale_format, first, last - first, per_output, held);
+        }
         /* more than one row tile (a prefill): the block's 5- or 6-bit levels unpacked once, not once a tile -- 5 to
          * 13 % of a 64-row product on Gemma 3's shapes (bench/RESULTS.md) */
         static __thread uint8_t *wide = NULL;
@@ -625,16 +666,16 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 1);
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 2);
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 3);
-                    dot_four(w + (size_t)j * stride, scales_from(sz, scale_format, j, FOUR, per_output, held), k,
-                             halves, offsets, bits, xr, out);
+                    dot_four(w + (size_t)j * stride, scales_of_output(sz, scale_format, j, first, per_output, held),
+                             k, halves, offsets, bits, xr, out);
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
             for (; j < last; j++) {
                 if (r0 == 0) prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH);
                 const uint8_t *wj = widened ? wide + (size_t)(j - first) * k : w + (size_t)j * stride;
-                const scales_of s = scales_at(scales_from(sz, scale_format, j, 1, per_output, held), groups, halves,
-                                              offsets);
+                const scales_of s = scales_at(scales_of_output(sz, scale_format, j, first, per_output, held), groups,
+                                              halves, offsets);
                 switch (tile) { /* a constant row count, so each case's loops unroll */
                     case 8: dot_rows(8, wj, s, k, halves, tile_bits, xr, out); break;
                     case 7: dot_rows(7, wj, s, k, halves, tile_bits, xr, out); break;
@@ -650,5 +691,5 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
             }
         }
     }
-    return 0;
+    return short_of_memory ? -1 : 0;
 }
