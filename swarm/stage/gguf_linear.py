@@ -12,7 +12,8 @@ A stage at ``gguf`` reads each linear weight as the import kept it -- the GGUF's
   from that layout the weights are gguf-py's, to the bit (tests/test_gguf_kind.py); the kernel computes them against
   activations quantized to 8 bits per group of 32, as llama.cpp does.
 - the 8-bit group types (Q8_0, Q6_K, Q5_0, Q5_1, Q5_K) are repacked losslessly for swarm's 8-bit kernel
-  (swarm.stage.gguf_q8, swarm.stage.q8_kernel): 1.125-1.25 bytes a weight;
+  (swarm.stage.gguf_q8, swarm.stage.q8_kernel): 5- and 6-bit levels in nibbles and high-bit planes, scales as the
+  file has them -- Q8_0, Q5_0, Q5_1 at their file's size, Q5_K 0.703 bytes a weight (0.6875), Q6_K 0.828 (0.820);
 - every other type, and every type where swarm's kernel cannot run (no C compiler, SWARM_INT4_KERNEL=0, a CUDA
   device), is dequantized with gguf-py to float -- the file's values, only larger.
 

@@ -3,9 +3,11 @@
  * the GGUF types whose blocks are exact on an 8-bit grid: Q8_0, Q5_0, Q5_1, Q5_K and Q6_K (swarm/stage/gguf_q8.py
  * repacks them; swarm/stage/q8_kernel.py builds and loads this file, as int4_kernel.py does int4_kernel.c).
  *
- * W (n outputs x k inputs, k a multiple of 32): level q in -128..127, stored as the byte q + 128 (so that the byte dot
- * product with the signed activations is VNNI's unsigned-by-signed one); a weight is s q (+ z), with float32 s and z
- * (they hold the file's fp16 d, and Q6_K's d * sc and Q5_K's d * sc and dmin * m, exactly). Where `halves`, each group
+ * W (n outputs x k inputs, k a multiple of 32): level q held as the unsigned u = q + zero (so that the byte dot
+ * product with the signed activations is VNNI's unsigned-by-signed one; zero 128 for Q8_0's bytes), a byte each or, at
+ * 5 and 6 bits, in planes (row_bytes) unpacked to bytes in registers; a weight is s q (+ z), s and z as exact as the
+ * file's (its fp16 d, m as halves; Q6_K's d * sc and Q5_K's d * sc and dmin * m as int8 sub-scales and a half per 8,
+ * multiplied in float32 a block of outputs at a time -- exact). The byte layout below is u's order either way. Where `halves`, each group
  * has two scales, one for its first 16 inputs and one for its last 16 (Q6_K's sub-blocks of 16). An output's inputs
  * come in blocks of 16 groups (512 inputs), then a tail of the groups left over where k is not a multiple of 512:
  *  - a block is 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each of its groups (group g in bytes
