@@ -1,8 +1,8 @@
 """swarm's 8-bit group kernel for CPUs (q8_kernel.c): weight levels of up to 8 bits per group of 32 inputs (a byte
 each, or 5 or 6 bits in planes: :func:`pack_planes`) with scales (float32, fp16, or a K type's int8 sub-scales and
-fp16 multipliers; one per group, or one per half group) and optional offsets, against activations quantized to 8 bits per group of 32
-as they come in -- what GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks compute on without widening to float
-(swarm.stage.gguf_q8 repacks them).
+fp16 multipliers; one per group, or one per half group) and optional offsets, against activations quantized to 8
+bits per group of 32 as they come in -- what GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks compute on without
+widening to float (swarm.stage.gguf_q8 repacks them).
 
 It follows swarm's int4 kernel (int4_kernel.py): the C file is compiled once per CPU and source with the machine's C
 compiler (``cc -O3 -march=native -fopenmp``) into the user's cache folder and loaded with ctypes; where there is no
