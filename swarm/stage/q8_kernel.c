@@ -7,8 +7,9 @@
  * product with the signed activations is VNNI's unsigned-by-signed one; zero 128 for Q8_0's bytes), a byte each or, at
  * 5 and 6 bits, in planes (row_bytes) unpacked to bytes in registers; a weight is s q (+ z), s and z as exact as the
  * file's (its fp16 d, m as halves; Q6_K's d * sc and Q5_K's d * sc and dmin * m as int8 sub-scales and a half per 8,
- * multiplied in float32 a block of outputs at a time -- exact). The byte layout below is u's order either way. Where `halves`, each group
- * has two scales, one for its first 16 inputs and one for its last 16 (Q6_K's sub-blocks of 16). An output's inputs
+ * multiplied in float32 a block of outputs at a time -- exact). The byte layout below is u's order either way.
+ * Where `halves`, each group has two scales, one for its first 16 inputs and one for its last 16 (Q6_K's sub-blocks
+ * of 16). An output's inputs
  * come in blocks of 16 groups (512 inputs), then a tail of the groups left over where k is not a multiple of 512:
  *  - a block is 8 vectors of 64 bytes, vector v holding inputs 4v..4v+3 of each of its groups (group g in bytes
  *    4g..4g+3, one 32-bit lane). The VNNI dot product of a vector with the activations in the same order sums four
@@ -321,7 +322,8 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
 /* One row against four outputs at once (a decode step's case): each block's activations are loaded once for the
  * four, and their eight dot products are independent chains. w, sz: the first output's; the others follow at k bytes
  * and parts * k / 32 floats apart. Each output sums as dot_rows sums a row: the same bits. */
-static inline void dot_four(const uint8_t *w, const float *sz, int k, int halves, int offsets, int bits,
+static inline __attribute__((always_inline)) void dot_four(const uint8_t *w, const float *sz, int k, int halves,
+                                                           int offsets, int bits,
                             const row_q *x, float *out) {
     const size_t stride = row_bytes(k, bits);
     const int groups = k / GROUP, parts = 1 + halves + offsets, blocked = k / BLOCK * BLOCK;
@@ -468,9 +470,11 @@ static inline __attribute__((always_inline)) void dot_rows(int rows, const uint8
                 lo -= xr[r].lo[g];
                 hi -= xr[r].hi[g];
             }
+            /* fused steps written out: left to the compiler, each specialization of dot_rows may fuse its own way */
             const float d = xr[r].d[g];
-            tail[r] += (float)lo * (s.s_lo[g] * d) + (float)hi * (s.s_hi[g] * d);
-            if (s.z) tail[r] += s.z[g] * xr[r].sum[g];
+            float t = fmaf((float)lo, s.s_lo[g] * d, tail[r]);
+            t = fmaf((float)hi, s.s_hi[g] * d, t);
+            tail[r] = s.z ? fmaf(s.z[g], xr[r].sum[g], t) : t;
         }
     }
     for (int r = 0; r < rows; r++) out[r] = hsum256(acc[r]) + tail[r];
@@ -572,6 +576,29 @@ static inline const float *scales_from(const void *sz, int format, int j, int co
  * how many OpenMP threads share the outputs (the stage's torch threads).
  * Returns 0; -1 where scratch memory could not be had, -2 where k is not a multiple of 32, -3 where bits, zero or
  * scale_format is not one of these (y untouched but on -1). */
+/* dot_rows with a constant row count and level width, so that each case's loops unroll and the width's branches go:
+ * a width known only at run time cost the 8-bit path 15 % (1536 x 576, 1 row) */
+#define DOT_ROWS_TILE(b)                                                 \
+    switch (tile) {                                                      \
+        case 8: dot_rows(8, wj, s, k, halves, b, xr, out); break;        \
+        case 7: dot_rows(7, wj, s, k, halves, b, xr, out); break;        \
+        case 6: dot_rows(6, wj, s, k, halves, b, xr, out); break;        \
+        case 5: dot_rows(5, wj, s, k, halves, b, xr, out); break;        \
+        case 4: dot_rows(4, wj, s, k, halves, b, xr, out); break;        \
+        case 3: dot_rows(3, wj, s, k, halves, b, xr, out); break;        \
+        case 2: dot_rows(2, wj, s, k, halves, b, xr, out); break;        \
+        default: dot_rows(1, wj, s, k, halves, b, xr, out); break;       \
+    }
+static void dot_rows_any(int tile, const uint8_t *wj, scales_of s, int k, int halves, int bits, const row_q *xr,
+                         float *out) {
+    switch (bits) {
+        case 8: DOT_ROWS_TILE(8); break;
+        case WIDENED: DOT_ROWS_TILE(WIDENED); break;
+        case 6: DOT_ROWS_TILE(6); break;
+        default: DOT_ROWS_TILE(5); break;
+    }
+}
+
 /* Output j's scales as floats: where they are, or in held, its block's (from output `first`) converted */
 static inline const float *scales_of_output(const void *sz, int format, int j, int first, size_t per_output,
                                             const float *held) {
@@ -668,8 +695,13 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 1);
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 2);
                     prefetch_outputs(w, sz, scale_bytes, stride, j + PREFETCH + 3);
-                    dot_four(w + (size_t)j * stride, scales_of_output(sz, scale_format, j, first, per_output, held),
-                             k, halves, offsets, bits, xr, out);
+                    const float *sj = scales_of_output(sz, scale_format, j, first, per_output, held);
+                    const uint8_t *wj = w + (size_t)j * stride;
+                    switch (bits) { /* a constant width, as dot_rows_any */
+                        case 8: dot_four(wj, sj, k, halves, offsets, 8, xr, out); break;
+                        case 6: dot_four(wj, sj, k, halves, offsets, 6, xr, out); break;
+                        default: dot_four(wj, sj, k, halves, offsets, 5, xr, out); break;
+                    }
                     for (int o = 0; o < FOUR; o++) y[(size_t)r0 * n + j + o] = out[o] + (bias ? bias[j + o] : 0.0f);
                 }
 #endif
@@ -678,16 +710,7 @@ int swarm_q8_mm(const float *x, int rows, int k, int n, const uint8_t *w, const 
                 const uint8_t *wj = widened ? wide + (size_t)(j - first) * k : w + (size_t)j * stride;
                 const scales_of s = scales_at(scales_of_output(sz, scale_format, j, first, per_output, held), groups,
                                               halves, offsets);
-                switch (tile) { /* a constant row count, so each case's loops unroll */
-                    case 8: dot_rows(8, wj, s, k, halves, tile_bits, xr, out); break;
-                    case 7: dot_rows(7, wj, s, k, halves, tile_bits, xr, out); break;
-                    case 6: dot_rows(6, wj, s, k, halves, tile_bits, xr, out); break;
-                    case 5: dot_rows(5, wj, s, k, halves, tile_bits, xr, out); break;
-                    case 4: dot_rows(4, wj, s, k, halves, tile_bits, xr, out); break;
-                    case 3: dot_rows(3, wj, s, k, halves, tile_bits, xr, out); break;
-                    case 2: dot_rows(2, wj, s, k, halves, tile_bits, xr, out); break;
-                    default: dot_rows(1, wj, s, k, halves, tile_bits, xr, out); break;
-                }
+                dot_rows_any(tile, wj, s, k, halves, tile_bits, xr, out);
                 const float b = bias ? bias[j] : 0.0f;
                 for (int r = 0; r < tile; r++) y[(size_t)(r0 + r) * n + j] = out[r] + b;
             }
