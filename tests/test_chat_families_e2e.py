@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -111,3 +113,94 @@ def test_openai_reasoning_answer_and_tool_call_whole_and_streamed(bg, family):
     # the streamed arguments add up to the whole reply's, as JSON text
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_thinking_switches_reach_each_familys_template(bg):
+    # gpt-oss always reasons; its template's switch is how much: "Reasoning: ..." in the system message
+    levels = {}
+    for extra in ({}, {"reasoning_effort": "high"}, {"reasoning_effort": "low"},
+                  {"chat_template_kwargs": {"enable_thinking": False}}):
+        prompt, data = prompt_text(bg, "gpt_oss", {"messages": ASK, **extra})
+        levels[json.dumps(extra)] = next(line for line in prompt.splitlines() if line.startswith("Reasoning: "))
+        assert data["choices"][0]["message"]["reasoning_content"] == REASONING  # the script reasons at every level
+    assert list(levels.values()) == ["Reasoning: medium", "Reasoning: high", "Reasoning: low", "Reasoning: low"]
+
+    # GLM and Qwen3: enable_thinking (or a reasoning_effort of none) off -- GLM's /nothink and empty block, Qwen's
+    # /no_think and empty block -- and the answer comes without thinking
+    for family, switch, ending in (("glm4_moe", "/nothink", "<|assistant|>\n<think></think>"),
+                                   ("qwen3_moe", "/no_think", "<|im_start|>assistant\n<think>\n\n</think>\n\n")):
+        for off in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+            prompt, data = prompt_text(bg, family, {"messages": ASK, **off})
+            assert f"Weather in Paris?{switch}" in prompt.replace(f" {switch}", switch) and prompt.endswith(ending)
+            message = data["choices"][0]["message"]
+            assert message["content"] == ANSWER and "reasoning_content" not in message, (family, off, message)
+        prompt, _ = prompt_text(bg, family, {"messages": ASK, "reasoning_effort": "high"})
+        assert switch not in prompt and not prompt.endswith(ending)
+
+
+# the family's rendering of the assistant's call and of the tool's result, in the next turn's prompt
+RENDERED = {
+    "gpt_oss": [(f"<|start|>assistant<|channel|>analysis<|message|>{REASONING}<|end|>"
+                '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+                "<|call|>"), ('<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+                '"Sunny, 22 C"<|end|><|start|>assistant')],
+    "glm4_moe": [(f"<|assistant|>\n<think>{REASONING}</think>\n{PREAMBLE}\n<tool_call>get_weather<arg_key>city"
+                 "</arg_key>\n<arg_value>Paris</arg_value></tool_call>"),
+                 "<|observation|>\n<tool_response>\nSunny, 22 C\n</tool_response><|assistant|>"],
+    "qwen3_moe": [(f'<|im_start|>assistant\n{PREAMBLE}\n<tool_call>\n{{"name": "get_weather", "arguments": '
+                  '{"city": "Paris"}}\n</tool_call><|im_end|>'),
+                  ("<|im_start|>user\n<tool_response>\nSunny, 22 C\n</tool_response><|im_end|>\n"
+                  "<|im_start|>assistant\n")],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tool_result_sent_back_renders_in_the_familys_template(bg, family):
+    first = post(bg, "/v1/chat/completions", {"model": name(family), "messages": ASK, "tools": [WEATHER], **GREEDY})
+    message = first["choices"][0]["message"]  # sent back as the client got it: reasoning, preamble, the call
+    result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "Sunny, 22 C"}
+    prompt, _ = prompt_text(bg, family, {"messages": [*ASK, message, result], "tools": [WEATHER]})
+    for part in RENDERED[family]:
+        assert part in prompt, (part, prompt)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_anthropic_thinking_text_and_tool_use(bg, family):
+    client = anthropic.Anthropic(base_url=bg.swarm.url, api_key=bg.swarm.token, max_retries=0, timeout=60)
+    body = dict(model=name(family), max_tokens=30, messages=ASK, extra_body={"temperature": 0}, tools=[{
+        "name": "get_weather", "description": "The weather in a city now",
+        "input_schema": WEATHER["function"]["parameters"]}])
+    reply = client.messages.create(**body)
+    assert [b.type for b in reply.content] == ["thinking", "text", "tool_use"]
+    thinking, text, use = reply.content
+    assert (thinking.thinking, text.text) == (REASONING, PREAMBLE)
+    assert (use.name, use.input, reply.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
+    with client.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input) for b in final.content] == [
+        ("thinking", REASONING), ("text", PREAMBLE), ("tool_use", {"city": "Paris"})]
+    assert final.stop_reason == "tool_use"
+    if family != "gpt_oss":  # thinking disabled: the answer without thinking
+        off = client.messages.create(**{**body, "tools": []}, thinking={"type": "disabled"})
+        assert [(b.type, b.text) for b in off.content] == [("text", ANSWER)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ollama_thinking_and_tool_calls(bg, family):
+    client = ollama.Client(host=bg.swarm.url, headers={"Authorization": f"Bearer {bg.swarm.token}"}, timeout=60)
+    options = {"temperature": 0, "num_predict": 30}
+    reply = client.chat(model=name(family), messages=ASK, tools=[WEATHER], think=True, options=options)
+    assert (reply.message.thinking, reply.message.content) == (REASONING, PREAMBLE)
+    (call,) = reply.message.tool_calls
+    assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    parts = list(client.chat(model=name(family), messages=ASK, tools=[WEATHER], think=True, options=options,
+                             stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == REASONING
+    assert "".join(p.message.content or "" for p in parts) == PREAMBLE
+    assert [c.function.name for p in parts for c in p.message.tool_calls or []] == ["get_weather"]
+    if family == "gpt_oss":  # Ollama's levels are gpt-oss's
+        prompt, _ = prompt_text(bg, family, {"messages": ASK})
+        assert "Reasoning: medium" in prompt
+    else:
+        off = client.chat(model=name(family), messages=ASK, think=False, options=options)
+        assert off.message.content == ANSWER and not off.message.thinking
