@@ -6,7 +6,8 @@ templates; a tool's result rendered by each family's template.
 The models are tests/scripted.py's, built as each family (its transformers config, experts included, its markers and
 its own chat template: tests/templates), so the manifest names the family as a real checkpoint's does and each reply
 is exact: with thinking on, each thinks "Need the weather tool.", says "Let me check." and calls get_weather for
-Paris; GLM and Qwen3 with thinking off answer "Just 4.". One fleet serves the module, each model over 2 stages."""
+Paris; GLM and Qwen3 with thinking off answer "Just 4.". A fourth, gpt-oss answering in the final channel, is the
+browser page's: its analysis in the Reasoning block. One fleet serves the module, each model over 2 stages."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ SCRIPTS = {
                   "\n\n": [ANSWER]},
 }
 FAMILIES = list(SCRIPTS)
+# for the page: a harmony reply that reasons, then answers in the final channel
+FINAL = ["<|channel|>", "analysis", "<|message|>", "Two and two make four.", "<|end|>", "<|start|>",
+         "assistant<|channel|>final<|message|>", "The answer is 4."]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -59,6 +63,9 @@ def bg(module_tmp):
         build(root / "src" / family, scripts, family=family)
         import_model(str(root / "src" / family), root / "models", family.replace("_", "-"))
         dirs.append(root / "models" / family.replace("_", "-"))
+    build(root / "src" / "final", {"assistant": FINAL}, family="gpt_oss")
+    import_model(str(root / "src" / "final"), root / "models", "gpt-oss-final")
+    dirs.append(root / "models" / "gpt-oss-final")
     swarm = BackgroundSwarm(module_tmp("families-swarm"), dirs).start()
     try:
         for model_dir in dirs:
@@ -204,3 +211,40 @@ def test_ollama_thinking_and_tool_calls(bg, family):
     else:
         off = client.chat(model=name(family), messages=ASK, think=False, options=options)
         assert off.message.content == ANSWER and not off.message.thinking
+
+
+@pytest.mark.browser
+def test_the_page_shows_a_harmony_replys_analysis_as_its_reasoning(bg):
+    playwright_sync = pytest.importorskip("playwright.sync_api")
+    from web_helpers import ARTIFACTS, CHROMIUM_ARGS, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    expect = playwright_sync.expect
+    with playwright_sync.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(viewport={"width": 1280, "height": 860})
+        context.add_init_script("""
+            localStorage.setItem('swarm.model', '"gpt-oss-final"');
+            localStorage.setItem('swarm.temperature', '0');
+            localStorage.setItem('swarm.maxTokens', '30');
+        """)
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{bg.swarm.url}/auth/link?token={bg.sync(bg.swarm.leader.store.create_login_link, 1)}")
+        expect(page.locator("#status-pill")).to_have_text("Model ready")
+        page.locator("#composer-input").fill("What is 2+2?")
+        page.locator("#composer-input").press("Enter")
+        reply = page.locator(".msg.assistant").last
+        expect(reply.locator(".speed")).to_contain_text("tokens/s")  # the reply is over
+        expect(reply.locator(".answer")).to_have_text("The answer is 4.")  # no channel markers in it
+        reasoning = reply.locator("details.reasoning")
+        expect(reasoning).to_be_visible()
+        reasoning.locator("summary").click()
+        expect(reasoning.locator(".md")).to_have_text("Two and two make four.")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "harmony-reasoning.png"))
+        assert not errors, errors
+        browser.close()
