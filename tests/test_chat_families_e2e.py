@@ -97,6 +97,27 @@ def prompt_text(bg, family: str, body: dict) -> tuple[str, dict]:
     return tokenizer.decode(data["choices"][0]["prompt_token_ids"], skip_special_tokens=False), data
 
 
+@pytest.fixture
+def prompts(monkeypatch) -> list[str]:
+    """The prompts the leader renders while the test runs (decoded with their special tokens), whatever the API."""
+    from swarm.leader.api import openai_api
+
+    seen: list[str] = []
+    encode = openai_api.encode_chat
+
+    def spy(model_dir, *args, **kwargs):
+        ids = encode(model_dir, *args, **kwargs)
+        seen.append(load_tokenizer(str(model_dir)).decode(ids, skip_special_tokens=False))
+        return ids
+
+    monkeypatch.setattr(openai_api, "encode_chat", spy)
+    return seen
+
+
+def level(prompt: str) -> str:
+    return next(line for line in prompt.splitlines() if line.startswith("Reasoning: "))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_openai_reasoning_answer_and_tool_call_whole_and_streamed(bg, family):
     client = openai_client(bg)
@@ -122,15 +143,20 @@ def test_openai_reasoning_answer_and_tool_call_whole_and_streamed(bg, family):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_thinking_switches_reach_each_familys_template(bg):
+def test_thinking_switches_reach_each_familys_template(bg, prompts):
     # gpt-oss always reasons; its template's switch is how much: "Reasoning: ..." in the system message
     levels = {}
     for extra in ({}, {"reasoning_effort": "high"}, {"reasoning_effort": "low"},
                   {"chat_template_kwargs": {"enable_thinking": False}}):
         prompt, data = prompt_text(bg, "gpt_oss", {"messages": ASK, **extra})
-        levels[json.dumps(extra)] = next(line for line in prompt.splitlines() if line.startswith("Reasoning: "))
+        levels[json.dumps(extra)] = level(prompt)
         assert data["choices"][0]["message"]["reasoning_content"] == REASONING  # the script reasons at every level
     assert list(levels.values()) == ["Reasoning: medium", "Reasoning: high", "Reasoning: low", "Reasoning: low"]
+    # the Responses API's reasoning.effort is the same level
+    prompts.clear()
+    openai_client(bg).responses.create(model="gpt-oss", input="Weather in Paris?", reasoning={"effort": "high"},
+                                       max_output_tokens=30, temperature=0)
+    assert level(prompts[-1]) == "Reasoning: high"
 
     # GLM and Qwen3: enable_thinking (or a reasoning_effort of none) off -- GLM's /nothink and empty block, Qwen's
     # /no_think and empty block -- and the answer comes without thinking
@@ -172,7 +198,7 @@ def test_a_tool_result_sent_back_renders_in_the_familys_template(bg, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_anthropic_thinking_text_and_tool_use(bg, family):
+def test_anthropic_thinking_text_and_tool_use(bg, family, prompts):
     client = anthropic.Anthropic(base_url=bg.swarm.url, api_key=bg.swarm.token, max_retries=0, timeout=60)
     body = dict(model=name(family), max_tokens=30, messages=ASK, extra_body={"temperature": 0}, tools=[{
         "name": "get_weather", "description": "The weather in a city now",
@@ -187,13 +213,16 @@ def test_anthropic_thinking_text_and_tool_use(bg, family):
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input) for b in final.content] == [
         ("thinking", REASONING), ("text", PREAMBLE), ("tool_use", {"city": "Paris"})]
     assert final.stop_reason == "tool_use"
-    if family != "gpt_oss":  # thinking disabled: the answer without thinking
-        off = client.messages.create(**{**body, "tools": []}, thinking={"type": "disabled"})
+    prompts.clear()
+    off = client.messages.create(**{**body, "tools": []}, thinking={"type": "disabled"})
+    if family == "gpt_oss":  # it always reasons: disabled asks for little
+        assert level(prompts[-1]) == "Reasoning: low"
+    else:  # the answer without thinking
         assert [(b.type, b.text) for b in off.content] == [("text", ANSWER)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ollama_thinking_and_tool_calls(bg, family):
+def test_ollama_thinking_and_tool_calls(bg, family, prompts):
     client = ollama.Client(host=bg.swarm.url, headers={"Authorization": f"Bearer {bg.swarm.token}"}, timeout=60)
     options = {"temperature": 0, "num_predict": 30}
     reply = client.chat(model=name(family), messages=ASK, tools=[WEATHER], think=True, options=options)
@@ -205,9 +234,11 @@ def test_ollama_thinking_and_tool_calls(bg, family):
     assert "".join(p.message.thinking or "" for p in parts) == REASONING
     assert "".join(p.message.content or "" for p in parts) == PREAMBLE
     assert [c.function.name for p in parts for c in p.message.tool_calls or []] == ["get_weather"]
-    if family == "gpt_oss":  # Ollama's levels are gpt-oss's
-        prompt, _ = prompt_text(bg, family, {"messages": ASK})
-        assert "Reasoning: medium" in prompt
+    if family == "gpt_oss":  # Ollama's levels are gpt-oss's, and false asks it to reason little
+        prompts.clear()
+        for think in ("high", "low", False):
+            client.chat(model=name(family), messages=ASK, think=think, options=options)
+        assert [level(p) for p in prompts] == ["Reasoning: high", "Reasoning: low", "Reasoning: low"]
     else:
         off = client.chat(model=name(family), messages=ASK, think=False, options=options)
         assert off.message.content == ANSWER and not off.message.thinking
