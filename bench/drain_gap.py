@@ -33,7 +33,7 @@ SIGNAL_AT = 30
 def longest_gap(times: list[tuple[float, int, int]], since: float | None = None) -> float:
     """The longest wait between two token arrivals (from ``since`` on)."""
     arrivals = [(t, n) for i, (t, n, _) in enumerate(times) if i == 0 or n != times[i - 1][1]]
-    start = max((i for i, (t, _) in enumerate(arrivals) if since is None or t <= since), default=0)
+    start = 0 if since is None else max((i for i, (t, _) in enumerate(arrivals) if t <= since), default=0)
     return max((b[0] - a[0] for a, b in zip(arrivals[start:], arrivals[start + 1:])), default=0.0)
 
 
