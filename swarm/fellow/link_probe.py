@@ -6,7 +6,7 @@ keys, their serving ports where a hop would dial them directly, and a relay chan
 this fellow opens a Noise session over the path a hop would take -- the direct link first, the leader's relay when
 there is no port to dial, the dial fails, or SWARM_PIPELINE_TRANSPORT=relay -- (the peer checks the key the leader
 announced, the dialer the peer's), sends PINGS small frames and one BULK frame, each echoed back, and closes: about
-2 * (PINGS * PING_BYTES + BULK_BYTES) bytes a pair, some 10 KB a probe (20 KB through the leader over the relay).
+2 * (PINGS * PING_BYTES + BULK_BYTES) bytes a pair, some 10 KB a probe, whichever the path.
 The same message names the relay channels this fellow listens on for its peers' probes (``listen``). A hop that
 serves over a hole-punched tunnel reports its own round-trip times (swarm.leader.fleet.link_matrix.hops), which win
 over a probe's: a probe does not punch a tunnel of its own, which would cost a rendezvous per pair.
