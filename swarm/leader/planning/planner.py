@@ -38,6 +38,9 @@ PROMPT_TOKENS = 1000  # the time to first token is told for a prompt of this man
 ASSUMED_RTT_MS = 2.0
 # What a link carries per second, for the bytes of a hidden state: a home LAN's 100 Mbit/s, the slow end.
 LINK_BYTES_PER_S = 12_500_000
+# A kind the calibration does not time, counted at one it does (swarm.fellow.moe_calibration.KINDS): nf4 computes
+# through the same int4 kernel as int4-fast on CPU
+TIMED_AS = {"nf4": "int4-fast"}
 TOKEN_BACK_BYTES = 64  # the last stage's token going back to the first (with its framing)
 
 
@@ -62,6 +65,18 @@ class LayerSpeed:
     # None on an older calibration
     moe_router_ms: float | None = None
     moe_expert_ms: float | None = None
+    # one routed expert (its dispatch and matrices) at the load's kind: fixed + per byte of its matrices; None where
+    # the calibration did not time that kind (swarm.fellow.moe_calibration ``kinds``)
+    expert_fixed_ms: float | None = None
+    expert_per_byte_ms: float | None = None
+
+    def routed_ms(self, experts: int, expert_bytes: int) -> float | None:
+        """A MoE layer's routing and ``experts`` routed experts of ``expert_bytes`` each, timed at the load's kind;
+        None without that figure (the experts are then counted in the layer's bytes, :meth:`moe_ms` beside)."""
+        if self.expert_per_byte_ms is None or not expert_bytes:
+            return None
+        return (self.moe_router_ms or 0.0) + experts * ((self.expert_fixed_ms or 0.0)
+                                                         + self.expert_per_byte_ms * expert_bytes)
 
     def moe_ms(self, experts: int) -> float:
         """A MoE layer's routing in a pass that computes ``experts`` experts (their weights apart). Without the
@@ -97,10 +112,11 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 0.0, y1 / x1 if x1 else 0.0
 
 
-def layer_speed(calibration: dict, lean: bool = False) -> LayerSpeed:
+def layer_speed(calibration: dict, lean: bool = False, kind: str = "none") -> LayerSpeed:
     """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed.
     ``lean``: the model's stages decode through the lean step (:func:`takes_lean_step`), so its figures count where
-    the calibration has them (swarm.fellow.calibration VERSION 6)."""
+    the calibration has them (swarm.fellow.calibration VERSION 6). ``kind``: the load's quantization, whose routed
+    expert's figures count where the calibration timed it (VERSION 8)."""
     points = calibration.get("points") if isinstance(calibration, dict) else None
     if not isinstance(points, list) or not points:
         raise ValueError("no calibration points")
@@ -129,7 +145,24 @@ def layer_speed(calibration: dict, lean: bool = False) -> LayerSpeed:
     if isinstance(moe, dict) and all(isinstance(moe.get(k), (int, float)) for k in ("router_ms", "expert_ms")):
         routing = (max(float(moe["router_ms"]), 0.0), max(float(moe["expert_ms"]), 0.0))
     speed = LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
-    return dataclasses.replace(speed, moe_router_ms=routing[0], moe_expert_ms=routing[1])
+    return dataclasses.replace(speed, moe_router_ms=routing[0], moe_expert_ms=routing[1],
+                               **_expert_line(moe, kind))
+
+
+def _expert_line(moe: Any, kind: str) -> dict[str, float]:
+    """expert_fixed_ms and expert_per_byte_ms from the calibration's points of ``kind`` ({} where it has none)."""
+    kinds = moe.get("kinds") if isinstance(moe, dict) else None
+    points = (kinds.get(kind) or kinds.get(TIMED_AS.get(kind, ""))) if isinstance(kinds, dict) else None
+    if not isinstance(points, list) or len(points) < 2:
+        return {}
+    try:
+        pairs = [(float(b), float(ms)) for b, ms in points]
+    except (TypeError, ValueError):
+        return {}
+    if any(b <= 0 or ms < 0 or not math.isfinite(ms) for b, ms in pairs):
+        return {}
+    fixed, per_byte = _line(pairs)
+    return {"expert_fixed_ms": fixed, "expert_per_byte_ms": per_byte}
 
 
 def takes_lean_step(architecture: str, config: dict) -> bool:
@@ -157,8 +190,10 @@ def with_active_experts(size: ModelSize, config: dict, weight_bytes: float) -> M
     experts, top_k = moe_shape(config)
     if not experts:
         return size
+    rows = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    expert = int(3 * int(config.get("hidden_size") or 0) * int(rows or 0) * weight_bytes)
     return dataclasses.replace(size, compute_bytes=active_layer_bytes(size.layer_bytes, config, weight_bytes),
-                               experts=experts, experts_per_token=top_k)
+                               experts=experts, experts_per_token=top_k, expert_bytes=expert)
 
 
 def moe_shape(config: dict) -> tuple[int, int]:
@@ -204,11 +239,10 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     for plan in plans:
         speed = speeds[plan.fellow_id]
         layers = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
-        decode = speed.pass_ms + sum(speed.decode_ms(b, after_idle=n > 1) for b in layers)
         prefill = chunks * speed.pass_ms + sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
         routed = sum(a < b for a, b in zip(layers, size.layer_bytes[plan.first_layer:plan.end_layer]))
-        if routed:  # MoE layers: their routing, a decode step's top-k experts, a chunk's (nearly) every expert
-            decode += routed * speed.moe_ms(size.experts_per_token)
+        decode = speed.pass_ms + _layers_decode_ms(speed, size, plan, after_idle=n > 1)
+        if routed:  # MoE layers in a prompt chunk: their routing and the chunk's (nearly) every expert
             prefill += routed * chunks * speed.moe_ms(min(size.experts, prefill_chunk * size.experts_per_token))
         if plan.index == 0:
             decode += speed.embed_ms
@@ -242,6 +276,25 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     return {"num_stages": n, "tokens_per_s": 1000 / per_token if per_token > 0 else None,
             "ms_per_token": per_token, "prompt_tokens": prompt_tokens, "time_to_first_token_s": ttft / 1000,
             "stages": stages, "links": links, "bottleneck": bottleneck}
+
+
+def _layers_decode_ms(speed: LayerSpeed, size: ModelSize, plan: StagePlan, after_idle: bool) -> float:
+    """A decode step through ``plan``'s layers. A MoE layer (fewer active bytes than it holds) adds its routing;
+    where the fellow timed a routed expert at the load's kind, its routed experts count at that figure and the rest
+    of it (attention, router, shared experts) at the layer's line, else every active byte at the layer's line."""
+    whole = size.layer_bytes[plan.first_layer:plan.end_layer]
+    active = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
+    experts_ms = speed.routed_ms(size.experts_per_token, size.expert_bytes)
+    routed = size.experts_per_token * size.expert_bytes
+    total = 0.0
+    for a, b in zip(active, whole):
+        if a >= b:  # a dense layer
+            total += speed.decode_ms(a, after_idle)
+        elif experts_ms is not None and a > routed:
+            total += speed.decode_ms(a - routed, after_idle) + experts_ms
+        else:
+            total += speed.decode_ms(a, after_idle) + speed.moe_ms(size.experts_per_token)
+    return total
 
 
 def _pipelined_prompt_ms(chunk_ms: list[float], head_ms: float, forward_links: list[dict], chunks: int,
@@ -326,7 +379,7 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     speeds = {}
     for fellow in fellows:
         try:
-            speeds[fellow.id] = layer_speed(fellow.calibration, lean=lean)
+            speeds[fellow.id] = layer_speed(fellow.calibration, lean=lean, kind=kind)
         except (ValueError, KeyError, TypeError):
             continue
     missing_speeds(plans, speeds)
