@@ -285,6 +285,13 @@ def test_the_plan_of_a_quantized_moe_counts_its_experts_at_the_kind_s_own_speed(
     # a kind the fellow did not time: every active byte at the layer's line, the routing beside
     plain = predict(plan, size, {1: layer_speed(calibration, kind="none")}, [], 2048)["stages"][0]["decode_ms"]
     assert plain == pytest.approx(0.1 + 2 * (0.5 + (800_000 + 4 * expert) * 1e-6 + 0.2 + 4 * 0.05))
+    # unquantized experts timed too: int8's at a quarter of the bytes took 0.5x the time, so a byte of the layer's
+    # attention at int8 counts as 4 * 0.5 = 2 of the dense line's float bytes
+    moe["kinds"]["none"] = [[1_600_000, 0.2], [4_800_000, (0.05 + 1_200_000 * 2e-7) / 0.5]]
+    speed = layer_speed(calibration, kind="int8")
+    assert speed.kind_byte_factor == pytest.approx(4_800_000 / 1_200_000 * 0.5)
+    got = predict(plan, size, {1: speed}, [], 2048)["stages"][0]["decode_ms"]
+    assert got == pytest.approx(0.1 + 2 * (0.5 + 2 * 800_000 * 1e-6 + 0.2 + 4 * (0.05 + expert * 2e-7)))
 
 
 def test_a_fellow_times_routed_experts_at_each_kind_it_serves():

@@ -28,6 +28,14 @@ from typing import Any
 import trio
 
 from swarm.errors import PlacementError
+from swarm.leader.planning.moe_speed import (  # noqa: F401 -- the planner's MoE functions are told from here too
+    active_layer_bytes,
+    expert_line,
+    expert_weight_bytes,
+    line,
+    moe_shape,
+    with_active_experts,
+)
 from swarm.leader.planning.placement import ModelSize, StagePlan
 from swarm.leader.serving.drafting import sliding
 from swarm.model_format import CONFIG_FILE, LEAN_DECODE_FAMILIES
@@ -38,9 +46,6 @@ PROMPT_TOKENS = 1000  # the time to first token is told for a prompt of this man
 ASSUMED_RTT_MS = 2.0
 # What a link carries per second, for the bytes of a hidden state: a home LAN's 100 Mbit/s, the slow end.
 LINK_BYTES_PER_S = 12_500_000
-# A kind the calibration does not time, counted at one it does (swarm.fellow.moe_calibration.KINDS): nf4 computes
-# through the same int4 kernel as int4-fast on CPU
-TIMED_AS = {"nf4": "int4-fast"}
 TOKEN_BACK_BYTES = 64  # the last stage's token going back to the first (with its framing)
 
 
@@ -69,6 +74,10 @@ class LayerSpeed:
     # the calibration did not time that kind (swarm.fellow.moe_calibration ``kinds``)
     expert_fixed_ms: float | None = None
     expert_per_byte_ms: float | None = None
+    # a byte of a layer at the load's kind counts this many of the dense line's (float) bytes: the float bytes of a
+    # weight over the kind's, times a routed expert's time at the kind over its time unquantized (the larger timed
+    # shape); 1.0 unquantized or untimed
+    kind_byte_factor: float = 1.0
 
     def routed_ms(self, experts: int, expert_bytes: int) -> float | None:
         """A MoE layer's routing and ``experts`` routed experts of ``expert_bytes`` each, timed at the load's kind;
@@ -100,18 +109,6 @@ class LayerSpeed:
         return (self.head_fixed_ms or 0.0) + self.head_per_byte_ms * head_bytes
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed, per unit) through the smallest and largest point; a measurement the noise made fall (the larger
-    layer timed faster) or cross below zero is read as proportional to the largest point."""
-    (x0, y0), (x1, y1) = min(points), max(points)
-    if x1 > x0:
-        slope = (y1 - y0) / (x1 - x0)
-        fixed = y0 - slope * x0
-        if slope > 0 and fixed >= 0:
-            return fixed, slope
-    return 0.0, y1 / x1 if x1 else 0.0
-
-
 def layer_speed(calibration: dict, lean: bool = False, kind: str = "none") -> LayerSpeed:
     """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed.
     ``lean``: the model's stages decode through the lean step (:func:`takes_lean_step`), so its figures count where
@@ -138,31 +135,15 @@ def layer_speed(calibration: dict, lean: bool = False, kind: str = "none") -> La
     idle = [(float(p["weight_bytes"]), float(p["decode_idle_ms"])) for p in points if "decode_idle_ms" in p]
     if any(y < 0 or not math.isfinite(y) for _, y in idle):
         raise ValueError("calibration decode_idle_ms out of range")
-    head = _line(heads) if len(heads) == len(points) else (None, None)
-    after_idle = _line(idle) if len(idle) == len(points) else (None, None)
+    head = line(heads) if len(heads) == len(points) else (None, None)
+    after_idle = line(idle) if len(idle) == len(points) else (None, None)
     moe = calibration.get("moe")
     routing: tuple[float | None, float | None] = (None, None)
     if isinstance(moe, dict) and all(isinstance(moe.get(k), (int, float)) for k in ("router_ms", "expert_ms")):
         routing = (max(float(moe["router_ms"]), 0.0), max(float(moe["expert_ms"]), 0.0))
-    speed = LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
+    speed = LayerSpeed(*line(decode), *line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
     return dataclasses.replace(speed, moe_router_ms=routing[0], moe_expert_ms=routing[1],
-                               **_expert_line(moe, kind))
-
-
-def _expert_line(moe: Any, kind: str) -> dict[str, float]:
-    """expert_fixed_ms and expert_per_byte_ms from the calibration's points of ``kind`` ({} where it has none)."""
-    kinds = moe.get("kinds") if isinstance(moe, dict) else None
-    points = (kinds.get(kind) or kinds.get(TIMED_AS.get(kind, ""))) if isinstance(kinds, dict) else None
-    if not isinstance(points, list) or len(points) < 2:
-        return {}
-    try:
-        pairs = [(float(b), float(ms)) for b, ms in points]
-    except (TypeError, ValueError):
-        return {}
-    if any(b <= 0 or ms < 0 or not math.isfinite(ms) for b, ms in pairs):
-        return {}
-    fixed, per_byte = _line(pairs)
-    return {"expert_fixed_ms": fixed, "expert_per_byte_ms": per_byte}
+                               **expert_line(moe, kind))
 
 
 def takes_lean_step(architecture: str, config: dict) -> bool:
@@ -182,43 +163,6 @@ class Hop:
     @property
     def rate(self) -> float:
         return self.bytes_per_s if self.bytes_per_s and self.bytes_per_s > 0 else LINK_BYTES_PER_S
-
-
-def with_active_experts(size: ModelSize, config: dict, weight_bytes: float) -> ModelSize:
-    """``size`` with what a token computes of each layer (:func:`active_layer_bytes`) and the experts a pass
-    routes to: the planner's speed of a mixture of experts; a dense model's size as it is."""
-    experts, top_k = moe_shape(config)
-    if not experts:
-        return size
-    rows = config.get("moe_intermediate_size") or config.get("intermediate_size")
-    expert = int(3 * int(config.get("hidden_size") or 0) * int(rows or 0) * weight_bytes)
-    return dataclasses.replace(size, compute_bytes=active_layer_bytes(size.layer_bytes, config, weight_bytes),
-                               experts=experts, experts_per_token=top_k, expert_bytes=expert)
-
-
-def moe_shape(config: dict) -> tuple[int, int]:
-    """(experts, experts per token) of a mixture of experts' config.json; (0, 0) for a dense model."""
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    top_k = config.get("num_experts_per_tok")
-    if isinstance(experts, int) and isinstance(top_k, int) and experts > top_k > 0:
-        return experts, top_k
-    return 0, 0
-
-
-def active_layer_bytes(layer_bytes: tuple[int, ...], config: dict, weight_bytes: float) -> tuple[int, ...]:
-    """What one token computes of each layer of a mixture of experts (``config``: its config.json): the layer less
-    its experts the router does not pick (experts - top-k of them, each a gate, an up and a down matrix of hidden x
-    expert rows at ``weight_bytes`` a weight); attention, router and shared experts stay. A prompt's tokens each
-    compute their own top-k too, so prefill counts the same. A layer smaller than its unpicked experts (a dense
-    layer of a model whose first layers are dense, GLM-4.5's) counts whole; a dense model's layers come back as
-    they are."""
-    experts, top_k = moe_shape(config)
-    rows = config.get("moe_intermediate_size") or config.get("intermediate_size")
-    hidden = config.get("hidden_size")
-    if not (experts and rows and hidden):
-        return layer_bytes
-    idle = int((experts - top_k) * 3 * int(hidden) * int(rows) * weight_bytes)
-    return tuple(b - idle if b > idle else b for b in layer_bytes)
 
 
 def head_bytes(size: ModelSize) -> int:
@@ -286,12 +230,16 @@ def _layers_decode_ms(speed: LayerSpeed, size: ModelSize, plan: StagePlan, after
     active = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
     experts_ms = speed.routed_ms(size.experts_per_token, size.expert_bytes)
     routed = size.experts_per_token * size.expert_bytes
+    if experts_ms is None:
+        factor = 1.0
+    else:  # a quantized layer's attention (and a dense layer's MLP) at the kind's time per byte
+        factor = speed.kind_byte_factor
     total = 0.0
     for a, b in zip(active, whole):
         if a >= b:  # a dense layer
-            total += speed.decode_ms(a, after_idle)
+            total += speed.decode_ms(int(a * factor), after_idle)
         elif experts_ms is not None and a > routed:
-            total += speed.decode_ms(a - routed, after_idle) + experts_ms
+            total += speed.decode_ms(int((a - routed) * factor), after_idle) + experts_ms
         else:
             total += speed.decode_ms(a, after_idle) + speed.moe_ms(size.experts_per_token)
     return total
@@ -323,17 +271,6 @@ def sentence(prediction: dict) -> str:
     if assumed:
         text += f" (links not measured yet: assumed {ASSUMED_RTT_MS:g} ms round trip)"
     return text
-
-
-def expert_weight_bytes(manifest: dict, cpu: bool, kind: str) -> float:
-    """What one expert weight holds at a load of ``kind`` (swarm.leader.serving.models.model_size counts alike)."""
-    from swarm.model_format import DTYPE_BYTES
-    from swarm.quantization import bytes_per_weight
-
-    quantized = bytes_per_weight(kind, "cpu" if cpu else "cuda", manifest.get("hidden_size") or 0)
-    if quantized is not None:
-        return quantized
-    return 4 if cpu else DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
 
 
 def hop_round_trips(plans: list[StagePlan], known: dict[tuple[int, int], Hop]) -> list[Hop]:
