@@ -32,7 +32,7 @@ from swarm.fellow.calibration_parts import DECODE_STEPS, LAYERS, LayerStack, Sta
 
 log = logging.getLogger(__name__)
 
-VERSION = 8  # bump when what is measured changes: older cached results are then measured again
+VERSION = 9  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache

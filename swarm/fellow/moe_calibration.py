@@ -28,6 +28,12 @@ TOP_K = 4
 # VM, one row routed again and again through a block of 32 ran 20-30 % faster than rows in turn.
 EXPERT_SHAPES = ((512, 256, 32), (768, 512, 12))
 ROWS = 16
+# Before each timed run a buffer this large is written, so that the experts' matrices come from memory, not from the
+# caches: a stage's model is far larger than a core's cache, and each token reads other experts. Measured on a 2-core
+# VM under other work, a stage's int8 expert calls ran 3-10x slower than the same calls timed back to back on a block
+# that stayed in cache.
+FLUSH_BYTES = 64 << 20
+KIND_RUNS = 12
 KINDS = ("none", "int8", "int4-fast")  # nf4 on CPU is the int4 kernel too: the planner counts int4-fast for it
 
 
@@ -86,6 +92,7 @@ def measure_kinds(device: str, dtype, sync: Callable[[], None], typical: Callabl
     device_type = "cpu" if device == "cpu" else "cuda"
     served = [k for k in KINDS if k in kinds_on(device_type)]
     out: dict[str, list[list[float]]] = {}
+    flush = torch.zeros(FLUSH_BYTES // 4, device=device, dtype=torch.float32)
     for kind in served:
         points = []
         for hidden, rows, experts in EXPERT_SHAPES:
@@ -96,16 +103,29 @@ def measure_kinds(device: str, dtype, sync: Callable[[], None], typical: Callabl
             except Exception:  # noqa: BLE001 -- a kind this device cannot compute here: the planner falls back
                 break
             inputs = torch.randn(ROWS, 1, 1, hidden, device=device, dtype=dtype)
-            turn = [0]
-
-            def step(block=block, inputs=inputs, turn=turn) -> None:
-                turn[0] = (turn[0] + 1) % ROWS
-                block(inputs[turn[0]])
-
-            t = typical(step, sync, 24, 0.5)
+            t = _cold(block, inputs, flush, sync)
             points.append([expert_bytes(hidden, rows, kind, device_type, inputs.element_size()),
                            round(max(t - router_s, 0.0) / TOP_K * 1e3, 4)])
             del block
         if len(points) == len(EXPERT_SHAPES):
             out[kind] = points
     return out
+
+
+def _cold(block, inputs, flush, sync: Callable[[], None]) -> float:
+    """The median seconds of KIND_RUNS calls of ``block``, each on the next of ``inputs``' rows after ``flush`` was
+    written (not timed), after two warm-up calls."""
+    import statistics
+    import time
+
+    for row in inputs[:2]:
+        block(row)
+    times = []
+    for i in range(KIND_RUNS):
+        flush.add_(1.0)
+        sync()
+        t0 = time.perf_counter()
+        block(inputs[i % len(inputs)])
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
