@@ -18,7 +18,7 @@ from swarm import messages, wire
 from swarm.leader.verify import difference
 from swarm.stage import int4_kernel
 from swarm.stage.execute import run_batch
-from swarm.stage.protocol import Rows, RowSource, StageRequest, Work
+from swarm.stage.protocol_records import Rows, RowSource, StageRequest, Work
 from swarm.stage.recompute import recompute
 from swarm.stage.slice import StageModel, stage_specs
 
