@@ -61,7 +61,8 @@ def measure_memory(folder: Path, kind: str) -> dict:
     import torch
 
     from swarm.model_format import layer_file
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     torch.set_num_threads(1)
     spec = stage_specs(30, 3)[1]
@@ -119,7 +120,8 @@ def main() -> None:
     import torch
 
     from swarm.leader.chat_format import encode_chat
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     torch.set_num_threads(args.threads)
 

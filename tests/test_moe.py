@@ -92,7 +92,8 @@ def test_placement_counts_every_expert(moe_dirs, kind):
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_stages_in_one_process_match_generate(moe_dirs, kind, stages):
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = moe_dirs[kind]
     model = _source_model(source)
@@ -106,7 +107,8 @@ def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_
     from reference_model import load_reference_model
     from swarm.stage.local import LocalRing
     from swarm.stage.quantize import quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     _, model_dir = moe_dirs["qwen2_moe"]
     full = [StageModel.load_dir(model_dir, s) for s in stage_specs(3, 2)]

@@ -102,7 +102,8 @@ def _pass_reads(stage, run):
 @pytest.mark.parametrize("kind", ["none", "int8"])
 def test_a_pass_reads_only_its_routed_experts_each_once_for_all_its_rows(moe_dirs, kind):
     from swarm.stage.ragged import forward_batch
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     (spec,) = stage_specs(4, 1)
     stage = StageModel.load_dir(moe_dirs["qwen3_moe"], spec, quantization=kind)
@@ -153,7 +154,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
     from swarm.stage.local import LocalRing
     from swarm.stage.moe_experts import QuantizedExperts
     from swarm.stage.quantize import Int4Linear, Int8Linear, quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     model_dir = moe_dirs[family]
@@ -180,7 +182,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
 def test_the_plan_counts_a_token_s_active_experts(moe_dirs):
     from swarm.leader.models import model_size
     from swarm.leader.planner import active_layer_bytes
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     model_dir = moe_dirs["qwen2_moe"]

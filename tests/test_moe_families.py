@@ -130,7 +130,8 @@ def test_layer_files_hold_what_the_decoder_layer_expects(family_dirs, kind):
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_stages_in_one_process_match_generate(family_dirs, kind, stages):
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = family_dirs[kind]
     model = _source_model(source)
@@ -144,7 +145,8 @@ def test_gpt_oss_stages_attend_with_sinks_and_windows(family_dirs):
     """The sinks and the windows change the reply: a stage without them (SDPA, which drops the sinks) or with
     every layer full leaves generate's reply on the prompts above."""
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = family_dirs["gpt_oss"]
     model = _source_model(source)
@@ -163,7 +165,8 @@ def test_eight_chats_batched_in_one_process_match_generate(family_dirs, kind):
     sinks and windows."""
     from swarm import messages
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = family_dirs[kind]
     model = _source_model(source)
@@ -390,7 +393,8 @@ def test_glm_router_stays_float32_in_bfloat16(family_dirs, tmp_path):
     from safetensors import safe_open
 
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.importer import import_model
 
     source, _ = family_dirs["glm4_moe"]

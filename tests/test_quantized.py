@@ -74,7 +74,8 @@ def test_quantized_ring_over_two_stages_is_the_quantized_model_in_one_process(ti
     from reference_model import load_reference_model
     from swarm.stage.local import LocalRing
     from swarm.stage.quantize import quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     model_dir = tiny_model_dirs[family]
     num_layers = len(load_reference_model(model_dir).model.layers)
