@@ -222,7 +222,7 @@ def main() -> None:
         from swarm.stage import int4_kernel
 
         int4_kernel.use(False)
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.model_import import ensure_imported
 
     ensure_imported("smollm2-135m-instruct", args.data_dir / "leader", "smollm2-135m-instruct", show_progress=False)

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tiny_llama
 
-from swarm.leader.chat_format import encode_chat
+from swarm.leader.chat.chat_format import encode_chat
 from swarm.stage import LocalRing, StageModel, StageSpec, stage_specs
 from swarm.stage.draft_model import DraftModel
 from swarm.store.importer import import_model

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ring_speed import builtin_pool, machine
 from swarm.demo import BUILTIN
-from swarm.leader.openai_params import choice_seed
+from swarm.leader.api.openai_params import choice_seed
 
 SEED = 1234
 STORY = ("The lighthouse keeper climbed the narrow stairs every evening, counting the steps and listening to the sea "

@@ -9,7 +9,7 @@ direct TCP between two fellows on one LAN, the relay (two homes, Direct links of
 and the tunnel (the same two fellows, Direct links on, measured only once both hops report the tunnel).
 
 The rows take turns for ``--rounds`` rounds (each round loads the model afresh for each row), so that the swings of a
-shared machine fall on every row alike. Each measured reply gives ``swarm.timing`` (swarm/leader/timing.py): the
+shared machine fall on every row alike. Each measured reply gives ``swarm.timing`` (swarm/leader/serving/timing.py): the
 leader's steady time per token, each stage's compute per token and the links' time per token (stage 0's round trip
 less the other stage's compute), split over the two hops. A reply counts only if both hops were on the row's path
 before and after it (a hop that moved or fell back during a reply is reported, not averaged in). Also printed: the

@@ -88,9 +88,9 @@ def main() -> None:
     import transformers
 
     from swarm.fellow import calibration
-    from swarm.leader.models import model_size
-    from swarm.leader.placement import StagePlan, stage_weight_bytes
-    from swarm.leader.planner import Hop, expert_weight_bytes, layer_speed, predict, with_active_experts
+    from swarm.leader.planning.placement import StagePlan, stage_weight_bytes
+    from swarm.leader.planning.planner import Hop, expert_weight_bytes, layer_speed, predict, with_active_experts
+    from swarm.leader.serving.models import model_size
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import stage_specs

@@ -1,4 +1,4 @@
-"""The planner's prediction (swarm.leader.planner) against the measured speed: the built-in model over 1 and 2
+"""The planner's prediction (swarm.leader.planning.planner) against the measured speed: the built-in model over 1 and 2
 stages. The goal is within 25 %.
 
     .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--no-pin | --in-process]

@@ -91,8 +91,8 @@ async def run(model_dir, tmp, args, cache: bool) -> dict:
 def in_process(model_dir, args) -> None:
     import time
 
-    from swarm.leader.chat_format import encode_chat
-    from swarm.leader.prefix_index import PrefixIndex
+    from swarm.leader.chat.chat_format import encode_chat
+    from swarm.leader.serving.prefix_index import PrefixIndex
     from swarm.stage import LocalRing, StageModel, stage_specs
 
     def ring() -> LocalRing:

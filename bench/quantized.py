@@ -182,7 +182,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.model_import import ensure_imported
     from swarm.stage import int4_kernel
     from swarm.stage.quantize import KINDS, quantize_model

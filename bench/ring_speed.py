@@ -69,7 +69,7 @@ def bench_generate(model_dir: Path, tokens: int) -> float:
     import torch
 
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = load_reference_model(model_dir, dtype=torch.float32)
     ids = torch.tensor([encode_chat(model_dir, [{"role": "user", "content": PROMPT}], None)])

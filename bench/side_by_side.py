@@ -168,15 +168,17 @@ def builtin_gguf() -> Path | None:
     return found[0] if found else None
 
 
-def llama_cpp_programs(build: Path | None) -> tuple[Path, Path] | str:
-    """(rpc-server, llama-bench) of a llama.cpp build, or why there is none."""
+def llama_cpp_programs(build: Path | None) -> tuple[Path | None, Path] | str:
+    """(rpc-server or None where the build has none, llama-bench) of a llama.cpp build, or why there is none."""
     if build is None:
         return "no llama.cpp build given (--llama-cpp DIR; how to build one: this script's doc)"
     bin_dir = build / "bin"
     server = next((bin_dir / n for n in ("rpc-server", "ggml-rpc-server") if (bin_dir / n).exists()), None)
     bench = bin_dir / "llama-bench"
-    if server is None or not bench.exists():
-        return f"{bin_dir} has no rpc-server / ggml-rpc-server and llama-bench (build with -DGGML_RPC=ON)"
+    if not bench.exists():
+        return f"{bin_dir} has no llama-bench"
+    if server is None:
+        print(f"llama.cpp's RPC ring skipped: {bin_dir} has no rpc-server (build with -DGGML_RPC=ON)", flush=True)
     return server, bench
 
 
@@ -266,6 +268,8 @@ def rounds_rows(args, settings, fleet, drafting, llama, gguf, model_dir: Path, t
     if isinstance(llama, tuple):
         server, bench = llama
         yield [(f"llama.cpp, {gguf.name}, one process", llama_bench(bench, gguf, args.tokens, threads, None))]
+        if server is None:
+            return
         ring = RpcRing(server, threads)
         try:
             yield [(f"llama.cpp RPC ring, 2 rpc-servers, {gguf.name}",

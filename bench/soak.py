@@ -80,7 +80,7 @@ def main() -> None:
     print(f"model: {BUILTIN}, {args.stages} stages, greedy, {args.tokens} tokens per reply; {args.clients} clients "
           f"for {args.minutes:g} min after a burst of {args.burst}")
     print("computing generate's replies for the prompts ...", flush=True)
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     prompts = build_prompts(model_dir, LENGTHS, args.tokens, eos=[2])
     tokenizer = load_tokenizer(str(model_dir))

@@ -1,5 +1,5 @@
 """How far an honest stage and its checker differ, per kind and per path: the figures behind the spot checks'
-tolerances (swarm.leader.verify.TOLERANCES).
+tolerances (swarm.leader.serving.verify.TOLERANCES).
 
     .venv/bin/python bench/verify_bounds.py                       # the full 10,000 checks on a tiny model
     .venv/bin/python bench/verify_bounds.py --model builtin --checks 1000
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from honest_checks import KINDS, honest_checks, requests_for  # noqa: E402
-from swarm.leader.verify import tolerance  # noqa: E402
+from swarm.leader.serving.verify import tolerance  # noqa: E402
 
 
 def model_dir(which: str, tmp: Path) -> Path:
@@ -70,7 +70,7 @@ def main() -> None:
             if kernel:
                 flagged += bad
             else:  # measured, not judged: the leader never pairs fellows on different 4-bit kernels
-                bad_note = " (such pairs are not judged: swarm.leader.verify)"
+                bad_note = " (such pairs are not judged: swarm.leader.serving.verify)"
             total += len(checks) if kernel else 0
             name = checks[0].kind if checks else kind
             note = "" if kernel else bad_note

@@ -1,12 +1,12 @@
 """`swarm admin quotas`, `quota-set`, `quota-remove` and `usage`: quotas and usage from the command line, through the
-leader's routes (swarm.leader.usage_api)."""
+leader's routes (swarm.leader.api.usage_api)."""
 
 from __future__ import annotations
 
 import time
 import urllib.parse
 
-from swarm.leader.quotas import LIMITS
+from swarm.leader.serving.quotas import LIMITS
 
 SCOPES = ("pool", "user", "token")
 

@@ -152,8 +152,8 @@ class PoolBusy(RequestFailed):
 
 
 class QuotaExceeded(RequestFailed):
-    """A user or API token is over one of its quotas (swarm.leader.quotas); ``retry_after`` seconds until the request
-    would pass, None when it never can (a prompt larger than a limit)."""
+    """A user or API token is over one of its quotas (swarm.leader.serving.quotas); ``retry_after`` seconds until the
+    request would pass, None when it never can (a prompt larger than a limit)."""
 
     def __init__(self, message: str, retry_after: int | None):
         super().__init__(message)

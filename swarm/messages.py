@@ -49,9 +49,9 @@ class Sampling:
 
 @record
 class PrefixPlan:
-    """The leader's word on the prefix cache for one request (swarm.leader.prefix_index decides, every stage obeys,
-    so all stages hold the same blocks). A block is ``block`` prompt tokens, named by a hash chained over every token
-    before it: the KV of block i is the same wherever a prompt starts with the same i + 1 blocks."""
+    """The leader's word on the prefix cache for one request (swarm.leader.serving.prefix_index decides, every stage
+    obeys, so all stages hold the same blocks). A block is ``block`` prompt tokens, named by a hash chained over every
+    token before it: the KV of block i is the same wherever a prompt starts with the same i + 1 blocks."""
 
     epoch: int  # the leader's cache generation: a stage holding another one forgets its blocks first
     block: int  # tokens per block
@@ -119,7 +119,7 @@ class Generate:
     # ``sampling`` with the sibling's seed). Tokens, failures and cancels are the siblings', never ``rid``'s.
     siblings: list[Sibling] = dataclasses.field(default_factory=list)
     draft: int = 0  # drafting ahead (swarm.stage.drafting): tokens the last stage may propose per pass; 0: off
-    prefix: PrefixPlan | None = None  # the prefix cache (swarm.leader.prefix_index); never with siblings
+    prefix: PrefixPlan | None = None  # the prefix cache (swarm.leader.serving.prefix_index); never with siblings
 
     @property
     def rids(self) -> list[str]:

@@ -48,7 +48,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3
 # swarm.store.moe_layout); they take the generic decode step, never the lean or compiled one.
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
-# planner (swarm.leader.planner) counts their calibrated lean speed.
+# planner (swarm.leader.planning.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The GGUF tensor types an import keeps as they are: the plain floats, and the quantized types of the common

@@ -27,7 +27,7 @@ PROTOCOL_VERSION = 1  # bump when a message changes so that an older peer would 
 # The control link's envelope: messages whose form stays the same across protocol versions, so that a fellow and a
 # leader on different protocols still enrol, stay alive, see each other's versions and agree on an update (`swarm
 # update`). Every other message is read only at PROTOCOL_VERSION, and the leader sends a fellow on another protocol
-# nothing else (swarm.leader.placement refuses such a fellow). Never change these messages incompatibly.
+# nothing else (swarm.leader.planning.placement refuses such a fellow). Never change these messages incompatibly.
 ENVELOPE_TYPES = frozenset({"hello", "welcome", "refused", "alive", "heartbeat", "update", "updating", "current",
                             "update_failed"})
 

@@ -2,8 +2,8 @@
 (swarm.stage.execute.run_batch: prompt chunks, single and batched ragged decode steps, lean or compiled decode steps,
 drafting's verifying passes of several rows), and a second copy of each stage, loaded on its own as a checker's is,
 recomputes every pass the way a checker does (swarm.stage.recompute). Each recomputed pass is compared with the
-leader's own function (swarm.leader.verify.difference). tests/test_verify.py asserts that none is flagged;
-bench/verify_bounds.py prints the figures the tolerances in swarm.leader.verify come from."""
+leader's own function (swarm.leader.serving.verify.difference). tests/test_verify.py asserts that none is flagged;
+bench/verify_bounds.py prints the figures the tolerances in swarm.leader.serving.verify come from."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from swarm import messages, wire
-from swarm.leader.verify import difference
+from swarm.leader.serving.verify import difference
 from swarm.stage import int4_kernel
 from swarm.stage.execute import run_batch
 from swarm.stage.protocol_records import Rows, RowSource, StageRequest, Work

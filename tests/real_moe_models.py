@@ -2,8 +2,9 @@
 (the values of its config.json on the Hugging Face Hub, written here from the model cards' config files:
 Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, zai-org/GLM-4.5-Air, openai/gpt-oss-120b) and a GGUF of it written with
 gguf-py's writer -- the header (tensor infos of llama.cpp's names, types and shapes) and the data left as a hole
-(a sparse file), so the file has the real file's length. The planner's own functions (swarm.leader.models.model_size,
-swarm.leader.placement.place) then count what each stage holds and how many PCs of a given free memory it asks for.
+(a sparse file), so the file has the real file's length. The planner's own functions
+(swarm.leader.serving.models.model_size, swarm.leader.planning.placement.place) then count what each stage holds and how
+many PCs of a given free memory it asks for.
 
 Tensor types: Q4_K_M as llama.cpp's quantize chooses them (Q4_K, with attn_v and ffn_down in Q6_K in the layers
 its use_more_bits picks; Q5_0 / Q8_0 where a row is not whole 256-value blocks; the head in Q6_K; norms and routers
@@ -161,8 +162,8 @@ def manifest_from_header(path: Path, model_type: str, config: dict) -> dict:
 def pcs_needed(manifest: dict, free_gb: int, quantization: str) -> int | None:
     """The fewest GPU PCs with ``free_gb`` GB free each that the planner places the model on (None: over 64)."""
     from swarm.errors import PlacementError
-    from swarm.leader.models import model_size
-    from swarm.leader.placement import FellowCapacity, place
+    from swarm.leader.planning.placement import FellowCapacity, place
+    from swarm.leader.serving.models import model_size
 
     size = model_size(manifest, cpu=False, quantization=quantization)
     for n in range(1, 65):

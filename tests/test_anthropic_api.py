@@ -1,4 +1,4 @@
-"""Anthropic's Messages API on the leader (swarm.leader.anthropic_api) as Anthropic's own client uses it: the real
+"""Anthropic's Messages API on the leader (swarm.leader.api.anthropic_api) as Anthropic's own client uses it: the real
 ``anthropic`` package against a real leader and fellow, one fleet for the module.
 
 The models are tests/scripted.py's tiny Qwen3 with a tools template (tests/test_openai_compat.py's: its greedy first
@@ -18,7 +18,7 @@ import trio
 from api_faces import ANSWER, call, thinking_model, weather_model
 from harness import running_swarm, wait_until
 from scripted import hold_compute
-from swarm.leader.limits import chat_body_limit
+from swarm.leader.api.limits import chat_body_limit
 from test_openai_compat import CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
@@ -263,7 +263,7 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             missing = await swarm.http.post("/v1/messages", json={"model": name, "messages": ASK})
             assert missing.status_code == 400 and "'max_tokens' is required" in missing.json()["error"]["message"]
             # the context limits of every face: a conversation too long for the model, a body too large
-            # the body limit follows the longest context served (swarm.leader.limits.chat_body_limit)
+            # the body limit follows the longest context served (swarm.leader.api.limits.chat_body_limit)
             limit = chat_body_limit(swarm.leader.serving.largest_context())
             big = await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 4, "messages": [
                 {"role": "user", "content": "a" * (limit - 20_000)}]})
@@ -297,8 +297,8 @@ def test_malformed_messages_bodies_are_a_400_never_a_crash():
     import random
 
     from swarm.errors import BadRequest
-    from swarm.leader.anthropic_params import chat_body
-    from swarm.leader.openai_params import parse_chat_body
+    from swarm.leader.api.anthropic_params import chat_body
+    from swarm.leader.api.openai_params import parse_chat_body
     from test_fuzz import _json_junk
 
     rng = random.Random(38)

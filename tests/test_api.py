@@ -114,7 +114,7 @@ def test_our_own_bugs_are_500s_that_say_so_never_400s(client, leader, monkeypatc
         raise KeyError("tokenizer_class")
 
     monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
-    monkeypatch.setattr("swarm.leader.openai_api.encode_chat", broken)
+    monkeypatch.setattr("swarm.leader.api.openai_api.encode_chat", broken)
     response = client.post("/v1/chat/completions", headers=_auth(token),
                            json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]})
     message = check_error(response, 500, "internal_error")
@@ -137,7 +137,7 @@ def test_a_template_that_refuses_the_messages_is_the_clients_400(client, leader,
         raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
     monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
-    monkeypatch.setattr("swarm.leader.openai_api.encode_chat", refuse)
+    monkeypatch.setattr("swarm.leader.api.openai_api.encode_chat", refuse)
     message = check_error(client.post("/v1/chat/completions", headers=_auth(token),
                                  json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}),
                      400, "invalid_messages")
@@ -167,7 +167,7 @@ def test_admins_mark_fellows_standby_and_see_it(client, leader):
 
 def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(client, leader, monkeypatch):
     from swarm.errors import ContextTooLong
-    from swarm.leader.requests import too_long
+    from swarm.leader.serving.requests import too_long
 
     token = leader.first_start.admin_token
 

@@ -9,10 +9,10 @@ from starlette.testclient import TestClient
 
 from swarm.config import Settings
 from swarm.errors import ConfigError, ContextTooLong, PlacementError
-from swarm.leader.admission import budget
-from swarm.leader.limits import FALLBACK_CONTEXT, context_reason, served_context
-from swarm.leader.models import model_size
-from swarm.leader.placement import OVERHEAD_BYTES, FellowCapacity, ModelSize, place
+from swarm.leader.api.limits import FALLBACK_CONTEXT, context_reason, served_context
+from swarm.leader.planning.placement import OVERHEAD_BYTES, FellowCapacity, ModelSize, place
+from swarm.leader.serving.admission import budget
+from swarm.leader.serving.models import model_size
 
 GB = 10**9
 KV = 100_000  # bytes a token per layer: big enough that the KV cache, not the weights, decides

@@ -13,15 +13,15 @@ import pytest
 from exactness import check_reply, reference
 from reference_model import load_reference_model
 from swarm.errors import PlacementError
-from swarm.leader.admission import budget
-from swarm.leader.draft_model import (
+from swarm.leader.planning.draft_model import (
     Candidate,
     check_named,
     choose_auto,
     same_tokenizers,
     shares_vocabulary,
 )
-from swarm.leader.placement import DraftSize, FellowCapacity, ModelSize, place
+from swarm.leader.planning.placement import DraftSize, FellowCapacity, ModelSize, place
+from swarm.leader.serving.admission import budget
 from swarm.stage import LocalRing, StageModel, StageSpec, drafting, stage_specs
 from swarm.stage.draft_model import DraftModel
 from swarm.store.manifest import load_manifest
@@ -252,7 +252,7 @@ def test_a_draft_model_that_does_not_fit_or_an_older_last_fellow_leaves_it_out_o
     from types import SimpleNamespace as NS
 
     from swarm.config import Settings
-    from swarm.leader.serving import Serving
+    from swarm.leader.serving.serving import Serving
 
     size = ModelSize(tuple([100_000_000] * 8), 50_000_000, 50_000_000, False, 10_000)
     fellows = [FellowCapacity(1, "a", 4 * GB), FellowCapacity(2, "b", 4 * GB)]

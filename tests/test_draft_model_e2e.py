@@ -37,8 +37,8 @@ def tiny_draft(module_tmp, smollm_model_dir):
 
 async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draft):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
-    from swarm.leader.models import draft_size
+    from swarm.leader.chat.chat_format import encode_chat
+    from swarm.leader.serving.models import draft_size
     from swarm.stage.quantize import quantize_model
 
     model = smollm_model_dir.name

@@ -211,7 +211,7 @@ def test_sampled_reply_with_drafting_follows_the_acceptance_rule(qwen3):
 def test_leader_drafts_only_on_rings_that_support_it():
     from types import SimpleNamespace as NS
 
-    from swarm.leader.drafting import sliding, tokens_ahead, with_drafting
+    from swarm.leader.serving.drafting import sliding, tokens_ahead, with_drafting
 
     stages = [NS(plan=NS(fellow_id=1)), NS(plan=NS(fellow_id=2))]
     online = {1: NS(drafting=True), 2: NS(drafting=True)}

@@ -24,7 +24,7 @@ TOKENS = 32
 
 async def test_code_edit_with_drafting_is_generate_in_fewer_passes(tmp_path, smollm_model_dir):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = smollm_model_dir.name
     ids = encode_chat(smollm_model_dir, EDIT, None)

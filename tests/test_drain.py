@@ -1,11 +1,11 @@
-"""Who takes a leaving fellow's stage, as plain functions over made-up fleets (swarm.leader.drain), and the words
-of a refusal."""
+"""Who takes a leaving fellow's stage, as plain functions over made-up fleets (swarm.leader.serving.drain), and the
+words of a refusal."""
 
 from __future__ import annotations
 
-from swarm.leader.drain import choose_taker, why_nobody_takes
-from swarm.leader.failover import Candidate
-from swarm.leader.placement import GB, StagePlan
+from swarm.leader.planning.failover import Candidate
+from swarm.leader.planning.placement import GB, StagePlan
+from swarm.leader.serving.drain import choose_taker, why_nobody_takes
 
 
 def plan(index=1, fellow_id=2, weight=2 * GB, kv=GB // 2) -> StagePlan:

@@ -38,7 +38,7 @@ HOT_COVER_GAP_S = 0.5  # the issue's promise for a drain with a hot cover
 @pytest.fixture(scope="module")
 def expected(smollm_model_dir):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     prompt = encode_chat(smollm_model_dir, PROMPT, None)
@@ -123,7 +123,7 @@ def switch_gap(result: dict) -> float:
 
 
 def check_exact(swarm, result: dict, expected, model_dir) -> str:
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     want, margins = expected
     request = result["request"]

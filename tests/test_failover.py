@@ -3,8 +3,8 @@ what a cut-off request is sent again as."""
 
 from __future__ import annotations
 
-from swarm.leader.failover import Candidate, choose_cover, choose_replacement, resume, why_no_replacement
-from swarm.leader.placement import GB, OVERHEAD_BYTES, StagePlan
+from swarm.leader.planning.failover import Candidate, choose_cover, choose_replacement, resume, why_no_replacement
+from swarm.leader.planning.placement import GB, OVERHEAD_BYTES, StagePlan
 
 
 def plan(index=1, fellow_id=2, weight=2 * GB, kv=GB // 2) -> StagePlan:

@@ -24,7 +24,7 @@ TOKENS = 200
 @pytest.fixture(scope="module")
 def expected(smollm_model_dir):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     prompt = encode_chat(smollm_model_dir, PROMPT, None)
@@ -138,7 +138,7 @@ async def test_a_fellow_that_goes_silent_is_noticed_within_seconds_and_told_to_u
                 request = result["request"]
                 assert request.error is None and request.finish_reason in ("stop", "length")
                 outcome = check_reply(request.tokens, want, margins)
-                tokenizer = __import__("swarm.leader.chat_format", fromlist=["load_tokenizer"]).load_tokenizer(
+                tokenizer = __import__("swarm.leader.chat.chat_format", fromlist=["load_tokenizer"]).load_tokenizer(
                     str(smollm_model_dir))
                 # the stream paused and went on: no token lost, none repeated
                 assert result["text"] == tokenizer.decode(request.tokens, skip_special_tokens=True)

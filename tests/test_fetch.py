@@ -1,4 +1,4 @@
-"""The fellow's file download against a real Hypercorn server on loopback serving swarm.leader.files."""
+"""The fellow's file download against a real Hypercorn server on loopback serving swarm.leader.fleet.files."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from swarm.errors import AuthError, ChecksumMismatch, DownloadError
 from swarm.fellow.downloads import CredentialRefused, FileNotOnLeader, cached_path, fetch_file, fetch_with_retries
-from swarm.leader.files import file_response
+from swarm.leader.fleet.files import file_response
 
 TIMEOUT_S = 30
 CREDENTIAL = "swn_good"

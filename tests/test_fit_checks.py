@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from swarm.leader.fit_checks import fit_report
-from swarm.leader.placement import GB, OVERHEAD_BYTES
+from swarm.leader.planning.fit_checks import fit_report
+from swarm.leader.planning.placement import GB, OVERHEAD_BYTES
 from swarm.messages import Gpu, Hardware
 
 MB = 1_000_000

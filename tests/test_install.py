@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from swarm import __version__
-from swarm.leader.install import SCRIPTS, fill
+from swarm.leader.fleet.install import SCRIPTS, fill
 
 VALUES = {"LEADER_URL": "http://10.0.0.5:8000", "JOIN_TOKEN": "swj1.abc.def", "WHEEL_FILE": "swarm-1-py3-none-any.whl",
           "WHEEL_SHA256": "ab" * 32}
@@ -81,7 +81,7 @@ async def test_the_linux_script_installs_swarm_from_the_leader_and_joins(tmp_pat
         assert installed[0] == __version__ and installed[1].startswith(str(swarm_home / "venv"))
         wheel_path, _ = s.leader.hub.updates.path_of(offer["file"])
         with zipfile.ZipFile(wheel_path) as wheel:  # installed from the leader's wheel: the same bytes
-            for member in ("swarm/__init__.py", "swarm/leader/install.py", "swarm/web/install/install.sh"):
+            for member in ("swarm/__init__.py", "swarm/leader/fleet/install.py", "swarm/web/install/install.sh"):
                 assert (Path(installed[1]).parent.parent / member).read_bytes() == wheel.read(member)
 
         unit = (home / ".config" / "systemd" / "user" / "swarm-fellow.service").read_text()

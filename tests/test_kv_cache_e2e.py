@@ -21,7 +21,7 @@ def references(smollm_model_dir):
     """The model whole in one process, float32 from the per-layer files as the stages read them
     (tests/reference_model.py), generating greedily with the same q8 cache class: (tokens, margins) per prompt."""
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = load_reference_model(smollm_model_dir)
     out = {}

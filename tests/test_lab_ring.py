@@ -91,7 +91,7 @@ for line in sys.stdin:
 @pytest.fixture(scope="module")
 def reference(smollm_model_dir):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": PROMPT}], None)
@@ -543,7 +543,7 @@ def test_k_a_hop_moves_from_relay_to_tunnel_in_the_middle_of_a_long_reply(ring, 
     """Direct links switched on while a long reply streams over the relay: the hop moves to the tunnel between two
     tokens and the reply is still exactly generate's."""
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     long_prompt, n = "Write a long story about a lighthouse keeper.", 160
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)

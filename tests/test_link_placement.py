@@ -1,11 +1,11 @@
-"""Link-aware placement over made-up pools and link matrices (swarm.leader.link_placement): the ring's order, which
-fellows it leaves out and why, and that nothing moves without measurements or on a LAN."""
+"""Link-aware placement over made-up pools and link matrices (swarm.leader.planning.link_placement): the ring's order,
+which fellows it leaves out and why, and that nothing moves without measurements or on a LAN."""
 
 import pytest
 
-from swarm.leader.link_placement import arrange, link_hops
-from swarm.leader.placement import FellowCapacity, ModelSize, place
-from swarm.leader.planner import Hop, layer_speed
+from swarm.leader.planning.link_placement import arrange, link_hops
+from swarm.leader.planning.placement import FellowCapacity, ModelSize, place
+from swarm.leader.planning.planner import Hop, layer_speed
 
 # Eight layers of 1 MB, an untied head of 10 kB; every fellow decodes a layer in 2 ms (1 ms + 1e-6 ms/byte).
 SIZE = ModelSize(layer_bytes=(1_000_000,) * 8, embed_bytes=500_000, final_bytes=10_000, tied_embeddings=False,

@@ -15,7 +15,7 @@ from exactness import check_reply, reference
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.requests import Reader, Request
+from swarm.leader.serving.requests import Reader, Request
 
 pytestmark = pytest.mark.e2e
 
@@ -92,7 +92,7 @@ async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_pat
     """Fellows with little memory: the leader lowers how many chats run at once instead of refusing the load, the
     others wait their turn (first come, first served), and a conversation longer than the pool is a 413."""
     from swarm.fellow import hardware
-    from swarm.leader.placement import OVERHEAD_BYTES
+    from swarm.leader.planning.placement import OVERHEAD_BYTES
     from swarm.messages import Hardware
 
     d = tiny_model_dirs["llama"]

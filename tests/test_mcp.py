@@ -47,7 +47,7 @@ def mcp_session(url: str, token: str):
 
 async def test_mcp_tools_reach_models_and_chats_as_the_api_does(tmp_path, smollm_model_dir):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat, load_tokenizer
+    from swarm.leader.chat.chat_format import encode_chat, load_tokenizer
 
     name = smollm_model_dir.name
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""GET /metrics (swarm.leader.metrics): a real leader and two fellows, a few chats, then the scrape parsed with
+"""GET /metrics (swarm.leader.api.metrics): a real leader and two fellows, a few chats, then the scrape parsed with
 prometheus_client's own parser -- the figures must agree with what the replies said they used -- and the Grafana
 dashboard in deploy/ must only ask for metrics the leader exports."""
 

@@ -331,7 +331,7 @@ def test_leftovers_of_a_killed_import_are_cleared_by_the_next(tmp_path):
 
 def test_budget_counts_what_a_stage_holds_not_what_the_file_holds(tmp_path):
     """A bfloat16 model budgets float32 bytes on CPU fellows (they compute in float32) and its own bytes on GPUs."""
-    from swarm.leader.models import model_size
+    from swarm.leader.serving.models import model_size
 
     source = build_tiny_source(tmp_path / "src", "llama")
     import_model(str(source), tmp_path / "models", "m16", dtype="bfloat16")

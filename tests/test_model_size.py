@@ -1,4 +1,4 @@
-"""What placement counts a stage to hold at each quantization (swarm.leader.models.model_size): every tensor
+"""What placement counts a stage to hold at each quantization (swarm.leader.serving.models.model_size): every tensor
 swarm.stage.quantize quantizes at swarm.quantization's bytes per weight, the rest in the compute dtype. The built-in
 model's real stages (15 of 30 layers each, on CPU) held 4-36 KB less than this counts at every kind."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.leader.models import model_size
-from swarm.leader.placement import stage_weight_bytes
+from swarm.leader.planning.placement import stage_weight_bytes
+from swarm.leader.serving.models import model_size
 
 HIDDEN, VOCAB, LAYERS = 1000, 50_000, 4
 NORM = HIDDEN * 2  # one norm's weight in bfloat16

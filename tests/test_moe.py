@@ -74,7 +74,7 @@ def test_layer_files_hold_what_the_decoder_layer_expects(moe_dirs, kind):
 
 @pytest.mark.parametrize("kind", list(MOE_MODELS))
 def test_placement_counts_every_expert(moe_dirs, kind):
-    from swarm.leader.models import model_size
+    from swarm.leader.serving.models import model_size
     from swarm.store.manifest import load_manifest
 
     source, model_dir = moe_dirs[kind]
@@ -123,7 +123,7 @@ def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_
 async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(tmp_path, moe_dirs):
     from harness import running_swarm
     from swarm import messages
-    from swarm.leader.requests import Reader, Request
+    from swarm.leader.serving.requests import Reader, Request
 
     kinds = ["qwen3_moe", "mixtral"]
     expected = {}

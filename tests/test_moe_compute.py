@@ -149,8 +149,8 @@ def test_a_pass_reads_only_its_routed_experts_each_once_for_all_its_rows(moe_dir
 @pytest.mark.parametrize("family", list(MODELS))
 def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe_dirs, family, kind):
     from reference_model import load_reference_model
-    from swarm.leader.models import model_size
-    from swarm.leader.placement import stage_weight_bytes
+    from swarm.leader.planning.placement import stage_weight_bytes
+    from swarm.leader.serving.models import model_size
     from swarm.stage.local import LocalRing
     from swarm.stage.moe_experts import QuantizedExperts
     from swarm.stage.quantize import Int4Linear, Int8Linear, quantize_model
@@ -180,8 +180,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
 
 
 def test_the_plan_counts_a_token_s_active_experts(moe_dirs):
-    from swarm.leader.models import model_size
-    from swarm.leader.planner import active_layer_bytes
+    from swarm.leader.planning.planner import active_layer_bytes
+    from swarm.leader.serving.models import model_size
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
@@ -208,7 +208,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
     from harness import running_swarm
     from reference_model import load_reference_model
     from swarm import messages
-    from swarm.leader.requests import Reader, Request
+    from swarm.leader.serving.requests import Reader, Request
     from swarm.stage.quantize import quantize_model
 
     name = "qwen3_moe"
@@ -241,8 +241,8 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
 
 
 def test_the_plan_of_a_moe_adds_its_routing_to_its_active_weights():
-    from swarm.leader.placement import ModelSize, StagePlan
-    from swarm.leader.planner import layer_speed, predict, with_active_experts
+    from swarm.leader.planning.placement import ModelSize, StagePlan
+    from swarm.leader.planning.planner import layer_speed, predict, with_active_experts
 
     points = [{"weight_bytes": b, "decode_ms": 0.5 + b * 1e-6, "prefill_ms": 10 + b * 1e-5, "pass_ms": 0.1}
               for b in (1_000_000, 4_000_000)]

@@ -184,7 +184,7 @@ def test_eight_chats_batched_in_one_process_match_generate(family_dirs, kind):
 async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_chats(tmp_path, family_dirs):
     from harness import running_swarm
     from swarm import messages
-    from swarm.leader.requests import Reader, Request
+    from swarm.leader.serving.requests import Reader, Request
 
     kinds = list(FAMILIES)
     expected = {}
@@ -271,7 +271,7 @@ def chat_dirs(tmp_path_factory) -> dict[str, Path]:
 def _reply_tokens(model_dir: Path, messages: list[dict], reply: dict, **kwargs) -> tuple[list[int], list[int]]:
     """(prompt, reply) token ids: the template's prompt for ``messages``, and the tokens the template renders for the
     assistant message ``reply`` after it -- what the model would write."""
-    from swarm.leader.chat_format import encode_chat, load_tokenizer
+    from swarm.leader.chat.chat_format import encode_chat, load_tokenizer
 
     prompt = encode_chat(model_dir, messages, **kwargs)
     tokenizer = load_tokenizer(str(model_dir))
@@ -284,9 +284,9 @@ def _reply_tokens(model_dir: Path, messages: list[dict], reply: dict, **kwargs) 
 
 def _stream(model_dir: Path, tokens: list[int], family: str, tools: list[dict] | None, inside: bool = False):
     """The reply as the API splits it, fed one token at a time: (reasoning, content, tool calls)."""
-    from swarm.leader.chat_format import load_tokenizer
-    from swarm.leader.openai_api import ReplyText
-    from swarm.leader.tool_calls import ToolCallSplitter
+    from swarm.leader.api.openai_api import ReplyText
+    from swarm.leader.chat.chat_format import load_tokenizer
+    from swarm.leader.chat.tool_calls import ToolCallSplitter
 
     text = ReplyText(load_tokenizer(str(model_dir)), inside, harmony=family == "harmony")
     calls = ToolCallSplitter("hermes" if family == "harmony" else family, tools) if tools else None
@@ -304,7 +304,7 @@ def _stream(model_dir: Path, tokens: list[int], family: str, tools: list[dict] |
 
 
 def test_harmony_reply_splits_into_reasoning_and_content(chat_dirs):
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     model_dir = chat_dirs["gpt_oss"]
     user = [{"role": "user", "content": "What is the capital of France?"}]
@@ -318,7 +318,7 @@ def test_harmony_reply_splits_into_reasoning_and_content(chat_dirs):
 
 
 def test_harmony_tool_call_becomes_an_openai_tool_call(chat_dirs):
-    from swarm.leader.chat_format import eos_ids, load_tokenizer
+    from swarm.leader.chat.chat_format import eos_ids, load_tokenizer
 
     model_dir = chat_dirs["gpt_oss"]
     user = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
@@ -338,7 +338,7 @@ def test_harmony_tool_call_becomes_an_openai_tool_call(chat_dirs):
 
 
 def test_harmony_thinking_off_asks_for_low_reasoning_effort(chat_dirs):
-    from swarm.leader.chat_format import encode_chat, load_tokenizer
+    from swarm.leader.chat.chat_format import encode_chat, load_tokenizer
 
     model_dir = chat_dirs["gpt_oss"]
     user = [{"role": "user", "content": "Hi"}]
@@ -349,7 +349,7 @@ def test_harmony_thinking_off_asks_for_low_reasoning_effort(chat_dirs):
 
 def test_harmony_without_channels_is_all_content(chat_dirs):
     """A model that does not write harmony (a tiny random one) has its whole reply as the answer."""
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     model_dir = chat_dirs["gpt_oss"]
     tokens = load_tokenizer(str(model_dir)).encode("just text, <no> channels")
@@ -358,7 +358,7 @@ def test_harmony_without_channels_is_all_content(chat_dirs):
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_glm_reply_with_thinking_and_a_tool_call(chat_dirs, thinking):
-    from swarm.leader.chat_format import load_tokenizer, prompt_opens_thinking
+    from swarm.leader.chat.chat_format import load_tokenizer, prompt_opens_thinking
 
     model_dir = chat_dirs["glm4_moe"]
     user = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
@@ -379,7 +379,7 @@ def test_glm_reply_with_thinking_and_a_tool_call(chat_dirs, thinking):
 
 
 def test_glm_string_arguments_stay_strings_by_the_tools_schema():
-    from swarm.leader.tool_calls import parse_glm
+    from swarm.leader.chat.tool_calls import parse_glm
 
     text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n</tool_call>"
     assert json.loads(parse_glm(text, WEATHER)[1][0]["function"]["arguments"]) == {"city": "123"}

@@ -1,4 +1,4 @@
-"""Ollama's API on the leader (swarm.leader.ollama_api) as Ollama's own clients use it: the real ``ollama`` package
+"""Ollama's API on the leader (swarm.leader.api.ollama_api) as Ollama's own clients use it: the real ``ollama`` package
 against a real leader and fellow, one fleet for the module.
 
 The model is tests/scripted.py's tiny Qwen3 with a tools template (tests/test_openai_compat.py's): its greedy first
@@ -18,7 +18,7 @@ from api_faces import ANSWER, call, streamed, thinking_model, weather_model
 from harness import running_swarm, wait_until
 from scripted import hold_compute
 from swarm import __version__
-from swarm.leader.limits import chat_body_limit
+from swarm.leader.api.limits import chat_body_limit
 from test_openai_compat import CALL, CALL_PIECES, WEATHER
 
 pytestmark = pytest.mark.e2e
@@ -201,8 +201,8 @@ def test_malformed_ollama_bodies_are_a_400_never_a_crash():
     import random
 
     from swarm.errors import BadRequest
-    from swarm.leader.ollama_api import chat_body
-    from swarm.leader.openai_params import parse_chat_body
+    from swarm.leader.api.ollama_api import chat_body
+    from swarm.leader.api.openai_params import parse_chat_body
     from test_fuzz import _json_junk
 
     rng = random.Random(38)

@@ -15,7 +15,7 @@ import trio
 
 from harness import running_swarm, wait_until
 from scripted import build
-from swarm.leader.openai_params import choice_seed
+from swarm.leader.api.openai_params import choice_seed
 from swarm.store.importer import import_model
 
 pytestmark = pytest.mark.e2e
@@ -99,7 +99,7 @@ async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
     import torch
 
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     name = scripted_dir.name
     seen = []
@@ -281,7 +281,7 @@ async def legacy_completions(client, name) -> dict:
 def check_legacy_completions(got: dict, model, model_dir) -> None:
     import torch
 
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
     ids = got["greedy"].choices[0].model_extra["prompt_token_ids"]
@@ -359,7 +359,7 @@ def tool_model_dir(module_tmp):
 
 async def test_a_tool_call_round_trip(tmp_path, tool_model_dir, scripted_dir):
 
-    from swarm.leader.chat_format import load_tokenizer
+    from swarm.leader.chat.chat_format import load_tokenizer
 
     name = tool_model_dir.name
     tokenizer = load_tokenizer(str(tool_model_dir))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from swarm.errors import BadRequest
-from swarm.leader.openai_params import parse_chat_body
-from swarm.leader.stops import StopFinder
+from swarm.leader.api.openai_params import parse_chat_body
+from swarm.leader.chat.stops import StopFinder
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -94,7 +94,7 @@ def test_n_logprobs_and_penalties_are_checked():
 
 
 def test_choices_get_seeds_of_their_own():
-    from swarm.leader.openai_params import choice_seed, to_sampling
+    from swarm.leader.api.openai_params import choice_seed, to_sampling
 
     seeds = [choice_seed(42, i) for i in range(1, 8)]
     assert len(set(seeds)) == 7 and 42 not in seeds and all(0 <= s < 1 << 63 for s in seeds)
@@ -104,7 +104,7 @@ def test_choices_get_seeds_of_their_own():
 
 
 def test_completion_prompts_and_their_limits():
-    from swarm.leader.openai_params import parse_completion_body
+    from swarm.leader.api.openai_params import parse_completion_body
 
     def parse_completion(**fields):
         return parse_completion_body({"model": "m", **fields}, 4096)
@@ -148,7 +148,7 @@ def test_a_forced_call_is_a_grammar_of_the_familys_format():
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from swarm.leader.tool_calls import forced_grammar
+    from swarm.leader.chat.tool_calls import forced_grammar
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(["hello world " * 10], vocab_size=260, min_frequency=2, show_progress=False)
@@ -193,7 +193,7 @@ def test_logit_bias():
     for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": True}, [1]):
         with pytest.raises(BadRequest):
             parse(logit_bias=bad)
-    from swarm.leader.openai_params import to_sampling
+    from swarm.leader.api.openai_params import to_sampling
 
     sampling = to_sampling({"logit_bias": {15: -100.0}})
     assert (sampling.bias_ids, sampling.bias_values) == ([15], [-100.0])

@@ -1,5 +1,6 @@
-"""The performance view's rollups as plain functions over made-up records (swarm.leader.performance), the serving
-history's table (swarm.store.history) and its batched writer (swarm.leader.history): no fellows, no sockets."""
+"""The performance view's rollups as plain functions over made-up records (swarm.leader.serving.performance), the
+serving history's table (swarm.store.history) and its batched writer (swarm.leader.serving.history): no fellows, no
+sockets."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import trio.testing
 
 from swarm import messages
 from swarm.errors import BadRequest
-from swarm.leader import history as history_module
-from swarm.leader.admission import Budget
-from swarm.leader.history import MEMORY_S, ServingHistory
-from swarm.leader.performance import (
+from swarm.leader.serving import history as history_module
+from swarm.leader.serving.admission import Budget
+from swarm.leader.serving.history import MEMORY_S, ServingHistory
+from swarm.leader.serving.performance import (
     RANGES,
     bottleneck,
     hop_rate,
@@ -28,7 +29,7 @@ from swarm.leader.performance import (
     table,
     time_split,
 )
-from swarm.leader.requests import Request, RequestBook
+from swarm.leader.serving.requests import Request, RequestBook
 from swarm.messages import Gpu, Hardware
 from swarm.store.db import Store
 from swarm.store.history import ServedRequest
@@ -37,7 +38,7 @@ NOW = 1_700_000_000.0
 
 
 def fellows_timing(compute: list[float], links: list[float], prompt_ms: float | None = None) -> dict:
-    """A reply's swarm.timing as swarm.leader.timing builds it once every stage reported."""
+    """A reply's swarm.timing as swarm.leader.serving.timing builds it once every stage reported."""
     return {"split": "fellows", "prompt_ms": prompt_ms,
             "stages": [{"stage": i, "compute_ms_per_token": ms} for i, ms in enumerate(compute)],
             "links": [{"from_stage": i, "ms_per_token": ms} for i, ms in enumerate(links)]}
@@ -319,11 +320,11 @@ async def test_longer_ranges_read_the_database_at_most_every_30_s(tmp_path: Path
 
 
 async def test_metrics_count_each_request_once_when_its_record_settles(tmp_path: Path):
-    """swarm.leader.metrics is fed as records settle, once each: a database write that fails and is retried does not
+    """swarm.leader.api.metrics is fed as records settle, once each: a database write that fails and is retried does not
     count a request twice, and the stages' times reach the per-stage histograms."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from swarm.leader.metrics import Metrics
+    from swarm.leader.api.metrics import Metrics
 
     store = Store(tmp_path / "leader.db", password_hasher=CHEAP)
     metrics = Metrics()

@@ -1,7 +1,7 @@
 import pytest
 
 from swarm.errors import PlacementError
-from swarm.leader.placement import FellowCapacity, ModelSize, place
+from swarm.leader.planning.placement import FellowCapacity, ModelSize, place
 from swarm.model_format import split_layers
 
 GB = 10**9
@@ -59,7 +59,7 @@ def test_place_picks_the_roomiest_fellows():
 
 
 def test_one_fellow_needs_the_weights_plus_a_gigabyte_and_names_each_fellows_room():
-    from swarm.leader.placement import ONE_FELLOW_HEADROOM
+    from swarm.leader.planning.placement import ONE_FELLOW_HEADROOM
 
     model = size(per_layer=100_000_000)
     weights = sum(model.layer_bytes) + model.embed_bytes + model.final_bytes

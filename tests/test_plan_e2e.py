@@ -62,7 +62,7 @@ def test_plan_before_loading_route_and_cli(pool):
     assert data["stages"][0]["layers"][0] == 0 and data["stages"][1]["layers"][1] == 30  # SmolLM2's 30 layers
     assert all(s["decode_ms"] > 0 and s["prefill_ms"] > s["decode_ms"] for s in data["stages"])
     # 576 float32 numbers forward a token (CPU fellows); each link assumed, or measured by the fellows' probes
-    # (swarm.leader.link_matrix, soon after they join): on loopback, a few ms at most
+    # (swarm.leader.fleet.link_matrix, soon after they join): on loopback, a few ms at most
     assert [link["bytes_per_token"] for link in data["links"]] == [576 * 4, 64]
     assert all(link["rtt_ms"] < 50 if link["rtt_measured"] else link["rtt_ms"] == 2.0 for link in data["links"])
     total = sum(s["decode_ms"] for s in data["stages"]) + sum(link["ms_per_token"] for link in data["links"])

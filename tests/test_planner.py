@@ -1,12 +1,21 @@
-"""The planner's arithmetic over made-up fleets (swarm.leader.planner), each figure worked out by hand below."""
+"""The planner's arithmetic over made-up fleets (swarm.leader.planning.planner), each figure worked out by hand
+below."""
 
 import math
 
 import pytest
 
 from swarm.errors import PlacementError
-from swarm.leader.placement import FellowCapacity, ModelSize, StagePlan, place
-from swarm.leader.planner import Hop, hop_round_trips, layer_speed, missing_speeds, predict, sentence, takes_lean_step
+from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan, place
+from swarm.leader.planning.planner import (
+    Hop,
+    hop_round_trips,
+    layer_speed,
+    missing_speeds,
+    predict,
+    sentence,
+    takes_lean_step,
+)
 
 # Four layers of 1 MB, an untied head of 10 kB.
 SIZE = ModelSize(layer_bytes=(1_000_000,) * 4, embed_bytes=500_000, final_bytes=10_000, tied_embeddings=False,

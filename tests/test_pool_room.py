@@ -1,4 +1,4 @@
-"""The memory a fellow has for one more model (swarm.leader.auto_load.room) and what a fellow lends under
+"""The memory a fellow has for one more model (swarm.leader.planning.auto_load.room) and what a fellow lends under
 SWARM_SERVE_MEMORY_GB (swarm.fellow.hardware.lent), over made-up inventories."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import types
 
 from swarm.config import Settings
 from swarm.fellow.hardware import lent
-from swarm.leader.auto_load import room
-from swarm.leader.models import ModelServing, StageState
-from swarm.leader.placement import OVERHEAD_BYTES, StagePlan
+from swarm.leader.planning.auto_load import room
+from swarm.leader.planning.placement import OVERHEAD_BYTES, StagePlan
+from swarm.leader.serving.models import ModelServing, StageState
 from swarm.messages import Gpu, Hardware
 
 GB = 10**9

@@ -10,7 +10,7 @@ import torch
 from exactness import check_reply, reference
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.prefix_index import PrefixCaches, PrefixIndex, block_names, sliding
+from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names, sliding
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.prefix_cache import store_of
 from swarm.store.manifest import load_manifest
@@ -154,7 +154,7 @@ def run_turns(ring: LocalRing, index: PrefixIndex | None, prompts: list[list[int
 
 
 def end(index: PrefixIndex | None, rid: str, tokens: list[int]) -> None:
-    """What the leader does when a reply ends with its last token (swarm.leader.prefix_index.PrefixCaches)."""
+    """What the leader does when a reply ends with its last token (swarm.leader.serving.prefix_index.PrefixCaches)."""
     if index is not None:
         index.first_token(rid)
         index.reply_tokens(rid, tokens)
@@ -252,7 +252,7 @@ def test_a_new_epoch_clears_the_stages_and_a_stale_reuse_fails_clearly(llama):
 def test_the_built_in_model_over_three_stages_drafting_on_a_chat_s_next_turn(smollm_model_dir):
     """A real chat's second turn (the first turn's prompt and reply, then a question) hits the first turn's blocks;
     drafting ahead on, the reply is the one without the cache."""
-    from swarm.leader.chat_format import encode_chat, load_tokenizer
+    from swarm.leader.chat.chat_format import encode_chat, load_tokenizer
 
     steps = 8
     first = [{"role": "user", "content": "Name three colours of the rainbow."}]

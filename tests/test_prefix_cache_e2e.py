@@ -13,7 +13,7 @@ import trio
 
 from fleet import fellow_fleet
 from harness import running_swarm, wait_until
-from swarm.leader.prefix_index import BLOCK_TOKENS
+from swarm.leader.serving.prefix_index import BLOCK_TOKENS
 
 pytestmark = pytest.mark.e2e
 

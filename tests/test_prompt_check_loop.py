@@ -1,4 +1,4 @@
-"""The leader's early prompt check (swarm.leader.limits) runs on its event loop, so it must never load a tokenizer
+"""The leader's early prompt check (swarm.leader.api.limits) runs on its event loop, so it must never load a tokenizer
 or wait for one being loaded: at a model's first chat it used to, and on a busy machine the whole leader stopped for
 4-12 s (no heartbeats: every fellow of the ring dropped the leader and rejoined; seen in the network lab)."""
 
@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from swarm.errors import ContextTooLong
-from swarm.leader import chat_format, limits
+from swarm.leader.api import limits
+from swarm.leader.chat import chat_format
 
 
 def _tokenizer_dir(path, longest: str):

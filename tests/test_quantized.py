@@ -95,8 +95,8 @@ def test_quantized_ring_over_two_stages_is_the_quantized_model_in_one_process(ti
 
 def test_placement_and_budget_use_the_quantized_sizes():
     from swarm.errors import PlacementError
-    from swarm.leader.models import model_size
-    from swarm.leader.placement import FellowCapacity, place
+    from swarm.leader.planning.placement import FellowCapacity, place
+    from swarm.leader.serving.models import model_size
 
     manifest = {"dtype": "bfloat16", "num_layers": 4, "tie_word_embeddings": True, "kv_bytes_per_token": 1000,
                 "files": [{"kind": "layer", "layer": i, "size": 200_000_000} for i in range(4)]
@@ -125,8 +125,8 @@ def _fellow(fid: int, name: str, kinds: dict | None, gpus: list | None = None):
 
 def test_a_fellow_that_cannot_run_the_kind_is_named_with_what_it_needs():
     from swarm.errors import PlacementError
-    from swarm.leader.models import check_quantization
-    from swarm.leader.placement import StagePlan
+    from swarm.leader.planning.placement import StagePlan
+    from swarm.leader.serving.models import check_quantization
     from swarm.messages import Gpu
 
     cpu = _fellow(1, "pc-1", {"cpu": ["none", "int8", "nf4", "int4-fast"]})
@@ -143,7 +143,7 @@ def test_a_fellow_that_cannot_run_the_kind_is_named_with_what_it_needs():
 
 
 def test_too_few_fellows_on_the_current_version_load_in_full_precision():
-    from swarm.leader.models import quantized_fellows
+    from swarm.leader.serving.models import quantized_fellows
 
     kinds = {"cpu": ["none", "int8"]}
     new, old = _fellow(1, "new", kinds), _fellow(2, "old", None)
@@ -172,7 +172,7 @@ async def test_quantized_loads_over_two_fellows_reply_as_the_same_quantization_i
     tmp_path, smollm_model_dir
 ):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.stage.quantize import quantize_model
 
     name = smollm_model_dir.name

@@ -14,8 +14,8 @@ import trio
 
 from harness import running_swarm, wait_until
 from scripted import hold_compute, imported
-from swarm.leader.admission import Budget
-from swarm.leader.models import ModelServing
+from swarm.leader.serving.admission import Budget
+from swarm.leader.serving.models import ModelServing
 
 pytestmark = pytest.mark.e2e
 

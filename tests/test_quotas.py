@@ -1,6 +1,6 @@
 """Quotas and usage: the store's rows (SQLite and PostgreSQL), which limits apply to a request, the sliding windows
-and when a refused user may send again (swarm.leader.quotas), and the usage table (swarm.leader.usage_api). The
-same through a real leader and fellow with the openai client is in tests/test_quotas_e2e.py."""
+and when a refused user may send again (swarm.leader.serving.quotas), and the usage table (swarm.leader.api.usage_api).
+The same through a real leader and fellow with the openai client is in tests/test_quotas_e2e.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from swarm import messages
 from swarm.errors import BadRequest, QuotaExceeded
-from swarm.leader.admission import Budget
-from swarm.leader.quotas import QuotaBook, parse_limits
-from swarm.leader.requests import Request, RequestBook
-from swarm.leader.usage_api import as_csv, parse_usage_query, usage_table
+from swarm.leader.api.usage_api import as_csv, parse_usage_query, usage_table
+from swarm.leader.serving.admission import Budget
+from swarm.leader.serving.quotas import QuotaBook, parse_limits
+from swarm.leader.serving.requests import Request, RequestBook
 from swarm.store.db import Store
 from swarm.store.history import ServedRequest
 

@@ -10,7 +10,7 @@ import trio
 
 from harness import running_swarm
 from scripted import build
-from swarm.leader.chat_format import sampling_defaults
+from swarm.leader.chat.chat_format import sampling_defaults
 from swarm.store.importer import import_model
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +62,7 @@ async def test_thinking_is_reasoning_content_and_thinking_off_reaches_the_templa
             data = (await swarm.http.post("/v1/chat/completions", json=off)).json()
             message = data["choices"][0]["message"]
             assert message["content"] == "Just 4." and "reasoning_content" not in message  # the empty block is hidden
-            from swarm.leader.chat_format import load_tokenizer
+            from swarm.leader.chat.chat_format import load_tokenizer
 
             prompt = load_tokenizer(str(scripted_dir)).decode(data["choices"][0]["prompt_token_ids"])
             assert "What is 2+2? /no_think" in prompt and prompt.endswith("<think>\n\n</think>\n\n")

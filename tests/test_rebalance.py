@@ -1,12 +1,12 @@
-"""Live-move proposals over made-up rings (swarm.leader.rebalance): a stage goes to an idle fellow only when the ring
-is predicted at least 1.3x faster, with the measured links counted."""
+"""Live-move proposals over made-up rings (swarm.leader.serving.rebalance): a stage goes to an idle fellow only when the
+ring is predicted at least 1.3x faster, with the measured links counted."""
 
 import pytest
 
 from swarm.config import Settings
 from swarm.errors import ConfigError
-from swarm.leader.placement import FellowCapacity, place
-from swarm.leader.rebalance import MIN_SPEEDUP, Move, propose
+from swarm.leader.planning.placement import FellowCapacity, place
+from swarm.leader.serving.rebalance import MIN_SPEEDUP, Move, propose
 from test_link_placement import GB, HIDDEN, SAME, SIZE, matrix, speed
 
 

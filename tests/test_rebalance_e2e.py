@@ -57,7 +57,7 @@ async def test_a_stage_moves_to_a_faster_idle_fellow_on_request(tmp_path, smollm
 async def test_auto_moves_a_stage_mid_reply_and_the_reply_stays_exact(tmp_path, smollm_model_dir, monkeypatch):
     """SWARM_SERVE_REBALANCE=auto: a faster fellow shows up while a long greedy reply streams; the leader moves a
     stage to it by itself, between two tokens, and the reply is token for token the one of an uninterrupted run."""
-    from swarm.leader import rebalance
+    from swarm.leader.serving import rebalance
 
     monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
     name = smollm_model_dir.name

@@ -1,4 +1,4 @@
-"""The leader's request lifecycle as plain logic (swarm.leader.requests): no fellows, no sockets."""
+"""The leader's request lifecycle as plain logic (swarm.leader.serving.requests): no fellows, no sockets."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import trio
 import trio.testing
 
 from swarm import messages
-from swarm.leader.admission import Budget
-from swarm.leader.requests import NotLoaded, Reader, Request, RequestBook, ToStage0
+from swarm.leader.serving.admission import Budget
+from swarm.leader.serving.requests import NotLoaded, Reader, Request, RequestBook, ToStage0
 
 ROOMY = Budget(max_requests=16, tokens=100_000)
 
@@ -249,8 +249,8 @@ def test_the_token_budget_holds_a_long_conversation_back_until_it_fits_and_nobod
 
 
 def test_the_admission_budget_follows_the_placement():
-    from swarm.leader.admission import budget
-    from swarm.leader.placement import GB, OVERHEAD_BYTES, StagePlan
+    from swarm.leader.planning.placement import GB, OVERHEAD_BYTES, StagePlan
+    from swarm.leader.serving.admission import budget
 
     kv = 100_000  # bytes per token per layer
     plans = [StagePlan(0, 1, "a", 0, 10, 2 * GB, 0), StagePlan(1, 2, "b", 10, 20, 2 * GB, 0)]

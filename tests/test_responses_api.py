@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the leader (swarm.leader.responses_api) as OpenAI's own clients use it: the ``openai``
+"""OpenAI's Responses API on the leader (swarm.leader.api.responses_api) as OpenAI's own clients use it: the ``openai``
 package's ``client.responses`` and the ``openai-agents`` package against a real leader and fellow, one fleet for the
 module.
 
@@ -300,8 +300,8 @@ def test_malformed_responses_bodies_are_a_400_never_a_crash():
     import random
 
     from swarm.errors import BadRequest
-    from swarm.leader.openai_params import parse_chat_body
-    from swarm.leader.responses_format import chat_body, input_items
+    from swarm.leader.api.openai_params import parse_chat_body
+    from swarm.leader.api.responses_format import chat_body, input_items
     from test_fuzz import _json_junk
 
     rng = random.Random(38)

@@ -23,7 +23,7 @@ def reference(smollm_model_dir):
     stages widen them to float32 at `none`, so the ring must answer what the file's model answers."""
     from transformers import AutoModelForCausalLM
 
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
     from swarm.store.importer import builtin_gguf_path
     from swarm.store.manifest import load_manifest
 

@@ -40,7 +40,7 @@ def models(module_tmp, smollm_model_dir):
 def wanted(models):
     """name -> (greedy reply, margins) of transformers' generate in float32."""
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     out = {}
     for name, folder in models.items():

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from swarm import messages
-from swarm.leader.chat_format import encode_chat, load_tokenizer
-from swarm.leader.openai_params import parse_response_format
+from swarm.leader.api.openai_params import parse_response_format
+from swarm.leader.chat.chat_format import encode_chat, load_tokenizer
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.store.manifest import load_manifest
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swarm.leader.chat_format import TextStream
+from swarm.leader.chat.chat_format import TextStream
 
 TEXTS = [
     "Héllo wörld, naïve café — déjà vu.",

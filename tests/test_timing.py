@@ -1,13 +1,13 @@
-"""The timing of a reply (swarm.leader.timing) and the stages' accounting behind it (swarm.stage.timing), as plain
-logic over made-up requests and reports."""
+"""The timing of a reply (swarm.leader.serving.timing) and the stages' accounting behind it (swarm.stage.timing), as
+plain logic over made-up requests and reports."""
 
 from __future__ import annotations
 
 import pytest
 
 from swarm import messages
-from swarm.leader.requests import Request, RequestBook
-from swarm.leader.timing import reply_timing
+from swarm.leader.serving.requests import Request, RequestBook
+from swarm.leader.serving.timing import reply_timing
 
 
 def _request(**kw) -> Request:
@@ -154,7 +154,7 @@ def _ring_of(protocols: list[int | None]):
     """The leader's view of a ring whose stage i runs on fellow i+1 speaking ``protocols[i]`` (None: offline)."""
     from types import SimpleNamespace
 
-    from swarm.leader.placement import StagePlan
+    from swarm.leader.planning.placement import StagePlan
 
     stages = [SimpleNamespace(plan=StagePlan(i, i + 1, f"f{i + 1}", i, i + 1, 0, 0)) for i in range(len(protocols))]
     online = {i + 1: SimpleNamespace(protocol=p) for i, p in enumerate(protocols) if p is not None}
@@ -168,7 +168,7 @@ def test_a_reply_waits_for_the_times_only_from_a_ring_that_sends_them(protocols,
     import trio
     import trio.testing
 
-    from swarm.leader.timing import settle
+    from swarm.leader.serving.timing import settle
 
     serving = _ring_of(protocols)
 
@@ -185,7 +185,7 @@ def test_settle_ends_when_the_last_stage_reports():
     import trio
     import trio.testing
 
-    from swarm.leader.timing import settle
+    from swarm.leader.serving.timing import settle
 
     serving = _ring_of([1, 1])
     request = _request(tokens=[1, 2])

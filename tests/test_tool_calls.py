@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from swarm.leader.tool_calls import ToolCallSplitter, parse
+from swarm.leader.chat.tool_calls import ToolCallSplitter, parse
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 

@@ -20,7 +20,7 @@ LONG_TOKENS = 96
 @pytest.fixture(scope="module")
 def long_reference(smollm_model_dir):
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat
+    from swarm.leader.chat.chat_format import encode_chat
 
     model = load_reference_model(smollm_model_dir, dtype=torch.float32)
     ids = encode_chat(smollm_model_dir, [{"role": "user", "content": LONG}], None)
@@ -84,7 +84,7 @@ async def test_relay_hop_moves_to_the_tunnel_mid_reply_and_the_reply_stays_exact
                     usage = data.get("usage")
             assert "tunnel" in paths_seen and "relay" in paths_seen, paths_seen
             assert usage["completion_tokens"] == len(long_reference)
-            from swarm.leader.chat_format import load_tokenizer
+            from swarm.leader.chat.chat_format import load_tokenizer
 
             expected_text = load_tokenizer(str(smollm_model_dir)).decode(long_reference, skip_special_tokens=True)
             assert "".join(tokens_text) == expected_text

@@ -22,7 +22,7 @@ import pytest
 from fleet import _stop, _tail, free_port
 from harness import install_model, wait_for
 from swarm import __version__, wire
-from swarm.leader.updates import build_from_source, repack_installed, source_root
+from swarm.leader.fleet.updates import build_from_source, repack_installed, source_root
 
 pytestmark = pytest.mark.e2e
 
@@ -130,7 +130,7 @@ def test_swarm_update_brings_an_old_fellow_to_the_leaders_version(tmp_path, smol
         assert updated["id"] == seen["id"] and updated["fingerprint"] == seen["fingerprint"]  # the same fellow
         assert fellow.poll() is None  # re-exec'd in place: the process we started still runs, now the new version
         script = "import swarm, swarm.wire as w; print(swarm.__version__, w.PROTOCOL_VERSION, swarm.__file__)"
-        installed = subprocess.run([str(python), "-c", script], capture_output=True, text=True,
+        installed = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=_run_env(),
                                    cwd=tmp_path, check=True).stdout.split()
         assert installed[:2] == [NEWER, str(wire.PROTOCOL_VERSION + 1)]
         assert installed[2].startswith(str(python.parent.parent))

@@ -1,5 +1,6 @@
-"""The leader's spot checks as plain logic (swarm.leader.verify): which passes are picked, how outputs compare, and
-what two failures in a row do -- over made-up fleets, without processes (tests/test_verify_e2e.py runs real ones)."""
+"""The leader's spot checks as plain logic (swarm.leader.serving.verify): which passes are picked, how outputs compare,
+and what two failures in a row do -- over made-up fleets, without processes (tests/test_verify_e2e.py runs real
+ones)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from honest_checks import KINDS, honest_checks, requests_for
 from swarm import messages, wire
 from swarm.config import Settings
 from swarm.errors import ConfigError
-from swarm.leader.verify import (
+from swarm.leader.serving.verify import (
     MAX_PICKS,
     TOLERANCE_FLOAT32,
     TOLERANCE_GPU,

@@ -13,7 +13,7 @@ from corrupt_stage import corrupting
 from harness import running_swarm, wait_until
 from swarm.config import Settings
 from swarm.fellow.process import Fellow
-from swarm.leader.verify import MAX_PICKS, TOLERANCE_FLOAT32
+from swarm.leader.serving.verify import MAX_PICKS, TOLERANCE_FLOAT32
 
 pytestmark = pytest.mark.e2e
 

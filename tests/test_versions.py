@@ -11,9 +11,9 @@ import pytest
 from swarm import __version__, wire
 from swarm.errors import ProtocolError, UpdateError
 from swarm.fellow.update import check_offer, restart_command
-from swarm.leader.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
-from swarm.leader.placement import StagePlan
-from swarm.leader.updates import source_digest, source_root
+from swarm.leader.fleet.updates import source_digest, source_root
+from swarm.leader.planning.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
+from swarm.leader.planning.placement import StagePlan
 
 OTHER = wire.PROTOCOL_VERSION + 1
 
@@ -51,7 +51,7 @@ def test_failover_skips_a_fellow_on_another_protocol_and_says_why():
 
 
 def test_fellow_conn_names_what_to_do():
-    from swarm.leader.fellows import FellowConn
+    from swarm.leader.fleet.fellows import FellowConn
     from swarm.messages import Hardware
 
     conn = FellowConn(id=2, name="f2", public_key=b"k" * 32, pool_id=1, hardware=Hardware(4, 8 << 30, 4 << 30),

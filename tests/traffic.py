@@ -55,7 +55,7 @@ def build_prompts(model_dir: Path, lengths: list[int], max_tokens: int, eos: lis
 
     from exactness import reference
     from reference_model import load_reference_model
-    from swarm.leader.chat_format import encode_chat, load_tokenizer
+    from swarm.leader.chat.chat_format import encode_chat, load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
     model = load_reference_model(model_dir, dtype=torch.float32)

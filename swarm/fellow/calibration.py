@@ -5,9 +5,9 @@ as a stage calls it, is timed at two hidden sizes, for one decode step (one toke
 256-token prefill chunk (a prompt's chunk); so is what a decode pass costs besides its layers (the rotary table, the
 causal mask, the hidden state's copy for the wire), a first stage's embedding, and a last stage's final norm, head
 and greedy pick over a HEAD_VOCAB-token vocabulary. The leader fits a line through the two points (fixed cost per
-layer + cost per weight byte; the head's per head byte) and scales it by a model's sizes (swarm.leader.planner).
-The decode step is timed through the library's layers and through the lean step (swarm.stage.lean_decode, which
-the Llama-shaped families' stages take), each twice: back to back, as a stage
+layer + cost per weight byte; the head's per head byte) and scales it by a model's sizes
+(swarm.leader.planning.planner). The decode step is timed through the library's layers and through the lean step
+(swarm.stage.lean_decode, which the Llama-shaped families' stages take), each twice: back to back, as a stage
 that holds the whole model runs (its next pass starts at once), and in short runs each after the core waited
 IDLE_GAP_S, as a stage in a ring of several runs (it waits for the others between its passes; measured on a 2-core
 VM, a core that waited runs the next 20-30 ms ~20-40 % slower, and a PC's power saving does the same). Each figure

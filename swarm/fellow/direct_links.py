@@ -1,8 +1,8 @@
 """The fellow's side of direct links: open a hole-punched, QUIC-carried, Noise-encrypted tunnel for a hop.
 
-The leader coordinates (swarm.leader.direct_links): it asks both ends of a hop for their UDP candidates, then tells both
-to punch at the same moment. The sending end ("a") becomes the QUIC client and moves its OutgoingHop onto the tunnel
-between two messages; the receiving end ("b") accepts and feeds what arrives into the stage like any other path.
+The leader coordinates (swarm.leader.fleet.direct_links): it asks both ends of a hop for their UDP candidates, then
+tells both to punch at the same moment. The sending end ("a") becomes the QUIC client and moves its OutgoingHop onto the
+tunnel between two messages; the receiving end ("b") accepts and feeds what arrives into the stage like any other path.
 One UDP socket per attempt carries the rendezvous probe, the punch and the QUIC connection, so the NAT mapping the
 leader saw is the one the peer punches to.
 """

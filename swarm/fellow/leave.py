@@ -1,4 +1,5 @@
-"""Leaving without a pause: a fellow hands its stages over before it goes (swarm.leader.drain does the handing over).
+"""Leaving without a pause: a fellow hands its stages over before it goes (swarm.leader.serving.drain does the handing
+over).
 
 Three ways in:
   - SIGTERM of the fellow's process (a service stopped, a shutdown where the service gets the signal; SIGBREAK, a

@@ -1,8 +1,8 @@
 """Measuring the links to the fellows this one may be placed next to (issue 37): round-trip time and throughput over
 the path a ring hop would take, reported to the leader, whose admin page shows the matrix.
 
-The leader sends ``probe_links`` now and then (swarm.leader.link_matrix) naming the pool's other fellows: their keys,
-and their serving ports where a hop would dial them directly. For each, this fellow opens a Noise session as a hop
+The leader sends ``probe_links`` now and then (swarm.leader.fleet.link_matrix) naming the pool's other fellows: their
+keys, and their serving ports where a hop would dial them directly. For each, this fellow opens a Noise session as a hop
 does (the peer checks the key the leader announced, the dialer the peer's), sends PINGS small frames and one BULK
 frame, each echoed back, and closes: about 2 * (PINGS * PING_BYTES + BULK_BYTES) bytes a pair, some 10 KB a probe.
 A peer with no port to dial (or SWARM_PIPELINE_TRANSPORT=relay on the leader) is reported as on the relay, not

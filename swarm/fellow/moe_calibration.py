@@ -2,10 +2,10 @@
 expert (transformers' eager loop: find the rows, gather them, two matrix calls and the gating, add the rows back).
 
 A dense layer's calibration (swarm.fellow.calibration) counts a fixed cost and a cost per weight byte; a MoE layer's
-active weights are counted by the planner (swarm.leader.planner.active_layer_bytes), and this adds what its routing
-does per pass: ``router_ms`` once, ``expert_ms`` per expert the pass computes. Measured on a block of tiny experts
-(hidden 64, rows 32) at one row routed to 1 and to 4 experts, so the matrices' own bytes are next to nothing; the
-stage's own experts loop (swarm.stage.moe_experts). The cost grows in a line with the experts a row takes.
+active weights are counted by the planner (swarm.leader.planning.planner.active_layer_bytes), and this adds what its
+routing does per pass: ``router_ms`` once, ``expert_ms`` per expert the pass computes. Measured on a block of tiny
+experts (hidden 64, rows 32) at one row routed to 1 and to 4 experts, so the matrices' own bytes are next to nothing;
+the stage's own experts loop (swarm.stage.moe_experts). The cost grows in a line with the experts a row takes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A fellow's side of the leader's spot checks (swarm.leader.verify): as the checked stage, and as the checker.
+"""A fellow's side of the leader's spot checks (swarm.leader.serving.verify): as the checked stage, and as the checker.
 
 Checked: the leader names a request and the positions of the passes it will check (``verify_pick``, before the
 request reaches this stage). The stage keeps a copy of what goes into its layers for that request only, and once a

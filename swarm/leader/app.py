@@ -20,32 +20,32 @@ from starlette.websockets import WebSocket
 
 from swarm.config import Settings
 from swarm.errors import AuthError, ConfigError
-from swarm.leader import timing
-from swarm.leader.admin_api import admin_routes
-from swarm.leader.anthropic_api import ANTHROPIC_PATHS, AnthropicRoutes
-from swarm.leader.api import ApiRoutes
-from swarm.leader.auth import bearer, current_user
-from swarm.leader.completions import CompletionRoutes
-from swarm.leader.direct_links import DirectLinkCoordinator
-from swarm.leader.fellows import FellowHub
-from swarm.leader.headers import SecurityHeaders
-from swarm.leader.history import ServingHistory
-from swarm.leader.hypercorn_close import guard_close_race
-from swarm.leader.install import InstallRoutes
-from swarm.leader.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
-from swarm.leader.mcp_tools import McpEndpoint
-from swarm.leader.metrics import Metrics, MetricsRoute
-from swarm.leader.ollama_api import OLLAMA_CHAT_PATHS, OLLAMA_PATHS, OllamaRoutes
-from swarm.leader.openai_api import OpenAIRoutes
-from swarm.leader.quotas import QuotaBook
-from swarm.leader.relay import RelayHub
-from swarm.leader.responses_api import RESPONSES_PATH, ResponsesRoutes
-from swarm.leader.serving import Serving
-from swarm.leader.signin import HashPool, SignInThrottle
-from swarm.leader.updates import SelfWheel, UpdateRoutes
-from swarm.leader.usage_api import usage_routes
-from swarm.leader.verify_api import verify_routes
-from swarm.leader.ws_message_limit import close_on_oversize
+from swarm.leader.api.admin_api import admin_routes
+from swarm.leader.api.anthropic_api import ANTHROPIC_PATHS, AnthropicRoutes
+from swarm.leader.api.auth import bearer, current_user
+from swarm.leader.api.completions import CompletionRoutes
+from swarm.leader.api.headers import SecurityHeaders
+from swarm.leader.api.hypercorn_close import guard_close_race
+from swarm.leader.api.limits import CHAT_BODY_MARGIN, DEFAULT_BODY, SIGN_IN_BODY, BodyLimit, chat_body_limit
+from swarm.leader.api.mcp_tools import McpEndpoint
+from swarm.leader.api.metrics import Metrics, MetricsRoute
+from swarm.leader.api.ollama_api import OLLAMA_CHAT_PATHS, OLLAMA_PATHS, OllamaRoutes
+from swarm.leader.api.openai_api import OpenAIRoutes
+from swarm.leader.api.responses_api import RESPONSES_PATH, ResponsesRoutes
+from swarm.leader.api.rest import ApiRoutes
+from swarm.leader.api.signin import HashPool, SignInThrottle
+from swarm.leader.api.usage_api import usage_routes
+from swarm.leader.api.verify_api import verify_routes
+from swarm.leader.api.ws_message_limit import close_on_oversize
+from swarm.leader.fleet.direct_links import DirectLinkCoordinator
+from swarm.leader.fleet.fellows import FellowHub
+from swarm.leader.fleet.install import InstallRoutes
+from swarm.leader.fleet.relay import RelayHub
+from swarm.leader.fleet.updates import SelfWheel, UpdateRoutes
+from swarm.leader.serving import timing
+from swarm.leader.serving.history import ServingHistory
+from swarm.leader.serving.quotas import QuotaBook
+from swarm.leader.serving.serving import Serving
 from swarm.mesh.rendezvous import serve_rendezvous
 from swarm.store.db import Store, leader_store
 from swarm.store.fleet import DEFAULT_POOL, JOIN_TOKEN_TTL_S, JOIN_TOKEN_USES
@@ -113,7 +113,7 @@ class Leader:
                                              anthropic_errors=ANTHROPIC_PATHS))
 
     def body_limit(self, path: str) -> int:
-        """The largest request body ``path`` accepts (swarm.leader.limits)."""
+        """The largest request body ``path`` accepts (swarm.leader.api.limits)."""
         if path == "/api/v1/auth/login":
             return SIGN_IN_BODY
         if path in ("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, *OLLAMA_CHAT_PATHS, *ANTHROPIC_PATHS):
@@ -198,15 +198,15 @@ class Leader:
             Route("/v1/models", oai.models),
             Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
             Route("/v1/completions", CompletionRoutes(oai).completions, methods=["POST"]),
-            # OpenAI's Responses API (swarm.leader.responses_api): the same requests as /v1, stored per user
+            # OpenAI's Responses API (swarm.leader.api.responses_api): the same requests as /v1, stored per user
             Route(RESPONSES_PATH, responses.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/input_items", responses.input_items),
-            # Anthropic's Messages API (swarm.leader.anthropic_api): the same requests, in Anthropic's shapes
+            # Anthropic's Messages API (swarm.leader.api.anthropic_api): the same requests, in Anthropic's shapes
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
-            # Ollama's API (swarm.leader.ollama_api): the same requests as /v1, in Ollama's shapes
+            # Ollama's API (swarm.leader.api.ollama_api): the same requests as /v1, in Ollama's shapes
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),
             Route("/api/tags", ollama.tags),

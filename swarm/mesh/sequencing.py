@@ -6,7 +6,7 @@ carries a sequence number, and the receiver hands them on strictly in order.
 
 When a path *broke* (rather than was replaced), what was in flight on it may be lost for good; the sender then starts
 the new path with RESET, telling the receiver to expect the sequence from there on instead of waiting for the lost
-ones (the leader re-sends a request that lost a message; see swarm.leader.serving).
+ones (the leader re-sends a request that lost a message; see swarm.leader.serving.serving).
 
 Header: 1 byte flags + 8 bytes big-endian sequence number. Pings and pongs (round-trip time, keepalive) carry a
 timestamp instead and are never sequenced.

@@ -202,27 +202,53 @@ def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[
 
 
 class GGUFEmbedding(nn.Module):
-    """An embedding kept as the file's blocks: a lookup dequantizes only the rows it looks up (gguf-py, the file's
-    values, in float32). For a large vocabulary the embedding is most of a first stage's weights (a 262k-token
-    Gemma's); a decode step looks up one row a request."""
+    """An embedding kept as the file's blocks: a lookup dequantizes only the rows it looks up (the file's values, in
+    float32: gguf-py's, or for the 8-bit group types swarm.stage.gguf_q8's torch decoding of the same bits). For a
+    large vocabulary the embedding is most of a first stage's weights (a 262k-token Gemma's); a decode step looks up
+    one row a request. ``scale``: the family's embedding scale (Gemma multiplies by sqrt(hidden), in float32 as
+    transformers' scaled embedding does), None for none. Where the stage also holds the tied head on the 8-bit
+    kernel, :meth:`share` looks rows up in the head's bytes instead and drops the blocks: the matrix is held once."""
 
     blocks: torch.Tensor  # a buffer (register_buffer), declared for type checkers
 
-    def __init__(self, weight: GGUFBlocks, padding_idx: int | None = None):
+    def __init__(self, weight: GGUFBlocks, padding_idx: int | None = None, scale: float | None = None):
         super().__init__()
         self.register_buffer("blocks", weight.blocks)
         self.ggml_type, self.num_embeddings, self.embedding_dim = weight.ggml_type, *weight.shape
         self.padding_idx = padding_idx
+        self.scale = scale
+        self.head: nn.Module | None
+        object.__setattr__(self, "head", None)  # not a submodule: the stage holds the head (one copy, counted once)
+
+    def share(self, head: nn.Module) -> bool:
+        """Look rows up in ``head`` (the tied head of the same stage) where it is an 8-bit kernel layer over the same
+        matrix, dropping this module's blocks; False, and nothing changed, where it is not."""
+        if not isinstance(head, gguf_q8.GgufQ8Linear) or head.ggml_type != self.ggml_type or \
+                (head.out_features, head.in_features) != (self.num_embeddings, self.embedding_dim):
+            return False
+        object.__setattr__(self, "head", head)
+        self.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
+        return True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from swarm.stage.weights import dequantize
-
         flat = ids.reshape(-1).cpu()
-        rows = dequantize(self.blocks[flat], self.ggml_type, (flat.numel(), self.embedding_dim), "the embedding")
+        rows: torch.Tensor
+        if isinstance(self.head, gguf_q8.GgufQ8Linear):
+            rows = self.head.rows(flat)
+        elif self.ggml_type in gguf_q8.SUPPORTED:
+            rows = gguf_q8.widen(self.blocks[flat], self.ggml_type, self.embedding_dim)
+        else:
+            from swarm.stage.weights import dequantize
+
+            rows = dequantize(self.blocks[flat], self.ggml_type, (flat.numel(), self.embedding_dim), "the embedding")
+        if self.scale is not None:  # transformers: weight rows * torch.tensor(scale) (float32)
+            rows = rows * torch.tensor(self.scale, dtype=torch.float32)
         return rows.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.ggml_type} blocks (rows dequantized as looked up)"
+        held = "the tied head's bytes" if self.head is not None else f"{self.ggml_type} blocks"
+        scale = f", scaled by {self.scale:g}" if self.scale is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, {held} (rows dequantized as looked up){scale}"
 
 
 def is_linear_weight(layer: nn.Module, key: str) -> bool:

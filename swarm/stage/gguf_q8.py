@@ -113,6 +113,7 @@ class GgufQ8Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+        self._order: torch.Tensor | None = None  # rows(): the packed layout's order undone, built on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -136,14 +137,36 @@ class GgufQ8Linear(nn.Module):
         return self._grid(0, self.out_features)
 
     def _grid(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        scales = self.scales[start:stop]
+        return self._grid_of(slice(start, stop))
+
+    def _grid_of(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        scales = self.scales[rows]
         first = scales[:, 0]
         second = scales[:, 1] if self.halves else first
         per_half = torch.stack([first, second], -1).reshape(first.shape[0], -1)
-        return q8_kernel.unpack(self.packed[start:stop]), per_half, scales[:, -1] if self.offsets else None
+        return q8_kernel.unpack(self.packed[rows]), per_half, scales[:, -1] if self.offsets else None
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ``index`` (a 1-D tensor of output numbers) in float32: a tied embedding's lookup on the
+        head's own bytes, so a stage holding both keeps the matrix once."""
+        if self.halves:
+            return self._widened_of(index)
+        if self._order is None:  # where each input's byte lies in a packed row (the kernel's layout, undone)
+            self._order = _unpacked_order(self.in_features)
+        scales = self.scales[index]
+        q = self.packed[index][:, self._order].to(torch.int16) - 128
+        w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * q.float()
+        return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
 
     def _widened(self, start: int, stop: int) -> torch.Tensor:
-        q, scale, offset = self._grid(start, stop)
+        return self._widened_of(slice(start, stop))
+
+    def _widened_of(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        if not self.halves:  # a scale per group of 32: taken as it is held (the same values as per half)
+            scales = self.scales[rows]
+            w = scales[:, 0].repeat_interleave(q8_kernel.GROUP, -1) * q8_kernel.unpack(self.packed[rows]).float()
+            return w if not self.offsets else w + scales[:, -1].repeat_interleave(q8_kernel.GROUP, -1)
+        q, scale, offset = self._grid_of(rows)
         # scale q, then + offset, each rounded to float32 as gguf-py computes (d * q) + m: the same bits
         w = scale.repeat_interleave(16, -1) * q.float()
         return w if offset is None else w + offset.repeat_interleave(q8_kernel.GROUP, -1)
@@ -155,6 +178,34 @@ class GgufQ8Linear(nn.Module):
     def extra_repr(self) -> str:
         kernel = f"swarm's {self.kernel.simd} 8-bit kernel" if self.kernel is not None else "torch, widened"
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.ggml_type} on {kernel}"
+
+
+def _unpacked_order(in_features: int) -> torch.Tensor:
+    """For each input of a row, where its byte lies in the kernel's packed row (q8_kernel.pack's layout)."""
+    at = torch.arange(in_features, dtype=torch.int64).reshape(1, -1)
+    blocked = in_features // q8_kernel.BLOCK * q8_kernel.BLOCK
+    positions = torch.empty_like(at)
+    # pack_bytes moves input i to position p: scatter that move over the numbers 0..k-1
+    moved = torch.cat([at[:, :blocked].reshape(1, blocked // q8_kernel.BLOCK, q8_kernel.BLOCK // q8_kernel.GROUP,
+                                                q8_kernel.GROUP // 4, 4).transpose(2, 3).reshape(1, blocked),
+                       at[:, blocked:]], 1)
+    positions[0, moved[0]] = torch.arange(in_features)
+    return positions[0]
+
+
+def widen(blocks: torch.Tensor, ggml_type: str, in_features: int) -> torch.Tensor:
+    """The float32 values (rows, in_features) of ``blocks`` (uint8 rows of one of SUPPORTED's blocks), computed in
+    torch as the kernel's layers widen (level x scale, + offset): gguf-py's values, to the bit, without gguf-py's
+    per-call overhead (~45 us a looked-up embedding row)."""
+    values, size = _BLOCKS[ggml_type]
+    rows = blocks.shape[0]
+    if ggml_type == "Q8_0":  # the common embedding: d q in a few steps (gguf-py: int8 as float32 times fp16 d)
+        b = blocks.reshape(rows, in_features // values, size)
+        d = b[..., 0:2].contiguous().view(torch.float16).float()
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(rows, in_features)
+    u, per_half, offset = _decode(blocks.reshape(rows, in_features // values, size), ggml_type)
+    w = per_half.repeat_interleave(16, -1) * (u.to(torch.int16) - 128).float()
+    return w if offset is None else w + offset.repeat_interleave(q8_kernel.GROUP, -1)
 
 
 def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias: torch.Tensor | None) -> nn.Module:

@@ -67,7 +67,7 @@ class LocalRing:
                sampling: messages.Sampling = messages.Sampling(), eos: Iterable[int] = (),
                draft: int = 0, prefix: messages.PrefixPlan | None = None) -> LocalReply:
         """Start a request; ``draft``: drafting ahead, up to this many guessed tokens per pass
-        (swarm.stage.drafting); ``prefix``: the prefix cache's plan for it (swarm.leader.prefix_index)."""
+        (swarm.stage.drafting); ``prefix``: the prefix cache's plan for it (swarm.leader.serving.prefix_index)."""
         self.replies[rid] = LocalReply()
         self.inboxes[0].append(messages.Generate(self.model, rid, list(prompt), max_tokens, sorted(set(eos)), sampling,
                                                  draft=draft, prefix=prefix))

@@ -1,8 +1,8 @@
 """The prefix cache of one stage: the KV of recent prompts' blocks, for requests whose prompts start the same way.
 
-The leader decides everything (swarm.leader.prefix_index: which blocks a request reuses, which of its blocks to keep,
-which to forget) and tells every stage in the request's plan (messages.PrefixPlan), so all the stages of a ring hold
-the same blocks; stages after the first never see tokens, only the blocks' names. Here the plan is carried out:
+The leader decides everything (swarm.leader.serving.prefix_index: which blocks a request reuses, which of its blocks to
+keep, which to forget) and tells every stage in the request's plan (messages.PrefixPlan), so all the stages of a ring
+hold the same blocks; stages after the first never see tokens, only the blocks' names. Here the plan is carried out:
 
   begin   a request's first computed chunk: its KV cache starts as the reused blocks' keys and values, concatenated
           (the same tensors the prompt's own prefill would have computed), so the request computes only the rest

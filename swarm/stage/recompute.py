@@ -1,4 +1,4 @@
-"""Recomputing a pass of another fellow's stage, for the leader's spot checks (swarm.leader.verify).
+"""Recomputing a pass of another fellow's stage, for the leader's spot checks (swarm.leader.serving.verify).
 
 The checked stage sends what went into its layers for the request from position 0 up to the checked pass (token ids
 on stage 0, hidden states on the others), cut into the passes it ran, and what came out of the checked pass. The

@@ -166,13 +166,13 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
     lm_head: nn.Module | None = None
     embed_weight: torch.Tensor | None = None
     tied_blocks: GGUFBlocks | None = None
-    if read_blocks is not None and (spec.is_first or (spec.is_last and tied)) and blocks.embedding is None \
+    if read_blocks is not None and (spec.is_first or (spec.is_last and tied)) \
             and (first if spec.is_first else last).type == "cpu" and last.type == "cpu":
         tensors, tied_blocks = read_blocks(EMBED_FILE, "embed_tokens.weight", first if spec.is_first else last)
         if tied_blocks is None:
             embed_weight = tensors["embed_tokens.weight"]
         elif spec.is_first:
-            embed = GGUFEmbedding(tied_blocks, config.pad_token_id)
+            embed = GGUFEmbedding(tied_blocks, config.pad_token_id, _embed_scale(blocks, config))
         if not tied:
             tied_blocks = None
     elif spec.is_first or (spec.is_last and tied):
@@ -197,7 +197,10 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
             lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _assign(norm, {"weight": final["norm.weight"]}, "final norm")
         if head_blocks is not None:  # the gguf kind: the head on the file's blocks
-            return embed, norm, gguf_linear(head_blocks.blocks, head_blocks.ggml_type, head_blocks.shape, None, last)
+            head = gguf_linear(head_blocks.blocks, head_blocks.ggml_type, head_blocks.shape, None, last)
+            if tied and isinstance(embed, GGUFEmbedding):
+                embed.share(head)  # one copy of the tied matrix: the embedding looks rows up in the head's bytes
+            return embed, norm, head
         if tied:  # the head is the embedding matrix: share the stage's one copy (on the last card when it differs)
             head_weight: Any = embed.weight if embed is not None else embed_weight
             assert head_weight is not None  # the embedding was read above for a tied last stage
@@ -208,6 +211,20 @@ def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.d
             raise ModelError("final.safetensors has no lm_head.weight and the model's embeddings are not tied")
         _assign(lm_head, {"weight": head_weight}, "lm_head")
     return embed, norm, lm_head
+
+
+def _embed_scale(blocks, config: Any) -> float | None:
+    """The factor the family's embedding multiplies rows by (Gemma's sqrt(hidden)), None where it has none."""
+    if blocks.embedding is None:
+        return None
+    with torch.device("meta"):
+        module = blocks.embedding(config)
+    scale = getattr(module, "scalar_embed_scale", None)
+    if scale is None and hasattr(module, "embed_scale"):
+        raise ModelError(f"this transformers version's {type(module).__name__} keeps its scale only as a tensor, "
+                         "which the gguf kind cannot read; load the model at another quantization, or install the "
+                         "transformers version swarm pins")
+    return None if scale is None else float(scale)
 
 
 def _materialise_buffers(module: nn.Module, device: torch.device) -> None:

@@ -7,7 +7,7 @@ drops a request, :meth:`StageTimer.finish` gives the request's totals as one Sta
   Prompt chunks and decode steps are kept apart.
 - the ring (stage 0 of several): from the moment a decode step's output is ready to leave (before it is encoded and
   sent) to the arrival of the token that step produced. The leader takes the other stages' compute from it to get
-  the links' time (swarm.leader.timing).
+  the links' time (swarm.leader.serving.timing).
 - bytes: a Hidden message's encoded size shared among its rows, a Sampled message's among its tokens; decode steps
   only (the prompt's chunks are not what a token costs).
 """

@@ -1,6 +1,7 @@
 """Serving history: one row per finished request (done, failed or cancelled) with its tokens, timings and the
 fellows' time split, kept ``SWARM_SERVING_HISTORY_DAYS`` days. The leader writes rows in batches off the request
-path (swarm.leader.history) and rolls its longer performance ranges up from them (swarm.leader.performance).
+path (swarm.leader.serving.history) and rolls its longer performance ranges up from them
+(swarm.leader.serving.performance).
 
 Mixed into :class:`swarm.store.db.Store`; ``StoreCore`` provides the connection and the transactions.
 """

@@ -1,9 +1,9 @@
 """Quotas (limits per pool, user and API token) and usage (what the serving history says each used).
 
-A quota row holds limits by name (swarm.leader.quotas.LIMITS); a limit left out or null is no limit. A pool's row is
-the default of its users; a user's row replaces it for that user (all nulls: no limits at all); a token's row limits
-that token on top of its user's. Usage is read from the serving history (kept SWARM_SERVING_HISTORY_DAYS days), so
-it needs no bookkeeping of its own and goes when the history does.
+A quota row holds limits by name (swarm.leader.serving.quotas.LIMITS); a limit left out or null is no limit. A pool's
+row is the default of its users; a user's row replaces it for that user (all nulls: no limits at all); a token's row
+limits that token on top of its user's. Usage is read from the serving history (kept SWARM_SERVING_HISTORY_DAYS days),
+so it needs no bookkeeping of its own and goes when the history does.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stored responses of the Responses API (swarm.leader.responses_api): the response as it was answered, its input
+"""Stored responses of the Responses API (swarm.leader.api.responses_api): the response as it was answered, its input
 items, and the whole conversation up to and including its output (as chat messages), so that a later request
 continues it with ``previous_response_id``. Each belongs to one user alone: every query names the owner, so another
 user's id reads as "no such response". A user keeps at most ``max_chats_per_user`` of them (the oldest go first) and

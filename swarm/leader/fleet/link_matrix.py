@@ -1,0 +1,100 @@
+"""The links between a pool's fellows, measured (issue 37): every PROBE_EVERY_S, and soon after a fellow joins, the
+leader asks each online fellow to measure round-trip time and throughput to the other fellows of its pool over the
+path a ring hop would take (swarm.fellow.link_probe), and keeps the latest figures of each ordered pair for the admin
+page's matrix (GET /api/v1/links). A probe costs about 10 KB a pair: some 10 KB a minute per pair."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from swarm.leader.planning.link_placement import link_hops
+from swarm.leader.planning.planner import Hop
+
+if TYPE_CHECKING:
+    from swarm.leader.serving.serving import Serving
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 60.0
+JOIN_SETTLE_S = 2.0  # after a fellow joins, the next probe waits this long for others joining with it
+
+
+class LinkMatrix:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self.links: dict[tuple[int, int], dict] = {}  # (from fellow id, to fellow id) -> its latest figures
+        self._wake = trio.Event()
+        self._round = 0
+
+    def fleet_changed(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Probe now and then, for as long as the leader serves."""
+        while True:
+            with trio.move_on_after(PROBE_EVERY_S):
+                await self._wake.wait()
+                await trio.sleep(JOIN_SETTLE_S)
+            self._wake = trio.Event()
+            self.probe_all()
+
+    def probe_all(self) -> None:
+        """Ask each online fellow to measure its links to the other online fellows of its pool."""
+        online = self.serving.hub.online if self.serving.hub is not None else {}
+        direct_ok = self.serving.settings.pipeline_transport != "relay"
+        self._round += 1
+        for conn in list(online.values()):
+            peers = [{"fellow_id": peer.id, "name": peer.name, "key": peer.public_key,
+                      "probe_id": f"{self._round}-{conn.id}-{peer.id}",
+                      "direct": [peer.serve_host, peer.serve_port] if direct_ok and peer.serve_host and peer.serve_port
+                      else None}
+                     for peer in online.values() if peer.id != conn.id and peer.pool_id == conn.pool_id]
+            if peers:
+                conn.post({"t": "probe_links", "peers": peers})
+
+    def on_report(self, conn, message: dict) -> None:
+        """A fellow's ``link_report``: its figures to each peer it measured (only peers of its pool are kept)."""
+        online = self.serving.hub.online if self.serving.hub is not None else {}
+        links = message.get("links")
+        for link in links if isinstance(links, list) else []:
+            peer_id = link.get("fellow_id") if isinstance(link, dict) else None
+            peer = online.get(peer_id) if isinstance(peer_id, int) else None
+            if peer is None or peer.id == conn.id or peer.pool_id != conn.pool_id:
+                continue
+            self.links[(conn.id, peer.id)] = {
+                "path": link.get("path") if link.get("path") in ("direct", "relay") else "relay",
+                "rtt_ms": _number(link.get("rtt_ms")), "mbps": _number(link.get("mbps")),
+                "error": str(link["error"])[:200] if link.get("error") else None, "at": trio.current_time()}
+
+    def hops(self) -> dict[tuple[int, int], Hop]:
+        """What placement and the planner know of each pair of fellows: the hops of rings serving now, as their
+        fellows report them (the path the ring really takes), else the latest probe's figures."""
+        known = link_hops(self.links)
+        for model in self.serving.models.values():
+            n = len(model.stages)
+            for i, hop_id in enumerate(model.hop_ids[:n]):
+                stats = self.serving.hop_stats.get(hop_id) or {}
+                rtt = stats.get("rtt_ms")
+                if isinstance(rtt, (int, float)) and rtt > 0:
+                    pair = (model.stages[i].plan.fellow_id, model.stages[(i + 1) % n].plan.fellow_id)
+                    probed = known.get(pair) or known.get((pair[1], pair[0]))
+                    known[pair] = Hop(float(rtt), True, stats.get("transport"), probed.bytes_per_s if probed else None)
+        return known
+
+    def view(self) -> dict:
+        """The matrix for the admin page: the online fellows, and each measured pair between them."""
+        online = self.serving.hub.online if self.serving.hub is not None else {}
+        now = trio.current_time()
+        fellows = [{"id": c.id, "name": c.name, "pool_id": c.pool_id} for c in sorted(online.values(),
+                                                                                     key=lambda c: c.id)]
+        links = [{"from_id": a, "to_id": b, "from": online[a].name, "to": online[b].name,
+                  **{k: v for k, v in figures.items() if k != "at"}, "age_s": round(now - figures["at"], 1)}
+                 for (a, b), figures in sorted(self.links.items()) if a in online and b in online]
+        return {"fellows": fellows, "links": links, "probe_every_s": PROBE_EVERY_S}
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

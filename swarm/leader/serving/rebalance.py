@@ -1,0 +1,163 @@
+"""Live moves (issue 37): when the pool changes -- a faster fellow joins, a fellow becomes idle, links are measured
+anew -- the leader looks for stages of a serving model that an idle fellow would run clearly faster, counting the
+ring's hops at the measured links (swarm.leader.planning.link_placement). A move the planner predicts at least
+MIN_SPEEDUP faster is proposed on the admin API (GET /api/v1/rebalance); with SWARM_SERVE_REBALANCE=auto the leader
+applies it through the drain's path (swarm.leader.serving.drain): the taker loads the stage beside the old one, the ring
+switches at a token boundary, the old stage unloads, and requests in flight go on. SWARM_SERVE_REBALANCE=off looks for
+none.
+
+A move keeps each stage's layers and hands a whole stage to one idle fellow with room for it, as a drain does; a
+different number of stages or another split of the layers is a new load, not a move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from swarm.leader.planning.link_placement import fellow_speeds
+from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan
+from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
+from swarm.leader.serving.drain import Handover
+
+if TYPE_CHECKING:
+    from swarm.leader.serving.serving import Serving
+
+log = logging.getLogger(__name__)
+
+MIN_SPEEDUP = 1.3  # the issue's bar: a move costs a load and a switch, so only a clearly faster ring is worth one
+SETTLE_S = 5.0  # after a change, wait this long for the links to be probed (link_matrix.JOIN_SETTLE_S + a probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    index: int
+    from_id: int
+    from_name: str
+    to_id: int
+    to_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    model: str
+    moves: list[Move]
+    ms_per_token: float  # predicted now
+    proposed_ms_per_token: float
+
+    @property
+    def speedup(self) -> float:
+        return self.ms_per_token / self.proposed_ms_per_token
+
+    def text(self) -> str:
+        moves = ", ".join(f"stage {m.index} from {m.from_name} to {m.to_name}" for m in self.moves)
+        return (f"{self.model}: move {moves}: about {self.speedup:.1f}x faster ({self.ms_per_token:.0f} -> "
+                f"{self.proposed_ms_per_token:.0f} ms a token)")
+
+    def view(self) -> dict:
+        return {"model": self.model, "moves": [dataclasses.asdict(m) for m in self.moves],
+                "ms_per_token": self.ms_per_token, "proposed_ms_per_token": self.proposed_ms_per_token,
+                "speedup": self.speedup, "text": self.text()}
+
+
+def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
+            speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop], hidden_bytes: int) -> Proposal | None:
+    """The moves of whole stages of ``plans`` to ``idle`` fellows (each with room for the stage it takes) that make
+    the ring at least MIN_SPEEDUP faster by the prediction, greedily one stage at a time; None when there is none or
+    a fellow's speed is unknown."""
+    if any(p.fellow_id not in speeds for p in plans):
+        return None
+
+    def cost(ring: list[StagePlan]) -> float:
+        return float(predict(ring, size, speeds, hop_round_trips(ring, hops), hidden_bytes)["ms_per_token"])
+
+    now = best = cost(plans)
+    ring, free = list(plans), [f for f in idle if f.fellow_id in speeds]
+    moves: list[Move] = []
+    while free:
+        options = [(cost(tried), i, fellow, tried) for i, plan in enumerate(ring) for fellow in free
+                   if fellow.free_bytes >= plan.need_bytes
+                   for tried in [ring[:i] + [dataclasses.replace(plan, fellow_id=fellow.fellow_id,
+                                                                 fellow_name=fellow.name)] + ring[i + 1:]]]
+        if not options:
+            break
+        ms, i, fellow, tried = min(options, key=lambda o: (o[0], o[1], o[2].fellow_id))
+        if ms >= best - 1e-9:
+            break
+        moves = [m for m in moves if m.index != i] + [Move(i, plans[i].fellow_id, plans[i].fellow_name,
+                                                           fellow.fellow_id, fellow.name)]
+        free = [f for f in free if f is not fellow]
+        ring, best = tried, ms
+    moves = [m for m in moves if m.from_id != m.to_id]
+    if not moves or now < MIN_SPEEDUP * best:
+        return None
+    return Proposal(model, sorted(moves, key=lambda m: m.index), now, best)
+
+
+class Rebalancer:
+    """The leader's live moves: proposals on request, and with SWARM_SERVE_REBALANCE=auto applied after each change
+    of the pool."""
+
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self._wake = trio.Event()
+
+    def pool_changed(self) -> None:
+        self._wake.set()
+
+    def proposals(self) -> list[Proposal]:
+        serving = self.serving
+        if serving.settings.serve_rebalance == "off" or serving.hub is None:
+            return []
+        hops = serving.link_matrix.hops()
+        out = []
+        for model in list(serving.models.values()):
+            if model.status != "ready" or model.size is None:
+                continue
+            busy = {s.plan.fellow_id for m in serving.models.values() for s in m.stages} | \
+                {s.cover for m in serving.models.values() for s in m.stages if s.cover is not None}
+            idle = [c for c in serving.recovery.candidates(model)
+                    if c.fellow_id not in busy and not c.outdated and not c.standby  # standbys wait for failovers
+                    and c.fellow_id not in serving.drains.leaving]
+            fellows = [serving.hub.online[c.fellow_id] for c in idle] + \
+                [serving.hub.online[p] for p in model.fellow_ids if p in serving.hub.online]
+            hidden = int(model.manifest.get("hidden_size") or 0) * (2 if all(f.hardware.gpus for f in fellows) else 4)
+            found = propose(model.name, [s.plan for s in model.stages], model.size,
+                            [FellowCapacity(c.fellow_id, c.name, c.free_bytes) for c in idle],
+                            fellow_speeds(fellows), hops, hidden)
+            if found is not None:
+                out.append(found)
+        return out
+
+    async def apply(self, proposal: Proposal) -> str:
+        """Each move through the drain's handover (load beside, switch at a token boundary, unload the old stage)."""
+        serving = self.serving
+        done = []
+        for move in proposal.moves:
+            model = serving.models.get(proposal.model)
+            old = serving.hub.online.get(move.from_id) if serving.hub else None
+            slot = model.slot_of(move.from_id) if model is not None else None
+            if model is None or old is None or slot is None or slot.plan.index != move.index:
+                done.append(f"stage {move.index}: the ring changed meanwhile")
+                continue
+            why = await serving.drains.move(model, slot, Handover(model.name, move.index, move.to_id, move.to_name,
+                                                                  False), old)
+            done.append(why or f"stage {move.index} moved from {move.from_name} to {move.to_name}")
+        text = f"{proposal.model}: " + "; ".join(done)
+        log.info("live move: %s", text)
+        return text
+
+    async def run(self) -> None:
+        """SWARM_SERVE_REBALANCE=auto: after each change of the pool (and its links' probe), apply what is proposed."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            await trio.sleep(SETTLE_S)
+            if self.serving.settings.serve_rebalance != "auto":
+                continue
+            for proposal in self.proposals():
+                log.info("applying a live move: %s", proposal.text())
+                await self.apply(proposal)
