@@ -63,7 +63,7 @@ async def test_fellows_on_one_machine_calibrate_once_without_holding_up_their_co
             assert time.monotonic() - began < 1.0
             loading = await swarm.http.post(f"/api/v1/models/{model_dir.name}/load", json={"num_stages": 2})
             assert loading.status_code == 202, loading.text
-            await swarm.leader.serving.wait_ready(model_dir.name, 60)
+            await swarm.leader.serving.loader.wait_ready(model_dir.name, 60)
             await wait_until(lambda: all(f.calibration for f in fellows), 200)
             # one child measured; the other fellow took what it measured (the same figures, not measured again)
             assert fellows[0].calibration == fellows[1].calibration

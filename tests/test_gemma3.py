@@ -104,7 +104,7 @@ async def test_gemma3_270m_over_two_fellows_answers_as_generate(tmp_path, gemma_
             assert [s["layers"] for s in view["stages"]] == [[0, 9], [9, 18]]
             request = Request(model=gemma_dir.name, prompt=prompt, max_tokens=NEW_TOKENS,
                               sampling=messages.Sampling(), eos=manifest.eos_token_ids)
-            await swarm.leader.serving.submit(request)
+            await swarm.leader.serving.intake.submit(request)
             reader = Reader(request)
             while True:
                 kind, value = await reader.next(120)

@@ -418,7 +418,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
     leader.serving.reload_on_request.add(name)  # it would load for this request
     tokenised = []
     monkeypatch.setattr(openai_api, "encode_chat", lambda *a, **k: tokenised.append(1) or [1, 2, 3])
-    text = "word " * (leader.serving.largest_context() * FALLBACK_TOKEN_BYTES // 5 + 1)
+    text = "word " * (leader.serving.contexts.largest_context() * FALLBACK_TOKEN_BYTES // 5 + 1)
     with client:
         response = client.post("/v1/chat/completions",
                                headers={"authorization": f"Bearer {leader.first_start.admin_token}"},

@@ -133,7 +133,7 @@ async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(
 
     async def tokens(swarm, name, prompt):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -160,4 +160,4 @@ async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(
                             nursery.start_soon(chat, i, prompt)
                     verdicts = [check_reply(got[i], want, margins) for i, (want, margins) in enumerate(expected[kind])]
                     assert verdicts == ["identical"] * len(PROMPTS), (kind, stages, verdicts)
-                    await swarm.leader.serving.unload(kind)
+                    await swarm.leader.serving.loader.unload(kind)

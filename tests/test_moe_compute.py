@@ -216,7 +216,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
 
     async def tokens(swarm):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -229,7 +229,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
             for kind in ("int8", "int4-fast"):
                 r = await swarm.http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2, "quantization": kind})
                 assert r.status_code == 202, r.text
-                await swarm.leader.serving.wait_ready(name, 120)
+                await swarm.leader.serving.loader.wait_ready(name, 120)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()
                 assert view["quantization"] == kind and view["compression"] > 2
                 held = [s.driver.stage_model.parameter_bytes() for f in swarm.fellows for s in f.stages.values()]

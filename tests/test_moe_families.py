@@ -194,7 +194,7 @@ async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_cha
 
     async def tokens(swarm, name, prompt):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -221,7 +221,7 @@ async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_cha
                             nursery.start_soon(chat, i, prompt)
                     verdicts = [check_reply(got[i], want, margins) for i, (want, margins) in enumerate(expected[kind])]
                     assert verdicts == ["identical"] * len(PROMPTS), (kind, stages, verdicts)
-                    await swarm.leader.serving.unload(kind)
+                    await swarm.leader.serving.loader.unload(kind)
 
 
 # --- chat formats: replies rendered by each family's own chat template (tests/templates: gpt-oss-20b's

@@ -118,7 +118,7 @@ class Leader:
             return SIGN_IN_BODY
         if path in ("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, *OLLAMA_CHAT_PATHS, *ANTHROPIC_PATHS):
             # no model serves a longer context than the longest loaded (never the pool's KV budget: issue 32)
-            return chat_body_limit(self.serving.largest_context())
+            return chat_body_limit(self.serving.contexts.largest_context())
         if path.startswith("/api/v1/chats"):
             return 2 * self.store.max_chat_bytes + CHAT_BODY_MARGIN  # a whole chat, every character escaped
         return DEFAULT_BODY

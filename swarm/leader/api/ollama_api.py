@@ -381,7 +381,7 @@ class OllamaRoutes:
             entry = tag_entry(row)
             weight = int(serving.describe().get("weight_bytes") or 0)
             entry.update({"size": weight, "size_vram": weight, "expires_at": "0001-01-01T00:00:00Z",
-                          "context_length": await self.leader.serving.context_of(row.name)})
+                          "context_length": await self.leader.serving.contexts.context_of(row.name)})
             out.append(entry)
         return JSONResponse({"models": out})
 
@@ -396,7 +396,7 @@ class OllamaRoutes:
             model = await self.resolve(name, user)
             row = await self.leader.serving.model_row(model)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(self.leader.models_root / model))
-            context = await self.leader.serving.context_of(model)
+            context = await self.leader.serving.contexts.context_of(model)
         except Exception as exc:
             return ollama_error(exc)
         entry = tag_entry(row)

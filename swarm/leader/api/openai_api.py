@@ -37,8 +37,8 @@ from swarm.leader.chat.reasoning import ReasoningSplitter
 from swarm.leader.chat.stops import StopFinder
 from swarm.leader.chat.tool_calls import ToolCallSplitter, forced_grammar
 from swarm.leader.serving import timing
+from swarm.leader.serving.intake import client_gone
 from swarm.leader.serving.requests import Reader, Request
-from swarm.leader.serving.serving import client_gone
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class OpenAIRoutes:
             params.model = await self.resolve(params.model, user)
             inside, tool_family = await self._submit(params, user, ring_requests)
             # a client that leaves meanwhile cancels them all
-            if await self.leader.serving.wait_started(ring_requests, request.receive):
+            if await self.leader.serving.intake.wait_started(ring_requests, request.receive):
                 return None
             tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
         except BaseException:
@@ -162,7 +162,7 @@ class OpenAIRoutes:
         model_dir = self.leader.models_root / params.model
         # Refused by its byte count before the tokenizer sees it (swarm.leader.api.limits): a 24 MB prompt took 11 s. In
         # a worker thread, as the tokenizer: both walk the whole text.
-        context = await self.leader.serving.context_of(params.model)
+        context = await self.leader.serving.contexts.context_of(params.model)
         await trio.to_thread.run_sync(check_prompt_bytes, params.messages, model_dir, context)
         try:
             return await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
@@ -198,11 +198,11 @@ class OpenAIRoutes:
         over the model's defaults, choice i seeded from the request's seed (choice 0 is the reply n=1 gets)."""
         leader = self.leader
         manifest, model_dir = await self.model(name)
-        context = await leader.serving.context_of(name)
+        context = await leader.serving.contexts.context_of(name)
         if max_tokens is None:  # as long a reply as the model's served context leaves room for
             max_tokens = max(1, min(leader.settings.max_tokens_limit, context - len(prompt)))
         # before anything is submitted (or a model that went idle loaded for it): the served context, not the pool
-        leader.serving.check_context(name, len(prompt) + max_tokens, len(prompt), max_tokens)
+        leader.serving.contexts.check_context(name, len(prompt) + max_tokens, len(prompt), max_tokens)
         serving = leader.serving.models.get(name)
         own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
         sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
@@ -220,7 +220,7 @@ class OpenAIRoutes:
             # Greedy choices are one reply: it runs once on the ring and every choice reads it.
             request = Request(model=name, prompt=prompt, max_tokens=max_tokens, sampling=first, eos=eos, owner=owner,
                               token_id=token_id)
-            out.extend([await leader.serving.submit(request)] * params.n)
+            out.extend([await leader.serving.intake.submit(request)] * params.n)
             return
         choices = []
         for i in range(params.n):
@@ -231,11 +231,11 @@ class OpenAIRoutes:
         if len(choices) > 1 and prompt_logprobs is None:
             # One group: the ring prefills the prompt once and copies its cache to each choice. (Prompt logprobs come
             # from the prefill's rows, which a group computes under its carrier: such choices run on their own.)
-            await leader.serving.submit_group(choices)
+            await leader.serving.intake.submit_group(choices)
             out.extend(choices)
             return
         for request in choices:
-            out.append(await leader.serving.submit(request))
+            out.append(await leader.serving.intake.submit(request))
 
     def reader(self, ring_request: Request) -> Reader:
         """A reader of ``ring_request``'s tokens that gives up on it after the settings' stall and queue times."""

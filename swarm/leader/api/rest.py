@@ -281,10 +281,11 @@ class ApiRoutes:
             quantization = check_kind(quantization)
         # A load of a model that serves already at another quantization (or in another shape while it recovers)
         # unloads it first: like an unload, it needs an admin while it would end other users' replies.
-        if self.leader.serving.restarts(name, num_stages, fellow_id, quantization, context_tokens, kv_cache):
+        if self.leader.serving.loader.restarts(name, num_stages, fellow_id, quantization, context_tokens, kv_cache):
             self._may_end_replies(user, name, "loading it again as asked would end them. Load it as it serves now, "
                                               "try again when they finish, or ask an admin to load it again.")
-        serving = await self.leader.serving.load(name, num_stages, fellow_id, quantization, context_tokens, kv_cache)
+        serving = await self.leader.serving.loader.load(name, num_stages, fellow_id, quantization, context_tokens,
+                                                        kv_cache)
         if serving.status == ModelStatus.FAILED:
             raise PlacementError(serving.error or "the load failed")
         row = await self._model_row(name, user)
@@ -295,7 +296,7 @@ class ApiRoutes:
         user = await current_user(request, self.store)
         name = (await self._model_row(request.path_params["model_id"], user)).name
         self._may_end_replies(user, name, "try again when they finish, or ask an admin to unload it now.")
-        await self.leader.serving.unload(name)
+        await self.leader.serving.loader.unload(name)
         return JSONResponse({"id": name, "status": "not_loaded"})
 
     def _may_end_replies(self, user, name: str, what_to_do: str) -> None:
