@@ -284,7 +284,7 @@ def _reply_tokens(model_dir: Path, messages: list[dict], reply: dict, **kwargs) 
 
 def _stream(model_dir: Path, tokens: list[int], family: str, tools: list[dict] | None, inside: bool = False):
     """The reply as the API splits it, fed one token at a time: (reasoning, content, tool calls)."""
-    from swarm.leader.api.openai_api import ReplyText
+    from swarm.leader.api.replies import ReplyText
     from swarm.leader.chat.chat_format import load_tokenizer
     from swarm.leader.chat.tool_calls import ToolCallSplitter
 

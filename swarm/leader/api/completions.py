@@ -19,8 +19,8 @@ from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader.api.auth import current_user
 from swarm.leader.api.http_errors import json_body, openai_error
 from swarm.leader.api.limits import check_prompt_bytes, check_replies
-from swarm.leader.api.openai_api import Choice, ReplyStream, ReplyText, _error_events, next_event, read_choices
 from swarm.leader.api.openai_params import CompletionParams, parse_completion_body
+from swarm.leader.api.replies import Choice, ReplyStream, ReplyText, error_events, next_event, read_choices
 from swarm.leader.chat.chat_format import load_tokenizer
 from swarm.leader.chat.logprobs import token_text
 from swarm.leader.serving import timing
@@ -87,7 +87,7 @@ class CompletionRoutes:
             for ring_request in ring_requests:
                 self.leader.serving.cancel(ring_request)
             if stream and isinstance(exc, ContextTooLong):
-                return StreamingResponse(_error_events(exc), media_type="text/event-stream")
+                return StreamingResponse(error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
         choices = []
         for i, ring_request in enumerate(ring_requests):

@@ -23,7 +23,8 @@ from swarm.errors import BadRequest, ResponseNotFound, StoreError, SwarmError
 from swarm.leader.api import responses_format as fmt
 from swarm.leader.api.auth import current_user
 from swarm.leader.api.http_errors import json_body, openai_error
-from swarm.leader.api.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
+from swarm.leader.api.openai_api import OpenAIRoutes
+from swarm.leader.api.replies import Choice, ReplyStream, next_event, read_choices
 from swarm.leader.serving import timing
 
 RESPONSES_PATH = "/v1/responses"
