@@ -201,7 +201,7 @@ def test_malformed_ollama_bodies_are_a_400_never_a_crash():
     import random
 
     from swarm.errors import BadRequest
-    from swarm.leader.api.ollama_api import chat_body
+    from swarm.leader.api.ollama_params import chat_body
     from swarm.leader.api.openai_params import parse_chat_body
     from test_fuzz import _json_junk
 
