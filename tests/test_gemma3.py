@@ -18,7 +18,7 @@ import trio
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 from swarm.store.manifest import load_manifest
 
 pytestmark = [

@@ -435,7 +435,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
 def test_users_cancel_only_their_own_requests_and_unload_only_what_nobody_else_uses(tmp_path, tiny_model_dirs):
     from harness import install_model
     from swarm import messages
-    from swarm.leader.serving.requests import Request
+    from swarm.leader.serving.request import Request
 
     leader, client = _leader_client(tmp_path)
     name = install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])

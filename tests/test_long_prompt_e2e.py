@@ -21,7 +21,7 @@ from exactness import check_reply, reference
 from harness import running_swarm, wait_until
 from swarm import messages, wire
 from swarm.leader.fleet.fellows import CONTROL_MAX_BYTES
-from swarm.leader.serving.requests import Request
+from swarm.leader.serving.request import Request
 from swarm.stage.prefix_cache import store_of
 from swarm.tunnel.noise import MAX_MESSAGE_SIZE
 

@@ -15,7 +15,7 @@ from exactness import check_reply, reference
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 
 pytestmark = pytest.mark.e2e
 

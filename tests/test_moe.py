@@ -123,7 +123,7 @@ def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_
 async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(tmp_path, moe_dirs):
     from harness import running_swarm
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
 
     kinds = ["qwen3_moe", "mixtral"]
     expected = {}

@@ -208,7 +208,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
     from harness import running_swarm
     from reference_model import load_reference_model
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
     from swarm.stage.quantize import quantize_model
 
     name = "qwen3_moe"

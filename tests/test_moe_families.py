@@ -184,7 +184,7 @@ def test_eight_chats_batched_in_one_process_match_generate(family_dirs, kind):
 async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_chats(tmp_path, family_dirs):
     from harness import running_swarm
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
 
     kinds = list(FAMILIES)
     expected = {}

@@ -24,7 +24,7 @@ from swarm.leader.api.replies import Choice, ReplyStream, ReplyText, error_event
 from swarm.leader.chat.chat_format import load_tokenizer
 from swarm.leader.chat.logprobs import token_text
 from swarm.leader.serving import timing
-from swarm.leader.serving.requests import Request
+from swarm.leader.serving.request import Request
 
 
 class Completion(Choice):

@@ -33,7 +33,7 @@ from swarm.leader.chat.chat_format import (
 )
 from swarm.leader.chat.tool_calls import ToolCallSplitter, forced_grammar
 from swarm.leader.serving import timing
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from swarm.leader.chat.reasoning import ReasoningSplitter
 from swarm.leader.chat.stops import StopFinder
 from swarm.leader.chat.tool_calls import ToolCallSplitter
 from swarm.leader.serving.intake import client_gone
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from swarm.errors import ModelNotLoaded, PoolBusy, QueueTimeout, counted
 from swarm.leader.serving.models import (
     ModelStatus,
 )
-from swarm.leader.serving.requests import Request, RequestState
+from swarm.leader.serving.request import Request, RequestState
 
 if TYPE_CHECKING:
     from swarm.leader.serving.serving import Serving

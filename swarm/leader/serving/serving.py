@@ -37,7 +37,8 @@ from swarm.leader.serving.models import ModelServing
 from swarm.leader.serving.prefix_index import PrefixCaches
 from swarm.leader.serving.rebalance import Rebalancer
 from swarm.leader.serving.recovery import Recovery
-from swarm.leader.serving.requests import NotLoaded, Request, RequestBook, ToStage0
+from swarm.leader.serving.request import Request
+from swarm.leader.serving.requests import NotLoaded, RequestBook, ToStage0
 from swarm.leader.serving.verify import Verifier
 
 if TYPE_CHECKING:
