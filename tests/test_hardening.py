@@ -604,7 +604,8 @@ def test_out_of_range_sampling_values_and_loose_booleans_are_a_400_at_the_edge()
     import pytest as _pytest
 
     from swarm.errors import BadRequest
-    from swarm.leader.api.openai_params import parse_chat_body, parse_completion_body
+    from swarm.leader.api.completion_params import parse_completion_body
+    from swarm.leader.api.openai_params import parse_chat_body
 
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for bad in ({"top_p": 1.5}, {"top_p": math.nan}, {"top_p": -0.1}, {"min_p": 2}, {"min_p": math.nan},

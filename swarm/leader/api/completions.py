@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader.api.auth import current_user
+from swarm.leader.api.completion_params import CompletionParams, parse_completion_body
 from swarm.leader.api.http_errors import json_body, openai_error
 from swarm.leader.api.limits import check_prompt_bytes, check_replies
-from swarm.leader.api.openai_params import CompletionParams, parse_completion_body
 from swarm.leader.api.replies import Choice, ReplyStream, ReplyText, error_events, next_event, read_choices
 from swarm.leader.chat.chat_format import load_tokenizer
 from swarm.leader.chat.logprobs import token_text
