@@ -83,7 +83,7 @@ class CompletionRoutes:
             # a client that leaves while they wait cancels them all
             if await serving.intake.wait_started(ring_requests, request.receive):
                 return Response(status_code=499)  # nobody reads it
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is the client's error reply, its requests cancelled
             for ring_request in ring_requests:
                 self.leader.serving.cancel(ring_request)
             if stream and isinstance(exc, ContextTooLong):

@@ -143,7 +143,7 @@ class OllamaRoutes:
             opened = await self.routes.open_chat(request, translated, user)
             if opened is None:
                 return Response(status_code=499)  # the client left; nobody reads it
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         params, choices = opened
         choice = choices[0]
@@ -247,7 +247,7 @@ class OllamaRoutes:
         """The models of the caller's pools, as GET /v1/models lists them."""
         try:
             rows = await self._rows(request)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         return JSONResponse({"models": [tag_entry(row) for row in rows]})
 
@@ -255,7 +255,7 @@ class OllamaRoutes:
         """The models of the caller's pools that are loaded on the ring (ready to answer)."""
         try:
             rows = await self._rows(request)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         out = []
         for row in rows:
@@ -281,7 +281,7 @@ class OllamaRoutes:
             row = await self.leader.serving.model_row(model)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(self.leader.models_root / model))
             context = await self.leader.serving.contexts.context_of(model)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         entry = tag_entry(row)
         manifest = row.manifest
@@ -303,7 +303,7 @@ class OllamaRoutes:
     async def version(self, request: HttpRequest):
         try:
             await current_user(request, self.leader.store)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         return JSONResponse({"version": __version__})
 

@@ -48,7 +48,7 @@ class OpenAIRoutes:
             user = await current_user(request, self.leader.store)
             store = self.leader.store
             rows = await trio.to_thread.run_sync(lambda: store.list_models(store.visible_pool_ids(user)))
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
             return openai_error(exc)
         if "anthropic-version" in request.headers:  # Anthropic's clients (swarm.leader.api.anthropic_api): their shape
             return JSONResponse(anthropic_models(rows))

@@ -39,7 +39,7 @@ def handles_errors(fn):
     async def wrapper(self, request: Request):
         try:
             return await fn(self, request)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered as /api/v1's error
             return api_error(exc)
 
     wrapper.__name__ = fn.__name__
