@@ -121,8 +121,11 @@ def chat_body(body: dict, route: str) -> dict:
     if think is not None:
         if not isinstance(think, bool) and think not in ("low", "medium", "high"):
             raise BadRequest("'think' must be true or false (or \"low\", \"medium\", \"high\").", "invalid_think")
-        # "low"/"medium"/"high" (gpt-oss's levels): the families here have an on/off switch only
-        out["chat_template_kwargs"] = {"enable_thinking": bool(think)}
+        # "low"/"medium"/"high": gpt-oss's levels (its template's reasoning_effort); on for the other families
+        if isinstance(think, str):
+            out["reasoning_effort"] = think
+        else:
+            out["chat_template_kwargs"] = {"enable_thinking": think}
     if body.get("tools"):
         out["tools"] = body["tools"]
     return out

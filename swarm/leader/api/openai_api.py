@@ -27,7 +27,7 @@ from swarm.leader.chat.chat_format import (
     eos_ids,
     generation_top_k,
     load_tokenizer,
-    prompt_opens_thinking,
+    prompt_thinking,
     sampling_defaults,
     think_tokens,
 )
@@ -131,14 +131,14 @@ class OpenAIRoutes:
                 choice.tools = ToolCallSplitter("hermes" if harmony else tool_family, params.tools)
         return params, choices
 
-    async def _submit(self, params: ChatParams, user, out: list[Request]) -> tuple[bool, str]:
+    async def _submit(self, params: ChatParams, user, out: list[Request]) -> tuple[str, str]:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
-        cancel them if a later one is refused); whether the prompt opened a thinking block, and the format of the
-        model's tool calls (swarm.leader.chat.chat_format.chat_format)."""
+        cancel them if a later one is refused); where the prompt left the thinking block (opened, closed: see
+        swarm.leader.chat.chat_format.prompt_thinking), and the format of the model's tool calls (chat_format)."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
         prompt = await self.encode(params, architecture)
-        inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
+        inside = await trio.to_thread.run_sync(prompt_thinking, model_dir, prompt)
         family = chat_format(architecture)
         if params.forced_tool is not None and params.tools and family in ("harmony", "glm"):
             raise BadRequest(f"model {params.model} writes tool calls in its own format ({family}), which swarm cannot "
@@ -161,7 +161,7 @@ class OpenAIRoutes:
         await trio.to_thread.run_sync(check_prompt_bytes, params.messages, model_dir, context)
         try:
             return await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
-                                                 architecture, params.tools)
+                                                 architecture, params.tools, params.effort)
         except Exception as exc:
             from jinja2 import TemplateError
 

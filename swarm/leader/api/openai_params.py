@@ -17,6 +17,7 @@ from typing import Any
 
 from swarm import messages
 from swarm.errors import BadRequest
+from swarm.leader.chat.chat_format import EFFORTS, thinking_of
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -43,12 +44,12 @@ _OFF_VALUES = {
 CHAT_FIELDS = frozenset({
     "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
     "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "logit_bias",
+    "reasoning_effort",
     *SAMPLING_KEYS, *PENALTY_KEYS,
 })
 
 # What to tell a client that asks for something we do not do, where there is more to say than "not supported".
 _ADVICE = {
-    "reasoning_effort": "Turn thinking on or off with \"chat_template_kwargs\": {\"enable_thinking\": false}.",
     "functions": "Send them as \"tools\" (the current form of the same thing).",
 }
 
@@ -88,6 +89,7 @@ class ChatParams:
     tools: list[dict] | None = None  # function tools for the chat template (None: none, or tool_choice "none")
     grammar: str | None = None  # response_format as an llguidance grammar; None: free text
     forced_tool: str | None = None  # tool_choice: "*" (required: some tool) or a tool's name; None: the model decides
+    effort: str | None = None  # reasoning_effort (swarm.leader.chat.chat_format.reasoning_kwargs); None: the model's
 
 
 def _number(body: dict, key: str, low: float, high: float) -> float | None:
@@ -218,12 +220,25 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "invalid_messages")
     requested = parse_max_tokens(body, max_tokens_limit)
     kwargs = body.get("chat_template_kwargs") or {}
-    thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    effort = parse_effort(body.get("reasoning_effort", kwargs.get("reasoning_effort")))
+    thinking = thinking_of(kwargs.get("enable_thinking"), effort)
     n = parse_integer(body, "n", 1, MAX_CHOICES) or 1
     return ChatParams(model, chat, parse_flag(body, "stream"), requested, thinking, parse_sampling(body),
                       parse_flag(body, "return_token_ids"), parse_flag(body, "ignore_eos"),
                       parse_stop(body.get("stop")), n, parse_logprobs(body), parse_tools(body),
-                      parse_response_format(body.get("response_format")), forced_tool(body))
+                      parse_response_format(body.get("response_format")), forced_tool(body), effort)
+
+
+def parse_effort(value) -> str | None:
+    """``reasoning_effort`` (OpenAI's levels): gpt-oss's template takes low, medium and high as they are; the families
+    with an on/off switch think at any level but none and minimal."""
+    if value is None:
+        return None
+    if value not in EFFORTS:
+        raise BadRequest(f"'reasoning_effort' is {value!r}; it must be one of {', '.join(EFFORTS)}.",
+                         "invalid_reasoning_effort")
+    return value
 
 
 def parse_response_format(value) -> str | None:

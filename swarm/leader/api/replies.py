@@ -156,7 +156,7 @@ class ReplyText:
     """Token ids in, (reasoning, content) text deltas out: incremental detokenising, stop strings, then the thinking
     split. ``used`` counts the tokens whose text made the reply: all of them, unless a stop string cut it short."""
 
-    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = (), reasoning: bool = True,
+    def __init__(self, tokenizer, inside: bool | str, stops: list[str] | tuple = (), reasoning: bool = True,
                  harmony: bool = False):
         self.text = TextStream(tokenizer, keep_special=harmony)  # harmony: its parser reads the channel markers
         self.stop = StopFinder(list(stops))
