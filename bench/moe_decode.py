@@ -117,7 +117,8 @@ def main() -> None:
     from swarm.leader.planning.planner import Hop, expert_weight_bytes, layer_speed, predict, with_active_experts
     from swarm.leader.serving.models import model_size
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, "

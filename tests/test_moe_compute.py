@@ -102,7 +102,8 @@ def _pass_reads(stage, run):
 @pytest.mark.parametrize("kind", ["none", "int8"])
 def test_a_pass_reads_only_its_routed_experts_each_once_for_all_its_rows(moe_dirs, kind):
     from swarm.stage.ragged import forward_batch
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     (spec,) = stage_specs(4, 1)
     stage = StageModel.load_dir(moe_dirs["qwen3_moe"], spec, quantization=kind)
@@ -153,7 +154,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
     from swarm.stage.local import LocalRing
     from swarm.stage.moe_experts import QuantizedExperts
     from swarm.stage.quantize import Int4Linear, Int8Linear, quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     model_dir = moe_dirs[family]
@@ -180,7 +182,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
 def test_the_plan_counts_a_token_s_active_experts(moe_dirs):
     from swarm.leader.planning.planner import active_layer_bytes
     from swarm.leader.serving.models import model_size
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     model_dir = moe_dirs["qwen2_moe"]
@@ -205,7 +208,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
     from harness import running_swarm
     from reference_model import load_reference_model
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
     from swarm.stage.quantize import quantize_model
 
     name = "qwen3_moe"
@@ -213,7 +216,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
 
     async def tokens(swarm):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -226,7 +229,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
             for kind in ("int8", "int4-fast"):
                 r = await swarm.http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2, "quantization": kind})
                 assert r.status_code == 202, r.text
-                await swarm.leader.serving.wait_ready(name, 120)
+                await swarm.leader.serving.loader.wait_ready(name, 120)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()
                 assert view["quantization"] == kind and view["compression"] > 2
                 held = [s.driver.stage_model.parameter_bytes() for f in swarm.fellows for s in f.stages.values()]
