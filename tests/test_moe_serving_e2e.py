@@ -50,10 +50,10 @@ def moe(tmp_path_factory) -> tuple[Path, Path]:
 async def _reply(swarm, name: str, prompt: list[int], tokens: int):
     """The greedy reply's tokens and its request (its stages' reported times)."""
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
 
     request = Request(model=name, prompt=prompt, max_tokens=tokens, sampling=messages.Sampling(), eos=[])
-    await swarm.leader.serving.submit(request)
+    await swarm.leader.serving.intake.submit(request)
     reader = Reader(request)
     while True:
         kind, value = await reader.next(120)
