@@ -116,7 +116,7 @@ def test_choices_get_seeds_of_their_own():
 
 
 def test_completion_prompts_and_their_limits():
-    from swarm.leader.api.openai_params import parse_completion_body
+    from swarm.leader.api.completion_params import parse_completion_body
 
     def parse_completion(**fields):
         return parse_completion_body({"model": "m", **fields}, 4096)

@@ -131,7 +131,7 @@ class LinkProbes:
                 for _ in range(FRAMES):
                     await channel.send(await channel.receive())
         except (trio.TooSlowError, SwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+            pass  # the prober measures (or times out) the probe and reports it; this end has nothing to tell
         finally:
             await close_quietly(channel)
 
