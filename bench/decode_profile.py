@@ -159,7 +159,8 @@ def protocol_and_wire(stages, prompt: list[int], steps: int) -> dict[str, float]
     import torch
 
     from swarm import messages, wire
-    from swarm.stage.protocol import Output, Send, StageProtocol
+    from swarm.stage.protocol import StageProtocol
+    from swarm.stage.protocol_records import Output, Send
 
     hidden = wire.tensor_to_wire(torch.zeros((1, 1, stages[0].config.hidden_size)))
     protocols = [StageProtocol(model="m", index=i, num_stages=2, prefill_chunk=256) for i in range(2)]

@@ -74,7 +74,8 @@ def measure_memory(folder: Path, kind: str, stages: int, index: int) -> dict:
     """Run in a fresh process (--memory KIND --stage N/I): stage I of an N-stage split at ``kind``."""
     import torch
 
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest, stage_files
 
     torch.set_num_threads(1)
@@ -177,7 +178,8 @@ def speed(args, folder: Path, gguf: Path | None) -> None:
     import torch
 
     from swarm.leader.chat.chat_format import encode_chat
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     torch.set_num_threads(args.threads)

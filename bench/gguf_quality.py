@@ -100,7 +100,8 @@ def main() -> None:
 
     from swarm.model_import import ensure_imported
     from swarm.stage.quantize import KINDS
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.importer import builtin_gguf_path
     from swarm.store.manifest import load_manifest
 

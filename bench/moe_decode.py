@@ -35,7 +35,30 @@ CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_experts=32, num_experts_
 PROMPT = [1, 517, 42, 999, 7, 1500, 3, 88, 2100, 64, 9, 200, 3001, 12, 77, 640]
 
 
-def build(tmp: Path) -> tuple[Path, Path]:
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tokenizer_for(source: Path) -> None:
+    """A byte-level BPE of CONFIG's vocabulary with a chat template, saved beside the weights: the leader tokenizes
+    chats (bench/plan_vs_measured.py --moe serves this model over fellow processes)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    text = ["The quick brown fox jumps over the lazy dog. Count from one to a hundred: one, two, three, four."] * 50
+    bpe.train_from_iterator(text, vocab_size=CONFIG["vocab_size"] - 2, min_frequency=1, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(source)
+    config_path = source / "tokenizer_config.json"
+    data = json.loads(config_path.read_text())
+    data["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(data))
+
+
+def build(tmp: Path, tokenizer: bool = False) -> tuple[Path, Path]:
     import transformers
 
     from swarm.store.importer import import_model
@@ -43,6 +66,8 @@ def build(tmp: Path) -> tuple[Path, Path]:
     torch.manual_seed(7)
     source = tmp / "src"
     transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**CONFIG)).save_pretrained(source)
+    if tokenizer:
+        tokenizer_for(source)
     import_model(str(source), tmp / "models", "moe")
     return source, tmp / "models" / "moe"
 
@@ -92,7 +117,8 @@ def main() -> None:
     from swarm.leader.planning.planner import Hop, expert_weight_bytes, layer_speed, predict, with_active_experts
     from swarm.leader.serving.models import model_size
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, "
@@ -144,7 +170,7 @@ def main() -> None:
             measured, ratios, whole_ratios = [], [], []
             for _ in range(args.rounds):  # calibrated right before each measurement: the same load on both
                 cal = calibration.measure("cpu", args.threads)
-                speed = layer_speed(cal)
+                speed = layer_speed(cal, kind=kind)
                 rate, _ = decode_rate(lambda t, ring=ring: ring.generate(PROMPT, t), args.tokens, 1)
                 plan = predict(plans, moe_size, dict.fromkeys(range(n), speed), hops, hidden)
                 whole = predict(plans, size, dict.fromkeys(range(n), speed), hops, hidden)

@@ -1,8 +1,8 @@
-"""The planner's prediction (swarm.leader.planning.planner) against the measured speed: the built-in model over 1 and 2
-stages. The goal is within 25 %.
+"""The planner's prediction (swarm.leader.planning.planner) against the measured speed: the built-in model (or, with
+--moe, a tiny-but-not-trivial mixture of experts) over 1 and 2 stages. The goal is within 25 %.
 
     .venv/bin/python bench/plan_vs_measured.py [--tokens 64] [--rounds 3] [--threads N] [--no-pin | --in-process]
-        [--data-dir /tmp/swarm-bench] [--lab [--far-ms 60] [--quantization KIND]]
+        [--data-dir /tmp/swarm-bench] [--moe] [--quantization KIND] [--lab [--far-ms 60]]
 
 By default the leader and each fellow run in processes of their own (tests/fleet.py), as on real PCs, each fellow on
 a core of its own with one thread (taskset; SWARM_THREADS=1), so that two fellows on one machine behave like two
@@ -138,7 +138,7 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
         for fellow in pool.fellows:
             lines = [line for line in fellow.log(200).splitlines() if "calibrated a decoder layer" in line]
             print(f"  {fellow.name}: {lines[-1].split(': ', 1)[-1] if lines else 'no calibration logged'}", flush=True)
-        pool.load(stages)
+        pool.load(stages, quantization=args.quantization or "none")
         ask("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         print(f"{stages} stage(s), separate processes{' on a core each, one thread' if args.pin else ''}:",
               flush=True)
@@ -154,6 +154,10 @@ def in_processes(model_dir: Path, tmp: Path, args: argparse.Namespace, stages: i
 
 
 async def bench(model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
+    if args.moe:
+        from moe_decode import build
+
+        _, model_dir = await trio.to_thread.run_sync(lambda: build(tmp / "moe", tokenizer=True))
     if args.lab:
         from lab_placement import run
 
@@ -184,7 +188,10 @@ def options(parser: argparse.ArgumentParser) -> None:
                         help="the network lab: link-blind against link-aware placement with one far fellow of three "
                              "(bench/lab_placement.py; needs root)")
     parser.add_argument("--far-ms", type=float, default=60.0, help="--lab: the far fellow's delay, each way")
-    parser.add_argument("--quantization", help="--lab: the stages' quantization (e.g. int4-fast); default: none")
+    parser.add_argument("--quantization", help="the stages' quantization (e.g. int4-fast); default: none")
+    parser.add_argument("--moe", action="store_true",
+                        help="a tiny-but-not-trivial random Qwen3-MoE (bench/moe_decode.py's: 8 layers, 32 experts, "
+                             "top-4, hidden 512) instead of the built-in model")
     for old in ("--processes", "--pin"):  # the default now; the earlier runs in bench/HISTORY.md name them
         parser.add_argument(old, dest=old[2:], action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 

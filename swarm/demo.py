@@ -68,7 +68,7 @@ def _wait_http(url: str, procs: Processes, timeout: float = 120) -> None:
         try:
             if httpx.get(url + "/healthz", timeout=2).status_code == 200:
                 return
-        except httpx.TransportError:
+        except httpx.TransportError:  # the leader is not listening yet: ask again until the deadline
             pass
         time.sleep(0.2)
     raise SwarmError(f"the leader did not answer at {url} within {timeout:.0f} s")

@@ -85,7 +85,7 @@ class Swarm:
             body["quantization"] = quantization
         response = await self.http.post(f"/api/v1/models/{model}/load", json=body)
         assert response.status_code == 202, response.text
-        await self.leader.serving.wait_ready(model, timeout)
+        await self.leader.serving.loader.wait_ready(model, timeout)
         return (await self.http.get(f"/api/v1/models/{model}")).json()
 
     def stage(self, model: str, index: int):

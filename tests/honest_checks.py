@@ -18,9 +18,10 @@ from swarm import messages, wire
 from swarm.leader.serving.verify import difference
 from swarm.stage import int4_kernel
 from swarm.stage.execute import run_batch
-from swarm.stage.protocol import Rows, RowSource, StageRequest, Work
+from swarm.stage.protocol_records import Rows, RowSource, StageRequest, Work
 from swarm.stage.recompute import recompute
-from swarm.stage.slice import StageModel, stage_specs
+from swarm.stage.slice import StageModel
+from swarm.stage.slice_load import stage_specs
 
 # kind -> (dtype, quantization): how a fellow may compute a stage on CPU (bfloat16 stands in for a GPU's 16 bits)
 KINDS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "none"), "int8": (torch.float32, "int8"),

@@ -264,7 +264,7 @@ async def test_the_anthropic_client_against_the_pool(tmp_path, model_dir, thinki
             assert missing.status_code == 400 and "'max_tokens' is required" in missing.json()["error"]["message"]
             # the context limits of every face: a conversation too long for the model, a body too large
             # the body limit follows the longest context served (swarm.leader.api.limits.chat_body_limit)
-            limit = chat_body_limit(swarm.leader.serving.largest_context())
+            limit = chat_body_limit(swarm.leader.serving.contexts.largest_context())
             big = await swarm.http.post("/v1/messages", json={"model": name, "max_tokens": 4, "messages": [
                 {"role": "user", "content": "a" * (limit - 20_000)}]})
             assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"

@@ -175,7 +175,7 @@ def test_a_conversation_longer_than_the_pool_is_a_413_and_an_event_in_a_stream(c
         raise ContextTooLong(too_long(4312, 3800, 512, 4096))
 
     monkeypatch.setattr(leader.serving, "status", lambda name: "ready")
-    monkeypatch.setattr(leader.serving, "submit", refuse)
+    monkeypatch.setattr(leader.serving.intake, "submit", refuse)
     # (within the model's own context of 256, which the leader checks first: the refusal is the pool's)
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
     message = check_error(client.post("/v1/chat/completions", json=body, headers=_auth(token)), 413,

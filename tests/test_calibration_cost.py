@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from harness import running_swarm, wait_until
-from swarm.fellow import calibration, calibration_process, compute, hardware
+from swarm.fellow import calibration, calibration_cache, calibration_process, compute, hardware
 
 
 def test_a_spent_budget_times_each_figure_from_one_warm_up_and_one_run():
@@ -33,16 +33,16 @@ def test_the_cache_is_the_machines_keyed_by_the_hardware(tmp_path, monkeypatch):
     key = calibration.hardware_key("auto", {"cpu_cores": 2, "gpus": []})
     other = calibration.hardware_key("auto", {"cpu_cores": 4, "gpus": []})
     result = {"version": calibration.VERSION, "device": "cpu", "points": [{"hidden": 256}]}
-    calibration.store(key, result, tmp_path / "fellow-a")
-    assert calibration.cache_file(key).is_relative_to(tmp_path / "cache")
-    assert calibration.cached(key, tmp_path / "fellow-b") == result  # another data dir, the same machine
-    assert calibration.cached(key) == result
-    assert calibration.cached(other, tmp_path / "fellow-b") is None  # other hardware: measured again
+    calibration_cache.store(key, result, tmp_path / "fellow-a")
+    assert calibration_cache.cache_file(key).is_relative_to(tmp_path / "cache")
+    assert calibration_cache.cached(key, tmp_path / "fellow-b") == result  # another data dir, the same machine
+    assert calibration_cache.cached(key) == result
+    assert calibration_cache.cached(other, tmp_path / "fellow-b") is None  # other hardware: measured again
     # a fellow's calibration from before the machine-wide cache (in its data dir) is taken, and kept machine-wide
-    calibration.store(other, result, tmp_path / "fellow-old")
-    calibration.cache_file(other).unlink()
-    assert calibration.cached(other, tmp_path / "fellow-old") == result
-    assert calibration.cached(other) == result
+    calibration_cache.store(other, result, tmp_path / "fellow-old")
+    calibration_cache.cache_file(other).unlink()
+    assert calibration_cache.cached(other, tmp_path / "fellow-old") == result
+    assert calibration_cache.cached(other) == result
 
 
 @pytest.mark.e2e
@@ -63,7 +63,7 @@ async def test_fellows_on_one_machine_calibrate_once_without_holding_up_their_co
             assert time.monotonic() - began < 1.0
             loading = await swarm.http.post(f"/api/v1/models/{model_dir.name}/load", json={"num_stages": 2})
             assert loading.status_code == 202, loading.text
-            await swarm.leader.serving.wait_ready(model_dir.name, 60)
+            await swarm.leader.serving.loader.wait_ready(model_dir.name, 60)
             await wait_until(lambda: all(f.calibration for f in fellows), 200)
             # one child measured; the other fellow took what it measured (the same figures, not measured again)
             assert fellows[0].calibration == fellows[1].calibration

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from swarm.fellow import calibration
+from swarm.fellow import calibration, calibration_cache
 
 
 def test_two_fellows_on_one_machine_calibrate_one_after_the_other(tmp_path, monkeypatch):
@@ -22,9 +22,9 @@ def test_two_fellows_on_one_machine_calibrate_one_after_the_other(tmp_path, monk
         return {"version": calibration.VERSION, "device": device, "points": []}
 
     monkeypatch.setattr(calibration, "measure", timed)
-    monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: 0.0)  # the machine is quiet here
-    fellows = [threading.Thread(target=calibration.cached_or_measure, args=(tmp_path / f"f{i}", "cpu", {"cpu": i}))
-               for i in range(2)]
+    monkeypatch.setattr(calibration_cache, "others_busy", lambda sample_s=0: 0.0)  # the machine is quiet here
+    fellows = [threading.Thread(target=calibration_cache.cached_or_measure,
+                                args=(tmp_path / f"f{i}", "cpu", {"cpu": i})) for i in range(2)]
     for thread in fellows:
         thread.start()
     for thread in fellows:
@@ -41,18 +41,18 @@ def test_a_fellow_waits_for_the_machine_to_quieten_before_timing_itself(tmp_path
     itself anyway."""
     readings = iter([0.9, 0.6, 0.1])
     measured_after: list[float] = []
-    monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: next(readings))
+    monkeypatch.setattr(calibration_cache, "others_busy", lambda sample_s=0: next(readings))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration, "measure",
                         lambda device, threads, cpu=None: measured_after.append(next(readings, None))
                         or {"version": calibration.VERSION, "device": device, "points": []})
-    calibration.cached_or_measure(tmp_path / "f", "cpu", {"cpu": 1})
+    calibration_cache.cached_or_measure(tmp_path / "f", "cpu", {"cpu": 1})
     assert measured_after == [None]  # all three readings were taken (busy, busy, quiet) before it measured
 
-    monkeypatch.setattr(calibration, "others_busy", lambda sample_s=0: 0.95)  # never quiet
-    monkeypatch.setattr(calibration, "QUIET_WAIT_S", 0.2)
+    monkeypatch.setattr(calibration_cache, "others_busy", lambda sample_s=0: 0.95)  # never quiet
+    monkeypatch.setattr(calibration_cache, "QUIET_WAIT_S", 0.2)
     started = time.monotonic()
-    assert calibration.wait_until_quiet(0.2) == 0.95
+    assert calibration_cache.wait_until_quiet(0.2) == 0.95
     assert time.monotonic() - started < 5
 
 
@@ -66,7 +66,7 @@ def test_others_busy_sees_another_process_and_not_its_own_work():
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        assert calibration.others_busy(0.5) >= 0.6 / CORES  # one of the machine's cores spinning: 1 / CORES
+        assert calibration_cache.others_busy(0.5) >= 0.6 / CORES  # one of the machine's cores spinning: 1 / CORES
     finally:
         spinner.kill()
         spinner.wait()
@@ -76,11 +76,11 @@ def test_others_busy_sees_another_process_and_not_its_own_work():
         while time.monotonic() < end:
             pass
 
-    before = calibration.others_busy(0.5)  # what the rest of the machine does meanwhile (another test run, say)
+    before = calibration_cache.others_busy(0.5)  # what the rest of the machine does meanwhile (another test run, say)
     mine = threading.Thread(target=spin_here)
     mine.start()
     try:
-        share = calibration.others_busy(0.5)
+        share = calibration_cache.others_busy(0.5)
     finally:
         mine.join()
     assert share < before + 0.6 / CORES  # this process's own spinning thread (1 / CORES) is not "other work"

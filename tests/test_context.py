@@ -119,11 +119,11 @@ def test_the_served_context_is_the_models_own_then_its_loads_cap(leader):
     serving = leader.serving
 
     async def context():
-        return await serving.context_of("qwen3")
+        return await serving.contexts.context_of("qwen3")
 
     assert trio.run(context) == 256  # the tiny model's max_position_embeddings
     serving.context_caps["qwen3"] = 128
     assert trio.run(context) == 128
     with pytest.raises(ContextTooLong, match="maximum context length.*the context its load asked for"):
-        serving.check_context("qwen3", 200, 150, 50)
-    assert serving.largest_context() == FALLBACK_CONTEXT  # nothing loaded yet: the /v1 body limit's context
+        serving.contexts.check_context("qwen3", 200, 150, 50)
+    assert serving.contexts.largest_context() == FALLBACK_CONTEXT  # nothing loaded yet: the /v1 body limit's context

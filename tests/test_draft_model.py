@@ -246,13 +246,13 @@ def test_sampled_choices_of_one_prompt_draft_and_leave_nothing_behind(tiny_model
 
 
 def test_a_draft_model_that_does_not_fit_or_an_older_last_fellow_leaves_it_out_or_refuses():
-    """The leader's choice at placement (Serving._with_draft_model): counted on the last fellow when it fits and that
+    """The leader's choice at placement (Loader._with_draft_model): counted on the last fellow when it fits and that
     fellow runs draft models; left out, with a log line, where the fellow is of an earlier version or -- auto -- it
     does not fit; a draft model named explicitly that does not fit refuses the load."""
     from types import SimpleNamespace as NS
 
     from swarm.config import Settings
-    from swarm.leader.serving.serving import Serving
+    from swarm.leader.serving.loader import Loader
 
     size = ModelSize(tuple([100_000_000] * 8), 50_000_000, 50_000_000, False, 10_000)
     fellows = [FellowCapacity(1, "a", 4 * GB), FellowCapacity(2, "b", 4 * GB)]
@@ -264,9 +264,9 @@ def test_a_draft_model_that_does_not_fit_or_an_older_last_fellow_leaves_it_out_o
                                                     2: NS(name="b", draft_model=draft_model)}))
 
     fits, too_big = DraftSize(GB, 40_000), DraftSize(4 * GB, 0)
-    chosen = Serving._with_draft_model(leader("auto"), "m", plans, size, fellows, 2, fits)
+    chosen = Loader(leader("auto"))._with_draft_model("m", plans, size, fellows, 2, fits)
     assert chosen[-1].draft_bytes == GB
-    assert Serving._with_draft_model(leader("auto", draft_model=False), "m", plans, size, fellows, 2, fits) is plans
-    assert Serving._with_draft_model(leader("auto"), "m", plans, size, fellows, 2, too_big) is plans
+    assert Loader(leader("auto", draft_model=False))._with_draft_model("m", plans, size, fellows, 2, fits) is plans
+    assert Loader(leader("auto"))._with_draft_model("m", plans, size, fellows, 2, too_big) is plans
     with pytest.raises(PlacementError, match="draft model"):
-        Serving._with_draft_model(leader("small"), "m", plans, size, fellows, 2, too_big)
+        Loader(leader("small"))._with_draft_model("m", plans, size, fellows, 2, too_big)

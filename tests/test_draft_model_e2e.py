@@ -75,7 +75,7 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
 
             # the built-in model named as its own draft model: nearly every guess kept, the reply the same
             serving.settings = dataclasses.replace(serving.settings, serve_draft_model=model)
-            await serving.unload(model)
+            await serving.loader.unload(model)
             await wait_until(lambda: stage_model.drafter is None, 30, message="the draft model was not freed")
             await swarm.load(model, 2)
             assert serving.models[model].draft["model"] == model
@@ -88,11 +88,11 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             assert timing["spec_accepted"] > 0 and timing["spec_passes"] <= len(got) // 2, timing
 
             # a quantized load: the draft model is held at the same kind, counted so, and guesses as the ring computes
-            await serving.unload(model)
+            await serving.loader.unload(model)
             response = await swarm.http.post(f"/api/v1/models/{model}/load",
                                              json={"num_stages": 2, "quantization": "int8"})
             assert response.status_code == 202, response.text
-            await serving.wait_ready(model, 120)
+            await serving.loader.wait_ready(model, 120)
             drafter = swarm.stage(model, 1).driver.stage_model.drafter
             assert drafter.model.quantization == "int8"
             manifest = json.loads((smollm_model_dir / MANIFEST_FILE).read_text())
@@ -109,12 +109,12 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             assert timing["spec_accepted"] > 0 and timing["spec_passes"] <= len(want8) // 2, timing
 
             # a last fellow of an earlier version (its hello does not say draft_model): no draft model, lookup alone
-            await serving.unload(model)
+            await serving.loader.unload(model)
             serving.hub.online[swarm.fellows[1].fellow_id].draft_model = False
             response = await swarm.http.post(f"/api/v1/models/{model}/load",
                                              json={"num_stages": 2, "quantization": "none"})  # not int8 again
             assert response.status_code == 202, response.text
-            await serving.wait_ready(model, 120)
+            await serving.loader.wait_ready(model, 120)
             assert serving.models[model].draft is None and serving.models[model].stages[-1].plan.draft_bytes == 0
             assert swarm.stage(model, 1).driver.stage_model.drafter is None
             data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
@@ -122,7 +122,7 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
 
             # a named draft model that is not there: the load is refused before anything is placed
             serving.settings = dataclasses.replace(serving.settings, serve_draft_model="nope")
-            await serving.unload(model)
+            await serving.loader.unload(model)
             response = await swarm.http.post(f"/api/v1/models/{model}/load", json={"num_stages": 2})
             assert response.status_code == 409, response.text
             assert "SWARM_SERVE_DRAFT_MODEL names nope, which is not in the catalogue" in response.text

@@ -215,8 +215,18 @@ async def test_swarm_leave_with_a_hot_cover_switches_at_once(tmp_path, smollm_mo
             assert stage_fellows(swarm, name)[index] == "fellow-2" and serving.status == "ready"
             await wait_until(lambda: not leaving.stages, 10)  # it unloaded its stage
             gap, pace = switch_gap(result), token_pace(result)
+            [switch] = swarm.leader.serving.drains.switches
+            assert switch.last_token_at is not None
+            after_token = switch.switched_at - switch.last_token_at
             print(f"drain with hot cover: the stream paused {gap:.2f} s at the switch, tokens came every {pace:.2f} s "
-                  f"before it (longest gap {longest_gap(result['arrivals']):.2f} s); the reply is {outcome}")
+                  f"before it (longest gap {longest_gap(result['arrivals']):.2f} s), the switch came "
+                  f"{1000 * after_token:.0f} ms after a token, the new ring linked in "
+                  f"{1000 * (switch.linked_at - switch.switched_at):.0f} ms and prefilled "
+                  + ", ".join(f"{t.prefill_tokens} tokens in {1000 * t.prefill_s:.0f} ms on stage {i}"
+                              for i, t in sorted(result["request"].stage_times.items()))
+                  + f"; the reply is {outcome}")
+            # the switch waited for a token boundary: it came right after a token, not anywhere in the step after
+            assert after_token < min(0.25, pace / 2), (after_token, pace)
             # 0.5 s is the goal on a machine of its own (bench/drain_gap.py); on one shared with other suites
             # every step of the switch (relinking, opening the new hops, prefilling the reply so far) runs at the
             # machine's pace: measured here 1.19 s with tokens every 0.20 s, 2.83 s at load 12. What the test holds

@@ -18,7 +18,7 @@ import trio
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 from swarm.store.manifest import load_manifest
 
 pytestmark = [
@@ -57,7 +57,8 @@ def test_gemma3_270m_at_gguf_computes_on_the_blocks_and_answers_as_one_process(g
     from reference_model import gguf_reference_model
     from swarm.stage.gguf_linear import GGUFEmbedding
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import stage_files
 
     manifest = load_manifest(gemma_dir)
@@ -103,7 +104,7 @@ async def test_gemma3_270m_over_two_fellows_answers_as_generate(tmp_path, gemma_
             assert [s["layers"] for s in view["stages"]] == [[0, 9], [9, 18]]
             request = Request(model=gemma_dir.name, prompt=prompt, max_tokens=NEW_TOKENS,
                               sampling=messages.Sampling(), eos=manifest.eos_token_ids)
-            await swarm.leader.serving.submit(request)
+            await swarm.leader.serving.intake.submit(request)
             reader = Reader(request)
             while True:
                 kind, value = await reader.next(120)

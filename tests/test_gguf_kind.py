@@ -155,7 +155,8 @@ def test_a_gguf_of_each_type_loads_at_gguf_as_its_float_weights_and_answers_as_o
     from reference_model import gguf_reference_model
     from swarm.stage.gguf_linear import GGUFEmbedding, dequantized
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.importer import import_model
 
     gguf = tmp_path / f"tiny-{kind}.gguf"
@@ -187,7 +188,8 @@ def test_the_builtin_model_over_two_stages_at_gguf_answers_as_gguf_in_one_proces
     from reference_model import gguf_reference_model
     from swarm.leader.chat.chat_format import encode_chat
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     stages = [StageModel.load_dir(smollm_model_dir, s, quantization="gguf") for s in stage_specs(30, 2)]
     # the Q4_1 layers on the kernel with the file's float16 scales, and the C decode step over them
@@ -278,7 +280,8 @@ def test_a_tied_8_bit_embedding_is_held_once_and_looks_up_the_files_values(tmp_p
     from reference_model import gguf_reference_model
     from swarm.stage.gguf_linear import GGUFEmbedding
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.importer import import_model
 
     gguf = tmp_path / f"tiny-{kind}.gguf"

@@ -418,7 +418,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
     leader.serving.reload_on_request.add(name)  # it would load for this request
     tokenised = []
     monkeypatch.setattr(openai_api, "encode_chat", lambda *a, **k: tokenised.append(1) or [1, 2, 3])
-    text = "word " * (leader.serving.largest_context() * FALLBACK_TOKEN_BYTES // 5 + 1)
+    text = "word " * (leader.serving.contexts.largest_context() * FALLBACK_TOKEN_BYTES // 5 + 1)
     with client:
         response = client.post("/v1/chat/completions",
                                headers={"authorization": f"Bearer {leader.first_start.admin_token}"},
@@ -435,7 +435,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenising(tmp_path, t
 def test_users_cancel_only_their_own_requests_and_unload_only_what_nobody_else_uses(tmp_path, tiny_model_dirs):
     from harness import install_model
     from swarm import messages
-    from swarm.leader.serving.requests import Request
+    from swarm.leader.serving.request import Request
 
     leader, client = _leader_client(tmp_path)
     name = install_model(tmp_path / "leader", tiny_model_dirs["qwen3"])
@@ -604,7 +604,8 @@ def test_out_of_range_sampling_values_and_loose_booleans_are_a_400_at_the_edge()
     import pytest as _pytest
 
     from swarm.errors import BadRequest
-    from swarm.leader.api.openai_params import parse_chat_body, parse_completion_body
+    from swarm.leader.api.completion_params import parse_completion_body
+    from swarm.leader.api.openai_params import parse_chat_body
 
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for bad in ({"top_p": 1.5}, {"top_p": math.nan}, {"top_p": -0.1}, {"min_p": 2}, {"min_p": math.nan},

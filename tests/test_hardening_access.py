@@ -194,9 +194,10 @@ def test_a_cover_the_leader_gave_is_adopted_when_its_fellow_rejoins():
     def fellow(fellow_id):
         return types.SimpleNamespace(id=fellow_id, name=f"fellow-{fellow_id}", compatible=True, pool_id=None)
 
-    assert recovery.keeps(fellow(8), claim) == [] and recovery._claim(fellow(8), claim) == []  # no cover of its own
+    # no cover of its own
+    assert recovery.keeps(fellow(8), claim) == [] and recovery.adoption.claim(fellow(8), claim) == []
     assert stages[0].cover is None
-    assert recovery.keeps(fellow(7), claim) == ["m"] and recovery._claim(fellow(7), claim) == ["m"]
+    assert recovery.keeps(fellow(7), claim) == ["m"] and recovery.adoption.claim(fellow(7), claim) == ["m"]
     assert (stages[0].cover, stages[0].cover_ready) == (7, True)
     assert recovery.keeps(fellow(11), claim) == []  # nor can stage 1's own fellow claim to cover stage 0
 

@@ -12,7 +12,8 @@ from transformers.cache_utils import DynamicCache
 
 from swarm.errors import KernelMismatch
 from swarm.stage import compiled_decode, int4_kernel
-from swarm.stage.slice import StageModel, stage_specs
+from swarm.stage.slice import StageModel
+from swarm.stage.slice_load import stage_specs
 from swarm.store.manifest import load_manifest
 
 pytestmark = pytest.mark.skipif(int4_kernel.kernel() is None, reason="no C compiler here to build the kernel")

@@ -49,7 +49,7 @@ def test_a_q8_ring_with_a_capped_context_answers_as_generate_and_refuses_longer(
                                                  json={"num_stages": 2, "kv_cache": "q8", "context_tokens": 1024,
                                                        "quantization": "none"})  # float32: the reference's
                 assert response.status_code == 202, response.text
-                await swarm.leader.serving.wait_ready(name, 200)
+                await swarm.leader.serving.loader.wait_ready(name, 200)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()
                 assert view["kv_cache"] == "q8" and view["context_tokens"] == 1024, view
                 for index in range(2):

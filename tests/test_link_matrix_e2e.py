@@ -1,6 +1,7 @@
 """Links are measured (issue 37): a leader and three fellows on loopback; soon after they join, each fellow measures
 round-trip time and throughput to the two others over a direct link, as a ring hop would dial it, and the admin API
-gives the matrix. A fellow whose serving port cannot be reached is reported as failing over to the relay."""
+gives the matrix. A fellow whose serving port cannot be reached is measured over the leader's relay, the path its ring
+hops would take then, at a cost of a few KB a pair."""
 
 from __future__ import annotations
 
@@ -27,17 +28,26 @@ async def test_fellows_measure_their_links_and_the_admin_api_gives_the_matrix(tm
                 assert link["path"] == "direct" and link["error"] is None, link
                 assert 0 < link["rtt_ms"] < 1000 and link["mbps"] > 0, link
 
-            # fellow-2's serving port closes: the others' next probe of it fails, and says so
+            # fellow-2's serving port closes: the others' next probe of it goes over the relay, measured, and says
+            # why; fellow-2's own probes still go direct
             victim = swarm.fellows[2]
             conn = swarm.leader.hub.online[victim.fellow_id]
             conn.serve_port = 1  # nothing listens there
             before = {k: v["at"] for k, v in matrix.links.items()}
+            relayed_before = swarm.leader.relay.bytes_forwarded
             matrix.probe_all()
+            await wait_until(lambda: all(matrix.links[p]["at"] > before[p] for p in pairs), 30)
             to_victim = [(a, victim.fellow_id) for a in ids if a != victim.fellow_id]
-            await wait_until(lambda: all(matrix.links[p]["at"] > before[p] for p in to_victim), 30)
-            for pair in to_victim:
+            for pair in pairs:
                 link = matrix.links[pair]
-                assert link["path"] == "relay" and link["rtt_ms"] is None and "direct link failed" in link["error"]
+                if pair in to_victim:
+                    assert link["path"] == "relay" and link["error"] is None, link
+                    assert "direct link failed" in link["note"] and 0 < link["rtt_ms"] < 1000 and link["mbps"] > 0
+                else:
+                    assert link["path"] == "direct" and link["note"] is None, link
+            # the two relayed probes cost a few KB each through the leader (payloads, Noise and framing)
+            relayed = swarm.leader.relay.bytes_forwarded - relayed_before
+            assert 2 * 2 * 4288 <= relayed < 2 * 12_000, relayed
 
             # only admins read it
             user = swarm.leader.store.create_user("bob", "a long enough password", False)

@@ -21,7 +21,7 @@ from exactness import check_reply, reference
 from harness import running_swarm, wait_until
 from swarm import messages, wire
 from swarm.leader.fleet.fellows import CONTROL_MAX_BYTES
-from swarm.leader.serving.requests import Request
+from swarm.leader.serving.request import Request
 from swarm.stage.prefix_cache import store_of
 from swarm.tunnel.noise import MAX_MESSAGE_SIZE
 
@@ -124,10 +124,10 @@ async def test_a_32k_prompt_is_exact_within_its_plan_in_chunks_and_a_short_chat_
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_memory)
-                await serving.submit(short)
+                await serving.intake.submit(short)
                 nursery.start_soon(follow_short)
                 await wait_until(lambda: len(short.tokens) >= 3, 60)
-                await serving.submit(long)
+                await serving.intake.submit(long)
                 # the leader holds the long prompt once: stage 0's message and the prefix cache's index share it
                 assert long.generate_message().prompt is long.prompt
                 assert all(reply.prompt is long.prompt or reply.prompt is short.prompt

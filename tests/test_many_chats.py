@@ -15,7 +15,7 @@ from exactness import check_reply, reference
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ NEAR_TIES: list[str] = []
 
 async def ask(swarm, model: str, prompt: list[int]) -> list[int]:
     request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-    await swarm.leader.serving.submit(request)
+    await swarm.leader.serving.intake.submit(request)
     reader = Reader(request)
     while True:
         kind, value = await reader.next(60)
@@ -79,8 +79,8 @@ async def test_a_long_prompt_does_not_stall_the_other_chats(tmp_path, tiny_model
             await swarm.load(d.name, 2)
             short = Request(model=d.name, prompt=[5, 6, 7], max_tokens=40, sampling=messages.Sampling(), eos=[])
             long = Request(model=d.name, prompt=long_prompt, max_tokens=1, sampling=messages.Sampling(), eos=[])
-            await swarm.leader.serving.submit(short)
-            await swarm.leader.serving.submit(long)
+            await swarm.leader.serving.intake.submit(short)
+            await swarm.leader.serving.intake.submit(long)
             reader = Reader(long)
             while (await reader.next(60))[0] != "done":
                 pass
@@ -108,7 +108,7 @@ async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_pat
             requests = [Request(model=d.name, prompt=[5, 6, 7 + i], max_tokens=30, sampling=messages.Sampling(),
                                 eos=[]) for i in range(3)]
             for r in requests:
-                await swarm.leader.serving.submit(r)
+                await swarm.leader.serving.intake.submit(r)
             assert [r.state for r in requests] == ["running", "waiting", "waiting"]
             for r in requests:
                 reader = Reader(r)
@@ -121,7 +121,7 @@ async def test_a_small_pool_queues_chats_and_refuses_what_it_cannot_hold(tmp_pat
 
             reply = budget.tokens - 39
             with pytest.raises(ContextTooLong) as refused:
-                await swarm.leader.serving.submit(Request(model=d.name, prompt=[1] * 40, max_tokens=reply,
+                await swarm.leader.serving.intake.submit(Request(model=d.name, prompt=[1] * 40, max_tokens=reply,
                                                           sampling=messages.Sampling(), eos=[]))
             assert (f"this conversation needs {budget.tokens + 1} tokens (40 in the prompt and up to {reply} in the "
                     "reply); the pool serving this model holds 48") in str(refused.value)

@@ -80,7 +80,7 @@ async def test_mcp_tools_reach_models_and_chats_as_the_api_does(tmp_path, smollm
                 assert kind == "error" and "needs 3 fellows online" in text and "HTTP 409" in text
                 kind, started = await mcp.call("models_load", {"model": name, "num_stages": 2, "quantization": "none"})
                 assert kind == "ok", started
-                await swarm.leader.serving.wait_ready(name, 120)
+                await swarm.leader.serving.loader.wait_ready(name, 120)
                 kind, reply = await mcp.call("chat", {"model": name, "prompt": QUESTION, "temperature": 0,
                                                       "max_tokens": 24})
                 assert kind == "ok", reply

@@ -92,7 +92,8 @@ def test_placement_counts_every_expert(moe_dirs, kind):
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_stages_in_one_process_match_generate(moe_dirs, kind, stages):
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = moe_dirs[kind]
     model = _source_model(source)
@@ -106,7 +107,8 @@ def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_
     from reference_model import load_reference_model
     from swarm.stage.local import LocalRing
     from swarm.stage.quantize import quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     _, model_dir = moe_dirs["qwen2_moe"]
     full = [StageModel.load_dir(model_dir, s) for s in stage_specs(3, 2)]
@@ -121,7 +123,7 @@ def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_
 async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(tmp_path, moe_dirs):
     from harness import running_swarm
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
 
     kinds = ["qwen3_moe", "mixtral"]
     expected = {}
@@ -131,7 +133,7 @@ async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(
 
     async def tokens(swarm, name, prompt):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -158,4 +160,4 @@ async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(
                             nursery.start_soon(chat, i, prompt)
                     verdicts = [check_reply(got[i], want, margins) for i, (want, margins) in enumerate(expected[kind])]
                     assert verdicts == ["identical"] * len(PROMPTS), (kind, stages, verdicts)
-                    await swarm.leader.serving.unload(kind)
+                    await swarm.leader.serving.loader.unload(kind)

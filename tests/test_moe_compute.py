@@ -102,7 +102,8 @@ def _pass_reads(stage, run):
 @pytest.mark.parametrize("kind", ["none", "int8"])
 def test_a_pass_reads_only_its_routed_experts_each_once_for_all_its_rows(moe_dirs, kind):
     from swarm.stage.ragged import forward_batch
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     (spec,) = stage_specs(4, 1)
     stage = StageModel.load_dir(moe_dirs["qwen3_moe"], spec, quantization=kind)
@@ -153,7 +154,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
     from swarm.stage.local import LocalRing
     from swarm.stage.moe_experts import QuantizedExperts
     from swarm.stage.quantize import Int4Linear, Int8Linear, quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     model_dir = moe_dirs[family]
@@ -180,7 +182,8 @@ def test_quantized_moe_over_two_stages_is_the_quantized_model_in_one_process(moe
 def test_the_plan_counts_a_token_s_active_experts(moe_dirs):
     from swarm.leader.planning.planner import active_layer_bytes
     from swarm.leader.serving.models import model_size
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
     model_dir = moe_dirs["qwen2_moe"]
@@ -205,7 +208,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
     from harness import running_swarm
     from reference_model import load_reference_model
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
     from swarm.stage.quantize import quantize_model
 
     name = "qwen3_moe"
@@ -213,7 +216,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
 
     async def tokens(swarm):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -226,7 +229,7 @@ async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path
             for kind in ("int8", "int4-fast"):
                 r = await swarm.http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2, "quantization": kind})
                 assert r.status_code == 202, r.text
-                await swarm.leader.serving.wait_ready(name, 120)
+                await swarm.leader.serving.loader.wait_ready(name, 120)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()
                 assert view["quantization"] == kind and view["compression"] > 2
                 held = [s.driver.stage_model.parameter_bytes() for f in swarm.fellows for s in f.stages.values()]
@@ -258,6 +261,58 @@ def test_the_plan_of_a_moe_adds_its_routing_to_its_active_weights():
     # an older calibration (no routing measured): shares of the dense layer's fixed cost
     older = layer_speed({"points": points, "prefill_tokens": 1000})
     assert older.moe_ms(8) == pytest.approx(0.5 * (0.25 + 0.33 * 8))
+
+
+def test_the_plan_of_a_quantized_moe_counts_its_experts_at_the_kind_s_own_speed():
+    from swarm.leader.planning.placement import ModelSize, StagePlan
+    from swarm.leader.planning.planner import layer_speed, predict, with_active_experts
+
+    points = [{"weight_bytes": b, "decode_ms": 0.5 + b * 1e-6, "prefill_ms": 10 + b * 1e-5, "pass_ms": 0.1}
+              for b in (1_000_000, 4_000_000)]
+    # one routed expert at int8: 0.05 ms + 2e-7 ms a byte (its kernel calls cost more per byte than float32's)
+    moe = {"router_ms": 0.2, "expert_ms": 0.05,
+           "kinds": {"int8": [[400_000, 0.05 + 400_000 * 2e-7], [1_200_000, 0.05 + 1_200_000 * 2e-7]]}}
+    calibration = {"points": points, "prefill_tokens": 1000, "moe": moe}
+    speed = layer_speed(calibration, kind="int8")
+    assert speed.expert_fixed_ms == pytest.approx(0.05) and speed.expert_per_byte_ms == pytest.approx(2e-7)
+    assert layer_speed(calibration, kind="nf4").expert_per_byte_ms is None  # int4-fast not timed: no figure for nf4
+    config = {"hidden_size": 512, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 256}
+    expert = 3 * 512 * 256  # a byte a weight
+    layer = 32 * expert + 800_000  # its experts, and attention and router besides
+    size = with_active_experts(ModelSize((layer,) * 2, 0, 0, False, 0), config, 1.0)
+    assert size.expert_bytes == expert
+    plan = [StagePlan(0, 1, "pc", 0, 2, 2 * layer, 0)]
+    got = predict(plan, size, {1: speed}, [], 2048)["stages"][0]["decode_ms"]
+    # the layer's line for what is not an expert, then the routing and four experts at int8's own figures
+    assert got == pytest.approx(0.1 + 2 * (0.5 + 800_000 * 1e-6 + 0.2 + 4 * (0.05 + expert * 2e-7)))
+    # a kind the fellow did not time: every active byte at the layer's line, the routing beside
+    plain = predict(plan, size, {1: layer_speed(calibration, kind="none")}, [], 2048)["stages"][0]["decode_ms"]
+    assert plain == pytest.approx(0.1 + 2 * (0.5 + (800_000 + 4 * expert) * 1e-6 + 0.2 + 4 * 0.05))
+    # unquantized experts timed too: int8's at a quarter of the bytes took 0.5x the time, so a byte of the layer's
+    # attention at int8 counts as 4 * 0.5 = 2 of the dense line's float bytes
+    moe["kinds"]["none"] = [[1_600_000, 0.2], [4_800_000, (0.05 + 1_200_000 * 2e-7) / 0.5]]
+    speed = layer_speed(calibration, kind="int8")
+    assert speed.kind_byte_factor == pytest.approx(4_800_000 / 1_200_000 * 0.5)
+    got = predict(plan, size, {1: speed}, [], 2048)["stages"][0]["decode_ms"]
+    assert got == pytest.approx(0.1 + 2 * (0.5 + 2 * 800_000 * 1e-6 + 0.2 + 4 * (0.05 + expert * 2e-7)))
+
+
+def test_a_fellow_times_routed_experts_at_each_kind_it_serves():
+    import torch
+
+    from swarm.fellow import calibration
+    from swarm.fellow.moe_calibration import EXPERT_SHAPES, measure_moe
+    from swarm.quantization import kinds_on
+
+    with torch.inference_mode():
+        moe = measure_moe("cpu", torch.float32, lambda: None,
+                          lambda fn, on, repeats, budget_s: calibration._typical(fn, on, 3, 0.05))
+    assert set(moe["kinds"]) == {"none", "int8", "int4-fast"} & set(kinds_on("cpu"))
+    for kind, points in moe["kinds"].items():
+        assert len(points) == len(EXPERT_SHAPES) and all(ms > 0 for _, ms in points), (kind, points)
+    none, int8 = moe["kinds"]["none"], moe["kinds"]["int8"]
+    assert [b for b, _ in none] == [3 * h * r * 4 for h, r, _ in EXPERT_SHAPES]  # float32: 4 bytes a weight
+    assert all(i < n / 3.9 for (i, _), (n, _) in zip(int8, none))  # a byte a weight and a scale per row
 
 
 def test_the_readme_table_of_real_models_is_the_planner_s(tmp_path):

@@ -130,7 +130,8 @@ def test_layer_files_hold_what_the_decoder_layer_expects(family_dirs, kind):
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_stages_in_one_process_match_generate(family_dirs, kind, stages):
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = family_dirs[kind]
     model = _source_model(source)
@@ -144,7 +145,8 @@ def test_gpt_oss_stages_attend_with_sinks_and_windows(family_dirs):
     """The sinks and the windows change the reply: a stage without them (SDPA, which drops the sinks) or with
     every layer full leaves generate's reply on the prompts above."""
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = family_dirs["gpt_oss"]
     model = _source_model(source)
@@ -163,7 +165,8 @@ def test_eight_chats_batched_in_one_process_match_generate(family_dirs, kind):
     sinks and windows."""
     from swarm import messages
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     source, model_dir = family_dirs[kind]
     model = _source_model(source)
@@ -181,7 +184,7 @@ def test_eight_chats_batched_in_one_process_match_generate(family_dirs, kind):
 async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_chats(tmp_path, family_dirs):
     from harness import running_swarm
     from swarm import messages
-    from swarm.leader.serving.requests import Reader, Request
+    from swarm.leader.serving.request import Reader, Request
 
     kinds = list(FAMILIES)
     expected = {}
@@ -191,7 +194,7 @@ async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_cha
 
     async def tokens(swarm, name, prompt):
         request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.submit(request)
+        await swarm.leader.serving.intake.submit(request)
         reader = Reader(request)
         while True:
             kind, value = await reader.next(60)
@@ -218,7 +221,7 @@ async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_cha
                             nursery.start_soon(chat, i, prompt)
                     verdicts = [check_reply(got[i], want, margins) for i, (want, margins) in enumerate(expected[kind])]
                     assert verdicts == ["identical"] * len(PROMPTS), (kind, stages, verdicts)
-                    await swarm.leader.serving.unload(kind)
+                    await swarm.leader.serving.loader.unload(kind)
 
 
 # --- chat formats: replies rendered by each family's own chat template (tests/templates: gpt-oss-20b's
@@ -281,7 +284,7 @@ def _reply_tokens(model_dir: Path, messages: list[dict], reply: dict, **kwargs) 
 
 def _stream(model_dir: Path, tokens: list[int], family: str, tools: list[dict] | None, inside: bool = False):
     """The reply as the API splits it, fed one token at a time: (reasoning, content, tool calls)."""
-    from swarm.leader.api.openai_api import ReplyText
+    from swarm.leader.api.replies import ReplyText
     from swarm.leader.chat.chat_format import load_tokenizer
     from swarm.leader.chat.tool_calls import ToolCallSplitter
 
@@ -390,7 +393,8 @@ def test_glm_router_stays_float32_in_bfloat16(family_dirs, tmp_path):
     from safetensors import safe_open
 
     from swarm.stage.local import LocalRing
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
     from swarm.store.importer import import_model
 
     source, _ = family_dirs["glm4_moe"]

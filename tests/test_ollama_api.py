@@ -151,7 +151,7 @@ async def test_the_ollama_client_against_the_pool(tmp_path, model_dir, thinking_
             assert info.value.status_code == 400 and "'num_predict'" in info.value.error
             # a chat body has the /v1 routes' size limit (it follows the longest context served), not the 1 MiB of
             # other routes: a prompt just under it is read, then refused by the context check
-            limit = chat_body_limit(swarm.leader.serving.largest_context())
+            limit = chat_body_limit(swarm.leader.serving.contexts.largest_context())
             assert limit > 1 << 20
             big = await swarm.http.post("/api/chat", json={"model": name, "messages": [
                 {"role": "user", "content": "a" * (limit - 20_000)}]})
@@ -201,7 +201,7 @@ def test_malformed_ollama_bodies_are_a_400_never_a_crash():
     import random
 
     from swarm.errors import BadRequest
-    from swarm.leader.api.ollama_api import chat_body
+    from swarm.leader.api.ollama_params import chat_body
     from swarm.leader.api.openai_params import parse_chat_body
     from test_fuzz import _json_junk
 

@@ -135,15 +135,15 @@ async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
 
             # n: greedy choices are the same reply, run once on the ring; usage counts them all
             submitted = []
-            submit = swarm.leader.serving.submit
+            submit = swarm.leader.serving.intake.submit
 
             async def count(request):
                 submitted.append(request)
                 return await submit(request)
 
-            swarm.leader.serving.submit = count
+            swarm.leader.serving.intake.submit = count
             reply = await call(client.chat.completions.create, **base, n=3)
-            swarm.leader.serving.submit = submit
+            swarm.leader.serving.intake.submit = submit
             assert len(submitted) == 1
             assert [c.index for c in reply.choices] == [0, 1, 2]
             assert {c.message.content for c in reply.choices} == {"".join(SCRIPT)}
@@ -180,13 +180,13 @@ async def test_logprobs_several_choices_and_penalties(tmp_path, scripted_dir):
             await idle(swarm, name)
 
             # penalties reach the ring
-            submit = swarm.leader.serving.submit
+            submit = swarm.leader.serving.intake.submit
 
             async def spy(request):
                 seen.append(request.sampling)
                 return await submit(request)
 
-            swarm.leader.serving.submit = spy
+            swarm.leader.serving.intake.submit = spy
             reply = await call(client.chat.completions.create, **base, presence_penalty=0.5, frequency_penalty=0.25,
                                logit_bias={"3": -5}, extra_body={"repetition_penalty": 1.3})
             assert reply.choices[0].message.content == "".join(SCRIPT)  # a script that never repeats a token

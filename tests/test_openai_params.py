@@ -19,7 +19,6 @@ def parse(**fields):
     ("web_search_options", {}),
     ("prediction", {"type": "content", "content": "x"}),
     ("functions", [{"name": "f"}]),
-    ("reasoning_effort", "low"),
     ("audio", {"voice": "alloy"}),
     ("best_of", 3),
     ("made_up_field", 1),
@@ -36,6 +35,19 @@ def test_what_clients_send_anyway_is_accepted():
                    service_tier="auto", logit_bias={}, response_format={"type": "text"}, tools=[], tool_choice="none",
                    top_p=None, safety_identifier="x", prompt_cache_key="k")
     assert params.model == "m" and params.sampling == {}
+
+
+def test_reasoning_effort_is_the_level_and_the_switch():
+    assert (parse(reasoning_effort="high").effort, parse(reasoning_effort="high").thinking) == ("high", True)
+    assert parse(reasoning_effort="none").thinking is False and parse(reasoning_effort="minimal").thinking is False
+    # enable_thinking, sent as well, is the switch; the level still reaches gpt-oss's template
+    both = parse(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False})
+    assert (both.effort, both.thinking) == ("low", False)
+    assert parse(chat_template_kwargs={"reasoning_effort": "medium"}).effort == "medium"  # vLLM's way
+    assert (parse().effort, parse().thinking) == (None, None)
+    with pytest.raises(BadRequest, match="'reasoning_effort' is 'max'") as info:
+        parse(reasoning_effort="max")
+    assert info.value.code == "invalid_reasoning_effort"
 
 
 def test_max_completion_tokens_is_max_tokens():
@@ -104,7 +116,7 @@ def test_choices_get_seeds_of_their_own():
 
 
 def test_completion_prompts_and_their_limits():
-    from swarm.leader.api.openai_params import parse_completion_body
+    from swarm.leader.api.completion_params import parse_completion_body
 
     def parse_completion(**fields):
         return parse_completion_body({"model": "m", **fields}, 4096)

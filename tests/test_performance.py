@@ -29,7 +29,8 @@ from swarm.leader.serving.performance import (
     table,
     time_split,
 )
-from swarm.leader.serving.requests import Request, RequestBook
+from swarm.leader.serving.request import Request
+from swarm.leader.serving.requests import RequestBook
 from swarm.messages import Gpu, Hardware
 from swarm.store.db import Store
 from swarm.store.history import ServedRequest

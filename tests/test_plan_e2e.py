@@ -16,7 +16,7 @@ import pytest
 
 from fleet import Pool
 from harness import wait_for
-from swarm.fellow import calibration, hardware
+from swarm.fellow import calibration, calibration_cache, hardware
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ def test_plan_before_loading_route_and_cli(pool):
     assert SENTENCE.match(data["text"]), data["text"]
     # the calibration is cached for this machine (both fellows run here), keyed by its hardware
     key = calibration.hardware_key("auto", hardware.probe().to_wire())
-    cached = json.loads(calibration.cache_file(key).read_text())
+    cached = json.loads(calibration_cache.cache_file(key).read_text())
     assert cached["key"] == key and len(cached["calibration"]["points"]) == 2
     for point in cached["calibration"]["points"]:  # the layer, the pass's own costs, the embedding, the head
         assert all(point[k] > 0 for k in ("decode_ms", "prefill_ms", "pass_ms", "embed_ms", "head_bytes", "head_ms"))

@@ -95,7 +95,7 @@ async def test_a_hit_reports_cached_tokens_keeps_the_reply_and_a_failover_clears
             victim = next(f for f in fellows if f.name == placed[1])
             await trio.to_thread.run_sync(victim.kill)
             await wait_until(lambda: swarm.leader.serving.status(name) == "recovering", 60)
-            await swarm.leader.serving.wait_ready(name, 120)
+            await swarm.leader.serving.loader.wait_ready(name, 120)
             stages = (await swarm.http.get(f"/api/v1/models/{name}")).json()["stages"]
             assert stages[1]["fellow"] == "fellow-2"
             ids, usage, _ = await chat(swarm, name, stream=False)

@@ -13,7 +13,8 @@ import torch
 from swarm import messages, wire
 from swarm.errors import ProtocolError
 from swarm.stage.local import LocalRing
-from swarm.stage.protocol import Output, Release, Report, Send, StageProtocol
+from swarm.stage.protocol import StageProtocol
+from swarm.stage.protocol_records import Output, Release, Report, Send
 
 EOS = 2
 

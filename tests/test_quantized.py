@@ -74,7 +74,8 @@ def test_quantized_ring_over_two_stages_is_the_quantized_model_in_one_process(ti
     from reference_model import load_reference_model
     from swarm.stage.local import LocalRing
     from swarm.stage.quantize import quantize_model
-    from swarm.stage.slice import StageModel, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
 
     model_dir = tiny_model_dirs[family]
     num_layers = len(load_reference_model(model_dir).model.layers)
@@ -185,7 +186,7 @@ async def test_quantized_loads_over_two_fellows_reply_as_the_same_quantization_i
             for kind in QUANTIZED:
                 r = await swarm.http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2, "quantization": kind})
                 assert r.status_code == 202, r.text
-                await swarm.leader.serving.wait_ready(name, 120)
+                await swarm.leader.serving.loader.wait_ready(name, 120)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()
                 assert view["quantization"] == kind
                 # float32 decoder layers at a byte (int8) or three quarters of one (4 bits) per weight

@@ -14,7 +14,8 @@ from swarm.errors import BadRequest, QuotaExceeded
 from swarm.leader.api.usage_api import as_csv, parse_usage_query, usage_table
 from swarm.leader.serving.admission import Budget
 from swarm.leader.serving.quotas import QuotaBook, parse_limits
-from swarm.leader.serving.requests import Request, RequestBook
+from swarm.leader.serving.request import Request
+from swarm.leader.serving.requests import RequestBook
 from swarm.store.db import Store
 from swarm.store.history import ServedRequest
 

@@ -74,13 +74,13 @@ async def test_the_leader_fills_in_the_models_own_sampling(tmp_path, scripted_di
     with trio.fail_after(120):
         async with running_swarm(tmp_path, [scripted_dir], fellows=1) as swarm:
             await swarm.load(name, 1)
-            submit = swarm.leader.serving.submit
+            submit = swarm.leader.serving.intake.submit
 
             async def spy(request):
                 seen.append(request.sampling)
                 return await submit(request)
 
-            swarm.leader.serving.submit = spy
+            swarm.leader.serving.intake.submit = spy
             for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}, {"top_k": 0, "temperature": 0.3}):
                 r = await swarm.http.post("/v1/chat/completions", json={
                     "model": name, "messages": QUESTION, "max_tokens": 8, "seed": 1, **extra})

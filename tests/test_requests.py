@@ -7,7 +7,8 @@ import trio.testing
 
 from swarm import messages
 from swarm.leader.serving.admission import Budget
-from swarm.leader.serving.requests import NotLoaded, Reader, Request, RequestBook, ToStage0
+from swarm.leader.serving.request import Reader, Request
+from swarm.leader.serving.requests import NotLoaded, RequestBook, ToStage0
 
 ROOMY = Budget(max_requests=16, tokens=100_000)
 

@@ -13,7 +13,7 @@ from conftest import TINY_MODELS
 from harness import running_swarm
 from reference_model import load_reference_model
 from swarm import messages
-from swarm.leader.serving.requests import Reader, Request
+from swarm.leader.serving.request import Reader, Request
 from swarm.store.manifest import load_manifest
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ def _reference(model_dir, prompt):
 
 async def _ring_tokens(swarm, model, prompt):
     request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-    await swarm.leader.serving.submit(request)
+    await swarm.leader.serving.intake.submit(request)
     reader = Reader(request)
     while True:
         kind, value = await reader.next(60)
@@ -57,4 +57,4 @@ async def test_tiny_families_over_the_ring_match_generate(tmp_path, tiny_model_d
                     tokens, finish = await _ring_tokens(swarm, model_dir.name, prompt)
                     assert tokens == want, (model_dir.name, prompt)
                     assert finish == "length"
-                await swarm.leader.serving.unload(model_dir.name)
+                await swarm.leader.serving.loader.unload(model_dir.name)

@@ -84,7 +84,7 @@ def check(response: httpx.Response, want) -> None:
 def test_a_request_loads_its_model_and_two_models_answer_at_once(bg, http, wanted):
     assert http.get("/api/v1/settings/models").json() == {"auto_load": True, "evict_idle": False}
     assert http.post("/api/v1/models/tiny-a/load", json={"num_stages": 2}).status_code == 202
-    bg.call(bg.swarm.leader.serving.wait_ready, "tiny-a", 120)
+    bg.call(bg.swarm.leader.serving.loader.wait_ready, "tiny-a", 120)
     assert statuses(http) == {"tiny-a": "ready", "tiny-b": "not_loaded", "tiny-c": "not_loaded"}
 
     # tiny-b is imported, not loaded: the request loads it beside tiny-a, waits, and answers
@@ -106,7 +106,7 @@ def test_a_third_model_is_refused_saying_what_to_unload_then_evicts_the_idle_one
     for name in ("tiny-a", "tiny-b"):  # loaded as the test above leaves them; tiny-a used last
         if serving.status(name) != "ready":
             assert http.post(f"/api/v1/models/{name}/load", json={"num_stages": 2}).status_code == 202
-            bg.call(serving.wait_ready, name, 120)
+            bg.call(serving.loader.wait_ready, name, 120)
     check(chat(http, "tiny-b"), wanted["tiny-b"])
     check(chat(http, "tiny-a"), wanted["tiny-a"])  # tiny-b is now the least recently used
 

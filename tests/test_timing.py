@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from swarm import messages
-from swarm.leader.serving.requests import Request, RequestBook
+from swarm.leader.serving.request import Request
+from swarm.leader.serving.requests import RequestBook
 from swarm.leader.serving.timing import reply_timing
 
 

@@ -82,7 +82,7 @@ async def test_timing_of_every_reply_over_two_stages_then_one(tmp_path, smollm_m
             assert (await swarm.http.post(f"/api/v1/models/{model}/unload")).status_code in (200, 202)
             response = await swarm.http.post(f"/api/v1/models/{model}/load", json={"num_stages": 1})
             assert response.status_code == 202, response.text
-            await swarm.leader.serving.wait_ready(model, 120)
+            await swarm.leader.serving.loader.wait_ready(model, 120)
             fellow = swarm.leader.serving.models[model].stages[0].plan.fellow_name
             data = await swarm.chat(model, COUNT, max_tokens=48)
             check_split(data["swarm"]["timing"], [fellow], None)

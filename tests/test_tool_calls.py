@@ -39,9 +39,14 @@ def stream(splitter: ToolCallSplitter, pieces: list[str]) -> tuple[list[str], st
 
 def test_streamed_text_goes_out_until_a_call_may_start():
     out, rest, calls = stream(ToolCallSplitter("hermes"), ["Let me ", "look.<tool", "_call>\n", CALL, "\n</tool_call>"])
-    assert out == ["Let me ", "look.", "", "", ""] and rest == "" and len(calls) == 1
+    assert out == ["Let me", " look.", "", "", ""] and rest == "" and len(calls) == 1
     out, rest, calls = stream(ToolCallSplitter("hermes"), ["a <to", "y> b"])
     assert "".join(out) + rest == "a <toy> b" and not calls
+    # the line break a template puts before a call is not the text's; without a call, whitespace is kept
+    out, rest, calls = stream(ToolCallSplitter("glm"), ["Let me check.\n", "<tool_call>now", "\n</tool_call>"])
+    assert out == ["Let me check.", "", ""] and rest == "" and calls[0]["function"]["name"] == "now"
+    out, rest, calls = stream(ToolCallSplitter("hermes"), ["Hi \n", "there\n\n"])
+    assert out == ["Hi", " \nthere"] and rest == "\n\n" and not calls
 
 
 def test_streamed_llama_reply_that_is_a_call_is_held():

@@ -41,7 +41,7 @@ async def test_unload_then_load_at_int8_at_once_keeps_the_fellows_and_loads(tmp_
                 await trio.sleep(0.5)  # the page opens meanwhile: the stages finish going
                 r = await swarm.http.post(f"/api/v1/models/{name}/load", json={"quantization": "int8"})
                 assert r.status_code == 202, r.text
-                await swarm.leader.serving.wait_ready(name, 120)
+                await swarm.leader.serving.loader.wait_ready(name, 120)
                 nursery.cancel_scope.cancel()
             # the same control links all along: no fellow was taken for silent and dropped
             assert swarm.leader.hub.online == links, f"the loop stalled up to {stall[0]:.1f} s"

@@ -98,7 +98,7 @@ async def test_honest_fellows_pass_every_check_and_a_corrupt_middle_stage_is_cau
             assert "swarm_verification_checks_total" in metrics
 
             # the stage moved to its copy on the standby; replies are the honest ones again
-            await swarm.leader.serving.wait_ready(name, 120)
+            await swarm.leader.serving.loader.wait_ready(name, 120)
             assert model.stages[index].plan.fellow_name == "standby"
             for i, prompt in enumerate(PROMPTS[:HONEST_CHATS]):
                 reply = await swarm.chat(name, prompt, max_tokens=TOKENS)

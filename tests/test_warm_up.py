@@ -56,6 +56,6 @@ async def test_a_stage_reports_loaded_only_after_its_warm_up(tmp_path, tiny_mode
                 assert swarm.leader.serving.status(name) == "loading"
             finally:
                 release.set()
-            await swarm.leader.serving.wait_ready(name, 60)
+            await swarm.leader.serving.loader.wait_ready(name, 60)
             assert [f.stages[name].driver.stage_model.warm_passes for f in swarm.fellows] == \
                 [1 + warm_up.DECODE_STEPS] * 2

@@ -14,27 +14,25 @@ VM, a core that waited runs the next 20-30 ms ~20-40 % slower, and a PC's power 
 is the median of its runs. It runs in a process of its own at the lowest priority when the fellow joins
 (swarm.fellow.calibration_process: serving never waits for it), takes ~10 s on a 2-core CPU, stops timing once it
 spent SWARM_CALIBRATE_CPU_S of CPU (:class:`CpuBudget`), and is cached for the whole machine keyed by the hardware it
-ran on (:func:`cache_file`), so a restart or another fellow's data dir on the same PC does not redo it.
+ran on (swarm.fellow.calibration_cache), so a restart or another fellow's data dir on the same PC does not redo it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from swarm.fellow.calibration_parts import DECODE_STEPS, LAYERS, LayerStack, StageEnds
 
 log = logging.getLogger(__name__)
 
-VERSION = 7  # bump when what is measured changes: older cached results are then measured again
+VERSION = 9  # bump when what is measured changes: older cached results are then measured again
 HIDDEN_SIZES = (256, 768)
 PREFILL_TOKENS = 256  # one chunk, as a stage takes a prompt (SWARM_SERVE_PREFILL_CHUNK's default); scaled to 1,000
 KV_TOKENS = 64  # the decode step's cache
-HEAD_VOCAB = 32768  # the timed head's vocabulary (the planner scales it by a model's head bytes)
 # How long the core waits before each run of the decode step timed "after idle": a stage of a ring waits about as long
 # for the other stages' passes and the links (the built-in model's other stage: 25-35 ms on this repository's VM).
 IDLE_GAP_S = 0.03
@@ -65,127 +63,6 @@ def compute_device(setting: str) -> str:
         return setting if torch.cuda.is_available() else "cpu"
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
-
-LAYERS = 4  # layers chained per timed pass, as a stage runs them (sharing one rotary table, timed with the pass)
-# Decode steps per timed run: 32 layers' worth, as long as a small model's stage takes, so that on a machine other
-# work shares, a run meets the scheduler as a stage's pass does (runs much shorter than a time slice mostly do not).
-DECODE_STEPS = 8
-
-
-class _Stack:
-    """``LAYERS`` of transformers' own Llama decoder layers (grouped-query attention, a gated MLP of 8/3 the width,
-    random weights), called as a stage calls its layers (swarm.stage.slice.StageModel.forward): one rotary table per
-    pass (timed apart, with the pass's other costs), a DynamicCache per request. Timing the library's layer rather
-    than bare matmuls counts what each layer costs beyond its weights (the cache's bookkeeping, module calls), which
-    dominates at small widths."""
-
-    def __init__(self, hidden: int, device: str, dtype):
-        import torch
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import (
-            LlamaDecoderLayer,
-            LlamaRotaryEmbedding,
-        )
-
-        heads = max(1, hidden // 64)
-        config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=heads,
-                             num_key_value_heads=max(1, heads // 3) if heads % 3 == 0 else heads,
-                             num_hidden_layers=LAYERS, max_position_embeddings=4096)
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        self.config = config
-        self.layers = [LlamaDecoderLayer(config, i).to(device=device, dtype=dtype).eval() for i in range(LAYERS)]
-        self.rotary = LlamaRotaryEmbedding(config).to(device)
-        self.device, self.dtype = device, dtype
-
-    def weight_bytes(self) -> int:
-        """One layer's weights (norms included), as a stage's layer_bytes counts them."""
-        return sum(p.numel() * p.element_size() for p in self.layers[0].parameters())
-
-    def new_cache(self, tokens: int):
-        """A cache already holding ``tokens`` positions (a conversation in progress)."""
-        from transformers.cache_utils import DynamicCache
-
-        cache = DynamicCache(config=self.config)
-        if tokens:
-            self.run(self.states(tokens), 0, cache)
-        return cache
-
-    def states(self, tokens: int):
-        import torch
-
-        g = torch.Generator().manual_seed(1)
-        return torch.randn(1, tokens, self.config.hidden_size, generator=g).to(device=self.device, dtype=self.dtype)
-
-    def run(self, states, position: int, cache, embeddings=None):
-        """The layers over ``states`` from ``position`` on; ``embeddings``: the pass's rotary table (computed here
-        when not given)."""
-        import torch
-
-        position_ids = torch.arange(position, position + states.shape[1], device=self.device).unsqueeze(0)
-        if embeddings is None:
-            embeddings = self.rotary(states, position_ids)
-        for layer in self.layers:
-            states = layer(states, attention_mask=None, position_ids=position_ids, cache=cache, use_cache=True,
-                           position_embeddings=embeddings)
-        return states
-
-    def pass_ends(self, states, position: int, cache):
-        """What a stage's decode pass does besides its layers, as swarm.stage.slice.StageModel.forward and
-        swarm.stage.execute.run_batch do it: the position ids, the rotary table, the causal mask, and the hidden
-        state's copy for the wire. Returns the rotary table."""
-        import torch
-        from transformers.masking_utils import create_causal_mask
-
-        from swarm import wire
-
-        position_ids = torch.arange(position, position + states.shape[1], device=self.device).unsqueeze(0)
-        embeddings = self.rotary(states, position_ids)
-        create_causal_mask(config=self.config, inputs_embeds=states, attention_mask=None, cache=cache,
-                           position_ids=position_ids)
-        wire.tensor_to_wire(states)
-        return embeddings
-
-    def lean(self):
-        """The lean decode step (swarm.stage.lean_decode) over these layers, as a Llama stage takes it for one new
-        row: its own rotary table, no mask."""
-        from types import SimpleNamespace
-
-        from swarm.stage.lean_decode import LeanDecode
-
-        def tables(states, position_ids):
-            return {"full_attention": self.rotary(states, position_ids)}
-
-        return LeanDecode(SimpleNamespace(config=self.config, layers=self.layers, position_embeddings=tables))
-
-
-class _Ends:
-    """A first stage's embedding and a last stage's final norm, head and greedy pick, at HEAD_VOCAB tokens, as
-    swarm.stage.slice.StageModel.forward/logits and swarm.stage.execute._sample run them per decode step."""
-
-    def __init__(self, hidden: int, device: str, dtype):
-        import torch
-        from torch import nn
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(HEAD_VOCAB, hidden).to(device=device, dtype=dtype)
-        self.norm = LlamaRMSNorm(hidden).to(device=device, dtype=dtype)
-        self.head = nn.Linear(hidden, HEAD_VOCAB, bias=False).to(device=device, dtype=dtype)
-        self.ids = torch.tensor([[7]], dtype=torch.long)
-        self.device = device
-
-    def head_bytes(self) -> int:
-        return self.head.weight.numel() * self.head.weight.element_size()
-
-    def embed_step(self) -> None:
-        self.embed(self.ids.to(self.device))
-
-    def head_step(self, states) -> int:
-        import torch
-
-        logits = self.head(self.norm(states[:, -1:, :]))[0, -1].float().cpu()
-        return int(torch.argmax(logits))
 
 
 class CpuBudget:
@@ -231,8 +108,8 @@ def _typical(fn, sync, repeats: int, budget_s: float, gap_s: float = 0.0, cpu: C
 def _point(hidden: int, device: str, dtype, sync, cpu: CpuBudget) -> dict:
     import torch
 
-    stack = _Stack(hidden, device, dtype)
-    ends = _Ends(hidden, device, dtype)
+    stack = LayerStack(hidden, device, dtype)
+    ends = StageEnds(hidden, device, dtype)
     cache = stack.new_cache(KV_TOKENS)
     one = stack.states(1)
     chunk = stack.states(PREFILL_TOKENS)
@@ -296,154 +173,3 @@ def measure(device: str = "cpu", threads: int | None = None, cpu: CpuBudget | No
         torch.set_num_threads(old_threads)
     return {"version": VERSION, "device": device, "dtype": str(dtype).removeprefix("torch."),
             "prefill_tokens": PREFILL_TOKENS, "points": points, "moe": moe}
-
-
-LOCK_WAIT_S = 120.0  # past this, measure anyway: a stuck lock must not leave a fellow out of the planner
-# Before timing itself on the CPU a fellow waits (at most QUIET_WAIT_S) until other processes use less than
-# QUIET_SHARE of the machine: started beside others (the demo, a bench, a PC that has just booted) it met their
-# start-up and measured itself up to 1.5-4x slower than it then served.
-QUIET_SHARE = 0.25
-QUIET_WAIT_S = 20.0
-QUIET_SAMPLE_S = 0.5
-
-
-@contextlib.contextmanager
-def _one_at_a_time():
-    """One calibration at a time on this machine: several fellows started together on one PC (the demo, a lab, a
-    bench) calibrating at once shared its cores and each measured itself up to 5x slower than it serves (their
-    stages take turns on a token), and the cache kept that figure."""
-    import filelock
-
-    lock = filelock.FileLock(str(Path(tempfile.gettempdir()) / "swarm-calibration.lock"))
-    try:
-        lock.acquire(timeout=LOCK_WAIT_S)
-    except (filelock.Timeout, OSError) as exc:
-        log.info("calibrating without waiting for the other fellows on this machine (%s)", exc)
-        yield
-        return
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def others_busy(sample_s: float = QUIET_SAMPLE_S) -> float:
-    """The share of the machine's CPU time (0-1) that processes other than this one used over ``sample_s``."""
-    import psutil
-
-    def busy_and_total():
-        times = psutil.cpu_times()._asdict()
-        total = sum(v for k, v in times.items() if k not in ("guest", "guest_nice"))  # counted in user already
-        return total - times["idle"] - times.get("iowait", 0.0), total
-
-    me = psutil.Process()
-    (busy0, total0), mine0 = busy_and_total(), me.cpu_times()
-    time.sleep(sample_s)
-    (busy1, total1), mine1 = busy_and_total(), me.cpu_times()
-    if total1 <= total0:
-        return 0.0
-    mine = (mine1.user + mine1.system) - (mine0.user + mine0.system)
-    return max(0.0, min(1.0, (busy1 - busy0 - mine) / (total1 - total0)))
-
-
-def wait_until_quiet(wait_s: float = QUIET_WAIT_S) -> float:
-    """Wait until other processes use less than QUIET_SHARE of the machine, at most ``wait_s``; their last share."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        share = others_busy()
-        if share < QUIET_SHARE or time.monotonic() >= deadline:
-            return share
-
-
-def cache_file(key: str) -> Path:
-    """Where the calibration for hardware ``key`` is kept for every fellow of this machine (platformdirs' user cache:
-    ~/.cache/swarm/calibration on Linux). Per machine, not per data dir: a second fellow, a fresh data dir or the demo
-    started again on the same PC measured the same figures again, 82-112 s of a busy PC's CPU each time."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("swarm")) / "calibration" / f"{key}.json"
-
-
-def _read(path: Path, key: str) -> dict | None:
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("calibration"), dict):
-        return cached["calibration"]
-    return None
-
-
-def cached(key: str, data_dir: Path | None = None) -> dict | None:
-    """The calibration measured on hardware ``key`` on this machine, or -- a fellow's from before the machine-wide
-    cache -- in ``data_dir``/calibration.json (then kept machine-wide too); None when there is none."""
-    found = _read(cache_file(key), key)
-    if found is None and data_dir is not None:
-        found = _read(Path(data_dir) / "calibration.json", key)
-        if found is not None:
-            store(key, found)
-    return found
-
-
-def store(key: str, result: dict, data_dir: Path | None = None) -> None:
-    """Keep ``result`` for hardware ``key`` machine-wide, and as the fellow's own record in ``data_dir`` (given)."""
-    text = json.dumps({"key": key, "calibration": result})
-    targets = [cache_file(key)] + ([Path(data_dir) / "calibration.json"] if data_dir is not None else [])
-    for path in targets:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # written under another name, then renamed: a fellow reading at the same time gets a whole file
-            handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".part")
-            with open(handle, "w") as out:
-                out.write(text)
-            Path(temporary).replace(path)
-        except OSError as exc:
-            log.info("could not keep the calibration in %s: %s", path, exc)
-
-
-def measure_quietly(device: str, threads: int | None = None, cpu: CpuBudget | None = None,
-                    key: str | None = None) -> tuple[dict, bool]:
-    """:func:`measure`, one calibration at a time on this machine, after waiting (on the CPU) for other work to
-    quieten; logs what it found. -> (the calibration, whether it was measured here). With ``key``, the result is kept
-    machine-wide for that hardware, and one another fellow of this machine measured while this one waited for its
-    turn is taken instead (the demo's fellows join together and measure once)."""
-    t0 = time.perf_counter()
-    with _one_at_a_time():
-        found = cached(key) if key is not None else None
-        if found is not None:
-            return found, False
-        if device == "cpu":
-            share = wait_until_quiet()
-            if share >= QUIET_SHARE:
-                log.info("other work kept %.0f %% of this machine's CPU busy for %.0f s: calibrating anyway (the "
-                         "planner may count this fellow slower than it is)", share * 100, QUIET_WAIT_S)
-        result = measure(device, threads, cpu)
-        if key is not None:  # kept before the next fellow's turn, so that it finds it
-            store(key, result)
-    log.info("calibrated a decoder layer on %s in %.1f s (%.1f s of CPU): %s", device, time.perf_counter() - t0,
-             time.process_time(), describe(result))
-    return result, True
-
-
-def describe(result: dict) -> str:
-    return ", ".join(f"hidden {p['hidden']}: decode {p['decode_ms']:.2f} ms ({p['decode_idle_ms']:.2f} after a wait; "
-                     f"lean {p['lean_decode_ms']:.2f}, {p['lean_decode_idle_ms']:.2f}), {PREFILL_TOKENS}-token "
-                     f"prefill {p['prefill_ms']:.0f} ms, head {p['head_ms']:.1f} ms" for p in result["points"])
-
-
-def cached_or_measure(data_dir: Path, device: str, hardware_wire: dict, threads: int | None = None,
-                      cpu_s: float | None = None) -> dict | None:
-    """The calibration for this hardware, in this process: cached (:func:`cached`), else measured now (at most
-    ``cpu_s`` of CPU) and kept. None when torch cannot run it (logged). A fellow calibrates in a process of its own
-    instead (swarm.fellow.calibration_process)."""
-    key = hardware_key(device, hardware_wire)
-    found = cached(key, data_dir)
-    if found is not None:
-        return found
-    try:
-        result, _ = measure_quietly(device, threads, CpuBudget.from_now(cpu_s))
-    except Exception as exc:  # noqa: BLE001 -- a planner without this fellow's speed is better than no fellow
-        log.warning("could not calibrate this fellow's speed on %s (%s): the planner will not count it", device, exc)
-        return None
-    store(key, result, data_dir)
-    return result

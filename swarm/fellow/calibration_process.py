@@ -7,8 +7,9 @@ the calibration started as the load finished. Measured with bench/first_chat.py 
 runs: the 2-stage load took 114 s with the fellows calibrating against 18 s without. Now a child process measures:
 at nice 19 and, on Linux, SCHED_IDLE (it runs only on CPU time nothing else wants), with its CPU time capped by
 SWARM_CALIBRATE_CPU_S (the measurement stops timing once it is spent, calibration.CpuBudget; the kernel's RLIMIT_CPU
-ends a child that still runs far past it). The result is cached for the whole machine (calibration.cache_file), so a
-second fellow, or a fresh data dir, on the same hardware reuses it without starting a child at all.
+ends a child that still runs far past it). The result is cached for the whole machine
+(calibration_cache.cache_file), so a second fellow, or a fresh data dir, on the same hardware reuses it without
+starting a child at all.
 
 The child prints one JSON line on stdout: {"calibration": ..., "cpu_s": ..., "wall_s": ...}; its log goes to stderr.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from swarm.fellow import calibration
+from swarm.fellow import calibration, calibration_cache
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,13 @@ async def calibrate(data_dir: Path, device_setting: str, hardware_wire: dict, th
     hardware is the same, else measured in a child process and cached. None when it could not be measured (logged):
     the planner then leaves this fellow out until it can."""
     key = calibration.hardware_key(device_setting, hardware_wire)
-    found = await trio.to_thread.run_sync(calibration.cached, key, data_dir)
+    found = await trio.to_thread.run_sync(calibration_cache.cached, key, data_dir)
     if found is not None:
-        log.info("using this machine's calibration for this hardware (%s)", calibration.cache_file(key))
+        log.info("using this machine's calibration for this hardware (%s)", calibration_cache.cache_file(key))
         return found
     result = await measure_in_child(device_setting, threads, cpu_s, key)
     if result is not None:
-        await trio.to_thread.run_sync(calibration.store, key, result, data_dir)
+        await trio.to_thread.run_sync(calibration_cache.store, key, result, data_dir)
     return result
 
 
@@ -89,7 +90,7 @@ async def measure_in_child(device_setting: str, threads: int | None, cpu_s: floa
         return result
     log.info("calibrated a decoder layer on %s in %.1f s at the lowest priority (%.1f s of CPU, at most %g): %s",
              result.get("device"), report.get("wall_s", 0.0), report.get("cpu_s", 0.0), cpu_s,
-             calibration.describe(result))
+             calibration_cache.describe(result))
     return result
 
 
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> int:
     # the budget counts from the process's start: importing torch is part of what joining costs
     budget = calibration.CpuBudget(until=cpu_s)
     device = calibration.compute_device(device_setting)
-    result, measured = calibration.measure_quietly(device, threads, budget, key=key)
+    result, measured = calibration_cache.measure_quietly(device, threads, budget, key=key)
     print(json.dumps({"calibration": result, "cached": not measured,
                       "cpu_s": round(time.process_time(), 2), "wall_s": round(time.perf_counter() - began, 2)}),
           flush=True)

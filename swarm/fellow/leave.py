@@ -2,9 +2,11 @@
 over).
 
 Three ways in:
-  - SIGTERM of the fellow's process (a service stopped, a shutdown where the service gets the signal; SIGBREAK, a
-    console's close, on Windows): the fellow asks the leader to drain it ({"t": "leave", "force": true}) and goes
-    once told to ({"t": "leave"}) or after SWARM_LEAVE_WAIT_S -- a stage nobody could take fails over;
+  - SIGTERM of the fellow's process (a service stopped, a log-out or a shutdown: the installers' systemd unit and
+    launchd agent send it and wait SWARM_LEAVE_WAIT_S + 30 s before SIGKILL); on Windows Ctrl+Break (SIGBREAK) and
+    the console-control events of a console's close, a log-off and a shutdown (ConsoleStop): the fellow asks the
+    leader to drain it ({"t": "leave", "force": true}) and goes once told to ({"t": "leave"}) or after
+    SWARM_LEAVE_WAIT_S -- a stage nobody could take fails over;
   - `swarm leave` on the fellow's machine: a control session of its own asks the leader, which drains the running
     fellow and tells it to leave; without --force a stage nobody can take keeps the fellow where it is, and the
     command says why;
@@ -13,8 +15,12 @@ Three ways in:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import signal
+import sys
+import threading
 
 import trio
 
@@ -76,33 +82,90 @@ def stop_signals() -> list[int]:
     return [signal.SIGTERM] + ([signal.SIGBREAK] if hasattr(signal, "SIGBREAK") else [])
 
 
+# Windows' console-control events that end the process once the handler returns (wincon.h). Windows allows the
+# handler about 5 s for a console's close, a log-off or a shutdown (SPI_GETHUNGAPPTIMEOUT / SPI_GETWAITTOKILLTIMEOUT)
+# and 20 s for a service's shutdown: a switch to a hot cover fits, a standby's load may not, and then fails over.
+CTRL_CLOSE_EVENT, CTRL_LOGOFF_EVENT, CTRL_SHUTDOWN_EVENT = 2, 5, 6
+STOP_EVENTS = {CTRL_CLOSE_EVENT: "the console closed", CTRL_LOGOFF_EVENT: "log-off", CTRL_SHUTDOWN_EVENT: "shutdown"}
+
+
+class ConsoleStop:
+    """Windows: a console's close, a log-off and a shutdown come as console-control events, on a thread the system
+    starts, not as signals. The handler asks for the same handover as SIGTERM and holds the process (returning ends
+    it) until the fellow has left or ``wait_s`` passed."""
+
+    def __init__(self, requests: trio.MemorySendChannel[str], token: trio.lowlevel.TrioToken, wait_s: float):
+        self.requests = requests
+        self.token = token
+        self.wait_s = wait_s
+        self.gone = threading.Event()  # set once the fellow has left
+        self._installed = None  # the ctypes callback, kept alive while installed
+
+    def __call__(self, event: int) -> bool:
+        why = STOP_EVENTS.get(event)
+        if why is None:
+            return False  # Ctrl+C and Ctrl+Break: Python's own handlers (SIGINT, SIGBREAK)
+        try:
+            trio.from_thread.run_sync(self.requests.send_nowait, why, trio_token=self.token)
+        except (trio.RunFinishedError, trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the fellow is going already
+        self.gone.wait(self.wait_s)
+        return True
+
+    def install(self) -> bool:
+        """Register with SetConsoleCtrlHandler (Windows only; False elsewhere or when refused)."""
+        if sys.platform != "win32":
+            return False
+        routine = ctypes.WINFUNCTYPE(ctypes.c_int, ctypes.c_ulong)(lambda event: int(self(int(event))))
+        if not ctypes.windll.kernel32.SetConsoleCtrlHandler(routine, True):
+            log.warning("could not register for the console's close, log-off and shutdown: they end this fellow "
+                        "without handing its stages over (they fail over)")
+            return False
+        self._installed = routine
+        return True
+
+
 async def run_until_left(fellow) -> None:
-    """Run ``fellow`` until the leader tells it to leave, or a stop signal comes (the stages are handed over first;
-    a second signal while that runs ends the process at once)."""
-    async with trio.open_nursery() as nursery:
-        await nursery.start(fellow.run)
-        nursery.start_soon(_on_stop_signal, fellow)
-        await fellow.leaving.left.wait()
-        nursery.cancel_scope.cancel()
+    """Run ``fellow`` until the leader tells it to leave, or a stop request comes -- a signal, or on Windows a
+    console-control event -- (the stages are handed over first; a second request while that runs ends the process
+    at once)."""
+    send, receive = trio.open_memory_channel[str](8)
+    console = ConsoleStop(send.clone(), trio.lowlevel.current_trio_token(), fellow.settings.leave_wait_s + GRACE_S)
+    console.install()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fellow.run)
+            nursery.start_soon(_forward_signals, send)
+            nursery.start_soon(_on_stop_request, fellow, receive)
+            await fellow.leaving.left.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        console.gone.set()
     print(f"{fellow.name} left: {fellow.leaving.message or 'its stages were handed over'}", flush=True)
 
 
-async def _on_stop_signal(fellow) -> None:
+async def _forward_signals(requests: trio.MemorySendChannel[str]) -> None:
     with trio.open_signal_receiver(*stop_signals()) as signals:
         async for number in signals:
-            log.info("%s: handing the stages over before leaving", signal.Signals(number).name)
-            async with trio.open_nursery() as nursery:
+            with contextlib.suppress(trio.WouldBlock):  # a fellow asked eight times over is going already
+                requests.send_nowait(signal.Signals(number).name)
 
-                async def ask() -> None:
-                    await fellow.leaving.ask(True)
-                    nursery.cancel_scope.cancel()
 
-                nursery.start_soon(ask)
-                async for _ in signals:  # a second signal: go now
-                    break
+async def _on_stop_request(fellow, requests: trio.MemoryReceiveChannel[str]) -> None:
+    async for why in requests:
+        log.info("%s: handing the stages over before leaving", why)
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                await fellow.leaving.ask(True)
                 nursery.cancel_scope.cancel()
-            fellow.leaving.left.set()
-            return
+
+            nursery.start_soon(ask)
+            async for _ in requests:  # a second request: go now
+                break
+            nursery.cancel_scope.cancel()
+        fellow.leaving.left.set()
+        return
 
 
 async def leave_command(fellow, force: bool = False) -> str:

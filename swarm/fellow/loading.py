@@ -145,10 +145,8 @@ class StageLoader:
         import torch
 
         from swarm.stage import int4_kernel, q8_kernel
-        from swarm.stage.slice import (  # torch is heavy: import when a stage is placed here
-            StageModel,
-            StageSpec,
-        )
+        from swarm.stage.slice import StageModel  # torch is heavy: import when a stage is placed here
+        from swarm.stage.slice_load import StageSpec
         from swarm.stage.warm_up import warm_up_batch_path
 
         local, draft_local = await self._fetch(message, progress)
@@ -219,7 +217,8 @@ def _draft_model(draft: dict, local: dict[str, Path], message: dict, dtype, devi
     (its guesses are checked by the ring, so a 4-bit draft model costs no exactness, only a few guesses), warmed
     up."""
     from swarm.stage.draft_model import DraftModel
-    from swarm.stage.slice import StageModel, StageSpec
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import StageSpec
 
     layers = int(draft["num_layers"])
     model = StageModel.load(draft["config"], local, StageSpec(0, layers, True, True), dtype=dtype, device=device,

@@ -24,7 +24,8 @@ from swarm.errors import ProtocolError, SwarmError
 from swarm.fellow import compute
 from swarm.fellow.verify import StageAudits
 from swarm.mesh.hop import OutgoingHop
-from swarm.stage.protocol import PromptLogprobs, Release, Report, Send, StageProtocol, Stream
+from swarm.stage.protocol import StageProtocol
+from swarm.stage.protocol_records import PromptLogprobs, Release, Report, Send, Stream
 from swarm.stage.timing import StageTimer
 
 log = logging.getLogger(__name__)

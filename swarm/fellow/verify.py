@@ -84,12 +84,13 @@ class StageAudits:
                 record.inputs.append(rows.source.tensor()[:, rows.row : rows.row + rows.n].clone())
 
     def after(self, batch: list, output, is_last: bool) -> list[dict]:
-        """The samples of the picked passes in ``batch``, computed into ``output`` (swarm.stage.protocol.Output)."""
+        """The samples of the picked passes in ``batch``, computed into ``output``
+        (swarm.stage.protocol_records.Output)."""
         if not self.records or not any(w.rid in self.records for w in batch):
             return []
         try:
             return self._after(batch, output, is_last)
-        except Exception:
+        except Exception:  # a check gone wrong must never cost the ring its pass: logged, the check dropped
             log.exception("could not sample a checked pass")
             self.clear()
             return []

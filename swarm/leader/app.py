@@ -20,6 +20,7 @@ from starlette.websockets import WebSocket
 
 from swarm.config import Settings
 from swarm.errors import AuthError, ConfigError
+from swarm.leader.api.accounts_api import AccountRoutes
 from swarm.leader.api.admin_api import admin_routes
 from swarm.leader.api.anthropic_api import ANTHROPIC_PATHS, AnthropicRoutes
 from swarm.leader.api.auth import bearer, current_user
@@ -118,7 +119,7 @@ class Leader:
             return SIGN_IN_BODY
         if path in ("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, *OLLAMA_CHAT_PATHS, *ANTHROPIC_PATHS):
             # no model serves a longer context than the longest loaded (never the pool's KV budget: issue 32)
-            return chat_body_limit(self.serving.largest_context())
+            return chat_body_limit(self.serving.contexts.largest_context())
         if path.startswith("/api/v1/chats"):
             return 2 * self.store.max_chat_bytes + CHAT_BODY_MARGIN  # a whole chat, every character escaped
         return DEFAULT_BODY
@@ -148,6 +149,7 @@ class Leader:
 
     def _build_app(self) -> Starlette:
         api = ApiRoutes(self)
+        accounts = AccountRoutes(self)
         oai = OpenAIRoutes(self)
         ollama = OllamaRoutes(oai)
         responses = ResponsesRoutes(oai)
@@ -193,7 +195,7 @@ class Leader:
             Route("/login", login_page),
             Route("/pools/{owner}/{pool}/inference", page),
             Route("/inference", page),  # every pool of the user's ("All your pools")
-            Route("/auth/link", api.login_link),
+            Route("/auth/link", accounts.login_link),
             Route("/mcp", self.mcp, methods=["GET", "POST", "DELETE"]),
             Route("/v1/models", oai.models),
             Route("/v1/chat/completions", oai.chat_completions, methods=["POST"]),
@@ -213,12 +215,12 @@ class Leader:
             Route("/api/show", ollama.show, methods=["POST"]),
             Route("/api/ps", ollama.ps),
             Route("/api/version", ollama.version),
-            Route("/api/v1/auth/login", api.login, methods=["POST"]),
-            Route("/api/v1/auth/logout", api.logout, methods=["POST"]),
-            Route("/api/v1/me", api.me),
-            Route("/api/v1/me/password", api.password, methods=["POST"]),
-            Route("/api/v1/tokens", api.tokens, methods=["GET", "POST"]),
-            Route("/api/v1/tokens/{token_id:int}", api.token_delete, methods=["DELETE"]),
+            Route("/api/v1/auth/login", accounts.login, methods=["POST"]),
+            Route("/api/v1/auth/logout", accounts.logout, methods=["POST"]),
+            Route("/api/v1/me", accounts.me),
+            Route("/api/v1/me/password", accounts.password, methods=["POST"]),
+            Route("/api/v1/tokens", accounts.tokens, methods=["GET", "POST"]),
+            Route("/api/v1/tokens/{token_id:int}", accounts.token_delete, methods=["DELETE"]),
             Route("/api/v1/models", api.models),
             Route("/api/v1/models/{model_id}", api.model),
             Route("/api/v1/models/{model_id}/load", api.model_load, methods=["POST"]),

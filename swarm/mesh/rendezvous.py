@@ -208,7 +208,7 @@ async def resolve(sock, server: Address) -> Address:
     """``server`` with its host as a numeric address of the socket's family (names are looked up once)."""
     try:
         return normalize_address(server)
-    except ValueError:
+    except ValueError:  # a host name, not a numeric address: looked up below
         pass
     infos = await trio.socket.getaddrinfo(server[0], server[1], sock.family, trio.socket.SOCK_DGRAM)
     if not infos:

@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from swarm.stage.local import LocalRing
     from swarm.stage.protocol import StageProtocol
     from swarm.stage.sampling import GREEDY, SamplingParams, make_generator, sample
-    from swarm.stage.slice import StageModel, StageSpec, stage_specs
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import StageSpec, stage_specs
 
 _WHERE = {
     "GREEDY": "sampling", "SamplingParams": "sampling", "make_generator": "sampling", "sample": "sampling",
-    "LocalRing": "local", "StageProtocol": "protocol", "StageModel": "slice", "StageSpec": "slice",
-    "stage_specs": "slice",
+    "LocalRing": "local", "StageProtocol": "protocol", "StageModel": "slice", "StageSpec": "slice_load",
+    "stage_specs": "slice_load",
 }
 
 __all__ = ["GREEDY", "LocalRing", "SamplingParams", "StageModel", "StageProtocol", "StageSpec", "make_generator",

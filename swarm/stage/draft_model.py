@@ -20,7 +20,7 @@ import torch
 
 from swarm.errors import ModelError
 from swarm.stage import drafting
-from swarm.stage.protocol import Output, Work
+from swarm.stage.protocol_records import Output, Work
 from swarm.stage.slice import StageModel
 
 # Prompt tokens fed to the small model per forward: the ring's own prefill chunk (SWARM_SERVE_PREFILL_CHUNK's default)

@@ -64,7 +64,7 @@ def eligible(start: messages.RequestStart) -> bool:
 
 
 def draft_for(request, chats: int, num_stages: int, guess: list[int] | None = None) -> list[int]:
-    """What the last stage proposes for ``request`` (a swarm.stage.protocol.StageRequest that goes on) after the
+    """What the last stage proposes for ``request`` (a swarm.stage.protocol_records.StageRequest that goes on) after the
     token it just sampled: nothing while the model has more chats than stages (every stage has work already;
     guessing would only slow the others down) or when one token is all the reply has left; else ``guess`` where the
     draft model's side (swarm.stage.draft_model) already proposed -- prompt lookup's tokens or its own -- or what

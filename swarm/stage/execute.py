@@ -12,7 +12,7 @@ import torch
 from swarm import messages, wire
 from swarm.stage import prefix_cache, verify
 from swarm.stage.grammar import constraint
-from swarm.stage.protocol import Output, Work
+from swarm.stage.protocol_records import Output, Work
 from swarm.stage.ragged import forward_batch, forward_one
 from swarm.stage.sampling import (
     IMPOSSIBLE,

@@ -16,7 +16,8 @@ from typing import Any
 from swarm import messages, wire
 from swarm.errors import ModelError
 from swarm.stage import prefix_cache
-from swarm.stage.protocol import Output, PromptLogprobs, Release, Report, Send, StageProtocol, Stream, Work
+from swarm.stage.protocol import StageProtocol
+from swarm.stage.protocol_records import Output, PromptLogprobs, Release, Report, Send, Stream, Work
 from swarm.stage.timing import StageTimer
 
 

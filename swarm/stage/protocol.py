@@ -35,184 +35,40 @@ sibling. A carrier's failure is reported as each sibling's (RequestStart.group):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from swarm import messages, wire
+from swarm import messages
 from swarm.errors import ProtocolError
 from swarm.stage import drafting
-
-if TYPE_CHECKING:
-    import torch
-
-# Requests one pass takes at most. Measured on the built-in model (2-core CPU): a pass of 8 decode rows costs ~1.7x
-# one row, of 16 ~2.6x; past that the rows' own arithmetic dominates and a bigger pass only adds latency.
-MAX_BATCH = 16
-
-
-# --- actions ---------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Send:
-    message: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    message: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Stream:
-    rid: str
-    token: int
-    finish_reason: str | None  # "stop" (end of turn), "length" (max_tokens) or None while it goes on
-    logprob: messages.TokenLogprob | None = None  # when the request asked for logprobs
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptLogprobs:
-    """The last stage's logprobs of prompt tokens, for the leader (a request that asked for them), in order."""
-
-    rid: str
-    entries: list
-
-
-@dataclasses.dataclass(frozen=True)
-class Release:
-    rid: str
-    # a request that ended with its last token, at position ``end``: the stage keeps its reply's blocks first, as its
-    # prefix cache plan says (swarm.stage.prefix_cache.finish)
-    start: messages.RequestStart | None = None
-    end: int = 0
-
-
-Action = Send | Report | Stream | Release | PromptLogprobs
-
-
-# --- state -----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class StageRequest:
-    """One request as this stage sees it."""
-
-    rid: str
-    prompt: list[int] | None  # stage 0 only
-    start: messages.RequestStart
-    generated: int = 0  # last stage: tokens sampled so far
-    reply: list[int] = dataclasses.field(default_factory=list)  # last stage, with penalties: the tokens sampled
-    constraint: Any = None  # last stage, with a grammar: its state (swarm.stage.grammar), made on the first draw
-    members: list = dataclasses.field(default_factory=list)  # a group's carrier: the siblings it prefills for
-    carrier: Any = None  # stage 0: the carrier of a sibling whose cache is not there yet
-    next_chunk: int = 0  # stage 0: the prompt position of the next chunk to compute
-    draft: list[int] = dataclasses.field(default_factory=list)  # last stage: the tokens guessed for the pass in flight
-    spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])  # last stage: passes, tokens, drafted,
-    # accepted (swarm.stage.drafting), for its StageTimes
-    crowded: bool = False  # last stage: the model had more chats than stages when its pass was taken (no guessing)
-    queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # ready Work, in order
-
-    @property
-    def sampling(self) -> messages.Sampling:
-        return self.start.sampling
-
-    def sibling(self, sibling: messages.Sibling) -> StageRequest:
-        """A sibling of this carrier, as its own request: the carrier's start with the sibling's seed."""
-        start = dataclasses.replace(self.start, sampling=dataclasses.replace(self.sampling, seed=sibling.seed),
-                                    group=[])
-        return StageRequest(sibling.rid, None, start)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rows:
-    """Rows [row, row + n) of a received tensor (a Hidden message's ``x``), decoded once for all its parts."""
-
-    source: Any  # RowSource
-    row: int
-    n: int
-
-
-class RowSource:
-    def __init__(self, x: dict):
-        self.x = x
-        self._tensor: torch.Tensor | None = None
-
-    def tensor(self):
-        if self._tensor is None:
-            self._tensor = wire.tensor_from_wire(self.x)
-        return self._tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class Work:
-    """One piece of compute for one request: a prompt chunk or a decode step."""
-
-    request: StageRequest
-    pos: int
-    n: int
-    last: bool  # the last stage samples after it
-    ids: list[int] | None = None  # stage 0's input
-    rows: Rows | None = None  # the other stages' input
-
-    @property
-    def rid(self) -> str:
-        return self.request.rid
-
-    @property
-    def start(self) -> bool:
-        """The request's first computed chunk: at 0, or where its cached prompt blocks end (stage.prefix_cache)."""
-        return self.pos == self.request.start.cached
-
-    @property
-    def prefill(self) -> bool:
-        """A piece of the prompt (not a decode step)."""
-        return self.pos < self.request.start.prompt_len
-
-    @property
-    def fans_out(self) -> bool:
-        """A group's last prompt chunk: its cache goes to the siblings (``request.members``) once computed."""
-        return self.last and bool(self.request.members) and self.pos < self.request.start.prompt_len
-
-
-@dataclasses.dataclass(frozen=True)
-class Output:
-    """What computing a batch gave: the stage's hidden states for every row (not on the last stage, as a wire
-    tensor), or the sampled token of each Work (last stage; None where it did not sample)."""
-
-    hidden: dict | None = None
-    tokens: list[int | None] | None = None
-    logprobs: list[messages.TokenLogprob | None] | None = None  # with tokens, for requests that asked for them
-    prompt_logprobs: list[list[messages.TokenLogprob] | None] | None = None  # prompt tokens' (prompt chunks)
-    # last stage, a group's last prompt chunk: each sibling's (token, logprob), in request.members' order
-    fanned: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
-    # last stage, a pass that verified drafted tokens (swarm.stage.verify): the (token, logprob) it gives, in order --
-    # the drafted tokens kept, then the model's own next one
-    verified: list[list[tuple[int, messages.TokenLogprob | None]] | None] | None = None
-    # last stage with a draft model (swarm.stage.draft_model): what it proposes after each Work's token(s) -- prompt
-    # lookup's tokens, else its own guesses; None where it did not look
-    drafts: list[list[int] | None] | None = None
-
+from swarm.stage.protocol_records import (
+    Action,
+    Output,
+    PromptLogprobs,
+    Release,
+    Report,
+    Rows,
+    RowSource,
+    Send,
+    StageRequest,
+    Stream,
+    Work,
+)
+from swarm.stage.stage_queue import MAX_BATCH, StageQueue
 
 # --- the protocol ----------------------------------------------------------------------------------------------------
 
 
-class StageProtocol:
+class StageProtocol(StageQueue):
     def __init__(self, *, model: str, index: int, num_stages: int, prefill_chunk: int = 256,
                  max_batch: int = MAX_BATCH):
         if not 0 <= index < num_stages:
             raise ValueError(f"stage {index} of {num_stages}")
+        super().__init__(num_stages=num_stages, is_last=index == num_stages - 1, max_batch=max_batch)
         self.model = model
         self.index = index
-        self.num_stages = num_stages
         self.is_first = index == 0
-        self.is_last = index == num_stages - 1
         self.prefill_chunk = prefill_chunk
-        self.max_batch = max_batch
-        self.requests: dict[str, StageRequest] = {}
-        self._ready: collections.deque[str] = collections.deque()  # rids with work, round-robin
         self.prefill_tokens = 0  # prompt positions this stage computed (a group's prompt counts once)
 
     # --- messages in ----------------------------------------------------------------------------------------------
@@ -312,46 +168,7 @@ class StageProtocol:
             actions.append(Send(message))  # the stages after this one hold caches of these requests too
         return actions
 
-    # --- compute ----------------------------------------------------------------------------------------------------
-
-    def next_batch(self) -> list[Work]:
-        """What to compute next, as one pass: the next piece of each request whose turn it is, taken round-robin
-        -- every ready decode step, but at most one prompt chunk (so a long prompt holds the others back by one
-        chunk at most) -- up to :meth:`batch_limit` requests. [] when idle."""
-        limit = self.batch_limit()
-        batch: list[Work] = []
-        skipped: list[str] = []
-        again: list[str] = []
-        prefill = False
-        while self._ready and len(batch) < limit:
-            rid = self._ready.popleft()
-            request = self.requests.get(rid)
-            if request is None or not request.queue:
-                continue
-            work = request.queue[0]
-            if work.prefill and prefill:
-                skipped.append(rid)
-                continue
-            request.queue.popleft()
-            prefill = prefill or work.prefill
-            batch.append(work)
-            if request.queue:
-                again.append(rid)
-        self._ready.extendleft(reversed(skipped))
-        self._ready.extend(again)
-        if self.is_last:  # the draft model guesses in the compute, only while drafting is on (swarm.stage.drafting)
-            crowded = len(self.requests) > self.num_stages
-            for work in batch:
-                work.request.crowded = crowded
-        return batch
-
-    def batch_limit(self) -> int:
-        """How many requests one pass takes. With several stages the requests are split into as many groups as
-        there are stages, so that while one stage computes one group the next stage works on another (the ring is a
-        pipeline); within a group, one pass reads each weight once for all its requests."""
-        if self.max_batch <= 1:
-            return 1
-        return max(1, min(self.max_batch, math.ceil(len(self.requests) / self.num_stages)))
+    # --- computed results ------------------------------------------------------------------------------------------
 
     def computed(self, batch: list[Work], output: Output) -> list[Action]:
         actions: list[Action] = []
@@ -516,26 +333,3 @@ class StageProtocol:
         if self.num_stages > 1 and not (last_dropped and self.num_stages == 2):
             actions.append(Send(messages.Free(self.model, [rid], [end] if end else [])))
         return actions
-
-    def _release(self, rid: str, end: int = 0) -> Release | None:
-        """Forget ``rid`` here: the Release that drops its cache (None if it was not here). ``end``: it ended with its
-        last token at that position, and the stage keeps its reply's blocks if its plan says so."""
-        request = self.requests.pop(rid, None)
-        if request is None:
-            return None
-        return Release(rid, request.start, end) if end else Release(rid)
-
-    def _forget(self, rid: str) -> bool:
-        return self.requests.pop(rid, None) is not None
-
-    def _enqueue(self, work: Work) -> None:
-        request = work.request
-        if not request.queue:
-            self._ready.append(request.rid)
-        request.queue.append(work)
-
-    # --- views ------------------------------------------------------------------------------------------------------
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.requests)

@@ -56,7 +56,7 @@ class StageTimer:
         return totals
 
     def computed(self, batch: list, seconds: float) -> None:
-        """A pass over ``batch`` (swarm.stage.protocol.Work items) took ``seconds``."""
+        """A pass over ``batch`` (swarm.stage.protocol_records.Work items) took ``seconds``."""
         for work in batch:
             totals = self._of(work.rid)
             totals.prompt_len = work.request.start.prompt_len

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from swarm import messages
-from swarm.stage.protocol import Output, Work
+from swarm.stage.protocol_records import Output, Work
 from swarm.stage.ragged import forward_one
 from swarm.stage.sampling import IMPOSSIBLE, SamplingParams, accept_drafted, no_input_ids, token_generator
 

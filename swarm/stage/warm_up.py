@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from swarm import messages, wire
-from swarm.stage.protocol import Rows, RowSource, StageRequest, Work
+from swarm.stage.protocol_records import Rows, RowSource, StageRequest, Work
 
 WARM_UP_RID = "__warm_up_batch__"
 PROMPT_TOKENS = 32  # about a short chat's prompt with its template

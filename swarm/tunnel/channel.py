@@ -40,7 +40,7 @@ async def close_quietly(link) -> None:
     with trio.move_on_after(CLEANUP_S, shield=True):
         try:
             await link.aclose()
-        except Exception:
+        except Exception:  # the link is broken or gone: what made us close it is the error worth reporting
             pass
 
 
@@ -50,7 +50,7 @@ async def send_last(channel, frame: bytes) -> None:
     with trio.move_on_after(CLEANUP_S):
         try:
             await channel.send(frame)
-        except SwarmError:
+        except SwarmError:  # the peer is gone: nothing is left to tell it
             pass
 
 

@@ -22,8 +22,9 @@ from swarm.errors import AuthError
 from swarm.leader.api.anthropic_params import anthropic_error, anthropic_problem, chat_body
 from swarm.leader.api.auth import SESSION_COOKIE, api_key, current_user
 from swarm.leader.api.http_errors import json_body
-from swarm.leader.api.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
+from swarm.leader.api.openai_api import OpenAIRoutes
 from swarm.leader.api.openai_params import parse_chat_body
+from swarm.leader.api.replies import Choice, ReplyStream, next_event, read_choices
 from swarm.leader.serving import timing
 
 # The routes, for the leader's middleware: their errors' shape and their body limit (a conversation's, as /v1's).

@@ -17,14 +17,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swarm.errors import BadRequest, ContextTooLong, SwarmError
 from swarm.leader.api.auth import current_user
+from swarm.leader.api.completion_params import CompletionParams, parse_completion_body
 from swarm.leader.api.http_errors import json_body, openai_error
 from swarm.leader.api.limits import check_prompt_bytes, check_replies
-from swarm.leader.api.openai_api import Choice, ReplyStream, ReplyText, _error_events, next_event, read_choices
-from swarm.leader.api.openai_params import CompletionParams, parse_completion_body
+from swarm.leader.api.replies import Choice, ReplyStream, ReplyText, error_events, next_event, read_choices
 from swarm.leader.chat.chat_format import load_tokenizer
 from swarm.leader.chat.logprobs import token_text
 from swarm.leader.serving import timing
-from swarm.leader.serving.requests import Request
+from swarm.leader.serving.request import Request
 
 
 class Completion(Choice):
@@ -59,7 +59,7 @@ class CompletionRoutes:
             vocab = int(manifest.get("vocab_size") or 0)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(model_dir))
             serving = self.leader.serving
-            context = await serving.context_of(params.model)
+            context = await serving.contexts.context_of(params.model)
             reply = max(1, params.max_tokens)
             prompts = []
             for prompt in params.prompts:
@@ -67,10 +67,11 @@ class CompletionRoutes:
                     # by its byte count before tokenising; both walk the whole text, in a worker thread
                     await trio.to_thread.run_sync(check_prompt_bytes, prompt, model_dir, context)
                     ids = await trio.to_thread.run_sync(_token_ids, tokenizer, prompt)
-                    serving.check_context(params.model, len(ids) + reply, len(ids), reply)
+                    serving.contexts.check_context(params.model, len(ids) + reply, len(ids), reply)
                     prompts.append((prompt, ids))
                 else:
-                    serving.check_context(params.model, len(prompt) + reply, len(prompt), reply)  # before decoding
+                    # before decoding
+                    serving.contexts.check_context(params.model, len(prompt) + reply, len(prompt), reply)
                     text = await trio.to_thread.run_sync(_prompt_text, tokenizer, prompt, vocab, params.model)
                     prompts.append((text, prompt if isinstance(prompt, list) else list(prompt)))  # not a 2nd copy
             # the prompt's own logprobs only when they are returned: echo with logprobs
@@ -80,13 +81,13 @@ class CompletionRoutes:
                                        user.id, ring_requests, prompt_logprobs=prompt_logprobs,
                                        token_id=user.token_id)
             # a client that leaves while they wait cancels them all
-            if await serving.wait_started(ring_requests, request.receive):
+            if await serving.intake.wait_started(ring_requests, request.receive):
                 return Response(status_code=499)  # nobody reads it
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is the client's error reply, its requests cancelled
             for ring_request in ring_requests:
                 self.leader.serving.cancel(ring_request)
             if stream and isinstance(exc, ContextTooLong):
-                return StreamingResponse(_error_events(exc), media_type="text/event-stream")
+                return StreamingResponse(error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
         choices = []
         for i, ring_request in enumerate(ring_requests):

@@ -27,7 +27,9 @@ from swarm import __version__
 from swarm.errors import BadRequest, ModelNotFound
 from swarm.leader.api.auth import current_user
 from swarm.leader.api.http_errors import classify, json_body
-from swarm.leader.api.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
+from swarm.leader.api.ollama_params import chat_body
+from swarm.leader.api.openai_api import OpenAIRoutes
+from swarm.leader.api.replies import Choice, ReplyStream, next_event, read_choices
 from swarm.leader.chat.chat_format import load_tokenizer
 from swarm.leader.serving import timing
 from swarm.leader.serving.models import ModelStatus
@@ -35,24 +37,6 @@ from swarm.leader.serving.models import ModelStatus
 # The routes, for the leader's middleware: their errors' shape, and which take a conversation (the /v1 body limit).
 OLLAMA_CHAT_PATHS = frozenset({"/api/chat", "/api/generate"})
 OLLAMA_PATHS = OLLAMA_CHAT_PATHS | {"/api/tags", "/api/show", "/api/ps", "/api/version"}
-# Options that tune how Ollama's own runner loads and batches a model: the pool decides those, so they are ignored.
-RUNTIME_OPTIONS = frozenset({
-    "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram",
-    "vocab_only", "num_keep", "f16_kv", "logits_all", "embedding_only",
-})
-# Options with a Chat Completions counterpart: Ollama's name -> the body's.
-SAMPLING_OPTIONS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-    "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-}
-# Samplers we do not have, accepted at the value that turns them off (what clients send by default).
-OFF_OPTIONS: dict[str, tuple] = {"mirostat": (0,), "typical_p": (1, 1.0), "tfs_z": (1, 1.0),
-                                 "repeat_last_n": (64,), "penalize_newline": (True, False)}
-# Request fields that change nothing here: how long Ollama keeps a model loaded (the pool's idle unload decides).
-IGNORED_FIELDS = frozenset({"keep_alive"})
-CHAT_FIELDS = frozenset({"model", "messages", "stream", "options", "format", "think", "tools"})
-GENERATE_FIELDS = frozenset({"model", "prompt", "system", "stream", "options", "format", "think"})
 
 
 def ollama_problem(status: int, message: str) -> JSONResponse:
@@ -78,106 +62,6 @@ def _now_iso() -> str:
 
 def _iso(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat().replace("+00:00", "Z")
-
-
-def _check_fields(body: dict, allowed: frozenset[str], route: str) -> None:
-    for key, value in body.items():
-        if value is None or key in IGNORED_FIELDS or key in allowed:
-            continue
-        if key == "images" and not value:
-            continue
-        raise BadRequest(f"the field '{key}' of {route} is not supported by this server, so the request was not "
-                         "run. Leave it out.", "unsupported_parameter")
-
-
-def translate_options(options: Any) -> dict:
-    """Ollama's ``options`` as Chat Completions fields; BadRequest naming one we cannot honour."""
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise BadRequest("'options' must be an object, such as {\"temperature\": 0, \"num_predict\": 64}.",
-                         "invalid_options")
-    out: dict[str, Any] = {}
-    for key, value in options.items():
-        if value is None or key in RUNTIME_OPTIONS:
-            continue
-        if key in SAMPLING_OPTIONS:
-            if key == "num_predict" and isinstance(value, int) and value < 0:
-                continue  # -1 (no limit) and -2 (fill the context): as long as the context leaves room for
-            out[SAMPLING_OPTIONS[key]] = value
-            continue
-        if key in OFF_OPTIONS and value in OFF_OPTIONS[key]:
-            continue
-        raise BadRequest(f"the option '{key}' is not supported by this server, so the request was not run. Leave "
-                         "it out of 'options'.", "unsupported_option")
-    return out
-
-
-def translate_format(value: Any) -> dict | None:
-    """``format``: "json" (any JSON object) or a JSON schema, as the structured output of Chat Completions."""
-    if value is None or value == "":
-        return None
-    if value == "json":
-        return {"type": "json_object"}
-    if isinstance(value, dict):
-        return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
-    raise BadRequest("'format' must be \"json\" or a JSON schema object.", "invalid_format")
-
-
-def translate_message(message: Any) -> Any:
-    """An Ollama chat message as a Chat Completions one: tool calls get their type, a tool's reply its name, and a
-    message with images is refused (no model of the pool reads them)."""
-    if not isinstance(message, dict):
-        return message  # parse_chat_body says what a message must be
-    if message.get("images"):
-        raise BadRequest("messages with 'images' are not supported: the pool serves text models. Send text only.",
-                         "unsupported_images")
-    out = {k: v for k, v in message.items() if k not in ("images", "thinking", "tool_name")}
-    if message.get("tool_name") and "name" not in out:
-        out["name"] = message["tool_name"]
-    calls = message.get("tool_calls")
-    if isinstance(calls, list):
-        out["tool_calls"] = [
-            {"type": "function", **c} if isinstance(c, dict) else c for c in calls
-        ]
-    return out
-
-
-def chat_body(body: dict, route: str) -> dict:
-    """The Chat Completions body for an Ollama /api/chat or /api/generate body."""
-    if route == "/api/chat":
-        _check_fields(body, CHAT_FIELDS, route)
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "invalid_messages")
-        messages = [translate_message(m) for m in messages]
-    else:
-        if body.get("raw"):
-            raise BadRequest("'raw' prompts are not supported here: send the prompt without raw, or use "
-                             "POST /v1/completions for a prompt without the chat template.", "unsupported_raw")
-        body = {k: v for k, v in body.items() if k != "raw"}
-        _check_fields(body, GENERATE_FIELDS, route)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest("'prompt' must be a string.", "invalid_prompt")
-        system = body.get("system")
-        if system is not None and not isinstance(system, str):
-            raise BadRequest("'system' must be a string.", "invalid_system")
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    out: dict[str, Any] = {"model": body.get("model"), "messages": messages,
-                           **translate_options(body.get("options"))}
-    response_format = translate_format(body.get("format"))
-    if response_format is not None:
-        out["response_format"] = response_format
-    think = body.get("think")
-    if think is not None:
-        if not isinstance(think, bool) and think not in ("low", "medium", "high"):
-            raise BadRequest("'think' must be true or false (or \"low\", \"medium\", \"high\").", "invalid_think")
-        # "low"/"medium"/"high" (gpt-oss's levels): the families here have an on/off switch only
-        out["chat_template_kwargs"] = {"enable_thinking": bool(think)}
-    if body.get("tools"):
-        out["tools"] = body["tools"]
-    return out
 
 
 def _ns(seconds: float | None) -> int:
@@ -259,7 +143,7 @@ class OllamaRoutes:
             opened = await self.routes.open_chat(request, translated, user)
             if opened is None:
                 return Response(status_code=499)  # the client left; nobody reads it
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         params, choices = opened
         choice = choices[0]
@@ -363,7 +247,7 @@ class OllamaRoutes:
         """The models of the caller's pools, as GET /v1/models lists them."""
         try:
             rows = await self._rows(request)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         return JSONResponse({"models": [tag_entry(row) for row in rows]})
 
@@ -371,7 +255,7 @@ class OllamaRoutes:
         """The models of the caller's pools that are loaded on the ring (ready to answer)."""
         try:
             rows = await self._rows(request)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         out = []
         for row in rows:
@@ -381,7 +265,7 @@ class OllamaRoutes:
             entry = tag_entry(row)
             weight = int(serving.describe().get("weight_bytes") or 0)
             entry.update({"size": weight, "size_vram": weight, "expires_at": "0001-01-01T00:00:00Z",
-                          "context_length": await self.leader.serving.context_of(row.name)})
+                          "context_length": await self.leader.serving.contexts.context_of(row.name)})
             out.append(entry)
         return JSONResponse({"models": out})
 
@@ -396,8 +280,8 @@ class OllamaRoutes:
             model = await self.resolve(name, user)
             row = await self.leader.serving.model_row(model)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, str(self.leader.models_root / model))
-            context = await self.leader.serving.context_of(model)
-        except Exception as exc:
+            context = await self.leader.serving.contexts.context_of(model)
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         entry = tag_entry(row)
         manifest = row.manifest
@@ -419,7 +303,7 @@ class OllamaRoutes:
     async def version(self, request: HttpRequest):
         try:
             await current_user(request, self.leader.store)
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in Ollama's error shape
             return ollama_error(exc)
         return JSONResponse({"version": __version__})
 

@@ -8,37 +8,32 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError, first_leaf
+from swarm.errors import BadRequest, ContextTooLong, ModelNotLoaded, SwarmError
 from swarm.leader.api.anthropic_params import anthropic_models
 from swarm.leader.api.auth import current_user
-from swarm.leader.api.http_errors import classify, json_body, openai_error, openai_problem
+from swarm.leader.api.http_errors import json_body, openai_error
 from swarm.leader.api.limits import check_prompt_bytes, check_replies
 from swarm.leader.api.openai_params import ChatParams, choice_seed, parse_chat_body, to_sampling
+from swarm.leader.api.replies import Choice, ReplyStream, ReplyText, error_events, next_event, read_choices
 from swarm.leader.chat.chat_format import (
-    TextStream,
     chat_format,
     encode_chat,
     eos_ids,
     generation_top_k,
     load_tokenizer,
-    prompt_opens_thinking,
+    prompt_thinking,
     sampling_defaults,
     think_tokens,
 )
-from swarm.leader.chat.harmony import HarmonySplitter
-from swarm.leader.chat.logprobs import logprob_entries
-from swarm.leader.chat.reasoning import ReasoningSplitter
-from swarm.leader.chat.stops import StopFinder
 from swarm.leader.chat.tool_calls import ToolCallSplitter, forced_grammar
 from swarm.leader.serving import timing
-from swarm.leader.serving.requests import Reader, Request
-from swarm.leader.serving.serving import client_gone
+from swarm.leader.serving.request import Reader, Request
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +48,7 @@ class OpenAIRoutes:
             user = await current_user(request, self.leader.store)
             store = self.leader.store
             rows = await trio.to_thread.run_sync(lambda: store.list_models(store.visible_pool_ids(user)))
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
             return openai_error(exc)
         if "anthropic-version" in request.headers:  # Anthropic's clients (swarm.leader.api.anthropic_api): their shape
             return JSONResponse(anthropic_models(rows))
@@ -72,7 +67,7 @@ class OpenAIRoutes:
                 return Response(status_code=499)  # nobody reads it
         except Exception as exc:
             if stream and isinstance(exc, ContextTooLong):  # the seed: context_length_exceeded in a stream
-                return StreamingResponse(_error_events(exc), media_type="text/event-stream")
+                return StreamingResponse(error_events(exc), media_type="text/event-stream")
             return openai_error(exc)
         params, choices = opened
         tokenizer = choices[0].text.text.tokenizer
@@ -121,7 +116,7 @@ class OpenAIRoutes:
             params.model = await self.resolve(params.model, user)
             inside, tool_family = await self._submit(params, user, ring_requests)
             # a client that leaves meanwhile cancels them all
-            if await self.leader.serving.wait_started(ring_requests, request.receive):
+            if await self.leader.serving.intake.wait_started(ring_requests, request.receive):
                 return None
             tokenizer = load_tokenizer(str(self.leader.models_root / params.model))
         except BaseException:
@@ -136,14 +131,14 @@ class OpenAIRoutes:
                 choice.tools = ToolCallSplitter("hermes" if harmony else tool_family, params.tools)
         return params, choices
 
-    async def _submit(self, params: ChatParams, user, out: list[Request]) -> tuple[bool, str]:
+    async def _submit(self, params: ChatParams, user, out: list[Request]) -> tuple[str, str]:
         """The request's choices on their way to the ring (appended to ``out`` as they go, so that the caller can
-        cancel them if a later one is refused); whether the prompt opened a thinking block, and the format of the
-        model's tool calls (swarm.leader.chat.chat_format.chat_format)."""
+        cancel them if a later one is refused); where the prompt left the thinking block (opened, closed: see
+        swarm.leader.chat.chat_format.prompt_thinking), and the format of the model's tool calls (chat_format)."""
         manifest, model_dir = await self.model(params.model)
         architecture = manifest.get("architecture", "")
         prompt = await self.encode(params, architecture)
-        inside = await trio.to_thread.run_sync(prompt_opens_thinking, model_dir, prompt)
+        inside = await trio.to_thread.run_sync(prompt_thinking, model_dir, prompt)
         family = chat_format(architecture)
         if params.forced_tool is not None and params.tools and family in ("harmony", "glm"):
             raise BadRequest(f"model {params.model} writes tool calls in its own format ({family}), which swarm cannot "
@@ -162,11 +157,11 @@ class OpenAIRoutes:
         model_dir = self.leader.models_root / params.model
         # Refused by its byte count before the tokenizer sees it (swarm.leader.api.limits): a 24 MB prompt took 11 s. In
         # a worker thread, as the tokenizer: both walk the whole text.
-        context = await self.leader.serving.context_of(params.model)
+        context = await self.leader.serving.contexts.context_of(params.model)
         await trio.to_thread.run_sync(check_prompt_bytes, params.messages, model_dir, context)
         try:
             return await trio.to_thread.run_sync(encode_chat, model_dir, params.messages, params.thinking,
-                                                 architecture, params.tools)
+                                                 architecture, params.tools, params.effort)
         except Exception as exc:
             from jinja2 import TemplateError
 
@@ -198,11 +193,11 @@ class OpenAIRoutes:
         over the model's defaults, choice i seeded from the request's seed (choice 0 is the reply n=1 gets)."""
         leader = self.leader
         manifest, model_dir = await self.model(name)
-        context = await leader.serving.context_of(name)
+        context = await leader.serving.contexts.context_of(name)
         if max_tokens is None:  # as long a reply as the model's served context leaves room for
             max_tokens = max(1, min(leader.settings.max_tokens_limit, context - len(prompt)))
         # before anything is submitted (or a model that went idle loaded for it): the served context, not the pool
-        leader.serving.check_context(name, len(prompt) + max_tokens, len(prompt), max_tokens)
+        leader.serving.contexts.check_context(name, len(prompt) + max_tokens, len(prompt), max_tokens)
         serving = leader.serving.models.get(name)
         own_top_k = generation_top_k(model_dir) if serving is not None and len(serving.stages) == 1 else None
         sampling = sampling_defaults(manifest.get("architecture", ""), thinking, name, own_top_k)
@@ -220,7 +215,7 @@ class OpenAIRoutes:
             # Greedy choices are one reply: it runs once on the ring and every choice reads it.
             request = Request(model=name, prompt=prompt, max_tokens=max_tokens, sampling=first, eos=eos, owner=owner,
                               token_id=token_id)
-            out.extend([await leader.serving.submit(request)] * params.n)
+            out.extend([await leader.serving.intake.submit(request)] * params.n)
             return
         choices = []
         for i in range(params.n):
@@ -231,11 +226,11 @@ class OpenAIRoutes:
         if len(choices) > 1 and prompt_logprobs is None:
             # One group: the ring prefills the prompt once and copies its cache to each choice. (Prompt logprobs come
             # from the prefill's rows, which a group computes under its carrier: such choices run on their own.)
-            await leader.serving.submit_group(choices)
+            await leader.serving.intake.submit_group(choices)
             out.extend(choices)
             return
         for request in choices:
-            out.append(await leader.serving.submit(request))
+            out.append(await leader.serving.intake.submit(request))
 
     def reader(self, ring_request: Request) -> Reader:
         """A reader of ``ring_request``'s tokens that gives up on it after the settings' stall and queue times."""
@@ -327,178 +322,6 @@ class OpenAIRoutes:
             # disconnect, so this also runs when a send fails).
             for choice in choices:
                 self.leader.serving.cancel(choice.request)
-
-
-class ReplyStream(StreamingResponse):
-    """A streamed reply (server-sent events) whose ring requests are cancelled however the response ends: finished,
-    failed, or its client gone (Starlette cancels the stream when it hears the disconnect, and the generator may be
-    suspended at a send rather than inside its own try block then)."""
-
-    def __init__(self, serving, requests: list[Request], content, headers: dict,
-                 media_type: str = "text/event-stream"):
-        super().__init__(content, media_type=media_type, headers=headers)
-        self.serving = serving
-        self.requests = requests
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for request in self.requests:
-                self.serving.cancel(request)
-
-
-class Choice:
-    """One of a reply's n choices: its request on the ring, its text so far and how it ended."""
-
-    def __init__(self, index: int, request: Request, text: ReplyText, reader: Reader, top: int | None):
-        self.index = index
-        self.request = request
-        self.text = text
-        self.reader = reader
-        self.top = top  # None: no logprobs; else how many alternatives per token
-        self.reasoning = ""
-        self.content = ""
-        self.finish: str | None = None
-        self.sent = 0  # tokens whose logprobs went out in a stream
-        self.pending: list[tuple] = []  # what its reader gave while another choice's event was being taken
-        self.tools: ToolCallSplitter | None = None  # the request gave tools: the reply's calls are parsed
-        self.calls: list[dict] = []
-
-    def content_delta(self, content: str) -> str:
-        """What of a content delta goes out now (a tool call is held until the reply ends)."""
-        return self.tools.push(content) if self.tools is not None and content else content
-
-    def call_deltas(self) -> list[dict]:
-        """The tool calls' stream deltas since the last time (swarm.leader.chat.tool_calls)."""
-        return self.tools.take() if self.tools is not None else []
-
-    def end_content(self) -> str:
-        """The end of the reply: the content held back, with the tool calls parsed out of it."""
-        if self.tools is None:
-            return ""
-        content, self.calls = self.tools.finish()
-        return content
-
-    def finish_reason(self, finish: str) -> str:
-        return "tool_calls" if self.calls and finish == "stop" else finish
-
-    def logprobs(self, tokenizer, end: int, start: int = 0) -> list[dict]:
-        """OpenAI's logprobs content for tokens [start, end) of the reply."""
-        return logprob_entries(tokenizer, self.request.tokens[start:end], self.request.logprobs[start:end])
-
-
-class _AllContent:
-    """No thinking split (the legacy completions route): all text is content."""
-
-    def push(self, text: str) -> tuple[str, str]:
-        return "", text
-
-    def flush(self) -> tuple[str, str]:
-        return "", ""
-
-
-_C = TypeVar("_C", bound="Choice")
-
-
-async def next_event(choices: list[_C]) -> tuple[_C, str, Any]:
-    """The next thing that happens to any of ``choices``: (choice, kind, value) as Reader.next gives it."""
-    for choice in choices:
-        if choice.pending:
-            return (choice, *choice.pending.pop(0))
-    if len(choices) == 1:
-        return (choices[0], *await choices[0].reader.next())
-    done: list = []
-    async with trio.open_nursery() as nursery:
-        async def read(choice: _C) -> None:
-            result = await choice.reader.next()
-            done.append((choice, *result))  # kept even if another read won the race: nothing is lost
-            nursery.cancel_scope.cancel()
-
-        for choice in choices:
-            nursery.start_soon(read, choice)
-    for extra in done[1:]:
-        extra[0].pending.append(extra[1:])
-    return done[0]
-
-
-async def read_choices(serving, choices: list, collect, receive=None, fail=None) -> JSONResponse | None:
-    """``collect`` every choice at once (a stop string cancels its request at once); a 502 if the ring failed one.
-    With ``receive`` (the ASGI receive of the client's connection), a client that goes away cancels every choice at
-    once (issue 32: they ran on for nobody). ``fail(status, message)`` answers a failed ring in another API's shape
-    than OpenAI's. Afterwards the choices' ring requests are cancelled, whatever happened, so no stage keeps working
-    on them."""
-
-    async def watch() -> None:
-        await client_gone(receive)
-        log.info("request %s: its client went away; cancelling its replies", choices[0].request.id)
-        for choice in choices:
-            serving.cancel(choice.request)
-
-    try:
-        async with trio.open_nursery() as outer:
-            if receive is not None:
-                outer.start_soon(watch)
-            async with trio.open_nursery() as nursery:
-                for choice in choices:
-                    nursery.start_soon(collect, choice)
-            outer.cancel_scope.cancel()
-    except BaseException as exc:
-        failure = first_leaf(exc)
-        if isinstance(failure, SwarmError):
-            if fail is not None:  # another API's error shape
-                return fail(502, str(failure))
-            return openai_problem(502, str(failure), "server_error", "ring_failed")
-        raise
-    finally:
-        for choice in choices:
-            serving.cancel(choice.request)
-    return None
-
-
-class ReplyText:
-    """Token ids in, (reasoning, content) text deltas out: incremental detokenising, stop strings, then the thinking
-    split. ``used`` counts the tokens whose text made the reply: all of them, unless a stop string cut it short."""
-
-    def __init__(self, tokenizer, inside: bool, stops: list[str] | tuple = (), reasoning: bool = True,
-                 harmony: bool = False):
-        self.text = TextStream(tokenizer, keep_special=harmony)  # harmony: its parser reads the channel markers
-        self.stop = StopFinder(list(stops))
-        self.split: ReasoningSplitter | HarmonySplitter | _AllContent = (
-            HarmonySplitter() if harmony else ReasoningSplitter(inside) if reasoning else _AllContent())
-        self.used = 0
-
-    @property
-    def stopped(self) -> bool:
-        """A stop string was met: the reply is over."""
-        return self.stop.stopped
-
-    def push(self, tokens: list[int]) -> tuple[str, str]:
-        reasoning, content = "", ""
-        for token in tokens:  # one at a time: a stop string ends the reply at the token that completed it
-            if self.stopped:
-                break
-            self.used += 1
-            r, c = self.split.push(self.stop.push(self.text.push([token])))
-            reasoning, content = reasoning + r, content + c
-        if self.stopped:
-            r, c = self.split.flush()
-            reasoning, content = reasoning + r, content + c
-        return reasoning, content
-
-    def flush(self) -> tuple[str, str]:
-        if self.stopped:
-            return "", ""
-        r1, c1 = self.split.push(self.stop.push(self.text.flush()))
-        r2, c2 = self.split.push(self.stop.flush())
-        r3, c3 = self.split.flush()
-        return r1 + r2 + r3, c1 + c2 + c3
-
-
-async def _error_events(exc: Exception):
-    status, code, openai_type, message = classify(exc)
-    yield f"data: {json.dumps({'error': {'message': message, 'type': openai_type, 'code': code}})}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 def _usage(choices: list[Choice]) -> dict:

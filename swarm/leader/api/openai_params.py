@@ -17,6 +17,7 @@ from typing import Any
 
 from swarm import messages
 from swarm.errors import BadRequest
+from swarm.leader.chat.chat_format import EFFORTS, thinking_of
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -43,12 +44,12 @@ _OFF_VALUES = {
 CHAT_FIELDS = frozenset({
     "model", "messages", "stream", "max_tokens", "max_completion_tokens", "chat_template_kwargs", "return_token_ids",
     "ignore_eos", "stop", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "logit_bias",
+    "reasoning_effort",
     *SAMPLING_KEYS, *PENALTY_KEYS,
 })
 
 # What to tell a client that asks for something we do not do, where there is more to say than "not supported".
 _ADVICE = {
-    "reasoning_effort": "Turn thinking on or off with \"chat_template_kwargs\": {\"enable_thinking\": false}.",
     "functions": "Send them as \"tools\" (the current form of the same thing).",
 }
 
@@ -88,6 +89,7 @@ class ChatParams:
     tools: list[dict] | None = None  # function tools for the chat template (None: none, or tool_choice "none")
     grammar: str | None = None  # response_format as an llguidance grammar; None: free text
     forced_tool: str | None = None  # tool_choice: "*" (required: some tool) or a tool's name; None: the model decides
+    effort: str | None = None  # reasoning_effort (swarm.leader.chat.chat_format.reasoning_kwargs); None: the model's
 
 
 def _number(body: dict, key: str, low: float, high: float) -> float | None:
@@ -101,7 +103,7 @@ def _number(body: dict, key: str, low: float, high: float) -> float | None:
     return value
 
 
-def _integer(body: dict, key: str, low: int, high: int) -> int | None:
+def parse_integer(body: dict, key: str, low: int, high: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -110,7 +112,7 @@ def _integer(body: dict, key: str, low: int, high: int) -> int | None:
     return value
 
 
-def _flag(body: dict, key: str) -> bool:
+def parse_flag(body: dict, key: str) -> bool:
     """A true/false field: "false" is a string, and a truthy one, so anything but a JSON boolean is a 400."""
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
@@ -144,7 +146,7 @@ def parse_logprobs(body: dict) -> int | None:
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest("'logprobs' must be true or false.", "invalid_logprobs")
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = parse_integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and top > 0 and not logprobs:
         raise BadRequest("'top_logprobs' needs \"logprobs\": true.", "invalid_top_logprobs")
     return (top or 0) if logprobs else None
@@ -218,12 +220,25 @@ def parse_chat_body(body: dict, max_tokens_limit: int) -> ChatParams:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects.", "invalid_messages")
     requested = parse_max_tokens(body, max_tokens_limit)
     kwargs = body.get("chat_template_kwargs") or {}
-    thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
-    n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    return ChatParams(model, chat, _flag(body, "stream"), requested, thinking, parse_sampling(body),
-                      _flag(body, "return_token_ids"), _flag(body, "ignore_eos"), parse_stop(body.get("stop")),
-                      n, parse_logprobs(body), parse_tools(body), parse_response_format(body.get("response_format")),
-                      forced_tool(body))
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    effort = parse_effort(body.get("reasoning_effort", kwargs.get("reasoning_effort")))
+    thinking = thinking_of(kwargs.get("enable_thinking"), effort)
+    n = parse_integer(body, "n", 1, MAX_CHOICES) or 1
+    return ChatParams(model, chat, parse_flag(body, "stream"), requested, thinking, parse_sampling(body),
+                      parse_flag(body, "return_token_ids"), parse_flag(body, "ignore_eos"),
+                      parse_stop(body.get("stop")), n, parse_logprobs(body), parse_tools(body),
+                      parse_response_format(body.get("response_format")), forced_tool(body), effort)
+
+
+def parse_effort(value) -> str | None:
+    """``reasoning_effort`` (OpenAI's levels): gpt-oss's template takes low, medium and high as they are; the families
+    with an on/off switch think at any level but none and minimal."""
+    if value is None:
+        return None
+    if value not in EFFORTS:
+        raise BadRequest(f"'reasoning_effort' is {value!r}; it must be one of {', '.join(EFFORTS)}.",
+                         "invalid_reasoning_effort")
+    return value
 
 
 def parse_response_format(value) -> str | None:
@@ -337,64 +352,3 @@ _GOLDEN = 0x9E3779B97F4A7C15
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice ``index`` (1 and up) of a request seeded with ``seed``."""
     return (seed + index * _GOLDEN) % (1 << 63)
-
-
-# --- the legacy completions route ----------------------------------------------------------------------------------
-
-COMPLETION_FIELDS = frozenset({
-    "model", "prompt", "stream", "max_tokens", "echo", "logprobs", "stop", "n", "return_token_ids", "ignore_eos",
-    "logit_bias", *SAMPLING_KEYS, *PENALTY_KEYS,
-})
-MAX_PROMPTS = 32  # prompts in one request (evaluation harnesses batch theirs)
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's default for this route
-
-
-@dataclasses.dataclass
-class CompletionParams:
-    """A validated legacy completion request."""
-
-    model: str
-    prompts: list  # each a text or a list of token ids
-    stream: bool
-    max_tokens: int  # 0: nothing generated (with echo and logprobs: the prompt's log-likelihood)
-    echo: bool
-    sampling: dict
-    stop: list[str]
-    n: int
-    logprobs: int | None
-    return_token_ids: bool = False
-    ignore_eos: bool = False
-
-
-def _token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-
-
-def parse_completion_body(body: dict, max_tokens_limit: int) -> CompletionParams:
-    body = check_fields(body, COMPLETION_FIELDS)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required: one of the ids from GET /v1/models.", "missing_model")
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or _token_ids(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
-        prompts = list(prompt)
-    else:
-        raise BadRequest("'prompt' must be a text, a list of token ids, or a list of either.", "invalid_prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise BadRequest(f"'prompt' holds {len(prompts)} prompts; send at most {MAX_PROMPTS} at once.",
-                         "invalid_prompt")
-    if any(p == "" for p in prompts):
-        raise BadRequest("'prompt' may not be empty.", "invalid_prompt")
-    max_tokens = _integer(body, "max_tokens", 0, max_tokens_limit)
-    n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise BadRequest("'echo' must be true or false.", "invalid_echo")
-    return CompletionParams(model, prompts, _flag(body, "stream"),
-                            DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens, echo,
-                            parse_sampling(body), parse_stop(body.get("stop")), n,
-                            _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS), _flag(body, "return_token_ids"),
-                            _flag(body, "ignore_eos"))

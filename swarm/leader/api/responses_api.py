@@ -23,7 +23,8 @@ from swarm.errors import BadRequest, ResponseNotFound, StoreError, SwarmError
 from swarm.leader.api import responses_format as fmt
 from swarm.leader.api.auth import current_user
 from swarm.leader.api.http_errors import json_body, openai_error
-from swarm.leader.api.openai_api import Choice, OpenAIRoutes, ReplyStream, next_event, read_choices
+from swarm.leader.api.openai_api import OpenAIRoutes
+from swarm.leader.api.replies import Choice, ReplyStream, next_event, read_choices
 from swarm.leader.serving import timing
 
 RESPONSES_PATH = "/v1/responses"
@@ -233,7 +234,7 @@ class ResponsesRoutes:
             opened = await self.routes.open_chat(request, translated, user)
             if opened is None:
                 return Response(status_code=499)  # the client left; nobody reads it
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
             return openai_error(exc)
         params, choices = opened
         reply = Reply(self.routes, choices[0], fmt.new_id("resp"), body, params.model)
@@ -255,7 +256,7 @@ class ResponsesRoutes:
         if store:
             try:
                 await self._save(reply, kept)
-            except Exception as exc:
+            except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
                 return openai_error(exc)
         return JSONResponse(reply.response, headers=headers)
 
@@ -296,7 +297,7 @@ class ResponsesRoutes:
         try:
             user = await current_user(request, self.leader.store)
             stored = await self._stored(user, request.path_params["response_id"])
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
             return openai_error(exc)
         return JSONResponse(stored.response)
 
@@ -307,7 +308,7 @@ class ResponsesRoutes:
             store = self.leader.store
             if not await trio.to_thread.run_sync(store.delete_response, user.id, response_id):
                 await self._stored(user, response_id)  # says it is not there
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
             return openai_error(exc)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -320,7 +321,7 @@ class ResponsesRoutes:
             limit_text = request.query_params.get("limit", "20")
             if order not in ("asc", "desc") or not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
                 raise BadRequest("'order' must be asc or desc, and 'limit' a number from 1 to 100.", "invalid_request")
-        except Exception as exc:
+        except Exception as exc:  # the API boundary: any failure is answered in OpenAI's error shape
             return openai_error(exc)
         items = stored.input_items if order == "asc" else list(reversed(stored.input_items))
         after = request.query_params.get("after")

@@ -183,7 +183,8 @@ def response_format(text: Any) -> dict | None:
 
 def thinking(reasoning: Any) -> bool | None:
     """``reasoning.effort`` as the family's reasoning switch: "none" and "minimal" turn it off, any other effort on
-    (the families here have an on/off switch only); no effort leaves the model's default."""
+    (gpt-oss takes the level itself: swarm.leader.chat.chat_format.reasoning_kwargs); no effort leaves the model's
+    default."""
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, *EFFORTS):
@@ -214,9 +215,8 @@ def chat_body(body: dict, history: list[dict], items: list[dict]) -> dict:
     fmt = response_format(body.get("text"))
     if fmt is not None:
         out["response_format"] = fmt
-    think = thinking(body.get("reasoning"))
-    if think is not None:
-        out["chat_template_kwargs"] = {"enable_thinking": think}
+    if thinking(body.get("reasoning")) is not None:  # checked there; the level reaches gpt-oss's template as it is
+        out["reasoning_effort"] = body["reasoning"]["effort"]
     if wants_logprobs(body):  # Chat Completions' checks apply (top_logprobs 0-20)
         out["logprobs"] = True
         out["top_logprobs"] = body.get("top_logprobs") or 0

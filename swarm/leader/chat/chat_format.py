@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
 QWEN_NON_THINKING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
 OTHER = {"temperature": 0.7, "top_p": 0.95, "top_k": 0, "min_p": 0.0}
+# Qwen3's dense and mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B): the same sampling, the same switches
+QWEN3 = ("qwen3", "qwen3_moe")
+# OpenAI's reasoning_effort values; "none" and "minimal" turn an on/off switch off, the others on
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+HARMONY_EFFORTS = ("low", "medium", "high")  # gpt-oss's template's "Reasoning: ..." levels
 
 
 def sampling_defaults(architecture: str, thinking: bool, name: str = "", generation_top_k: int | None = None) -> dict:
@@ -25,7 +30,7 @@ def sampling_defaults(architecture: str, thinking: bool, name: str = "", generat
     not think, get the thinking-off row; ``generation_top_k`` (a model served on one fellow keeps its own
     generation_config's top_k) fills the other models' top_k."""
     lowered = name.lower()
-    if architecture == "qwen3":
+    if architecture in QWEN3:
         non_thinking = "2507" in lowered and "instruct" in lowered or "coder" in lowered
         return dict(QWEN3_THINKING if thinking and not non_thinking else QWEN_NON_THINKING)
     if architecture == "qwen2":
@@ -46,10 +51,21 @@ def generation_top_k(model_dir: Path) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def prompt_thinking(model_dir: Path, prompt: list[int]) -> str:
+    """Where the prompt leaves the reply's thinking block (swarm.leader.chat.reasoning): OPENED when the chat template
+    opened it (the reply starts inside it), CLOSED when it wrote an empty one (thinking off: GLM-4.5's prompt ends with
+    it, and the reply starts with the template's line break before the answer), else ""."""
+    from swarm.leader.chat.reasoning import CLOSE, CLOSED, OPEN, OPENED
+
+    tail = load_tokenizer(str(model_dir)).decode(prompt[-4:], skip_special_tokens=False).rstrip()
+    return OPENED if tail.endswith(OPEN) else CLOSED if tail.endswith(CLOSE) else ""
+
+
 def prompt_opens_thinking(model_dir: Path, prompt: list[int]) -> bool:
     """Whether the chat template opened the thinking block in the prompt (the reply starts inside it)."""
-    tail = load_tokenizer(str(model_dir)).decode(prompt[-4:], skip_special_tokens=False)
-    return tail.rstrip().endswith("<think>")
+    from swarm.leader.chat.reasoning import OPENED
+
+    return prompt_thinking(model_dir, prompt) == OPENED
 
 
 def think_tokens(model_dir: Path) -> list[int] | None:
@@ -96,8 +112,13 @@ def _text(content) -> str:
 
 def _message(m: dict) -> dict:
     """A message as chat templates take it: text content; an assistant's tool calls with their arguments as objects
-    (templates write them with ``tojson``, as vLLM gives them); a tool result's call id and name."""
+    (templates write them with ``tojson``, as vLLM gives them) and its reasoning, sent back as ``reasoning_content``
+    (or vLLM's ``reasoning``: GLM's and Qwen3's templates keep it within a turn of tool calls); a tool result's call id
+    and name."""
     out = {"role": m["role"], "content": _text(m.get("content"))}
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    if m["role"] == "assistant" and isinstance(reasoning, str) and reasoning:
+        out["reasoning_content"] = reasoning
     calls = m.get("tool_calls")
     if isinstance(calls, list) and calls:
         out["tool_calls"] = []
@@ -115,23 +136,46 @@ def _message(m: dict) -> dict:
     return out
 
 
+def thinking_of(enable_thinking: bool | None, effort: str | None) -> bool | None:
+    """The on/off switch a request asks for: ``enable_thinking`` as it is sent, else what ``reasoning_effort`` says
+    ("none" and "minimal" off, the other levels on), else None (the model's own default)."""
+    if enable_thinking is not None or effort is None:
+        return enable_thinking
+    return effort not in ("none", "minimal")
+
+
+def reasoning_kwargs(architecture: str, enable_thinking: bool | None, effort: str | None = None) -> dict[str, Any]:
+    """The template's reasoning switches: ``enable_thinking`` (Qwen3's and GLM's templates), and for gpt-oss, which
+    always reasons, its template's ``reasoning_effort`` ("Reasoning: low|medium|high" in the system message): the
+    level asked for, low when thinking is off (the template's default is medium)."""
+    kwargs: dict[str, Any] = {}
+    thinking = thinking_of(enable_thinking, effort)
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    if chat_format(architecture) == "harmony":
+        if effort in HARMONY_EFFORTS:
+            kwargs["reasoning_effort"] = effort
+        elif effort == "xhigh":
+            kwargs["reasoning_effort"] = "high"
+        elif thinking is False:
+            kwargs["reasoning_effort"] = "low"
+    return kwargs
+
+
 def encode_chat(model_dir: Path, messages: list[dict], enable_thinking: bool | None,
-                architecture: str = "", tools: list[dict] | None = None) -> list[int]:
+                architecture: str = "", tools: list[dict] | None = None, effort: str | None = None) -> list[int]:
     """The prompt's token ids through the model's chat template (with ``tools``, when given, as the template's
-    ``tools``). Thinking off reaches the template as its ``enable_thinking`` switch and, for Qwen3, as Qwen's
-    ``/no_think`` soft switch on the last user message too; gpt-oss, which always reasons, then reasons little
-    (its template's ``reasoning_effort`` low instead of medium)."""
+    ``tools``). The switches of ``reasoning_kwargs`` reach the template; thinking off reaches Qwen3 as Qwen's
+    ``/no_think`` soft switch on the last user message too."""
     tokenizer = load_tokenizer(str(model_dir))
     clean = [_message(m) for m in messages]
-    if enable_thinking is False and architecture == "qwen3":
+    if chat_format(architecture) == "harmony":
+        clean = [harmony_message(m) for m in clean]
+    kwargs = reasoning_kwargs(architecture, enable_thinking, effort)
+    if kwargs.get("enable_thinking") is False and architecture in QWEN3:
         last_user = max((i for i, m in enumerate(clean) if m["role"] == "user"), default=None)
         if last_user is not None and not clean[last_user]["content"].rstrip().endswith("/no_think"):
             clean[last_user]["content"] = clean[last_user]["content"].rstrip() + " /no_think"
-    kwargs: dict[str, Any] = {}
-    if enable_thinking is not None:
-        kwargs["enable_thinking"] = enable_thinking
-    if enable_thinking is False and chat_format(architecture) == "harmony":
-        kwargs["reasoning_effort"] = "low"  # gpt-oss always reasons; its template's switch is how much (medium)
     if tools:
         if "tools" not in (tokenizer.chat_template or ""):
             from swarm.errors import BadRequest
@@ -173,6 +217,18 @@ def eos_ids(model_dir: Path, manifest: dict) -> list[int]:
         if isinstance(call, int):
             ids.add(call)
     return sorted(ids)
+
+
+def harmony_message(m: dict) -> dict:
+    """A message for gpt-oss's template, which takes an assistant's reasoning as ``thinking``. On a turn that called a
+    tool it renders the reasoning (the one place its template keeps it) and refuses text beside it, so there the
+    reasoning goes in, and the text, which was a preamble to the user (the commentary channel), stays out."""
+    reasoning = m.get("reasoning_content")
+    if m["role"] != "assistant" or not reasoning:
+        return m
+    if m.get("tool_calls"):
+        return {**m, "thinking": reasoning, "content": ""}
+    return {**m, "thinking": reasoning}
 
 
 class TextStream:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
 BEFORE, THINKING, AFTER, ANSWER = "before", "thinking", "after", "answer"
+OPENED, CLOSED = "opened", "closed"  # where the prompt left the block (swarm.leader.chat.chat_format.prompt_thinking)
 
 
 class ReasoningSplitter:
     """Feed text deltas; get (reasoning, content) deltas. Holds back only what is still undecided: the start of a
     tag, or whitespace that may turn out to be the edge of the thinking."""
 
-    def __init__(self, inside: bool = False):
-        self.state = THINKING if inside else BEFORE  # inside: the prompt opened the block
+    def __init__(self, inside: bool | str = False):
+        # inside: the prompt opened the block (True or OPENED), or closed it (CLOSED: the reply is the answer, after
+        # the line breaks that follow a block)
+        self.state = THINKING if inside in (True, OPENED) else AFTER if inside == CLOSED else BEFORE
         self._buf = ""
 
     def push(self, text: str) -> tuple[str, str]:
@@ -82,7 +85,7 @@ def _partial(text: str, tag: str) -> int:
     return 0
 
 
-def split(text: str, inside: bool = False) -> tuple[str, str]:
+def split(text: str, inside: bool | str = False) -> tuple[str, str]:
     """(reasoning, content) of a whole reply."""
     splitter = ReasoningSplitter(inside)
     r1, c1 = splitter.push(text)

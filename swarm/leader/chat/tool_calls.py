@@ -193,10 +193,11 @@ class ToolCallSplitter:
         if at >= 0:
             self.holding = True
             self._scan = at
-            out, self.sent = self.text[self.sent:at], at
+            # the line break the templates put between the text and a call is no part of the text (as whole)
+            out, self.sent = self.text[self.sent:at].rstrip(), at
             return out
-        keep = _partial(self.text, OPEN)
-        end = len(self.text) - keep
+        # held back: a call's possible start, and the whitespace before it (which goes out if no call follows)
+        end = len(self.text[: len(self.text) - _partial(self.text, OPEN)].rstrip())
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 

@@ -70,6 +70,7 @@ class DirectLinkCoordinator:
             try:
                 channel.send_nowait(message)
             except (trio.WouldBlock, trio.BrokenResourceError):
+                # the hop's punch gave up waiting (or is full): the answer is moot
                 pass
 
     def _current(self, model, ring_id: str | None) -> bool:

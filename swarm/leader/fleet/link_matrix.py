@@ -1,7 +1,9 @@
 """The links between a pool's fellows, measured (issue 37): every PROBE_EVERY_S, and soon after a fellow joins, the
 leader asks each online fellow to measure round-trip time and throughput to the other fellows of its pool over the
-path a ring hop would take (swarm.fellow.link_probe), and keeps the latest figures of each ordered pair for the admin
-page's matrix (GET /api/v1/links). A probe costs about 10 KB a pair: some 10 KB a minute per pair."""
+path a ring hop would take (swarm.fellow.link_probe): the direct link, else the relay, for which it opens one relay
+channel per ordered pair and round (closed at the next round). It keeps the latest figures of each ordered pair for the
+admin page's matrix (GET /api/v1/links). A probe costs about 10 KB a pair, whichever the path (measured through the
+relay: 8.5-12 KB a pair, tests/test_link_matrix_e2e.py): some 10 KB a minute per pair."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class LinkMatrix:
         self.links: dict[tuple[int, int], dict] = {}  # (from fellow id, to fellow id) -> its latest figures
         self._wake = trio.Event()
         self._round = 0
+        self._relay_channels: list[str] = []  # the relay channels of the latest round's probes
 
     def fleet_changed(self) -> None:
         self._wake.set()
@@ -45,15 +48,28 @@ class LinkMatrix:
         """Ask each online fellow to measure its links to the other online fellows of its pool."""
         online = self.serving.hub.online if self.serving.hub is not None else {}
         direct_ok = self.serving.settings.pipeline_transport != "relay"
+        relay = self.serving.relay
+        for hop_id in self._relay_channels:
+            relay.close_channel(hop_id)
+        self._relay_channels = []
         self._round += 1
-        for conn in list(online.values()):
-            peers = [{"fellow_id": peer.id, "name": peer.name, "key": peer.public_key,
-                      "probe_id": f"{self._round}-{conn.id}-{peer.id}",
-                      "direct": [peer.serve_host, peer.serve_port] if direct_ok and peer.serve_host and peer.serve_port
-                      else None}
-                     for peer in online.values() if peer.id != conn.id and peer.pool_id == conn.pool_id]
+        fellows = list(online.values())
+        for conn in fellows:
+            peers, listen = [], []
+            for peer in fellows:
+                if peer.id == conn.id or peer.pool_id != conn.pool_id:
+                    continue
+                probe_id = f"{self._round}-{conn.id}-{peer.id}"
+                relay_id = f"probe-{probe_id}"  # conn dials it, peer listens
+                relay.open_channel(relay_id, conn.id, peer.id)
+                self._relay_channels.append(relay_id)
+                peers.append({"fellow_id": peer.id, "name": peer.name, "key": peer.public_key, "probe_id": probe_id,
+                              "direct": [peer.serve_host, peer.serve_port]
+                              if direct_ok and peer.serve_host and peer.serve_port else None,
+                              "relay": relay_id})
+                listen.append({"hop_id": f"probe-{self._round}-{peer.id}-{conn.id}", "key": peer.public_key})
             if peers:
-                conn.post({"t": "probe_links", "peers": peers})
+                conn.post({"t": "probe_links", "peers": peers, "listen": listen})
 
     def on_report(self, conn, message: dict) -> None:
         """A fellow's ``link_report``: its figures to each peer it measured (only peers of its pool are kept)."""
@@ -67,7 +83,8 @@ class LinkMatrix:
             self.links[(conn.id, peer.id)] = {
                 "path": link.get("path") if link.get("path") in ("direct", "relay") else "relay",
                 "rtt_ms": _number(link.get("rtt_ms")), "mbps": _number(link.get("mbps")),
-                "error": str(link["error"])[:200] if link.get("error") else None, "at": trio.current_time()}
+                "error": str(link["error"])[:200] if link.get("error") else None,
+                "note": str(link["note"])[:200] if link.get("note") else None, "at": trio.current_time()}
 
     def hops(self) -> dict[tuple[int, int], Hop]:
         """What placement and the planner know of each pair of fellows: the hops of rings serving now, as their

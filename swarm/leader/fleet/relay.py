@@ -137,6 +137,7 @@ class RelayHub:
                 self.bytes_forwarded += len(data)
                 await sink.send_bytes(data)
         except (WebSocketDisconnect, RuntimeError, OSError):
+            # either end went away: the relay ends, the other end closes below
             pass
         finally:
             await _close(sink)
@@ -147,5 +148,5 @@ async def _close(ws: WebSocket, code: int = 1000) -> None:
     with trio.move_on_after(CLEANUP_S, shield=True):
         try:
             await ws.close(code)
-        except (RuntimeError, OSError):
+        except (RuntimeError, OSError):  # already closed or broken: nothing left to close
             pass

@@ -32,5 +32,5 @@ class ServerWebSocketFrameTransport:
     async def aclose(self) -> None:
         try:
             await self.ws.close()
-        except (RuntimeError, OSError):
+        except (RuntimeError, OSError):  # already closed or broken: nothing left to close
             pass

@@ -96,14 +96,15 @@ class AutoLoad:
                 return None
             row = await serving.model_row(name)
             why = "it was unloaded while idle" if name in serving.reload_on_request else "auto-load is on"
-            await serving.context_of(name)  # its own context, read from its config: what placement budgets KV for
+            # its own context, read from its config: what placement budgets KV for
+            await serving.contexts.context_of(name)
             try:
-                serving.placement(name, row.manifest, None, None, serving.kind_of(name, row.manifest),
+                serving.loader.placement(name, row.manifest, None, None, serving.loader.kind_of(name, row.manifest),
                                   row.pool_id)
             except PlacementError as exc:
                 await self._make_room(name, row, exc)
             log.info("loading %s for a request (%s)", name, why)
-            return await serving.load(name)
+            return await serving.loader.load(name)
 
     def idle_models(self, pool_id: int | None, but: str) -> list[str]:
         """The pool's ready models that no request runs on or waits for, least recently used first."""
@@ -123,13 +124,13 @@ class AutoLoad:
             for n in range(1, len(idle) + 1):
                 going = frozenset(idle[:n])
                 try:
-                    serving.placement(name, row.manifest, None, None, serving.kind_of(name, row.manifest),
+                    serving.loader.placement(name, row.manifest, None, None, serving.loader.kind_of(name, row.manifest),
                                       row.pool_id, releasing=going)
                 except PlacementError:
                     continue
                 for victim in idle[:n]:
                     log.info("unloading %s, idle, to make room for %s (evict idle is on)", victim, name)
-                    await serving.unload(victim, reason=f"model {victim} was unloaded to make room for {name}")
+                    await serving.loader.unload(victim, reason=f"model {victim} was unloaded to make room for {name}")
                     serving.reload_on_request.add(victim)  # a request for it loads it again
                 return
         raise ModelNotLoaded(self.no_room(name, row.pool_id, refused, idle, evict))

@@ -38,6 +38,7 @@ class ModelSize:
     compute_bytes: tuple[int, ...] | None = None
     experts: int = 0  # a mixture of experts: experts per MoE layer, and how many a token is routed to
     experts_per_token: int = 0
+    expert_bytes: int = 0  # one routed expert's matrices at the load's kind (the planner times them apart)
 
 
 @dataclasses.dataclass(frozen=True)

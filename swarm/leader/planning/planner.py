@@ -28,6 +28,14 @@ from typing import Any
 import trio
 
 from swarm.errors import PlacementError
+from swarm.leader.planning.moe_speed import (  # noqa: F401 -- the planner's MoE functions are told from here too
+    active_layer_bytes,
+    expert_line,
+    expert_weight_bytes,
+    line,
+    moe_shape,
+    with_active_experts,
+)
 from swarm.leader.planning.placement import ModelSize, StagePlan
 from swarm.leader.serving.drafting import sliding
 from swarm.model_format import CONFIG_FILE, LEAN_DECODE_FAMILIES
@@ -62,6 +70,22 @@ class LayerSpeed:
     # None on an older calibration
     moe_router_ms: float | None = None
     moe_expert_ms: float | None = None
+    # one routed expert (its dispatch and matrices) at the load's kind: fixed + per byte of its matrices; None where
+    # the calibration did not time that kind (swarm.fellow.moe_calibration ``kinds``)
+    expert_fixed_ms: float | None = None
+    expert_per_byte_ms: float | None = None
+    # a byte of a layer at the load's kind counts this many of the dense line's (float) bytes: the float bytes of a
+    # weight over the kind's, times a routed expert's time at the kind over its time unquantized (the larger timed
+    # shape); 1.0 unquantized or untimed
+    kind_byte_factor: float = 1.0
+
+    def routed_ms(self, experts: int, expert_bytes: int) -> float | None:
+        """A MoE layer's routing and ``experts`` routed experts of ``expert_bytes`` each, timed at the load's kind;
+        None without that figure (the experts are then counted in the layer's bytes, :meth:`moe_ms` beside)."""
+        if self.expert_per_byte_ms is None or not expert_bytes:
+            return None
+        return (self.moe_router_ms or 0.0) + experts * ((self.expert_fixed_ms or 0.0)
+                                                         + self.expert_per_byte_ms * expert_bytes)
 
     def moe_ms(self, experts: int) -> float:
         """A MoE layer's routing in a pass that computes ``experts`` experts (their weights apart). Without the
@@ -85,22 +109,11 @@ class LayerSpeed:
         return (self.head_fixed_ms or 0.0) + self.head_per_byte_ms * head_bytes
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed, per unit) through the smallest and largest point; a measurement the noise made fall (the larger
-    layer timed faster) or cross below zero is read as proportional to the largest point."""
-    (x0, y0), (x1, y1) = min(points), max(points)
-    if x1 > x0:
-        slope = (y1 - y0) / (x1 - x0)
-        fixed = y0 - slope * x0
-        if slope > 0 and fixed >= 0:
-            return fixed, slope
-    return 0.0, y1 / x1 if x1 else 0.0
-
-
-def layer_speed(calibration: dict, lean: bool = False) -> LayerSpeed:
+def layer_speed(calibration: dict, lean: bool = False, kind: str = "none") -> LayerSpeed:
     """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed.
     ``lean``: the model's stages decode through the lean step (:func:`takes_lean_step`), so its figures count where
-    the calibration has them (swarm.fellow.calibration VERSION 6)."""
+    the calibration has them (swarm.fellow.calibration VERSION 6). ``kind``: the load's quantization, whose routed
+    expert's figures count where the calibration timed it (VERSION 8)."""
     points = calibration.get("points") if isinstance(calibration, dict) else None
     if not isinstance(points, list) or not points:
         raise ValueError("no calibration points")
@@ -122,14 +135,15 @@ def layer_speed(calibration: dict, lean: bool = False) -> LayerSpeed:
     idle = [(float(p["weight_bytes"]), float(p["decode_idle_ms"])) for p in points if "decode_idle_ms" in p]
     if any(y < 0 or not math.isfinite(y) for _, y in idle):
         raise ValueError("calibration decode_idle_ms out of range")
-    head = _line(heads) if len(heads) == len(points) else (None, None)
-    after_idle = _line(idle) if len(idle) == len(points) else (None, None)
+    head = line(heads) if len(heads) == len(points) else (None, None)
+    after_idle = line(idle) if len(idle) == len(points) else (None, None)
     moe = calibration.get("moe")
     routing: tuple[float | None, float | None] = (None, None)
     if isinstance(moe, dict) and all(isinstance(moe.get(k), (int, float)) for k in ("router_ms", "expert_ms")):
         routing = (max(float(moe["router_ms"]), 0.0), max(float(moe["expert_ms"]), 0.0))
-    speed = LayerSpeed(*_line(decode), *_line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
-    return dataclasses.replace(speed, moe_router_ms=routing[0], moe_expert_ms=routing[1])
+    speed = LayerSpeed(*line(decode), *line(prefill), mean("pass_ms"), mean("embed_ms"), *head, *after_idle)
+    return dataclasses.replace(speed, moe_router_ms=routing[0], moe_expert_ms=routing[1],
+                               **expert_line(moe, kind))
 
 
 def takes_lean_step(architecture: str, config: dict) -> bool:
@@ -151,41 +165,6 @@ class Hop:
         return self.bytes_per_s if self.bytes_per_s and self.bytes_per_s > 0 else LINK_BYTES_PER_S
 
 
-def with_active_experts(size: ModelSize, config: dict, weight_bytes: float) -> ModelSize:
-    """``size`` with what a token computes of each layer (:func:`active_layer_bytes`) and the experts a pass
-    routes to: the planner's speed of a mixture of experts; a dense model's size as it is."""
-    experts, top_k = moe_shape(config)
-    if not experts:
-        return size
-    return dataclasses.replace(size, compute_bytes=active_layer_bytes(size.layer_bytes, config, weight_bytes),
-                               experts=experts, experts_per_token=top_k)
-
-
-def moe_shape(config: dict) -> tuple[int, int]:
-    """(experts, experts per token) of a mixture of experts' config.json; (0, 0) for a dense model."""
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    top_k = config.get("num_experts_per_tok")
-    if isinstance(experts, int) and isinstance(top_k, int) and experts > top_k > 0:
-        return experts, top_k
-    return 0, 0
-
-
-def active_layer_bytes(layer_bytes: tuple[int, ...], config: dict, weight_bytes: float) -> tuple[int, ...]:
-    """What one token computes of each layer of a mixture of experts (``config``: its config.json): the layer less
-    its experts the router does not pick (experts - top-k of them, each a gate, an up and a down matrix of hidden x
-    expert rows at ``weight_bytes`` a weight); attention, router and shared experts stay. A prompt's tokens each
-    compute their own top-k too, so prefill counts the same. A layer smaller than its unpicked experts (a dense
-    layer of a model whose first layers are dense, GLM-4.5's) counts whole; a dense model's layers come back as
-    they are."""
-    experts, top_k = moe_shape(config)
-    rows = config.get("moe_intermediate_size") or config.get("intermediate_size")
-    hidden = config.get("hidden_size")
-    if not (experts and rows and hidden):
-        return layer_bytes
-    idle = int((experts - top_k) * 3 * int(hidden) * int(rows) * weight_bytes)
-    return tuple(b - idle if b > idle else b for b in layer_bytes)
-
-
 def head_bytes(size: ModelSize) -> int:
     """The last stage's output head: the embedding when tied (its final_bytes is then only the norm)."""
     return size.embed_bytes if size.tied_embeddings else size.final_bytes
@@ -204,11 +183,10 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
     for plan in plans:
         speed = speeds[plan.fellow_id]
         layers = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
-        decode = speed.pass_ms + sum(speed.decode_ms(b, after_idle=n > 1) for b in layers)
         prefill = chunks * speed.pass_ms + sum(speed.prefill_ms(b, prompt_tokens) for b in layers)
         routed = sum(a < b for a, b in zip(layers, size.layer_bytes[plan.first_layer:plan.end_layer]))
-        if routed:  # MoE layers: their routing, a decode step's top-k experts, a chunk's (nearly) every expert
-            decode += routed * speed.moe_ms(size.experts_per_token)
+        decode = speed.pass_ms + _layers_decode_ms(speed, size, plan, after_idle=n > 1)
+        if routed:  # MoE layers in a prompt chunk: their routing and the chunk's (nearly) every expert
             prefill += routed * chunks * speed.moe_ms(min(size.experts, prefill_chunk * size.experts_per_token))
         if plan.index == 0:
             decode += speed.embed_ms
@@ -244,6 +222,29 @@ def predict(plans: list[StagePlan], size: ModelSize, speeds: dict[int, LayerSpee
             "stages": stages, "links": links, "bottleneck": bottleneck}
 
 
+def _layers_decode_ms(speed: LayerSpeed, size: ModelSize, plan: StagePlan, after_idle: bool) -> float:
+    """A decode step through ``plan``'s layers. A MoE layer (fewer active bytes than it holds) adds its routing;
+    where the fellow timed a routed expert at the load's kind, its routed experts count at that figure and the rest
+    of it (attention, router, shared experts) at the layer's line, else every active byte at the layer's line."""
+    whole = size.layer_bytes[plan.first_layer:plan.end_layer]
+    active = (size.compute_bytes or size.layer_bytes)[plan.first_layer:plan.end_layer]
+    experts_ms = speed.routed_ms(size.experts_per_token, size.expert_bytes)
+    routed = size.experts_per_token * size.expert_bytes
+    if experts_ms is None:
+        factor = 1.0
+    else:  # a quantized layer's attention (and a dense layer's MLP) at the kind's time per byte
+        factor = speed.kind_byte_factor
+    total = 0.0
+    for a, b in zip(active, whole):
+        if a >= b:  # a dense layer
+            total += speed.decode_ms(int(a * factor), after_idle)
+        elif experts_ms is not None and a > routed:
+            total += speed.decode_ms(int((a - routed) * factor), after_idle) + experts_ms
+        else:
+            total += speed.decode_ms(a, after_idle) + speed.moe_ms(size.experts_per_token)
+    return total
+
+
 def _pipelined_prompt_ms(chunk_ms: list[float], head_ms: float, forward_links: list[dict], chunks: int,
                          chunk_bytes: int) -> float:
     """The prompt's time to its first token: its chunks go through the ring as a pipeline -- stage 0 computes the
@@ -270,17 +271,6 @@ def sentence(prediction: dict) -> str:
     if assumed:
         text += f" (links not measured yet: assumed {ASSUMED_RTT_MS:g} ms round trip)"
     return text
-
-
-def expert_weight_bytes(manifest: dict, cpu: bool, kind: str) -> float:
-    """What one expert weight holds at a load of ``kind`` (swarm.leader.serving.models.model_size counts alike)."""
-    from swarm.model_format import DTYPE_BYTES
-    from swarm.quantization import bytes_per_weight
-
-    quantized = bytes_per_weight(kind, "cpu" if cpu else "cuda", manifest.get("hidden_size") or 0)
-    if quantized is not None:
-        return quantized
-    return 4 if cpu else DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
 
 
 def hop_round_trips(plans: list[StagePlan], known: dict[tuple[int, int], Hop]) -> list[Hop]:
@@ -326,7 +316,7 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     speeds = {}
     for fellow in fellows:
         try:
-            speeds[fellow.id] = layer_speed(fellow.calibration, lean=lean)
+            speeds[fellow.id] = layer_speed(fellow.calibration, lean=lean, kind=kind)
         except (ValueError, KeyError, TypeError):
             continue
     missing_speeds(plans, speeds)

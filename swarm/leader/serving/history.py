@@ -221,7 +221,7 @@ class ServingHistory:
                 self.on_settled(entry.record)
         try:
             await trio.to_thread.run_sync(self.store.add_served_requests, batch)
-        except Exception as exc:
+        except Exception as exc:  # the store failed: kept in memory, written on the next round
             log.warning("could not write %d finished requests to the serving history (%s); trying again",
                         len(batch), exc)
             return
@@ -233,7 +233,7 @@ class ServingHistory:
     async def prune(self) -> None:
         try:
             gone = await trio.to_thread.run_sync(self.store.prune_served_requests, self.clock() - self.keep_s)
-        except Exception as exc:
+        except Exception as exc:  # the store failed: pruned on the next round
             log.warning("could not prune the serving history: %s", exc)
             return
         if gone:

@@ -17,38 +17,43 @@ or goes silent for a few seconds):
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import secrets
 
 import trio
 
-from swarm.kv_kinds import check_kv_kind
 from swarm.leader.planning.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
 from swarm.leader.planning.placement import StagePlan
+from swarm.leader.serving.adoption import Adoption
 from swarm.leader.serving.models import (
     LOAD_PHASES,
     ModelServing,
     ModelStatus,
     StageState,
-    full_weight_bytes,
     link_message,
     load_message,
-    model_size,
 )
-from swarm.quantization import check_kind
 
 log = logging.getLogger(__name__)
 
 HOT_COVER = "hot_cover"  # the store setting the admin page writes (SWARM_SERVE_HOT_COVER=1 turns it on too)
 RETRY_S = 1.0  # how often a stage with no replacement yet looks again (also woken when a fellow joins)
-ADOPT_WAIT_S = 15.0  # after a leader restart, how long fellows have to come back before their stages are re-placed
 
 
 class Recovery:
     def __init__(self, serving):
         self.serving = serving
         self._fleet = trio.Event()  # set whenever a fellow joins: stages waiting for one look again
+        self.adoption = Adoption(self)  # a rejoining fellow's stages, a restarted leader's models
+
+    def keeps(self, conn, stages: list) -> list[str]:
+        return self.adoption.keeps(conn, stages)
+
+    def adopt(self, conn, stages: list) -> list[str]:
+        return self.adoption.adopt(conn, stages)
+
+    async def restore(self) -> None:
+        await self.adoption.restore()
 
     def fleet_changed(self) -> None:
         self._fleet.set()
@@ -81,7 +86,7 @@ class Recovery:
             slot.phase, slot.fraction = phase, min(1.0, max(0.0, float(fraction)))
         elif kind == "loaded":
             slot.phase, slot.fraction, slot.ready, slot.error = "ready", 1.0, True, None
-            self._link_when_loaded(model)
+            self.link_when_loaded(model)
         elif kind == "load_failed":
             self._on_load_failed(model, slot, conn, message.get("message"))
         model.notify()
@@ -94,7 +99,7 @@ class Recovery:
             self.serving.book.end_model(model.name, f"loading {model.name} failed: {text}")
         else:  # a replacement failed to load: try another fellow
             slot.failed_on.add(conn.id)
-            self.serving.start_task(self._replace, model, slot.plan.index)
+            self.serving.start_task(self.replace, model, slot.plan.index)
 
     def _on_cover_event(self, model: ModelServing, slot: StageState, conn, kind: str) -> None:
         if kind == "loaded":
@@ -112,7 +117,7 @@ class Recovery:
         if message["t"] == "link_failed":
             log.warning("linking %s failed: %s", model.name, message.get("message"))
             slot.ready = False
-            self.serving.start_task(self._replace, model, slot.plan.index)
+            self.serving.start_task(self.replace, model, slot.plan.index)
             return
         slot.linked = True
         if all(s.linked for s in model.stages) and model.status in (ModelStatus.LOADING, ModelStatus.RECOVERING):
@@ -146,7 +151,7 @@ class Recovery:
 
     # --- linking ------------------------------------------------------------------------------------------------
 
-    def _link_when_loaded(self, model: ModelServing) -> None:
+    def link_when_loaded(self, model: ModelServing) -> None:
         if all(s.ready for s in model.stages) and model.status in (ModelStatus.LOADING, ModelStatus.RECOVERING):
             self.link(model)
 
@@ -180,26 +185,26 @@ class Recovery:
                     slot.cover, slot.cover_ready = None, False
             slot = model.slot_of(conn.id)
             if slot is not None:
-                self._slot_lost(model, slot, f"stage {slot.plan.index} of {model.name} on {conn.name} went away")
+                self.slot_lost(model, slot, f"stage {slot.plan.index} of {model.name} on {conn.name} went away")
 
     def take_out(self, model: ModelServing, slot: StageState, why: str) -> None:
         """Take a stage's fellow out of service (it failed its spot checks, swarm.leader.serving.verify): as if it were
         lost."""
-        self._slot_lost(model, slot, why)
+        self.slot_lost(model, slot, why)
 
     async def save(self, model: ModelServing) -> None:
         await self._save(model)
 
-    def _slot_lost(self, model: ModelServing, slot: StageState, why: str) -> None:
+    def slot_lost(self, model: ModelServing, slot: StageState, why: str) -> None:
         log.warning("%s; recovering", why)
         slot.ready = slot.linked = False
         slot.phase, slot.fraction = "queued", 0.0
         if model.status in (ModelStatus.READY, ModelStatus.RECOVERING):
-            self._begin_recovery(model)
-        self.serving.start_task(self._replace, model, slot.plan.index)
+            self.begin_recovery(model)
+        self.serving.start_task(self.replace, model, slot.plan.index)
         model.notify()
 
-    def _begin_recovery(self, model: ModelServing) -> None:
+    def begin_recovery(self, model: ModelServing) -> None:
         serving = self.serving
         if model.status != ModelStatus.RECOVERING:
             model.status = ModelStatus.RECOVERING
@@ -213,7 +218,7 @@ class Recovery:
             if conn is not None and slot.ready:
                 conn.post({"t": "unlink", "model": model.name})
 
-    async def _replace(self, model: ModelServing, index: int) -> None:
+    async def replace(self, model: ModelServing, index: int) -> None:
         """Find a fellow for stage ``index`` of ``model`` and load it there; give up after the failover wait."""
         serving = self.serving
         started = model.recovering_since if model.recovering_since is not None else trio.current_time()
@@ -245,7 +250,7 @@ class Recovery:
             slot.free_bytes = (conn.hardware.serving_free_bytes(serving.settings.device) + slot.plan.weight_bytes
                                + slot.plan.draft_bytes)
             slot.cover, slot.cover_ready, slot.cover_given, slot.ready, slot.phase = None, False, None, True, "ready"
-            self._link_when_loaded(model)
+            self.link_when_loaded(model)
             model.notify()
             return True
         # the lost fellow itself, back without its stage (restarted), may load it again
@@ -319,123 +324,6 @@ class Recovery:
         conn.post(load_message(model, index, cover=True))
         await self._save(model)  # a restarted leader knows whose cover it is
         return True
-
-    # --- adoption -----------------------------------------------------------------------------------------------
-
-    def keeps(self, conn, stages: list) -> list[str]:
-        """The models whose stage (or hot cover) a rejoining fellow keeps: what it holds of the current loads."""
-        keep: list[str] = []
-        if not conn.compatible:  # it speaks another protocol: it is sent nothing of a ring, and drops what it holds
-            return keep
-        for summary in stages:
-            if not isinstance(summary, dict):
-                continue
-            model = self.serving.models.get(summary.get("model"))
-            index = summary.get("index")
-            if model is None or model.load_id != summary.get("load_id") or not isinstance(index, int) \
-                    or not 0 <= index < len(model.stages):
-                continue
-            slot = model.stages[index]
-            if (slot.plan.fellow_id == conn.id and not summary.get("cover")) or \
-                    (summary.get("cover") and self._cover_given(slot, conn)):
-                keep.append(model.name)
-        return keep
-
-    def adopt(self, conn, stages: list) -> list[str]:
-        """A fellow that rejoins still holding stages of models the leader serves keeps them: no reload. A stage the
-        leader counted on it that it no longer holds (the fellow restarted) is lost, and fails over. Called once the
-        fellow has its welcome: what this sends it (unlink, link) must come after."""
-        adopted = self._claim(conn, stages)
-        for model in list(self.serving.models.values()):
-            slot = model.slot_of(conn.id)
-            if slot is None or model.name in adopted:
-                continue
-            if slot.ready:
-                self._slot_lost(model, slot, f"{conn.name} came back without stage {slot.plan.index} of {model.name}")
-            elif model.status == ModelStatus.RECOVERING and slot.phase == "queued":
-                # after a leader restart: its fellow is back but restarted too -- load the stage again right away
-                self.serving.start_task(self._replace, model, slot.plan.index)
-        return adopted
-
-    @staticmethod
-    def _cover_given(slot: StageState, conn) -> bool:
-        """Whether ``conn`` may rejoin holding a hot cover of ``slot``: the leader gave it that cover (a forged claim
-        used to make any fellow of the pool the cover of any stage, and let it download that stage's files)."""
-        return slot.cover_given == conn.id and slot.cover in (None, conn.id) and slot.plan.fellow_id != conn.id
-
-    def _claim(self, conn, stages: list) -> list[str]:
-        adopted: list[str] = []
-        if not conn.compatible:
-            return adopted
-        for summary in stages:
-            if not isinstance(summary, dict):
-                continue
-            model = self.serving.models.get(summary.get("model"))
-            if model is None or model.load_id != summary.get("load_id") or not model.takes(conn):
-                continue
-            index = summary.get("index")
-            slot = model.stages[index] if isinstance(index, int) and 0 <= index < len(model.stages) else None
-            if slot is None:
-                continue
-            if summary.get("cover") and self._cover_given(slot, conn):
-                slot.cover, slot.cover_ready = conn.id, True
-                adopted.append(model.name)
-            elif slot.plan.fellow_id == conn.id and not summary.get("cover"):
-                log.info("%s rejoined holding stage %d of %s: adopted", conn.name, index, model.name)
-                slot.ready, slot.phase, slot.fraction = True, "ready", 1.0
-                adopted.append(model.name)
-                if model.status == ModelStatus.READY:  # it was not noticed gone: the ring is rebuilt over its new link
-                    self._begin_recovery(model)
-                self._link_when_loaded(model)
-                model.notify()
-        return adopted
-
-    async def restore(self) -> None:
-        """After a leader restart: the models that were serving come back as recovering, waiting for their fellows."""
-        serving = self.serving
-        records = await trio.to_thread.run_sync(serving.store.list_serving)
-        for name, load_id, plans in records:
-            try:
-                row = await serving.model_row(name)
-                manifest = row.manifest
-                config_file = serving.models_root / name / "config.json"
-                config = json.loads(await trio.to_thread.run_sync(config_file.read_text))
-                stages = [StageState(StagePlan(**{k: v for k, v in p.items()
-                                                  if k not in ("free_bytes", "quantization", "draft", "cover",
-                                                               "kv_cache", "context_tokens")}),
-                                     free_bytes=int(p.get("free_bytes", 0)),
-                                     cover_given=p["cover"] if isinstance(p.get("cover"), int) else None)
-                          for p in plans]
-                kind = check_kind(plans[0].get("quantization") if plans else None)
-                kv = check_kv_kind(plans[0].get("kv_cache") if plans else None)
-                context = plans[0].get("context_tokens") if plans else None
-            except Exception as exc:
-                log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
-                await trio.to_thread.run_sync(serving.store.delete_serving, name)
-                continue
-            online = list(serving.hub.online.values())
-            cpu = not online or not all(c.hardware.gpus for c in online)  # as load() budgets (serving.py)
-            full = full_weight_bytes(manifest, cpu, [s.plan for s in stages])
-            model = ModelServing(name, load_id, stages, status=ModelStatus.RECOVERING, manifest=manifest, config=config,
-                                 recovering_since=trio.current_time(), size=model_size(manifest, cpu, kind, kv),
-                                 quantization=kind, kv_cache=kv, context_tokens=context, full_weight_bytes=full,
-                                 pool_id=row.pool_id)
-            model.speculative = serving.settings.serve_speculative  # drafting ahead, as a load now would have it
-            model.draft = plans[-1].get("draft") if plans else None  # the draft model its last fellow still holds
-            serving.models[name] = model
-            serving.quantization_of[name] = kind
-            serving.kv_cache_of[name] = kv
-            if isinstance(context, int):  # served as loaded: a cap below its own stays
-                serving.served_contexts[name] = serving.context_caps[name] = context
-            log.info("%s was serving before the restart: waiting for its fellows", name)
-            serving.start_task(self._adopt_or_replace, model)
-
-    async def _adopt_or_replace(self, model: ModelServing) -> None:
-        await trio.sleep(ADOPT_WAIT_S)
-        for slot in model.stages:
-            if not slot.ready and self.serving.models.get(model.name) is model:
-                self.serving.start_task(self._replace, model, slot.plan.index)
-
 
 def _moved(plan: StagePlan, conn) -> StagePlan:
     return dataclasses.replace(plan, fellow_id=conn.id, fellow_name=conn.name)

@@ -41,7 +41,7 @@ import trio
 from swarm import messages
 
 if TYPE_CHECKING:
-    from swarm.leader.serving.requests import Request
+    from swarm.leader.serving.request import Request
     from swarm.leader.serving.serving import Serving
 
 # How long a reply's end waits for the stages' times. Stage 0 reports after the last token came back to it -- one hop

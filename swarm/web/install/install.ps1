@@ -3,6 +3,9 @@
 # It checks Python (3.11+), makes a virtual environment under %LOCALAPPDATA%\swarm, installs PyTorch (CUDA where an
 # NVIDIA GPU is present, the CPU build elsewhere), installs swarm from the leader (its sha256 checked), runs the early
 # checks, and registers a scheduled task that runs `swarm join` at log-on.
+# Leaving: closing the fellow's console, a log-off and a shutdown reach the fellow as console-control events, and it
+# hands its stages over in the few seconds Windows gives (5 s; enough to switch to a hot cover, else they fail over).
+# Stop-ScheduledTask ends the process at once: run `swarm leave` first to hand the stages over without a pause.
 $ErrorActionPreference = "Stop"
 
 $LeaderUrl = '@@LEADER_URL@@'
@@ -84,3 +87,4 @@ $Settings = New-ScheduledTaskSettingsSet -RestartCount 999 -RestartInterval (New
 Register-ScheduledTask -TaskName "swarm fellow" -Action $Action -Trigger $Trigger -Settings $Settings -Force | Out-Null
 Start-ScheduledTask -TaskName "swarm fellow"
 Write-Host "Installed: the fellow runs now and at every log-on (scheduled task 'swarm fellow')."
+Write-Host "To take this PC out of the swarm without a pause in anyone's reply: $Swarm leave --data-dir `"$Data`""

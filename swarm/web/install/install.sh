@@ -5,8 +5,14 @@
 # sha256 checked), runs the early checks (what this PC can hold), and registers a service that runs `swarm join` at
 # start-up: a systemd user unit on Linux, a launchd agent on macOS.
 #
+# Stopping the service (systemctl --user stop, launchctl unload, a log-out, a shutdown) sends the fellow SIGTERM and
+# gives it SWARM_LEAVE_WAIT_S and 30 s more before SIGKILL: it hands its stages over first, so replies go on without a
+# pause. Only a crash restarts it: a fellow that left (swarm leave, Drain on the admin page) stays gone until the next
+# start-up or a start by hand.
+#
 # Settings (environment): SWARM_PYTHON (the Python to use), SWARM_HOME (where the environment goes),
-# SWARM_NAME (this fellow's name; default the host name), SWARM_NO_SERVICE=1 (do not register a service).
+# SWARM_NAME (this fellow's name; default the host name), SWARM_NO_SERVICE=1 (do not register a service),
+# SWARM_LEAVE_WAIT_S (how long a leaving fellow waits for its stages to be handed over; default 60).
 set -eu
 
 LEADER_URL='@@LEADER_URL@@'
@@ -92,6 +98,16 @@ NAME="${SWARM_NAME:-$(hostname 2>/dev/null || uname -n)}"
 
 # --- a service that runs swarm join at start-up ----------------------------------------------------------------------
 RUN="$SWARM join $LEADER_URL --data-dir $DATA"
+LEAVE_WAIT_S="${SWARM_LEAVE_WAIT_S:-60}"
+case "$LEAVE_WAIT_S" in
+  ''|*[!0-9]*) die "SWARM_LEAVE_WAIT_S must be a whole number of seconds, not '$LEAVE_WAIT_S'." ;;
+esac
+# The handover's wait, the fellow's 5 s for the leader's answer, and unloading: then SIGKILL.
+STOP_S=$((LEAVE_WAIT_S + 30))
+if [ "$STOP_S" -gt 120 ]; then
+  say "note: at a shutdown systemd stops your user's services within 120 s (user@.service's TimeoutStopSec): with \
+SWARM_LEAVE_WAIT_S=$LEAVE_WAIT_S a handover still running then fails over. Under 90 s fits."
+fi
 if [ "${SWARM_NO_SERVICE:-}" = 1 ]; then
   say "Installed. Start the fellow with: $RUN"
   exit 0
@@ -109,8 +125,12 @@ case "$(uname -s)" in
     <string>$SWARM</string><string>join</string><string>$LEADER_URL</string>
     <string>--data-dir</string><string>$DATA</string>
   </array>
+  <key>EnvironmentVariables</key><dict>
+    <key>SWARM_LEAVE_WAIT_S</key><string>$LEAVE_WAIT_S</string>
+  </dict>
   <key>RunAtLoad</key><true/>
-  <key>KeepAlive</key><true/>
+  <key>KeepAlive</key><dict><key>SuccessfulExit</key><false/></dict>
+  <key>ExitTimeOut</key><integer>$STOP_S</integer>
   <key>StandardErrorPath</key><string>$HOME_DIR/fellow.log</string>
 </dict></plist>
 PLIST
@@ -131,7 +151,13 @@ After=network-online.target
 
 [Service]
 ExecStart="$SWARM" join $LEADER_URL --data-dir "$DATA"
-Restart=always
+Environment=SWARM_LEAVE_WAIT_S=$LEAVE_WAIT_S
+# Stop (and a log-out or shutdown, which stop the user's units): SIGTERM to the fellow alone, which hands its
+# stages over, then SIGKILL to what is left after TimeoutStopSec.
+KillSignal=SIGTERM
+KillMode=mixed
+TimeoutStopSec=$STOP_S
+Restart=on-failure
 RestartSec=5
 
 [Install]
