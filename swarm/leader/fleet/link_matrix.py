@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 60.0
+# A pair's round trip is the least of its latest rounds over the same path (and its throughput the most): a probe that
+# meets a fellow busy loading a model or a machine under load reads high, while a link is never faster than it is;
+# one slow round must not leave a fellow out of a ring (the estimator TCP's and BBR's min-RTT filters use).
+WINDOW_ROUNDS = 5
 JOIN_SETTLE_S = 2.0  # after a fellow joins, the next probe waits this long for others joining with it
 
 
@@ -80,9 +84,18 @@ class LinkMatrix:
             peer = online.get(peer_id) if isinstance(peer_id, int) else None
             if peer is None or peer.id == conn.id or peer.pool_id != conn.pool_id:
                 continue
+            path = link.get("path") if link.get("path") in ("direct", "relay") else "relay"
+            rtt, mbps = _number(link.get("rtt_ms")), _number(link.get("mbps"))
+            before = self.links.get((conn.id, peer.id)) or {}
+            # a failed probe, or a change of path, starts the window afresh
+            recent = list(before.get("recent", [])) if before.get("path") == path and rtt is not None else []
+            if rtt is not None:
+                recent = [*recent, (rtt, mbps)][-WINDOW_ROUNDS:]
+            rtts = [r for r, _ in recent]
+            rates = [m for _, m in recent if m is not None]
             self.links[(conn.id, peer.id)] = {
-                "path": link.get("path") if link.get("path") in ("direct", "relay") else "relay",
-                "rtt_ms": _number(link.get("rtt_ms")), "mbps": _number(link.get("mbps")),
+                "path": path, "rtt_ms": min(rtts) if rtts else None, "mbps": max(rates) if rates else None,
+                "last_rtt_ms": rtt, "rounds": len(recent), "recent": recent,
                 "error": str(link["error"])[:200] if link.get("error") else None,
                 "note": str(link["note"])[:200] if link.get("note") else None, "at": trio.current_time()}
 
@@ -107,8 +120,9 @@ class LinkMatrix:
         now = trio.current_time()
         fellows = [{"id": c.id, "name": c.name, "pool_id": c.pool_id} for c in sorted(online.values(),
                                                                                      key=lambda c: c.id)]
+        hidden = ("at", "recent")
         links = [{"from_id": a, "to_id": b, "from": online[a].name, "to": online[b].name,
-                  **{k: v for k, v in figures.items() if k != "at"}, "age_s": round(now - figures["at"], 1)}
+                  **{k: v for k, v in figures.items() if k not in hidden}, "age_s": round(now - figures["at"], 1)}
                  for (a, b), figures in sorted(self.links.items()) if a in online and b in online]
         return {"fellows": fellows, "links": links, "probe_every_s": PROBE_EVERY_S}
 
