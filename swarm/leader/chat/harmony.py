@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 
+from swarm.leader.chat.reasoning import Splitter
+
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 ANALYSIS = "analysis"
@@ -32,7 +34,7 @@ _RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
 
-class HarmonySplitter:
+class HarmonySplitter(Splitter):
     """Feed text deltas (special tokens kept); get (reasoning, content) deltas, as swarm.leader.chat.reasoning's
     ReasoningSplitter gives them. Holds back only what is undecided: a header, the start of a marker, a tool call's
     arguments until its message ends."""
@@ -44,13 +46,6 @@ class HarmonySplitter:
         self._channel = ""
         self._recipient = ""
         self._call = ""  # a tool call's arguments so far
-
-    def push(self, text: str) -> tuple[str, str]:
-        self._buf += text
-        return self._advance(final=False)
-
-    def flush(self) -> tuple[str, str]:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []

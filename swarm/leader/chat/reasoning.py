@@ -14,7 +14,23 @@ BEFORE, THINKING, AFTER, ANSWER = "before", "thinking", "after", "answer"
 OPENED, CLOSED = "opened", "closed"  # where the prompt left the block (swarm.leader.chat.chat_format.prompt_thinking)
 
 
-class ReasoningSplitter:
+class Splitter:
+    """Text deltas in, (reasoning, content) deltas out: ``_advance`` takes what ``_buf`` holds that is decided."""
+
+    _buf: str
+
+    def push(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        return self._advance(final=False)
+
+    def flush(self) -> tuple[str, str]:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+class ReasoningSplitter(Splitter):
     """Feed text deltas; get (reasoning, content) deltas. Holds back only what is still undecided: the start of a
     tag, or whitespace that may turn out to be the edge of the thinking."""
 
@@ -23,13 +39,6 @@ class ReasoningSplitter:
         # the line breaks that follow a block)
         self.state = THINKING if inside in (True, OPENED) else AFTER if inside == CLOSED else BEFORE
         self._buf = ""
-
-    def push(self, text: str) -> tuple[str, str]:
-        self._buf += text
-        return self._advance(final=False)
-
-    def flush(self) -> tuple[str, str]:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> tuple[str, str]:
         reasoning, content = "", ""
