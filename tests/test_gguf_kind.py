@@ -243,6 +243,18 @@ def test_gguf_is_the_default_of_a_gguf_model_and_refused_for_a_folders():
     assert "model qwen-tiny has none" in text and "Load it at none, int8, nf4 or int4-fast" in text
 
 
+def test_a_stage_asked_for_gguf_on_float_files_refuses_instead_of_loading_floats(tiny_model_dirs):
+    # the API refuses such a load (above); a stage asked directly must not quietly hold floats under the gguf name
+    from swarm.errors import ModelError
+    from swarm.stage import StageModel, StageSpec
+
+    folder = tiny_model_dirs["llama"]
+    with pytest.raises(ModelError, match="holds no GGUF blocks") as refused:
+        StageModel.load_dir(folder, StageSpec(0, 1, True, False), quantization="gguf")
+    assert "load the model at none, int8, nf4 or int4-fast" in str(refused.value)
+    assert StageModel.load_dir(folder, StageSpec(0, 1, True, False)).quantization == "none"
+
+
 # --- end to end: the built-in model over two fellows at its default kind --------------------------------------------
 
 

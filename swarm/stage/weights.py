@@ -58,6 +58,11 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
+            if keep is not None and GGUF_TENSORS_KEY not in meta:
+                raise ModelError(f"{what or path} holds no GGUF blocks (its model was imported from a safetensors "
+                                 "folder, or before imports kept a GGUF's blocks), so the gguf kind has nothing to "
+                                 "compute on; load the model at none, int8, nf4 or int4-fast, or import its .gguf "
+                                 "file again")
             kept = json.loads(meta[GGUF_TENSORS_KEY]) if GGUF_TENSORS_KEY in meta else {}
             processor = None
             for key in f.keys():
