@@ -108,13 +108,13 @@ def test_int4_fast_layers_take_the_kernel_and_nf4_keeps_torchs():
 
 
 def test_without_the_kernel_int4_fast_runs_on_torchs(monkeypatch, caplog):
-    monkeypatch.setattr(int4_kernel, "_built", {})
+    monkeypatch.setattr(int4_kernel._kernels, "built", {})
     monkeypatch.setattr(int4_kernel.c_build.shutil, "which", lambda name: None)  # no C compiler on this machine
     assert int4_kernel.kernel() is None
     assert "no C compiler" in caplog.text and "install gcc" in caplog.text
     layer = quantize_linears(torch.nn.Linear(576, 64), "int4-fast")
     assert layer.kernel is None and layer(torch.randn(2, 576)).shape == (2, 64)
-    monkeypatch.setattr(int4_kernel, "_built", {})
+    monkeypatch.setattr(int4_kernel._kernels, "built", {})
     monkeypatch.undo()
     int4_kernel.use(False)  # SWARM_INT4_KERNEL=0
     try:
@@ -128,7 +128,7 @@ def test_a_compiler_that_fails_is_said_once_and_leaves_torchs_kernel(monkeypatch
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(int4_kernel, "_built", {})
+    monkeypatch.setattr(int4_kernel._kernels, "built", {})
     monkeypatch.setattr(int4_kernel.c_build.shutil, "which", lambda name: str(broken))
     monkeypatch.setattr(int4_kernel.c_build.platformdirs, "user_cache_dir", lambda name: str(tmp_path / "cache"))
     assert int4_kernel.kernel() is None

@@ -150,7 +150,7 @@ def test_the_kernels_other_builds_compute_the_same(march, path):
 
 
 def test_without_the_kernel_layers_compute_on_torch_and_say_why(monkeypatch, caplog):
-    monkeypatch.setattr(q8_kernel, "_built", {})
+    monkeypatch.setattr(q8_kernel._kernels, "built", {})
     monkeypatch.setattr(q8_kernel.c_build.shutil, "which", lambda name: None)  # no C compiler on this machine
     linear, raw = layer("Q5_K", 40, 768)
     assert linear.kernel is None
@@ -172,7 +172,7 @@ def test_a_compiler_that_fails_is_said_and_leaves_nothing_half_built(monkeypatch
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(q8_kernel, "_built", {})
+    monkeypatch.setattr(q8_kernel._kernels, "built", {})
     monkeypatch.setattr(q8_kernel.c_build.shutil, "which", lambda name: str(broken))
     monkeypatch.setattr(q8_kernel.c_build.platformdirs, "user_cache_dir", lambda name: str(tmp_path / "cache"))
     assert q8_kernel.kernel() is None

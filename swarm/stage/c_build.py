@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import platformdirs
 import torch
 
 from swarm.errors import KernelMismatch
+
+log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
@@ -60,6 +66,49 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL, Pa
             if os.path.exists(temporary):
                 os.unlink(temporary)
     return ctypes.CDLL(str(target)), target
+
+
+K = TypeVar("K")
+
+
+class Kernels(Generic[K]):
+    """One C kernel in this process: built once per set of flags (the first caller builds, the others wait), or None
+    where it cannot be built here (said once, in the log) or while switched off (:meth:`use`)."""
+
+    def __init__(self, source: Path, make: Callable[[ctypes.CDLL, Path], K], what: str, fallback: str):
+        self.source, self.make = source, make
+        self.what, self.fallback = what, fallback  # "int4-fast layers", "torch's int4 kernel": for the log
+        self.enabled = True
+        self.built: dict[tuple[str, ...], K | None] = {}
+        self._lock = threading.Lock()
+
+    def use(self, enabled: bool) -> None:
+        """Whether layers made from now on take this kernel (SWARM_INT4_KERNEL; the fellow sets it)."""
+        self.enabled = bool(enabled)
+
+    def get(self, flags: tuple[str, ...] = FLAGS) -> K | None:
+        """The kernel built for this CPU (``flags`` for other builds, as the tests compile the AVX2 and plain-C
+        paths), or None."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if flags not in self.built:
+                self.built[flags] = self._build(flags)
+            return self.built[flags]
+
+    def _build(self, flags: tuple[str, ...]) -> K | None:
+        if compiler() is None:
+            log.warning("%s run on %s: this machine has no C compiler (cc) to build swarm's kernel for them; install "
+                        "gcc (apt-get install gcc) and load the model again", self.what, self.fallback)
+            return None
+        try:
+            kernel = self.make(*build(self.source, flags))
+        except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves the fallback, said once
+            log.warning("%s run on %s: swarm's kernel for them could not be built here (%s: %s); "
+                        "SWARM_INT4_KERNEL=0 silences this", self.what, self.fallback, type(exc).__name__, exc)
+            return None
+        log.info("%s: %s path, %s", self.source.name, getattr(kernel, "simd", "?"), getattr(kernel, "path", "?"))
+        return kernel
 
 
 def cpu_identity() -> bytes:

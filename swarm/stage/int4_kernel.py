@@ -19,8 +19,6 @@ chats batched with it nor on the thread count -- what the ring's exact-match tes
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +26,6 @@ import torch
 
 from swarm.errors import KernelMismatch
 from swarm.stage import c_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_kernel.c")
 FLAGS = c_build.FLAGS
@@ -207,41 +203,14 @@ def takes(in_features: int) -> bool:
     return in_features % PAIR == 0
 
 
-_lock = threading.Lock()
-_enabled = True
-
-
-def use(enabled: bool) -> None:
-    """Whether 4-bit layers quantized from now on take this kernel (SWARM_INT4_KERNEL; the fellow sets it)."""
-    global _enabled
-    _enabled = bool(enabled)
-_built: dict[tuple[str, ...], Int4Kernel | None] = {}
+_kernels: c_build.Kernels[Int4Kernel] = c_build.Kernels(SOURCE, Int4Kernel, "int4-fast layers", "torch's int4 kernel")
+use = _kernels.use
 
 
 def kernel(flags: tuple[str, ...] = FLAGS) -> Int4Kernel | None:
     """The kernel built for this CPU (once per process; ``flags`` for other builds, as the tests compile the AVX2 and
     plain-C paths), or None where it cannot be built here."""
-    if not _enabled:
-        return None
-    with _lock:
-        if flags not in _built:
-            _built[flags] = _build(flags)
-        return _built[flags]
-
-
-def _build(flags: tuple[str, ...]) -> Int4Kernel | None:
-    if c_build.compiler() is None:
-        log.warning("int4-fast layers run on torch's int4 kernel: this machine has no C compiler (cc) to build "
-                    "swarm's faster one; install gcc (apt-get install gcc) and load the model again")
-        return None
-    try:
-        built = Int4Kernel(*c_build.build(SOURCE, flags))
-    except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's kernel, said once
-        log.warning("int4-fast layers run on torch's int4 kernel: swarm's could not be built here (%s: %s); "
-                    "SWARM_INT4_KERNEL=0 silences this", type(exc).__name__, exc)
-        return None
-    log.info("int4 kernel: %s path, %s", built.simd, built.path)
-    return built
+    return _kernels.get(flags)
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,6 @@ with it nor on the thread count.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -23,8 +21,6 @@ from torch.nn import functional as F
 
 from swarm.errors import KernelMismatch
 from swarm.stage import c_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q8_kernel.c")
 FLAGS = c_build.FLAGS
@@ -190,43 +186,15 @@ def takes(in_features: int) -> bool:
     return in_features > 0 and in_features % GROUP == 0
 
 
-_lock = threading.Lock()
-_enabled = True
-_built: dict[tuple[str, ...], Q8Kernel | None] = {}
-
-
-def use(enabled: bool) -> None:
-    """Whether 8-bit layers made from now on take this kernel (with SWARM_INT4_KERNEL, swarm's kernels at all)."""
-    global _enabled
-    _enabled = bool(enabled)
+_kernels: c_build.Kernels[Q8Kernel] = c_build.Kernels(SOURCE, Q8Kernel, "GGUF 8-bit layers (Q8_0, Q5_*, Q6_K)",
+                                                      "torch, widened a slice at a time")
+use = _kernels.use
 
 
 def kernel(flags: tuple[str, ...] = FLAGS) -> Q8Kernel | None:
     """The kernel built for this CPU (once per process; ``flags`` for other builds, as the tests compile the AVX2 and
     plain-C paths), or None where it cannot be built here."""
-    if not _enabled:
-        return None
-    with _lock:
-        if flags not in _built:
-            _built[flags] = _build(flags)
-        return _built[flags]
-
-
-def _build(flags: tuple[str, ...]) -> Q8Kernel | None:
-    if c_build.compiler() is None:
-        log.warning("GGUF 8-bit layers (Q8_0, Q5_*, Q6_K) run on torch, widened a slice at a time: this machine has "
-                    "no C compiler (cc) to build swarm's kernel for them; install gcc (apt-get install gcc) and load "
-                    "the model again")
-        return None
-    try:
-        built = Q8Kernel(*c_build.build(SOURCE, flags))
-    except Exception as exc:  # noqa: BLE001 - any failure to build or load leaves torch's path, said once
-        log.warning("GGUF 8-bit layers (Q8_0, Q5_*, Q6_K) run on torch, widened a slice at a time: swarm's kernel "
-                    "for them could not be built here (%s: %s); SWARM_INT4_KERNEL=0 silences this",
-                    type(exc).__name__, exc)
-        return None
-    log.info("8-bit kernel: %s path, %s", built.simd, built.path)
-    return built
+    return _kernels.get(flags)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
