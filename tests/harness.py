@@ -93,6 +93,26 @@ class Swarm:
         return next(f.stages[model] for f in self.fellows
                     if model in f.stages and f.stages[model].driver.index == index)
 
+    async def greedy(self, model: str, prompt: list[int], max_tokens: int, timeout: float = 60) -> list[int]:
+        """The greedy reply to token ids ``prompt``, submitted through the leader's intake (no chat template, no end
+        token): its ids once done. Fails on an error or on ``timeout`` seconds without a batch."""
+        return (await self.greedy_done(model, prompt, max_tokens, timeout))[0]
+
+    async def greedy_done(self, model: str, prompt: list[int], max_tokens: int,
+                          timeout: float = 60) -> tuple[list[int], object]:
+        """As :meth:`greedy`, with what the reader's "done" carried."""
+        from swarm.leader.serving.request import Reader, Request
+        from swarm.messages import Sampling
+
+        request = Request(model=model, prompt=prompt, max_tokens=max_tokens, sampling=Sampling(), eos=[])
+        await self.leader.serving.intake.submit(request)
+        reader = Reader(request)
+        while True:
+            kind, value = await reader.next(timeout)
+            assert kind != "error", value
+            if kind == "done":
+                return request.tokens, value
+
     async def chat(self, model: str, messages: list[dict], **extra) -> dict:
         body = {"model": model, "messages": messages, "temperature": 0, "return_token_ids": True, **extra}
         response = await self.http.post("/v1/chat/completions", json=body, timeout=120)

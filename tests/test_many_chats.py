@@ -26,14 +26,7 @@ NEAR_TIES: list[str] = []
 
 
 async def ask(swarm, model: str, prompt: list[int]) -> list[int]:
-    request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-    await swarm.leader.serving.intake.submit(request)
-    reader = Reader(request)
-    while True:
-        kind, value = await reader.next(60)
-        assert kind != "error", value
-        if kind == "done":
-            return request.tokens
+    return await swarm.greedy(model, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("stages", [1, 2])

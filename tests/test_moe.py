@@ -122,8 +122,6 @@ def test_int8_load_quantizes_the_linears_and_replies_as_the_quantized_model(moe_
 @pytest.mark.e2e
 async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(tmp_path, moe_dirs):
     from harness import running_swarm
-    from swarm import messages
-    from swarm.leader.serving.request import Reader, Request
 
     kinds = ["qwen3_moe", "mixtral"]
     expected = {}
@@ -132,14 +130,7 @@ async def test_moe_over_the_ring_matches_generate_alone_and_as_concurrent_chats(
         expected[kind] = [reference(model, p, NEW_TOKENS) for p in PROMPTS]
 
     async def tokens(swarm, name, prompt):
-        request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.intake.submit(request)
-        reader = Reader(request)
-        while True:
-            kind, value = await reader.next(60)
-            assert kind != "error", value
-            if kind == "done":
-                return request.tokens
+        return await swarm.greedy(name, prompt, NEW_TOKENS)
 
     with trio.fail_after(280):
         async with running_swarm(tmp_path, [moe_dirs[k][1] for k in kinds], fellows=3,

@@ -207,22 +207,13 @@ def test_the_plan_counts_a_token_s_active_experts(moe_dirs):
 async def test_quantized_moe_over_two_fellows_replies_as_in_one_process(tmp_path, moe_dirs):
     from harness import running_swarm
     from reference_model import load_reference_model
-    from swarm import messages
-    from swarm.leader.serving.request import Reader, Request
     from swarm.stage.quantize import quantize_model
 
     name = "qwen3_moe"
     prompt = [5, 17, 42, 99, 7, 150, 3, 88]
 
     async def tokens(swarm):
-        request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.intake.submit(request)
-        reader = Reader(request)
-        while True:
-            kind, value = await reader.next(60)
-            assert kind != "error", value
-            if kind == "done":
-                return request.tokens
+        return await swarm.greedy(name, prompt, NEW_TOKENS)
 
     with trio.fail_after(280):
         async with running_swarm(tmp_path, [moe_dirs[name]], fellows=2) as swarm:

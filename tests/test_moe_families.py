@@ -183,8 +183,6 @@ def test_eight_chats_batched_in_one_process_match_generate(family_dirs, kind):
 @pytest.mark.e2e
 async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_chats(tmp_path, family_dirs):
     from harness import running_swarm
-    from swarm import messages
-    from swarm.leader.serving.request import Reader, Request
 
     kinds = list(FAMILIES)
     expected = {}
@@ -193,14 +191,7 @@ async def test_families_over_the_ring_match_generate_alone_and_as_concurrent_cha
         expected[kind] = [reference(model, p, NEW_TOKENS) for p in PROMPTS]
 
     async def tokens(swarm, name, prompt):
-        request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.intake.submit(request)
-        reader = Reader(request)
-        while True:
-            kind, value = await reader.next(60)
-            assert kind != "error", value
-            if kind == "done":
-                return request.tokens
+        return await swarm.greedy(name, prompt, NEW_TOKENS)
 
     with trio.fail_after(280):
         async with running_swarm(tmp_path, [family_dirs[k][1] for k in kinds], fellows=3,

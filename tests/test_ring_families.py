@@ -12,8 +12,6 @@ import trio
 from conftest import TINY_MODELS
 from harness import running_swarm
 from reference_model import load_reference_model
-from swarm import messages
-from swarm.leader.serving.request import Reader, Request
 from swarm.store.manifest import load_manifest
 
 pytestmark = pytest.mark.e2e
@@ -31,14 +29,7 @@ def _reference(model_dir, prompt):
 
 
 async def _ring_tokens(swarm, model, prompt):
-    request = Request(model=model, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-    await swarm.leader.serving.intake.submit(request)
-    reader = Reader(request)
-    while True:
-        kind, value = await reader.next(60)
-        assert kind != "error", value
-        if kind == "done":
-            return request.tokens, value
+    return await swarm.greedy_done(model, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
