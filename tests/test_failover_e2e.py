@@ -11,7 +11,7 @@ import torch
 import trio
 
 from exactness import check_reply, reference
-from fleet import fellows_for, logs, start_fleet
+from fleet import fellow_fleet
 from harness import running_swarm, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -85,9 +85,7 @@ async def test_a_killed_fellow_is_replaced_by_the_standby_and_the_reply_goes_on(
     name = smollm_model_dir.name
     with trio.fail_after(600):
         async with running_swarm(tmp_path, [smollm_model_dir], fellows=0) as swarm:
-            fellows = fellows_for(swarm, tmp_path, 3, standby={2})
-            try:
-                await start_fleet(swarm, fellows)
+            async with fellow_fleet(swarm, tmp_path, 3, standby={2}) as fellows:
                 view = await swarm.load(name, 2)
                 placed = [s["fellow"] for s in view["stages"]]
                 assert sorted(placed) == ["fellow-0", "fellow-1"]  # the standby is left alone
@@ -106,12 +104,6 @@ async def test_a_killed_fellow_is_replaced_by_the_standby_and_the_reply_goes_on(
                 assert view["status"] == "ready"
                 assert view["stages"][lost_stage]["fellow"] == "fellow-2"
                 assert view["stages"][1 - lost_stage]["fellow"] == placed[1 - lost_stage]
-            except BaseException:
-                print(logs(fellows))
-                raise
-            finally:
-                for f in fellows:
-                    f.stop()
 
 
 async def test_a_fellow_that_goes_silent_is_noticed_within_seconds_and_told_to_unload_when_it_returns(
@@ -121,9 +113,7 @@ async def test_a_fellow_that_goes_silent_is_noticed_within_seconds_and_told_to_u
     name = smollm_model_dir.name
     with trio.fail_after(600):
         async with running_swarm(tmp_path, [smollm_model_dir], fellows=0) as swarm:
-            fellows = fellows_for(swarm, tmp_path, 3, standby={2})
-            try:
-                await start_fleet(swarm, fellows)
+            async with fellow_fleet(swarm, tmp_path, 3, standby={2}) as fellows:
                 placed = [s["fellow"] for s in (await swarm.load(name, 2))["stages"]]
                 victim = next(f for f in fellows if f.name == placed[0])
                 frozen = {}
@@ -149,12 +139,6 @@ async def test_a_fellow_that_goes_silent_is_noticed_within_seconds_and_told_to_u
                 await trio.to_thread.run_sync(victim.thaw)
                 await wait_until(lambda: "unloaded smollm2" in victim.log(200), 60, message=lambda: victim.log())
                 assert swarm.leader.serving.status(name) == "ready"
-            except BaseException:
-                print(logs(fellows))
-                raise
-            finally:
-                for f in fellows:
-                    f.stop()
 
 
 async def test_without_a_fellow_to_take_over_the_waiting_chat_gets_the_error_and_the_model_is_unloaded(
@@ -163,9 +147,7 @@ async def test_without_a_fellow_to_take_over_the_waiting_chat_gets_the_error_and
     with trio.fail_after(600):
         async with running_swarm(tmp_path, [smollm_model_dir], fellows=0,
                                  leader_env={"SWARM_SERVE_FAILOVER_WAIT_S": "3"}) as swarm:
-            fellows = fellows_for(swarm, tmp_path, 2)
-            try:
-                await start_fleet(swarm, fellows)
+            async with fellow_fleet(swarm, tmp_path, 2) as fellows:
                 await swarm.load(name, 2)
                 result = await chat_while(swarm, name, lambda: trio.to_thread.run_sync(fellows[1].kill), at_tokens=5)
                 response = result["response"]
@@ -174,12 +156,6 @@ async def test_without_a_fellow_to_take_over_the_waiting_chat_gets_the_error_and
                 assert "no fellow could take it over within 3 s" in message and "SWARM_SERVE_FAILOVER_WAIT_S" in message
                 assert "start one with `swarm join`" in message or "needs" in message
                 assert swarm.leader.serving.status(name) == "not_loaded"
-            except BaseException:
-                print(logs(fellows))
-                raise
-            finally:
-                for f in fellows:
-                    f.stop()
 
 
 async def test_with_hot_cover_the_standby_holds_a_stage_loaded_and_takes_over_at_once(
@@ -189,9 +165,7 @@ async def test_with_hot_cover_the_standby_holds_a_stage_loaded_and_takes_over_at
     with trio.fail_after(240):
         async with running_swarm(tmp_path, [smollm_model_dir], fellows=0,
                                  leader_env={"SWARM_SERVE_HOT_COVER": "1"}) as swarm:
-            fellows = fellows_for(swarm, tmp_path, 3, standby={2})
-            try:
-                await start_fleet(swarm, fellows)
+            async with fellow_fleet(swarm, tmp_path, 3, standby={2}) as fellows:
                 placed = [s["fellow"] for s in (await swarm.load(name, 2))["stages"]]
 
                 async def covered():
@@ -216,12 +190,6 @@ async def test_with_hot_cover_the_standby_holds_a_stage_loaded_and_takes_over_at
                 assert any("moves to its hot cover" in r.message for r in caplog.records)
                 view = (await swarm.http.get(f"/api/v1/models/{name}")).json()
                 assert view["stages"][index]["fellow"] == "fellow-2"
-            except BaseException:
-                print(logs(fellows))
-                raise
-            finally:
-                for f in fellows:
-                    f.stop()
 
 
 async def _record_arrivals(swarm, arrivals: list) -> None:
