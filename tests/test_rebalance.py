@@ -6,7 +6,7 @@ import pytest
 from swarm.config import Settings
 from swarm.errors import ConfigError
 from swarm.leader.planning.placement import FellowCapacity, place
-from swarm.leader.serving.rebalance import MIN_SPEEDUP, Move, propose
+from swarm.leader.serving.rebalance import MIN_SPEEDUP, Move, propose, propose_layout
 from test_link_placement import GB, HIDDEN, SAME, SIZE, matrix, speed
 
 
@@ -50,3 +50,60 @@ def test_the_setting_is_checked():
     assert Settings.from_env({"SWARM_SERVE_REBALANCE": "auto"}).serve_rebalance == "auto"
     with pytest.raises(ConfigError, match="SWARM_SERVE_REBALANCE is 'sometimes'; use off, propose or auto"):
         Settings.from_env({"SWARM_SERVE_REBALANCE": "sometimes"})
+
+
+# --- re-layouts: another number of stages or split of the layers (swarm.leader.planning.relayout) ---------------
+
+def relayout(ring, idle, speeds, hops=None, held_free=None):
+    found = propose("m", ring, SIZE, idle, speeds, hops or matrix(4), HIDDEN)
+    held = held_free if held_free is not None else {p.fellow_id: 10 * GB for p in ring}
+    return propose_layout("m", ring, SIZE, idle, held, speeds, hops or matrix(4), HIDDEN, 100, found)
+
+
+def test_a_fast_fellow_with_room_takes_the_whole_model_as_one_stage():
+    ring = two_stage_ring(1, 2)
+    speeds = {1: speed(2, 4), 2: speed(2, 4), 3: speed(0.5, 1)}  # pc-3 four times faster, and idle
+    moves_only = propose("m", ring, SIZE, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, matrix(3), HIDDEN)
+    assert moves_only is not None and [m.to_id for m in moves_only.moves] == [3]  # a stage to it: 2x at best
+    found, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds)
+    assert found is not None and left_out == []
+    assert found.moves == [] and [(p.fellow_id, p.first_layer, p.end_layer) for p in found.layout] == [(3, 0, 8)]
+    assert found.proposed_ms_per_token < moves_only.proposed_ms_per_token
+    assert found.speedup > 3  # 8 layers at 0.5 ms against 8 at 2 ms and two hops
+    assert found.text().startswith("m: re-lay out 2 stages -> 1 stage on pc-3: about ")
+    view = found.view()
+    assert view["kind"] == "relayout" and view["layout"] == [
+        {"index": 0, "fellow_id": 3, "fellow": "pc-3", "layers": [0, 8]}]
+
+
+def test_a_faster_layout_that_would_load_beside_a_stage_of_the_ring_is_left_out_and_told_why():
+    ring = two_stage_ring(1, 2)
+    # pc-1 (in the ring) is the fast one: the best layout is the whole model on it, but it holds stage 0 already
+    speeds = {1: speed(0.5, 1), 2: speed(4, 8), 3: speed(4, 8)}
+    found, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds)
+    assert found is None
+    assert left_out[0].startswith("the layout 2 stages -> 1 stage on pc-1 (")
+    assert left_out[0].endswith("is left out: pc-1 would load stage 0 (layers 0-7, 0.2 GB) beside its stage 0 of the "
+                                "same model, and a fellow holds one stage of a model at a time")
+    # counted what it holds: with too little free memory for both, that is what is said
+    # (its free memory and what its stage holds would take the whole model, its free memory alone would not)
+    _, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, held_free={1: 205_000_000, 2: GB})
+    assert left_out[0].endswith("pc-1 would load stage 0 (layers 0-7, 0.2 GB) beside its stage 0 (0.0 GB held) and "
+                                "has 0.2 GB free")
+
+
+def test_whole_stage_moves_win_over_a_resplit_that_is_no_faster():
+    ring = two_stage_ring(1, 2)
+    speeds = {1: speed(4, 8), 2: speed(4, 8), 3: speed(0.5, 1), 4: speed(0.5, 1)}
+    # neither has room for the whole model: the fastest layout is the ring as it is split, on them
+    idle = [FellowCapacity(3, "pc-3", 206_000_000), FellowCapacity(4, "pc-4", 207_000_000)]
+    found, left_out = relayout(ring, idle, speeds)
+    assert found is not None and found.layout is None and {m.to_id for m in found.moves} == {3, 4}
+    assert found.speedup > 3 and left_out == [] and found.view()["kind"] == "move"
+
+
+def test_no_relayout_on_an_equal_pool_or_without_a_speed():
+    ring = two_stage_ring(1, 2)
+    assert relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], SAME) == (None, [])
+    speeds = {1: speed(2, 4), 3: speed(0.5, 1)}  # pc-2 of the ring has not reported its speed
+    assert relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds) == (None, [])
