@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from swarm.leader.planning.link_placement import fellow_speeds
+from swarm.leader.planning.link_placement import clearly_faster, fellow_speeds
 from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan
 from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
 from swarm.leader.planning.relayout import best_layout, describe, same_split
@@ -118,7 +118,8 @@ def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: li
                    hidden_bytes: int, context_tokens: int, moves: Proposal | None) -> tuple[Proposal | None, list[str]]:
     """The better of ``moves`` (:func:`propose`'s) and a re-layout of ``plans``: the planner's fastest layout for the
     pool that loads beside the ring (swarm.leader.planning.relayout), when it splits the layers otherwise, is at least
-    MIN_SPEEDUP faster than the ring and faster than the moves. ``held_free``: the free memory of each fellow of the
+    MIN_SPEEDUP faster than the ring and clearly faster than the moves (a re-layout loads more than a move does, so
+    noise must not tip it: link_placement.clearly_faster). ``held_free``: the free memory of each fellow of the
     ring now. -> (the proposal or None, why faster layouts are left out: told with the proposal, or alone)."""
     if any(p.fellow_id not in speeds for p in plans):
         return moves, []
@@ -127,7 +128,8 @@ def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: li
     layout = best_layout(size, plans, [f for f in idle if f.fellow_id in speeds], held_free, speeds, hops,
                          hidden_bytes, context_tokens, worth_ms=bar)
     if layout.plans is not None and layout.ms_per_token is not None and not same_split(layout.plans, plans) and \
-            layout.ms_per_token <= bar + 1e-9 and (moves is None or layout.ms_per_token < bar - 1e-9):
+            layout.ms_per_token <= bar + 1e-9 and \
+            (moves is None or clearly_faster(layout.ms_per_token, moves.proposed_ms_per_token)):
         return Proposal(model, [], now, layout.ms_per_token, layout.plans, plans, layout.left_out), []
     if moves is not None:
         return dataclasses.replace(moves, left_out=layout.left_out), []
