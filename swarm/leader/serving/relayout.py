@@ -96,9 +96,7 @@ class Relayouts:
                 if model.relayout is new:  # not switched: the old ring serves on, the new stages go
                     model.relayout = []
                     for i in loading:
-                        conn = self.serving.hub.online.get(new[i].plan.fellow_id)
-                        if conn is not None:
-                            conn.post({"t": "unload", "model": model.name})
+                        self._unload(model, new[i].plan.fellow_id)
                     model.notify()
             return f"{what} not done: {why}" if why else f"{what}: re-laid out"
 
@@ -151,10 +149,16 @@ class Relayouts:
         staying = {s.plan.fellow_id for s in new}
         for slot in old:
             for fellow_id in {slot.plan.fellow_id, slot.cover} - staying - {None}:
-                conn = serving.hub.online.get(fellow_id)
-                if conn is not None:
-                    conn.post({"t": "unload", "model": model.name})
+                self._unload(model, fellow_id)
         return None
+
+    def _unload(self, model: ModelServing, fellow_id: int | None) -> None:
+        """Unload ``model`` from a fellow, unless it holds a stage or a cover of the ring now (a drain or the hot
+        cover may have given it one meanwhile)."""
+        conn = self.serving.hub.online.get(fellow_id) if fellow_id is not None else None
+        if conn is None or model.slot_of(conn.id) is not None or any(s.cover == conn.id for s in model.stages):
+            return
+        conn.post({"t": "unload", "model": model.name})
 
 
 def _next(model: ModelServing, stages: list[StageState]) -> ModelServing:
