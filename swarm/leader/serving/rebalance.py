@@ -173,7 +173,11 @@ class Rebalancer:
             if model.draft is None:  # a re-layout does not place a draft model yet: its moves only
                 held_free = {c.fellow_id: c.free_bytes for c in serving.recovery.candidates(model)
                              if c.fellow_id in model.fellow_ids}
-                found, left_out = propose_layout(model.name, plans, model.size, capacities, held_free, speeds, hops,
+                device = serving.settings.device
+                runs = [c for c in capacities if model.quantization == "none"  # the new stages load at its kind
+                        or model.quantization in (serving.hub.online[c.fellow_id].hardware.quantization_kinds(device)
+                                                  or [])]
+                found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops,
                                                  hidden, served_context(model, serving.settings), found)
                 if left_out:
                     self.left_out[model.name] = left_out
