@@ -94,8 +94,9 @@ class Settings:
     # with a small model of its family it holds whole: auto (the smallest imported model of the pool with the same
     # tokenizer) or a model's name; unset: prompt lookup alone
     serve_draft_model: str | None = None
-    # SWARM_SERVE_REBALANCE: live moves (swarm.leader.serving.rebalance) -- off; propose (a stage move the planner
-    # predicts at least 1.3x faster is shown on GET /api/v1/rebalance); auto (and applied through the drain's handover)
+    # SWARM_SERVE_REBALANCE: live moves (swarm.leader.serving.rebalance) -- off; propose (a stage move or a re-layout
+    # the planner predicts at least 1.3x faster is shown on GET /api/v1/rebalance); auto (and applied: load beside,
+    # switch at a token boundary, unload the old stages)
     serve_rebalance: str = "propose"
     serving_history_days: float = 7.0  # SWARM_SERVING_HISTORY_DAYS: how long the leader keeps finished requests
     # SWARM_METRICS_TOKEN: a bearer token that may read GET /metrics (for a Prometheus server); admins always may

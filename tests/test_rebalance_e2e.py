@@ -1,6 +1,7 @@
 """A live move (issue 37, SWARM_SERVE_REBALANCE): a leader and three fellows in one process, the built-in model over
-two of them. The idle third fellow is made out (by its calibration) to decode four times faster than the two serving;
-the admin API proposes moving a stage to it, applying the proposal moves the stage the drain's way (load beside,
+two of them. The idle third fellow and one of the two serving are made out (by their calibration) to decode four times
+faster than the other (so that a move of its stage, not a re-layout, is the clear choice); the admin API proposes
+moving that stage to the idle one, applying the proposal moves the stage the drain's way (load beside,
 switch between two tokens, unload the old stage), and the greedy reply afterwards is the one from before the move."""
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ async def test_a_stage_moves_to_a_faster_idle_fellow_on_request(tmp_path, smollm
             nothing = (await swarm.http.get("/api/v1/rebalance")).json()
             assert nothing == {"mode": "propose", "proposals": []}  # no speeds yet: nothing to weigh
 
+            slow = min(serving)
             for conn in swarm.leader.hub.online.values():
-                conn.calibration = calibration(1.0 if conn.id == idle else 4.0)
+                conn.calibration = calibration(4.0 if conn.id == slow else 1.0)
             proposals = (await swarm.http.get("/api/v1/rebalance")).json()["proposals"]
             assert len(proposals) == 1, proposals
             (move,) = proposals[0]["moves"]
-            assert move["to_id"] == idle and move["from_id"] in serving
+            assert move["to_id"] == idle and move["from_id"] == slow
             assert proposals[0]["speedup"] >= 1.3 and proposals[0]["text"].startswith(f"{name}: move stage ")
 
             applied = await swarm.http.post("/api/v1/rebalance", json={"model": name}, timeout=120)
@@ -81,11 +83,86 @@ async def test_auto_moves_a_stage_mid_reply_and_the_reply_stays_exact(tmp_path, 
                 nursery.start_soon(long_reply)
                 await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
                 await trio.sleep(0.5)
+                slow = min(model.fellow_ids)
                 for conn in swarm.leader.hub.online.values():
-                    conn.calibration = calibration(1.0 if conn.id == idle else 4.0)
+                    conn.calibration = calibration(4.0 if conn.id == slow else 1.0)
                 swarm.leader.serving.rebalance.pool_changed()  # as a join or a link report does
                 await wait_until(lambda: idle in model.fellow_ids and model.status == "ready", 120)
                 times["moved"] = trio.current_time()
             assert times["moved"] < times["done"], times  # the switch came while the reply streamed
             assert replies == [reference]
             assert len(model.fellow_ids) == 2
+
+
+async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_reply(tmp_path, smollm_model_dir,
+                                                                                  monkeypatch):
+    """SWARM_SERVE_REBALANCE=auto, a re-layout: the model serves over two stages on two slow fellows; while a long
+    greedy reply streams, a fellow four times faster with room for the whole model joins (a real `swarm join`
+    process). The leader loads the whole model on it beside the ring, switches between two tokens from 2 stages to
+    1, and unloads the old stages; the reply is token for token the one of an uninterrupted run."""
+    from fleet import FellowProcess
+    from swarm.leader.serving import rebalance
+
+    monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
+    name = smollm_model_dir.name
+    # long enough (about 300 tokens) for a fellow process to start and load the whole model while it streams
+    messages = [{"role": "user", "content": "List the numbers from 1 to 150, separated by commas."}]
+    with trio.fail_after(280):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=2,
+                                 leader_env={"SWARM_SERVE_REBALANCE": "auto"}) as swarm:
+            await swarm.load(name, 2)
+            model, online = swarm.leader.serving.models[name], swarm.leader.hub.online
+            reference = (await swarm.chat(name, messages, max_tokens=300, ignore_eos=True))["choices"][0]["token_ids"]
+            for conn in online.values():
+                conn.calibration = calibration(4.0)
+            times: dict[str, float] = {}
+            replies: list[list[int]] = []
+
+            async def long_reply():
+                reply = await swarm.chat(name, messages, max_tokens=300, ignore_eos=True)
+                replies.append(reply["choices"][0]["token_ids"])
+                times["done"] = trio.current_time()
+
+            marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
+
+            async def watch():
+                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
+                (request,) = swarm.leader.serving.book.by_rid.values()
+                while not request.ended:
+                    if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
+                        marks.append((trio.current_time(), len(request.tokens), request.attempts))
+                    await trio.sleep(0.002)
+
+            joined = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(long_reply)
+                    nursery.start_soon(watch)
+                    await wait_until(lambda: marks, 30)
+                    joined = FellowProcess(swarm.url, swarm.join_token(), tmp_path / "fast", "fellow-fast",
+                                           env={"SWARM_CALIBRATE": "0"}).start()
+                    await wait_until(lambda: len(online) == 3, 90, message=lambda: joined.log())
+                    (fast,) = set(online) - model.fellow_ids
+                    online[fast].calibration = calibration(1.0)  # its speed, as its calibration would report it
+                    swarm.leader.serving.rebalance.pool_changed()  # as its join and its links' report do
+                    await wait_until(lambda: model.fellow_ids == {fast} and model.status == "ready", 120,
+                                     message=lambda: joined.log())
+                    times["moved"] = trio.current_time()
+                # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring
+                assert marks[-1][2] == 2, (marks[-1], times)
+                resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
+                last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
+                first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
+                gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+                print(f"re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
+                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed")
+                assert replies == [reference]
+                layers = len(model.size.layer_bytes)
+                assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, layers)]
+                # the old stages are unloaded from the two fellows that held them
+                await wait_until(lambda: not any(name in f.stages for f in swarm.fellows), 30)
+                after = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
+                assert after == reference[:12]
+            finally:
+                if joined is not None:
+                    joined.stop()

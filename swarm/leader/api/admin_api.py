@@ -203,14 +203,17 @@ class AdminRoutes:
 
     @handles_errors
     async def rebalance(self, request: Request):
-        """Live moves (swarm.leader.serving.rebalance): GET the moves of serving stages to idle fellows the planner
-        predicts at least 1.3x faster; POST {"model": name} applies the one proposed for that model."""
+        """Live moves (swarm.leader.serving.rebalance): GET the moves of serving stages to idle fellows, or the
+        re-layouts (another stage count or split), the planner predicts at least 1.3x faster, and why faster layouts
+        are left out; POST {"model": name} applies the one proposed for that model."""
         await self._admin(request)
         rebalancer = self.leader.serving.rebalance
         proposals = rebalancer.proposals()
         if request.method == "GET":
-            return JSONResponse({"mode": self.leader.serving.settings.serve_rebalance,
-                                 "proposals": [p.view() for p in proposals]})
+            view = {"mode": self.leader.serving.settings.serve_rebalance, "proposals": [p.view() for p in proposals]}
+            if rebalancer.left_out:  # faster layouts that cannot load beside a ring, where nothing is proposed
+                view["left_out"] = rebalancer.left_out
+            return JSONResponse(view)
         body = await json_body(request)
         chosen = [p for p in proposals if p.model == body.get("model")]
         if not chosen:

@@ -66,6 +66,8 @@ class ModelServing:
     draft: dict | None = None
     context_tokens: int | None = None  # its served context at this load (swarm.leader.api.limits.served_context)
     kv_cache: str = "auto"  # how its stages hold keys and values (swarm.kv_kinds)
+    # a re-layout under way (swarm.leader.serving.relayout): the next ring's stages, loading beside these
+    relayout: list[StageState] = dataclasses.field(default_factory=list)
     changed: trio.Event = dataclasses.field(default_factory=trio.Event)
 
     def budget(self, settings) -> Budget:
@@ -88,9 +90,13 @@ class ModelServing:
         return {s.plan.fellow_id for s in self.stages}
 
     def files_for(self, fellow_id: int) -> set[str]:
-        """The model files ``fellow_id`` may download: those of the stages (and hot covers) placed on it."""
-        return {f["path"] for i, s in enumerate(self.stages) if fellow_id in (s.plan.fellow_id, s.cover)
-                for f in load_message(self, i)["files"]}
+        """The model files ``fellow_id`` may download: those of the stages (and hot covers, and a re-layout's next
+        stages) placed on it."""
+        files = {f["path"] for i, s in enumerate(self.stages) if fellow_id in (s.plan.fellow_id, s.cover)
+                 for f in load_message(self, i)["files"]}
+        if self.relayout:
+            files |= dataclasses.replace(self, stages=self.relayout, relayout=[]).files_for(fellow_id)
+        return files
 
     def draft_files_for(self, fellow_id: int) -> set[str]:
         """The draft model's files ``fellow_id`` may download: all of them, where it holds the last stage (or its

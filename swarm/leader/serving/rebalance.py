@@ -6,8 +6,11 @@ applies it through the drain's path (swarm.leader.serving.drain): the taker load
 switches at a token boundary, the old stage unloads, and requests in flight go on. SWARM_SERVE_REBALANCE=off looks for
 none.
 
-A move keeps each stage's layers and hands a whole stage to one idle fellow with room for it, as a drain does; a
-different number of stages or another split of the layers is a new load, not a move.
+A move keeps each stage's layers and hands a whole stage to one idle fellow with room for it, as a drain does. A
+re-layout changes the number of stages or the split of the layers: the planner's best layout for the pool now
+(swarm.leader.planning.relayout), proposed when it is at least MIN_SPEEDUP faster than the ring and faster than the
+best moves, and when its stages can load beside the old ones (else the proposal says why it is left out); it is
+applied by swarm.leader.serving.relayout (load beside, switch at a token boundary, unload the old stages).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from swarm.leader.planning.link_placement import fellow_speeds
+from swarm.leader.planning.link_placement import clearly_faster, fellow_speeds
 from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan
 from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
+from swarm.leader.planning.relayout import best_layout, describe, same_split
 from swarm.leader.serving.drain import Handover
+from swarm.leader.serving.relayout import Relayouts, served_context
 
 if TYPE_CHECKING:
     from swarm.leader.serving.serving import Serving
@@ -47,20 +52,31 @@ class Proposal:
     moves: list[Move]
     ms_per_token: float  # predicted now
     proposed_ms_per_token: float
+    # a re-layout: the new ring's stages (``moves`` is then empty), and the ring it replaces
+    layout: list[StagePlan] | None = None
+    current: list[StagePlan] | None = None
+    left_out: list[str] = dataclasses.field(default_factory=list)  # faster layouts that cannot load beside, and why
 
     @property
     def speedup(self) -> float:
         return self.ms_per_token / self.proposed_ms_per_token
 
     def text(self) -> str:
-        moves = ", ".join(f"stage {m.index} from {m.from_name} to {m.to_name}" for m in self.moves)
-        return (f"{self.model}: move {moves}: about {self.speedup:.1f}x faster ({self.ms_per_token:.0f} -> "
+        if self.layout is not None and self.current is not None:
+            what = f"re-lay out {describe(self.current, self.layout)}"
+        else:
+            what = "move " + ", ".join(f"stage {m.index} from {m.from_name} to {m.to_name}" for m in self.moves)
+        return (f"{self.model}: {what}: about {self.speedup:.1f}x faster ({self.ms_per_token:.0f} -> "
                 f"{self.proposed_ms_per_token:.0f} ms a token)")
 
     def view(self) -> dict:
-        return {"model": self.model, "moves": [dataclasses.asdict(m) for m in self.moves],
+        layout = None if self.layout is None else [
+            {"index": p.index, "fellow_id": p.fellow_id, "fellow": p.fellow_name,
+             "layers": [p.first_layer, p.end_layer]} for p in self.layout]
+        return {"model": self.model, "kind": "move" if self.layout is None else "relayout",
+                "moves": [dataclasses.asdict(m) for m in self.moves], "layout": layout,
                 "ms_per_token": self.ms_per_token, "proposed_ms_per_token": self.proposed_ms_per_token,
-                "speedup": self.speedup, "text": self.text()}
+                "speedup": self.speedup, "text": self.text(), "left_out": self.left_out}
 
 
 def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
@@ -97,6 +113,29 @@ def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[Fell
     return Proposal(model, sorted(moves, key=lambda m: m.index), now, best)
 
 
+def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
+                   held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
+                   hidden_bytes: int, context_tokens: int, moves: Proposal | None) -> tuple[Proposal | None, list[str]]:
+    """The better of ``moves`` (:func:`propose`'s) and a re-layout of ``plans``: the planner's fastest layout for the
+    pool that loads beside the ring (swarm.leader.planning.relayout), when it splits the layers otherwise, is at least
+    MIN_SPEEDUP faster than the ring and clearly faster than the moves (a re-layout loads more than a move does, so
+    noise must not tip it: link_placement.clearly_faster). ``held_free``: the free memory of each fellow of the
+    ring now. -> (the proposal or None, why faster layouts are left out: told with the proposal, or alone)."""
+    if any(p.fellow_id not in speeds for p in plans):
+        return moves, []
+    now = float(predict(plans, size, speeds, hop_round_trips(plans, hops), hidden_bytes)["ms_per_token"])
+    bar = now / MIN_SPEEDUP if moves is None else min(now / MIN_SPEEDUP, moves.proposed_ms_per_token)
+    layout = best_layout(size, plans, [f for f in idle if f.fellow_id in speeds], held_free, speeds, hops,
+                         hidden_bytes, context_tokens, worth_ms=bar)
+    if layout.plans is not None and layout.ms_per_token is not None and not same_split(layout.plans, plans) and \
+            layout.ms_per_token <= bar + 1e-9 and \
+            (moves is None or clearly_faster(layout.ms_per_token, moves.proposed_ms_per_token)):
+        return Proposal(model, [], now, layout.ms_per_token, layout.plans, plans, layout.left_out), []
+    if moves is not None:
+        return dataclasses.replace(moves, left_out=layout.left_out), []
+    return None, layout.left_out
+
+
 class Rebalancer:
     """The leader's live moves: proposals on request, and with SWARM_SERVE_REBALANCE=auto applied after each change
     of the pool."""
@@ -104,6 +143,8 @@ class Rebalancer:
     def __init__(self, serving: Serving):
         self.serving = serving
         self._wake = trio.Event()
+        self.relayouts = Relayouts(serving)
+        self.left_out: dict[str, list[str]] = {}  # model -> faster layouts left out, where nothing is proposed
 
     def pool_changed(self) -> None:
         self._wake.set()
@@ -114,10 +155,11 @@ class Rebalancer:
             return []
         hops = serving.link_matrix.hops()
         out = []
+        self.left_out = {}
         for model in list(serving.models.values()):
-            if model.status != "ready" or model.size is None:
+            if model.status != "ready" or model.size is None or model.relayout:
                 continue
-            busy = {s.plan.fellow_id for m in serving.models.values() for s in m.stages} | \
+            busy = {s.plan.fellow_id for m in serving.models.values() for s in [*m.stages, *m.relayout]} | \
                 {s.cover for m in serving.models.values() for s in m.stages if s.cover is not None}
             idle = [c for c in serving.recovery.candidates(model)
                     if c.fellow_id not in busy and not c.outdated and not c.standby  # standbys wait for failovers
@@ -125,9 +167,20 @@ class Rebalancer:
             fellows = [serving.hub.online[c.fellow_id] for c in idle] + \
                 [serving.hub.online[p] for p in model.fellow_ids if p in serving.hub.online]
             hidden = int(model.manifest.get("hidden_size") or 0) * (2 if all(f.hardware.gpus for f in fellows) else 4)
-            found = propose(model.name, [s.plan for s in model.stages], model.size,
-                            [FellowCapacity(c.fellow_id, c.name, c.free_bytes) for c in idle],
-                            fellow_speeds(fellows), hops, hidden)
+            plans, speeds = [s.plan for s in model.stages], fellow_speeds(fellows)
+            capacities = [FellowCapacity(c.fellow_id, c.name, c.free_bytes) for c in idle]
+            found = propose(model.name, plans, model.size, capacities, speeds, hops, hidden)
+            if model.draft is None:  # a re-layout does not place a draft model yet: its moves only
+                held_free = {c.fellow_id: c.free_bytes for c in serving.recovery.candidates(model)
+                             if c.fellow_id in model.fellow_ids}
+                device = serving.settings.device
+                runs = [c for c in capacities if model.quantization == "none"  # the new stages load at its kind
+                        or model.quantization in (serving.hub.online[c.fellow_id].hardware.quantization_kinds(device)
+                                                  or [])]
+                found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops,
+                                                 hidden, served_context(model, serving.settings), found)
+                if left_out:
+                    self.left_out[model.name] = left_out
             if found is not None:
                 out.append(found)
         return out
@@ -135,6 +188,13 @@ class Rebalancer:
     async def apply(self, proposal: Proposal) -> str:
         """Each move through the drain's handover (load beside, switch at a token boundary, unload the old stage)."""
         serving = self.serving
+        if proposal.layout is not None and proposal.current is not None:
+            model = serving.models.get(proposal.model)
+            if model is None or [s.plan for s in model.stages] != proposal.current:
+                return f"{proposal.model}: the ring changed meanwhile; nothing was re-laid out"
+            text = await self.relayouts.apply(model, proposal.layout)
+            log.info("re-layout: %s", text)
+            return text
         done = []
         for move in proposal.moves:
             model = serving.models.get(proposal.model)

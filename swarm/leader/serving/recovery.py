@@ -78,6 +78,8 @@ class Recovery:
             model.notify()  # a drain waits for its taker's copy (swarm.leader.serving.drain)
             return
         if slot is None:
+            if self.serving.rebalance.relayouts.on_stage_event(model, conn, message):
+                model.notify()  # a re-layout waits for its next stages (swarm.leader.serving.relayout)
             return
         if kind == "load_progress":
             phase, fraction = message.get("phase"), message.get("fraction")

@@ -196,12 +196,14 @@ async function loadLinks() {
 }
 
 async function loadMoves() {
-  const { mode, proposals } = await get("/api/v1/rebalance");
-  if (mode === "auto") $("moves-mode").textContent = "Moves the planner predicts at least 1.3x faster are applied as they are found (SWARM_SERVE_REBALANCE=auto).";
-  rows("moves-table", proposals, (p) => [p.text, h("button", {
-    class: "btn small", type: "button", "aria-label": `Apply the move of ${p.model}`,
+  const { mode, proposals, left_out: leftOut = {} } = await get("/api/v1/rebalance");
+  if (mode === "auto") $("moves-mode").textContent = "Moves and re-layouts the planner predicts at least 1.3x faster are applied as they are found (SWARM_SERVE_REBALANCE=auto).";
+  const notes = (lines) => (lines && lines.length ? h("div", { class: "muted" }, lines.join("; ")) : "");
+  const shown = [...proposals, ...Object.entries(leftOut).map(([model, lines]) => ({ model, text: `${model}: nothing to propose`, left_out: lines, none: true }))];
+  rows("moves-table", shown, (p) => [h("div", {}, [p.text, notes(p.left_out)]), p.none ? "" : h("button", {
+    class: "btn small", type: "button", "aria-label": `Apply the ${p.kind === "relayout" ? "re-layout" : "move"} of ${p.model}`,
     onclick: async () => {
-      try { await post("/api/v1/rebalance", { model: p.model }); } catch (err) { showError(`The move was not made: ${err.message}`); }
+      try { await post("/api/v1/rebalance", { model: p.model }); } catch (err) { showError(`It was not applied: ${err.message}`); }
       loadMoves();
     },
   }, "Apply")], mode === "off" ? "Live moves are off (SWARM_SERVE_REBALANCE=off)." : "No faster placement to propose now.");

@@ -1,0 +1,129 @@
+"""Re-layouts (issue 37): the planner's best layout of a serving model over the pool as it is now -- the number of
+stages, the split of the layers, which fellows and in which order, at the measured links -- among those that can be
+loaded beside the ring that serves.
+
+A re-layout loads the new ring's stages while the old one serves, then switches (swarm.leader.serving.relayout), so
+each stage of the new layout must be loadable beside the old ring at once:
+
+- on an idle fellow (no stage or cover of any model), with the stage's memory free -- its free memory already counts
+  what it holds;
+- or on a fellow of the ring that holds that very stage now (the same layers, first or last alike): it keeps it and
+  is only linked anew.
+
+A fellow of the ring cannot load a second, different stage of the same model beside its own: a fellow holds one
+stage of a model at a time (swarm.fellow.process keeps them by model). A layout that needs that, or memory a fellow
+does not have, is left out, and the proposal says why ("the 1-stage layout on fellow-1 ... is left out: ...").
+
+A pure function over the placement's inputs (swarm.leader.planning.placement), each fellow's calibrated speed and the
+measured links (swarm.leader.planning.link_placement), like the link-aware placement's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+from swarm.errors import PlacementError
+from swarm.leader.planning.placement import GB, FellowCapacity, ModelSize, StagePlan, place_in_order
+from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
+
+# Every order of a ring is tried up to this many stages, as link_placement.MAX_ORDERED; beyond, fellow id order.
+MAX_ORDERED = 5
+# rings predicted at most per model and proposal: each takes ~0.25 ms (30 layers; measured on the shared 2-core VM,
+# 1237 rings over 6 fellows in 0.3 s), and proposals are made on the leader's event loop
+MAX_RINGS = 2000
+MAX_NOTES = 3  # at most this many layouts left out are told, the fastest first
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    plans: list[StagePlan] | None  # the fastest layout loadable beside the ring (None: none)
+    ms_per_token: float | None
+    left_out: list[str]  # faster layouts that cannot be loaded beside it, and why
+
+
+def same_stage(a: StagePlan, a_count: int, b: StagePlan, b_count: int) -> bool:
+    """Whether two stages hold the same weights: the same layers, both first or not, both last or not."""
+    return (a.first_layer, a.end_layer, a.index == 0, a.index == a_count - 1) == \
+        (b.first_layer, b.end_layer, b.index == 0, b.index == b_count - 1)
+
+
+def same_split(a: list[StagePlan], b: list[StagePlan]) -> bool:
+    """Whether two rings split the layers alike (a whole-stage move, not a re-layout)."""
+    return [(p.first_layer, p.end_layer) for p in a] == [(p.first_layer, p.end_layer) for p in b]
+
+
+def describe(current: list[StagePlan], plans: list[StagePlan]) -> str:
+    """'2 stages -> 1 stage on fellow-3', '1 stage -> 3 stages on pc-1, pc-2, pc-3'."""
+    def count(n: int) -> str:
+        return f"{n} stage" + ("" if n == 1 else "s")
+    return f"{count(len(current))} -> {count(len(plans))} on " + ", ".join(p.fellow_name for p in plans)
+
+
+def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[int, FellowCapacity],
+                   held_free: dict[int, int]) -> str | None:
+    """None when every stage of ``plans`` loads beside ``current``'s ring (see the module's rules), else why not, in
+    words. ``held_free``: the free memory now of the ring's fellows."""
+    held = {p.fellow_id: p for p in current}
+    for plan in plans:
+        old = held.get(plan.fellow_id)
+        what = f"stage {plan.index} (layers {plan.first_layer}-{plan.end_layer - 1}, {plan.need_bytes / GB:.1f} GB)"
+        if old is not None:
+            if same_stage(plan, len(plans), old, len(current)):
+                continue
+            free = held_free.get(plan.fellow_id, 0)
+            if free < plan.need_bytes:
+                return (f"{plan.fellow_name} would load {what} beside its stage {old.index} "
+                        f"({old.weight_bytes / GB:.1f} GB held) and has {free / GB:.1f} GB free")
+            return (f"{plan.fellow_name} would load {what} beside its stage {old.index} of the same model, and a "
+                    "fellow holds one stage of a model at a time")
+        fellow = idle.get(plan.fellow_id)
+        if fellow is None:
+            return f"{plan.fellow_name} is not idle"
+        if fellow.free_bytes < plan.need_bytes:
+            return (f"{plan.fellow_name} needs {plan.need_bytes / GB:.1f} GB for {what}, has "
+                    f"{fellow.free_bytes / GB:.1f} GB free")
+    return None
+
+
+def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[FellowCapacity],
+                held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
+                hidden_bytes: int, context_tokens: int, worth_ms: float) -> Layout:
+    """The fastest layout of the model over the pool -- ``current``'s fellows (``held_free``: each one's free memory
+    now, what its stage holds apart) and the ``idle`` fellows -- every stage count, set of fellows and order, split
+    by free memory as a load splits it, predicted at the measured ``hops``; the fastest that loads beside
+    ``current`` is chosen. Layouts faster than it that cannot be loaded beside are told (those under ``worth_ms`` a
+    token only: the ones worth a re-layout). Fellows whose speed is unknown are not counted."""
+    idle_by_id = {f.fellow_id: f for f in idle}
+    # the planner's view of the pool: each fellow of the ring with the memory its stage holds counted free
+    pool = [FellowCapacity(p.fellow_id, p.fellow_name, held_free.get(p.fellow_id, 0) + p.weight_bytes + p.kv_bytes)
+            for p in current] + [f for f in idle if f.fellow_id not in {p.fellow_id for p in current}]
+    pool = sorted((f for f in pool if f.fellow_id in speeds), key=lambda f: f.fellow_id)
+    rings: list[tuple[float, int, list[StagePlan]]] = []
+    budget = MAX_RINGS
+    for count in range(1, len(pool) + 1):
+        for subset in itertools.combinations(pool, count):
+            orders = itertools.permutations(subset) if count <= MAX_ORDERED else [subset]
+            for order in orders:
+                budget -= 1
+                if budget < 0:
+                    break
+                try:
+                    plans = place_in_order(size, list(order), context_tokens)
+                except PlacementError:
+                    continue
+                ms = float(predict(plans, size, speeds, hop_round_trips(plans, hops), hidden_bytes)["ms_per_token"])
+                rings.append((ms, len(rings), plans))
+    notes: list[str] = []
+    seen: set[str] = set()
+    for ms, _, plans in sorted(rings, key=lambda r: (r[0], len(r[2]), r[1])):
+        why = why_not_beside(plans, current, idle_by_id, held_free)
+        if why is None:
+            return Layout(plans, ms, notes)
+        text = describe(current, plans)
+        if ms <= worth_ms and text not in seen and len(notes) < MAX_NOTES and math.isfinite(ms):
+            seen.add(text)
+            notes.append(f"the layout {text} ({ms:.0f} ms a token) is left out: {why}")
+    return Layout(None, None, notes)

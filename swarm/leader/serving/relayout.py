@@ -1,0 +1,166 @@
+"""Applying a re-layout (issue 37's live moves; the layout is swarm.leader.planning.relayout's): a serving model goes
+to another number of stages, or another split of its layers, without a pause longer than a switch.
+
+  1. each stage of the new ring that is not already held (the same stage kept by a fellow of the old ring) loads on
+     its idle fellow beside the old ring, which keeps serving meanwhile (the new stages are held as hot covers are
+     until they are linked: ModelServing.relayout);
+  2. the ring switches at a token boundary, the drain's way (swarm.leader.serving.drain: its ``next_token``): every
+     running request comes off the ring keeping what streamed, the new ring is linked, and the requests go on as
+     their prompt plus the tokens they had streamed -- greedy replies are those of an uninterrupted run;
+  3. once the new ring is ready, the old stages (and their hot covers) that are not in it unload.
+
+A new stage that fails to load, a fellow that goes, or a model that changes meanwhile (a failover, a drain) stops
+the re-layout before the switch: the stages loaded for it unload, and the old ring serves on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import trio
+
+from swarm.leader.api.limits import FALLBACK_CONTEXT
+from swarm.leader.planning.placement import StagePlan
+from swarm.leader.planning.relayout import describe
+from swarm.leader.serving.models import LOAD_PHASES, ModelServing, ModelStatus, StageState, load_message
+
+log = logging.getLogger(__name__)
+
+# How long the new stages may take to load beside the old ring before the re-layout is given up (a model of a few GB
+# downloads and loads in a minute or two on a home LAN; the old ring serves meanwhile, so waiting costs nothing).
+LOAD_WAIT_S = 600.0
+READY_WAIT_S = 30.0  # after the switch, how long the new ring may take to link before the old stages go anyway
+
+
+def served_context(model: ModelServing, settings) -> int:
+    """The context the model's stages were placed for (their KV cache: a model without a draft model), so that a
+    re-layout places the same."""
+    size = model.size
+    for slot in model.stages:
+        per_token = size.kv_bytes_per_token_per_layer * (slot.plan.end_layer - slot.plan.first_layer) if size else 0
+        if per_token > 0 and slot.plan.kv_bytes > 0:
+            return max(1, round(slot.plan.kv_bytes / per_token))
+    return model.context_tokens or settings.serve_context_tokens or FALLBACK_CONTEXT
+
+
+class Relayouts:
+    """The leader's re-layouts, one at a time."""
+
+    def __init__(self, serving):
+        self.serving = serving
+        self._lock = trio.Lock()
+
+    def on_stage_event(self, model: ModelServing, conn, message: dict) -> bool:
+        """A load event of a fellow that holds no stage of ``model``: a re-layout's next stage? -> handled."""
+        state = next((s for s in model.relayout if s.plan.fellow_id == conn.id and not s.linked), None)
+        if state is None:
+            return False
+        kind = message["t"]
+        if kind == "load_progress":
+            phase, fraction = message.get("phase"), message.get("fraction")
+            if phase in LOAD_PHASES and isinstance(fraction, (int, float)) and not isinstance(fraction, bool):
+                state.phase, state.fraction = phase, min(1.0, max(0.0, float(fraction)))
+        elif kind == "loaded":
+            state.phase, state.fraction, state.ready, state.error = "ready", 1.0, True, None
+        elif kind == "load_failed":
+            state.error = str(message.get("message") or f"{conn.name} could not load it")
+        return True
+
+    async def apply(self, model: ModelServing, plans: list[StagePlan]) -> str:
+        """Re-lay ``model`` out as ``plans`` (see the module). Returns what was done, in words."""
+        async with self._lock:
+            current = [s.plan for s in model.stages]
+            what = f"{model.name}: {describe(current, plans)}"
+            new: list[StageState] = []
+            for plan in plans:
+                if self.serving.hub.online.get(plan.fellow_id) is None:
+                    return f"{what} not done: {plan.fellow_name} went offline"
+                state = StageState(plan)
+                old = model.slot_of(plan.fellow_id)
+                if old is not None:  # it keeps the very stage it holds (swarm.leader.planning.relayout)
+                    state.ready, state.phase, state.fraction, state.free_bytes = True, "ready", 1.0, old.free_bytes
+                new.append(state)
+            model.relayout = new
+            loading = [i for i, s in enumerate(new) if not s.ready]
+            for i in loading:
+                log.info("%s loads stage %d of %s's next layout beside its ring", new[i].plan.fellow_name, i,
+                         model.name)
+                self.serving.hub.online[new[i].plan.fellow_id].post(load_message(_next(model, new), i, cover=True))
+            model.notify()
+            try:
+                why = await self._loaded(model, new, current)
+                if why is None:
+                    why = await self._switch(model, new, current)
+            finally:
+                if model.relayout is new:  # not switched: the old ring serves on, the new stages go
+                    model.relayout = []
+                    for i in loading:
+                        self._unload(model, new[i].plan.fellow_id)
+                    model.notify()
+            return f"{what} not done: {why}" if why else f"{what}: re-laid out"
+
+    async def _loaded(self, model: ModelServing, new: list[StageState], current: list[StagePlan]) -> str | None:
+        """Wait until every next stage is loaded and the model serves on its old ring; None, else why not."""
+        serving = self.serving
+        with trio.move_on_after(LOAD_WAIT_S):
+            while True:
+                failed = next((s for s in new if s.error), None)
+                if failed is not None:
+                    return f"stage {failed.plan.index} did not load on {failed.plan.fellow_name}: {failed.error}"
+                gone = next((s for s in new if serving.hub.online.get(s.plan.fellow_id) is None), None)
+                if gone is not None:
+                    return f"{gone.plan.fellow_name} went offline"
+                if serving.models.get(model.name) is not model or [s.plan for s in model.stages] != current:
+                    return "the ring changed meanwhile (a failover, a drain or a new load)"
+                if all(s.ready for s in new) and model.status == ModelStatus.READY:
+                    return None
+                await model.changed.wait()
+        return f"the next stages did not load within {LOAD_WAIT_S:.0f} s"
+
+    async def _switch(self, model: ModelServing, new: list[StageState], current: list[StagePlan]) -> str | None:
+        """At a token boundary, the new ring takes over; then the old stages unload. None when done."""
+        serving = self.serving
+        await serving.drains.next_token(model)
+        if serving.models.get(model.name) is not model or [s.plan for s in model.stages] != current \
+                or model.status != ModelStatus.READY \
+                or any(serving.hub.online.get(s.plan.fellow_id) is None for s in new):
+            return "the ring changed while it waited for a token"
+        switched_at = trio.current_time()
+        old = list(model.stages)
+        kept = {s.plan.fellow_id for s in old}
+        serving.perform(serving.book.interrupt(model.name))  # the running requests keep what streamed
+        model.status, model.error, model.recovering_since = ModelStatus.RECOVERING, None, switched_at
+        device = serving.settings.device
+        for state in new:
+            if state.plan.fellow_id not in kept:  # loaded beside: its free memory counts the stage's weights
+                conn = serving.hub.online[state.plan.fellow_id]
+                state.free_bytes = conn.hardware.serving_free_bytes(device) + state.plan.weight_bytes \
+                    + state.plan.draft_bytes
+            state.ready, state.phase, state.fraction = True, "ready", 1.0
+        model.stages, model.relayout = new, []
+        serving.recovery.link(model)  # once linked: ready, and the requests go on (swarm.leader.serving.recovery)
+        model.notify()
+        with trio.move_on_after(READY_WAIT_S):
+            while model.status != ModelStatus.READY:
+                await model.changed.wait()
+        log.info("the ring of %s switched to its new layout in %.0f ms", model.name,
+                 1000 * (trio.current_time() - switched_at))
+        staying = {s.plan.fellow_id for s in new}
+        for slot in old:
+            for fellow_id in {slot.plan.fellow_id, slot.cover} - staying - {None}:
+                self._unload(model, fellow_id)
+        return None
+
+    def _unload(self, model: ModelServing, fellow_id: int | None) -> None:
+        """Unload ``model`` from a fellow, unless it holds a stage or a cover of the ring now (a drain or the hot
+        cover may have given it one meanwhile)."""
+        conn = self.serving.hub.online.get(fellow_id) if fellow_id is not None else None
+        if conn is None or model.slot_of(conn.id) is not None or any(s.cover == conn.id for s in model.stages):
+            return
+        conn.post({"t": "unload", "model": model.name})
+
+
+def _next(model: ModelServing, stages: list[StageState]) -> ModelServing:
+    """The model as its next layout: what its stages' load messages are made from."""
+    return dataclasses.replace(model, stages=stages, relayout=[])
