@@ -61,6 +61,9 @@ GGUF_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_BLOCK_TYPES)
 GGUF_TENSORS_KEY = "swarm.gguf_tensors"
 GGUF_ARCHITECTURE_KEY = "swarm.gguf_architecture"
 GGUF_STORAGE = "gguf"  # Manifest.storage of a model whose files keep a GGUF's tensors
+# The axis along which the parts of a tensor a GGUF holds in several (a MoE layer's ffn_gate_exps and ffn_up_exps: its
+# experts' gate_up_proj, [experts, rows, columns]) are joined, in the order of their ``part`` (swarm.store.gguf_source)
+GGUF_JOIN_DIM = 1
 
 # Bytes of one element, by the dtype names torch prints without the "torch." prefix.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

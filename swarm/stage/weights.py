@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from swarm.errors import ModelError
-from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_TENSORS_KEY, GGUF_TYPES
+from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_JOIN_DIM, GGUF_TENSORS_KEY, GGUF_TYPES
 from swarm.stage.gguf_linear import GGUFBlocks, row_order
 
 # Values dequantized per slice of rows (the importer's bound before blocks were kept: swarm.store.gguf_source).
@@ -69,6 +69,15 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
                 if info.get("fixup") and processor is None:
                     processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
                 shape = tuple(info["shape"])
+                into = info.get("into", "")
+                if keep is not None and len(shape) == 3 and not info.get("fixup") and keep(into or key):
+                    # a MoE layer's experts, [experts, rows, columns], whatever their type: as (experts x rows) rows
+                    # of blocks, each expert's rows taken apart by swarm.stage.gguf_experts
+                    blocks = f.get_tensor(key).clone()
+                    kept_blocks[key] = GGUFBlocks(blocks.reshape(shape[0] * shape[1], -1), info["type"],
+                                                  (int(shape[1]), int(shape[2])), experts=int(shape[0]), into=into,
+                                                  part=int(info.get("part", 0)))
+                    continue
                 if keep is not None and keep(key) and info["type"] not in GGUF_FLOAT_TYPES and len(shape) == 2:
                     # a copy: the stage must not hold safetensors' map of the file (see dequantize)
                     blocks = f.get_tensor(key).clone()
@@ -79,14 +88,29 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
                         continue
                 value = dequantize(f.get_tensor(key), info["type"], shape, f"{key} of {what or path}")
                 if info.get("fixup") and processor is not None:
-                    value = processor.process(weights=value, name=info["name"]).weights.contiguous()
+                    # torch.as_tensor: a fix-up may hand back numpy (Qwen2-MoE's shared-expert gate, expand_dims)
+                    value = torch.as_tensor(processor.process(weights=value, name=info["name"]).weights).contiguous()
                 out[key] = value.to(device=device, dtype=wanted(key, value))
                 del value
+            _join_parts(out, kept, what or str(path))
     except ModelError:
         raise
     except Exception as exc:  # safetensors and gguf raise many kinds for a damaged file
         raise ModelError(f"cannot read {what or path} ({exc}); fetch it again") from exc
     return out, kept_blocks
+
+
+def _join_parts(out: dict[str, torch.Tensor], kept: Mapping[str, Any], what: str) -> None:
+    """Replace in ``out`` the widened parts of each tensor the GGUF holds in parts (a MoE layer's ffn_gate_exps and
+    ffn_up_exps) by the tensor they make, joined as transformers' GGUF loader joins them (swarm.store.gguf_source)."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for key, info in kept.items():
+        if info.get("into") and key in out:
+            parts.setdefault(info["into"], []).append((int(info.get("part", 0)), key))
+    for into, members in parts.items():
+        if [p for p, _ in sorted(members)] != list(range(len(members))):
+            raise ModelError(f"{what} holds parts {sorted(p for p, _ in members)} of {into}; it needs all of them")
+        out[into] = torch.cat([out.pop(key) for _, key in sorted(members)], dim=GGUF_JOIN_DIM)
 
 
 def dequantize(stored: torch.Tensor, gguf_type: str, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:

@@ -74,6 +74,11 @@ class GGUFTensor:
     raw_bytes: int = 0
     fixup: bool = False
     copy_raw: Callable[[Any], None] | None = None
+    # one of several GGUF tensors that together make one transformers tensor (a MoE layer's ffn_gate_exps and
+    # ffn_up_exps: its experts' gate_up_proj), joined along swarm.model_format.GGUF_JOIN_DIM: that tensor's name,
+    # and this part's place
+    into: str = ""
+    part: int = 0
 
 
 class GGUFSource:
@@ -142,9 +147,17 @@ class GGUFSource:
 
         try:
             with self._parsed_once():
-                return AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
+                config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except Exception as exc:
             raise ImportFailed(f"transformers cannot read the GGUF file {self.path}: {exc}") from exc
+        # sizes transformers' GGUF config mapping leaves at the class defaults (it maps no expert_*_length key): then
+        # any MoE file whose experts differ from the family's default shape (Qwen3-30B-A3B's 768 happens to be it)
+        # would build a model its expert tensors do not fit
+        for key, attribute in _MOE_SIZES.items():
+            value = _number(self.reader, f"{self.architecture}.{key}")
+            if value is not None and hasattr(config, attribute):
+                setattr(config, attribute, value)
+        return config
 
     def tokenizer(self) -> Any:
         """The tokenizer transformers builds from the file's vocabulary (raises what transformers raises)."""
@@ -196,8 +209,11 @@ class GGUFSource:
         names = get_gguf_hf_weights_map(skeleton, processor)
         del skeleton
         out = []
+        joined = _joined_parts(names)
         for tensor in self.reader.tensors:
-            hf_name = names.get(tensor.name)
+            # transformers maps a MoE layer's expert tensors under their names without ".weight" (its processor
+            # matches them so)
+            hf_name = names.get(tensor.name) or names.get(tensor.name.removesuffix(".weight"))
             if hf_name is None:
                 log.info("%s: no place for GGUF tensor %s in a %s model; skipped", self.path.name, tensor.name,
                          config.model_type)
@@ -211,10 +227,14 @@ class GGUFSource:
             raw_bytes = int(tensor.n_bytes)
             rows = int(tensor.n_elements) // shape[-1]
             raw_shape = shape if kind in _FLOAT_TYPES else (rows, raw_bytes // rows)
+            into, part = "", 0
+            if _stem(tensor.name) in joined:  # a part: named apart, joined where the stage reads it
+                into, part = hf_name, joined[_stem(tensor.name)]
+                hf_name = f"{hf_name}.{_stem(tensor.name).split('.')[-1]}"
             out.append(GGUFTensor(hf_name, shape, functools.partial(self._read, tensor, shape, processor=processor),
                                   write, gguf_name=tensor.name, gguf_type=kind, raw_shape=raw_shape,
                                   raw_bytes=raw_bytes, fixup=not as_is,
-                                  copy_raw=functools.partial(self._copy_raw, tensor)))
+                                  copy_raw=functools.partial(self._copy_raw, tensor), into=into, part=part))
         return out
 
     def _copy_raw(self, tensor: Any, out: Any) -> None:
@@ -244,7 +264,7 @@ class GGUFSource:
         for start, values in self._slices(tensor):
             flat[start : start + values.shape[0]] = values
         result = processor.process(weights=out, name=tensor.name).weights
-        return result.to(dtype).contiguous()
+        return torch.as_tensor(result).to(dtype).contiguous()  # a fix-up may hand back numpy (Qwen2-MoE's)
 
     def _write(self, tensor: Any, shape: tuple[int, ...], dtype: Any, out: Any) -> None:
         """Write the tensor's bytes in ``dtype`` to ``out`` slice by slice (for tensors the fix-up leaves as is)."""
@@ -283,6 +303,50 @@ class GGUFSource:
         from transformers import GenerationConfig
 
         return GenerationConfig.from_model_config(config)
+
+
+# GGUF metadata keys (after the architecture) of MoE sizes, and the transformers config attribute each sets
+_MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+# The order of the GGUF tensors that make one transformers tensor, along swarm.model_format.GGUF_JOIN_DIM:
+# transformers' Qwen2MoeTensorProcessor (modeling_gguf_pytorch_utils, ``_set_moe_expert_tensor``) writes
+# ffn_gate_exps into the first half of the rows of each expert's gate_up_proj and ffn_up_exps into the second.
+_PART_ORDER = ("ffn_gate_exps", "ffn_up_exps")
+
+
+def _stem(gguf_name: str) -> str:
+    return gguf_name.removesuffix(".weight")
+
+
+def _joined_parts(names: dict[str, str]) -> dict[str, int]:
+    """GGUF tensor name (without ".weight") -> its place among the GGUF tensors that transformers' name map sends to
+    one tensor."""
+    by_target: dict[str, list[str]] = {}
+    for gguf_name, hf_name in names.items():
+        by_target.setdefault(hf_name, []).append(_stem(gguf_name))
+    out: dict[str, int] = {}
+    for target, parts in by_target.items():
+        if len(parts) < 2:
+            continue
+        kinds = [p.split(".")[-1] for p in parts]
+        if not set(kinds) & set(_PART_ORDER):
+            continue  # not a MoE layer's parts (a map may name one tensor twice)
+        if sorted(kinds) != sorted(_PART_ORDER):
+            raise ImportFailed(f"transformers maps the GGUF tensors {', '.join(parts)} to one tensor {target}, in a "
+                               "way swarm does not know how to join; import the model's safetensors folder instead")
+        out.update({p: _PART_ORDER.index(k) for p, k in zip(parts, kinds, strict=True)})
+    return out
+
+
+def _number(reader: Any, key: str) -> int | None:
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    try:
+        return int(field.parts[field.data[0]][0])
+    except (ValueError, IndexError, TypeError):
+        return None
 
 
 def _left_as_is(processor: Any, name: str, shape: tuple[int, ...]) -> bool:
