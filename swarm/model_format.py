@@ -47,6 +47,11 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3
 # Mixture-of-experts families: their layers route each token to a few experts (fused 3D expert tensors, imported by
 # swarm.store.moe_layout); they take the generic decode step, never the lean or compiled one.
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+# The MoE families a GGUF of imports (swarm.store.gguf_moe): those transformers' GGUF loader knows (qwen2moe,
+# qwen3moe) and Mixtral (a llama file with experts). Not gpt-oss: transformers' processor for it expects tensor names
+# llama.cpp does not write (ffn_gate_up_projs) and a layout its own model no longer has; nor GLM-4.5: transformers has
+# no GGUF config mapping for glm4moe. Their safetensors folders import.
+GGUF_MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
 # planner (swarm.leader.planning.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

@@ -12,7 +12,14 @@ import numpy as np
 import torch
 
 # GGUF architecture and the key its metadata is written under, by transformers model type
-ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def _permuted(weights: np.ndarray, heads: int) -> np.ndarray:
+    """The q/k row order llama.cpp's converter writes a llama file's attention in (convert_hf_to_gguf.py's
+    LlamaModel.permute), which transformers' Llama processor undoes."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
 
 
 def build_model(model_type: str, seed: int = 1234, **config: Any) -> Any:
@@ -24,9 +31,10 @@ def build_model(model_type: str, seed: int = 1234, **config: Any) -> Any:
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str = "F32") -> None:
+def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str = "F32", down: str = "") -> None:
     """Write ``model`` (a transformers MoE model) to ``path`` as llama.cpp lays such a model out: its expert matrices in
-    ``experts`` (a type gguf-py quantizes), its other matrices in ``matrices``, vectors in F32."""
+    ``experts`` (a type gguf-py quantizes; the down experts in ``down`` where given), its other matrices in
+    ``matrices``, vectors in F32."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
@@ -47,11 +55,14 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_expert_count(config.num_experts)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3}[experts])  # llama.cpp's LlamaFileType
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
 
@@ -73,13 +84,16 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
                 put(f"blk.{layer}.ffn_gate_exps.weight", value[:, :half], experts)
                 put(f"blk.{layer}.ffn_up_exps.weight", value[:, half:], experts)
             else:
-                put(f"blk.{layer}.ffn_down_exps.weight", value, experts)
+                put(f"blk.{layer}.ffn_down_exps.weight", value, down or experts)
             continue
         gguf_name = names.get_name(base)
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         if gguf_name.endswith("ffn_gate_inp_shexp"):  # llama.cpp keeps the shared expert's gate a vector
             value = value.reshape(-1)
+        if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
+            value = _permuted(value, config.num_attention_heads if gguf_name.endswith("attn_q")
+                              else config.num_key_value_heads)
         put(f"{gguf_name}.{suffix}", value, matrices)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

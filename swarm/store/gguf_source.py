@@ -8,7 +8,8 @@ it will be stored in: written out slice by slice where the family's fix-up leave
 embedding and head, the largest, included), else assembled whole and handed over, one tensor at a time.
 
 The names and the fix-ups are transformers' own, reused rather than copied: the GGUF-to-transformers name map comes
-from ``get_gguf_hf_weights_map`` over a model built on the meta device from the GGUF's config, and the per-family
+from ``get_gguf_hf_weights_map`` over a model built on the meta device from the GGUF's config (with a MoE file's
+particulars: swarm.store.gguf_moe), and the per-family
 tensor processors (Llama's q/k row permutation, Gemma's norm offset) from ``TENSOR_PROCESSORS``. So a tensor
 imported here equals the one ``from_pretrained(gguf_file=...)`` produces (tests/test_model_import.py compares them on
 the built-in model).
@@ -25,6 +26,7 @@ them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -35,6 +37,7 @@ from typing import Any
 
 from swarm.errors import ImportFailed
 from swarm.model_format import GGUF_TYPES
+from swarm.store import gguf_moe
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,9 @@ class GGUFTensor:
     # and this part's place
     into: str = ""
     part: int = 0
+    # the shape transformers' fix-up gives a vector where it reshapes it (Qwen2-MoE's shared-expert gate: [hidden] to
+    # [1, hidden]): what ``read`` returns; () where it is ``shape``
+    read_shape: tuple[int, ...] = ()
 
 
 class GGUFSource:
@@ -142,7 +148,8 @@ class GGUFSource:
         return "float32"
 
     def config(self) -> Any:
-        """The transformers config transformers builds from the file's metadata."""
+        """The transformers config transformers builds from the file's metadata, with a MoE file's particulars
+        (swarm.store.gguf_moe: its expert sizes, Mixtral)."""
         from transformers import AutoConfig
 
         try:
@@ -150,14 +157,8 @@ class GGUFSource:
                 config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except Exception as exc:
             raise ImportFailed(f"transformers cannot read the GGUF file {self.path}: {exc}") from exc
-        # sizes transformers' GGUF config mapping leaves at the class defaults (it maps no expert_*_length key): then
-        # any MoE file whose experts differ from the family's default shape (Qwen3-30B-A3B's 768 happens to be it)
-        # would build a model its expert tensors do not fit
-        for key, attribute in _MOE_SIZES.items():
-            value = _number(self.reader, f"{self.architecture}.{key}")
-            if value is not None and hasattr(config, attribute):
-                setattr(config, attribute, value)
-        return config
+        # the expert sizes transformers leaves at the class defaults, and Mixtral (a llama file with experts)
+        return gguf_moe.moe_config(self.reader, self.architecture, config)
 
     def tokenizer(self) -> Any:
         """The tokenizer transformers builds from the file's vocabulary (raises what transformers raises)."""
@@ -197,19 +198,15 @@ class GGUFSource:
         from_pretrained leaves them out)."""
         import torch
         from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-        )
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        names = get_gguf_hf_weights_map(skeleton, processor)
+        names = gguf_moe.weights_map(skeleton, processor, self.architecture)
         del skeleton
         out = []
-        joined = _joined_parts(names)
+        joined = gguf_moe.joined_parts(names)
         for tensor in self.reader.tensors:
             # transformers maps a MoE layer's expert tensors under their names without ".weight" (its processor
             # matches them so)
@@ -228,13 +225,16 @@ class GGUFSource:
             rows = int(tensor.n_elements) // shape[-1]
             raw_shape = shape if kind in _FLOAT_TYPES else (rows, raw_bytes // rows)
             into, part = "", 0
-            if _stem(tensor.name) in joined:  # a part: named apart, joined where the stage reads it
-                into, part = hf_name, joined[_stem(tensor.name)]
-                hf_name = f"{hf_name}.{_stem(tensor.name).split('.')[-1]}"
+            stem = gguf_moe.stem(tensor.name)
+            if stem in joined:  # a part of a MoE layer's gate_up_proj: named apart, joined where a stage widens it
+                into, part = hf_name, joined[stem]
+                hf_name = f"{hf_name}.{stem.split('.')[-1]}"
+            read_shape = _fixed_shape(processor, tensor.name, shape) if not as_is and len(shape) < 2 else shape
             out.append(GGUFTensor(hf_name, shape, functools.partial(self._read, tensor, shape, processor=processor),
                                   write, gguf_name=tensor.name, gguf_type=kind, raw_shape=raw_shape,
                                   raw_bytes=raw_bytes, fixup=not as_is,
-                                  copy_raw=functools.partial(self._copy_raw, tensor), into=into, part=part))
+                                  copy_raw=functools.partial(self._copy_raw, tensor), into=into, part=part,
+                                  read_shape=() if read_shape == shape else read_shape))
         return out
 
     def _copy_raw(self, tensor: Any, out: Any) -> None:
@@ -305,48 +305,22 @@ class GGUFSource:
         return GenerationConfig.from_model_config(config)
 
 
-# GGUF metadata keys (after the architecture) of MoE sizes, and the transformers config attribute each sets
-_MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
-              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+def widened(tensors: list[GGUFTensor]) -> list[Any]:
+    """``tensors`` as an import widening them to a float dtype writes them: each in the shape its ``read`` returns, a
+    MoE layer's gate and up experts joined into the gate_up_proj the decoder layer holds."""
+    from swarm.store.moe_layout import joined_parts
 
-# The order of the GGUF tensors that make one transformers tensor, along swarm.model_format.GGUF_JOIN_DIM:
-# transformers' Qwen2MoeTensorProcessor (modeling_gguf_pytorch_utils, ``_set_moe_expert_tensor``) writes
-# ffn_gate_exps into the first half of the rows of each expert's gate_up_proj and ffn_up_exps into the second.
-_PART_ORDER = ("ffn_gate_exps", "ffn_up_exps")
+    return joined_parts([dataclasses.replace(t, shape=t.read_shape) if t.read_shape else t for t in tensors])
 
 
-def _stem(gguf_name: str) -> str:
-    return gguf_name.removesuffix(".weight")
+def _fixed_shape(processor: Any, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a (small) tensor after the family's fix-up."""
+    import numpy as np
 
-
-def _joined_parts(names: dict[str, str]) -> dict[str, int]:
-    """GGUF tensor name (without ".weight") -> its place among the GGUF tensors that transformers' name map sends to
-    one tensor."""
-    by_target: dict[str, list[str]] = {}
-    for gguf_name, hf_name in names.items():
-        by_target.setdefault(hf_name, []).append(_stem(gguf_name))
-    out: dict[str, int] = {}
-    for target, parts in by_target.items():
-        if len(parts) < 2:
-            continue
-        kinds = [p.split(".")[-1] for p in parts]
-        if not set(kinds) & set(_PART_ORDER):
-            continue  # not a MoE layer's parts (a map may name one tensor twice)
-        if sorted(kinds) != sorted(_PART_ORDER):
-            raise ImportFailed(f"transformers maps the GGUF tensors {', '.join(parts)} to one tensor {target}, in a "
-                               "way swarm does not know how to join; import the model's safetensors folder instead")
-        out.update({p: _PART_ORDER.index(k) for p, k in zip(parts, kinds, strict=True)})
-    return out
-
-
-def _number(reader: Any, key: str) -> int | None:
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
     try:
-        return int(field.parts[field.data[0]][0])
-    except (ValueError, IndexError, TypeError):
-        return None
+        return tuple(np.shape(processor.process(weights=np.zeros(shape, np.float32), name=name).weights))
+    except Exception:  # a fix-up that needs the real values: it keeps the shape, as _read assumes
+        return shape
 
 
 def _left_as_is(processor: Any, name: str, shape: tuple[int, ...]) -> bool:

@@ -37,8 +37,10 @@ from swarm.model_format import (
     EMBED_FILE,
     FINAL_FILE,
     GENERATION_CONFIG_FILE,
+    GGUF_MOE_ARCHITECTURES,
     GGUF_STORAGE,
     MANIFEST_FILE,
+    MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     check_sliceable,
     layer_file,
@@ -46,7 +48,7 @@ from swarm.model_format import (
 from swarm.store import gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
-from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, joined_parts, kept_float32
+from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, kept_float32
 
 log = logging.getLogger(__name__)
 
@@ -334,10 +336,13 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         )
     config = source.config()
     _check_architecture(config.model_type, path)
+    if config.model_type in MOE_ARCHITECTURES and config.model_type not in GGUF_MOE_ARCHITECTURES:
+        raise ImportFailed(f"{path} is a {config.model_type} GGUF, which swarm cannot import yet (it imports the MoE "
+                           f"GGUFs of {', '.join(GGUF_MOE_ARCHITECTURES)}); import the model's safetensors folder")
     check_sliceable(config)
     tensors = source.tensors(config)
     if dtype != "auto":  # widened: a MoE layer's gate and up experts joined as the decoder layer holds them
-        tensors = joined_parts(tensors)
+        tensors = gguf_source.widened(tensors)
 
     def tokenizer() -> Any:
         return _load_tokenizer(source.tokenizer)

@@ -1,0 +1,180 @@
+"""Mixture-of-experts models from GGUF files: tiny random models of qwen3_moe, qwen2_moe (shared expert) and mixtral
+(a llama file with experts), built by transformers from each family's config and written with gguf-py's writer as
+llama.cpp lays them out -- the experts as 3-D ffn_gate_exps / ffn_up_exps / ffn_down_exps tensors quantized by
+gguf-py (Q4_0, Q8_0, Q4_1 with Q8_0 down experts), the rest F32. Imported with every tensor's blocks kept, they
+place at those bytes and answer over 1, 2 and 3 stages: at ``none`` as transformers' float32 reference loaded from
+the same GGUF (Mixtral, which transformers' GGUF loader reads as a dense Llama: as the source model with its experts
+set to the file's values), at ``gguf`` as the gguf kind in one process; each expert's matrices on the kernels are
+gguf-py's values, to the bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import shared_once
+from exactness import check_reply, reference
+from gguf_moe_files import build_model, write_moe_gguf
+
+LAYERS = 3
+PROMPT = [5, 17, 42, 99, 7, 150, 3, 88, 21, 64]
+NEW_TOKENS = 10
+# rms_norm_eps a power of two: a GGUF holds it in float32, so the source model's value is the file's
+_COMMON = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+               max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               num_hidden_layers=LAYERS, tie_word_embeddings=False, rms_norm_eps=2.0 ** -17)
+FAMILIES = {  # family -> (config, expert type, down experts' type)
+    "qwen3_moe": (dict(intermediate_size=128, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=64, norm_topk_prob=True), "Q4_0", ""),
+    "qwen2_moe": (dict(intermediate_size=128, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64), "Q8_0", ""),
+    "mixtral": (dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2), "Q4_1", "Q8_0"),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family -> (the GGUF file, the imported model dir)."""
+    from swarm.store.importer import import_model
+
+    def build(root: Path) -> None:
+        for family, (config, experts, down) in FAMILIES.items():
+            model = build_model(family, **_COMMON, **config)
+            write_moe_gguf(root / f"{family}.gguf", model, experts, down=down)
+            import_model(str(root / f"{family}.gguf"), root / "models", family)
+
+    root = shared_once(tmp_path_factory, "moe-gguf", build)
+    return {family: (root / f"{family}.gguf", root / "models" / family) for family in FAMILIES}
+
+
+def _float_reference(family: str, gguf: Path, model_dir: Path):
+    """transformers' float32 model of the GGUF: loaded from the file itself (with the imported config: transformers'
+    GGUF config leaves the expert sizes at the class defaults), or for Mixtral the source model with its experts
+    replaced by the file's values."""
+    import transformers
+    from gguf import GGMLQuantizationType, quants
+
+    if family != "mixtral":
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                                 dtype=torch.float32).eval()
+    config, experts, down = FAMILIES[family]
+    model = build_model(family, **_COMMON, **config)
+    state = model.state_dict()
+    for name in [k for k in state if ".experts." in k]:
+        kind = GGMLQuantizationType[down if down and name.endswith("down_proj") else experts]
+        values = quants.dequantize(quants.quantize(state[name].numpy(), kind), kind)
+        state[name] = torch.from_numpy(np.ascontiguousarray(values))
+    model.load_state_dict(state)
+    return model
+
+
+def _experts_bytes(stages) -> int:
+    return sum(t.numel() * t.element_size() for s in stages for layer in s.layers
+               for t in [*layer.mlp.experts.parameters(), *layer.mlp.experts.buffers()])
+
+
+def _layer_bytes(stage, local: int) -> int:
+    layer = stage.layers[local]
+    return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(moe_ggufs, family):
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from swarm.leader.serving.models import model_size
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+    from swarm.store.manifest import load_manifest
+
+    gguf, model_dir = moe_ggufs[family]
+    reader = GGUFReader(str(gguf))
+    file_tensors = {t.name: t for t in reader.tensors}
+    with safe_open(str(model_dir / "weights" / "layer_001.safetensors"), "pt") as f:
+        for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            key = {"ffn_down_exps": "mlp.experts.down_proj"}.get(kind, f"mlp.experts.gate_up_proj.{kind}")
+            stored = f.get_tensor(key)
+            want = np.asarray(file_tensors[f"blk.1.{kind}.weight"].data)
+            assert stored.dtype == torch.uint8 and stored.numpy().tobytes() == want.tobytes(), kind
+    manifest = load_manifest(model_dir)
+    stored_bytes = sum(e.size for e in manifest.files if e.kind in ("layer", "embed", "final"))
+    assert stored_bytes <= 1.02 * gguf.stat().st_size
+    # placement counts each layer at its blocks' bytes and a kernel's layout, at least what a stage then holds
+    planned = model_size(json.loads(manifest.to_json()), cpu=True, quantization="gguf").layer_bytes
+    expert_bytes = sum(int(file_tensors[f"blk.0.{k}.weight"].n_bytes)
+                       for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    stage = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0], quantization="gguf")
+    for i in range(LAYERS):
+        held = _layer_bytes(stage, i)
+        assert expert_bytes < held <= planned[i] <= 1.25 * held, (i, held, planned[i])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_experts_blocks_on_the_kernels_are_gguf_pys_values(moe_ggufs, family):
+    from gguf import GGUFReader
+    from gguf import dequantize as gguf_dequantize
+
+    from swarm.stage.gguf_experts import GGUFExperts
+    from swarm.stage.gguf_linear import dequantized
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+
+    def values(module) -> torch.Tensor:
+        held = module.dequantized() if callable(getattr(module, "dequantized", None)) else dequantized(module)
+        return (held.float() + 0.0).view(torch.int32)  # bits; -0 as +0
+
+    gguf, model_dir = moe_ggufs[family]
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    stage = StageModel.load_dir(model_dir, stage_specs(LAYERS, 2)[1], quantization="gguf")
+    experts = stage.layers[0].mlp.experts
+    assert isinstance(experts, GGUFExperts) and stage.spec.first_layer == 2
+    assert getattr(experts.up[0], "kernel", None) is not None or hasattr(experts.up[0], "packed")  # on a kernel
+    for kind, modules in (("ffn_gate_exps", experts.up), ("ffn_up_exps", experts.up), ("ffn_down_exps", experts.down)):
+        t = tensors[f"blk.2.{kind}.weight"]
+        want = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32))
+        for e, module in enumerate(modules):
+            got = values(module)
+            if kind != "ffn_down_exps":  # the expert's gate rows, then its up rows
+                rows = want.shape[1]
+                got = got[:rows] if kind == "ffn_gate_exps" else got[rows:]
+            assert torch.equal(got, (want[e] + 0.0).view(torch.int32)), (kind, e)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_moe_gguf_answers_at_none_as_transformers_and_at_gguf_as_one_process(moe_ggufs, family, stages):
+    from reference_model import gguf_reference_model
+    from swarm.stage.local import LocalRing
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+
+    gguf, model_dir = moe_ggufs[family]
+    specs = stage_specs(LAYERS, stages)
+    want, margins = reference(_float_reference(family, gguf, model_dir), PROMPT, NEW_TOKENS)
+    at_none = [StageModel.load_dir(model_dir, s) for s in specs]
+    assert check_reply(LocalRing(at_none).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
+    want, margins = reference(gguf_reference_model(model_dir), PROMPT, NEW_TOKENS)
+    at_gguf = [StageModel.load_dir(model_dir, s, quantization="gguf") for s in specs]
+    # the experts held as their blocks (a byte a weight or less), not as float32
+    assert 3 * _experts_bytes(at_gguf) < _experts_bytes(at_none)
+    assert check_reply(LocalRing(at_gguf).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
+
+
+def test_a_moe_gguf_widened_at_import_holds_the_same_values(moe_ggufs, tmp_path):
+    """--dtype float32: the gate and up experts joined into gate_up_proj at import, the values a load at none holds."""
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+    from swarm.store.importer import import_model
+
+    gguf, model_dir = moe_ggufs["qwen2_moe"]
+    import_model(str(gguf), tmp_path, "wide", dtype="float32")
+    wide = StageModel.load_dir(tmp_path / "wide", stage_specs(LAYERS, 1)[0])
+    kept = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0])
+    for (name, a), (_, b) in zip(wide.named_parameters(), kept.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
