@@ -178,3 +178,76 @@ def test_a_moe_gguf_widened_at_import_holds_the_same_values(moe_ggufs, tmp_path)
     kept = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0])
     for (name, a), (_, b) in zip(wide.named_parameters(), kept.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("architecture,family", [("gpt-oss", "gpt_oss"), ("glm4moe", "glm4_moe")])
+def test_a_moe_gguf_of_a_family_not_imported_yet_is_refused_with_nothing_written(tmp_path, architecture, family):
+    from gguf import GGUFWriter
+
+    from swarm.errors import ImportFailed
+    from swarm.store.importer import import_model
+
+    path = tmp_path / f"{family}.gguf"
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ImportFailed, match=f"is a {family} GGUF, which swarm cannot import yet") as refused:
+        import_model(str(path), tmp_path / "models", "m")
+    assert "safetensors folder" in str(refused.value)
+    assert not (tmp_path / "models" / "m").exists()
+
+
+# 4 chats at once, batched in each stage; one longer than a prefill chunk of 8
+CHATS = [PROMPT, [11, 12, 13], list(range(30, 50)), [1, 250, 31, 5]]
+
+
+@pytest.mark.e2e
+async def test_a_moe_gguf_over_real_fellows_answers_at_gguf_and_none_as_one_process(tmp_path, moe_ggufs):
+    """qwen3_moe's GGUF over 3 fellows: its default kind (gguf), then none, over 1, 2 and 3 stages; each chat alone
+    and as concurrent chats (batched decode, rows grouped by expert) as the reference of its kind in one process."""
+    import trio
+
+    from harness import running_swarm
+    from reference_model import gguf_reference_model
+    from swarm import messages
+    from swarm.leader.serving.request import Reader, Request
+
+    gguf, model_dir = moe_ggufs["qwen3_moe"]
+    name = model_dir.name
+    expected = {"gguf": [reference(gguf_reference_model(model_dir), p, NEW_TOKENS) for p in CHATS],
+                "none": [reference(_float_reference("qwen3_moe", gguf, model_dir), p, NEW_TOKENS) for p in CHATS]}
+
+    async def tokens(swarm, prompt):
+        request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
+        await swarm.leader.serving.intake.submit(request)
+        reader = Reader(request)
+        while True:
+            kind, value = await reader.next(60)
+            assert kind != "error", value
+            if kind == "done":
+                return request.tokens
+
+    with trio.fail_after(200):
+        async with running_swarm(tmp_path, [model_dir], fellows=3,
+                                 fellow_env={"SWARM_SERVE_PREFILL_CHUNK": "8"}) as swarm:
+            for kind, stages in (("gguf", 3), ("gguf", 2), ("gguf", 1), ("none", 3), ("none", 2)):
+                view = await swarm.load(name, stages, quantization=None if kind == "gguf" else kind)
+                assert view["quantization"] == kind and len(view["stages"]) == stages, view
+                want, margins = expected[kind][0]
+                assert check_reply(await tokens(swarm, PROMPT), want, margins) == "identical", (kind, stages)
+                got: dict[int, list[int]] = {}
+
+                async def chat(i, prompt, got=got):
+                    got[i] = await tokens(swarm, prompt)
+
+                async with trio.open_nursery() as nursery:
+                    for i, prompt in enumerate(CHATS):
+                        nursery.start_soon(chat, i, prompt)
+                verdicts = [check_reply(got[i], w, m) for i, (w, m) in enumerate(expected[kind])]
+                assert verdicts == ["identical"] * len(CHATS), (kind, stages, verdicts)
+                await swarm.leader.serving.loader.unload(name)
