@@ -88,6 +88,7 @@ def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(m
     from gguf import GGUFReader
     from safetensors import safe_open
 
+    from swarm.leader.planning.moe_speed import expert_weight_bytes, with_active_experts
     from swarm.leader.serving.models import model_size
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import stage_specs
@@ -106,13 +107,21 @@ def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(m
     stored_bytes = sum(e.size for e in manifest.files if e.kind in ("layer", "embed", "final"))
     assert stored_bytes <= 1.02 * gguf.stat().st_size
     # placement counts each layer at its blocks' bytes and a kernel's layout, at least what a stage then holds
-    planned = model_size(json.loads(manifest.to_json()), cpu=True, quantization="gguf").layer_bytes
+    as_dict = json.loads(manifest.to_json())  # the leader reads the manifest as JSON
+    size = model_size(as_dict, cpu=True, quantization="gguf")
+    planned = size.layer_bytes
     expert_bytes = sum(int(file_tensors[f"blk.0.{k}.weight"].n_bytes)
                        for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     stage = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0], quantization="gguf")
     for i in range(LAYERS):
         held = _layer_bytes(stage, i)
         assert expert_bytes < held <= planned[i] <= 1.25 * held, (i, held, planned[i])
+    # the planner's speed follows a token's routed experts, at the bytes a weight the kernels hold
+    config = json.loads((model_dir / "config.json").read_text())
+    active = with_active_experts(size, config, expert_weight_bytes(as_dict, True, "gguf")).compute_bytes
+    experts, top_k = (config.get("num_experts") or config["num_local_experts"]), config["num_experts_per_tok"]
+    idle = expert_bytes * (experts - top_k) / experts  # the unrouted experts' blocks
+    assert all(0.7 * idle < b - a < 1.3 * idle for a, b in zip(active, planned)), (active, planned, idle)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
