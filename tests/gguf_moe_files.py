@@ -1,7 +1,8 @@
 """Mixture-of-experts GGUF files made up for tests: a tiny random model of a family, built by transformers from its
 config, written with gguf-py's writer under llama.cpp's tensor names and metadata keys -- the expert matrices as the
 3-D tensors llama.cpp writes (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [experts, rows, columns]) quantized by
-gguf-py's quantizers, every other tensor in F32."""
+gguf-py's quantizers (the K-quants, which gguf-py cannot quantize: random valid blocks, as tests/gguf_files.py makes
+them -- then the file's values are not the source model's), every other tensor in F32."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from gguf_files import quantized_blocks
 
 # GGUF architecture and the key its metadata is written under, by transformers model type
 ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
@@ -62,17 +65,23 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3}[experts])  # llama.cpp's LlamaFileType
+    writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15}[experts])  # llama.cpp's LlamaFileType
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+
+    rng = np.random.default_rng(0)
 
     def put(name: str, value: np.ndarray, kind: str) -> None:
         if kind == "F32" or value.ndim < 2:
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(name, quants.quantize(np.ascontiguousarray(value, dtype=np.float32), qtype),
-                              raw_dtype=qtype)
+            return
+        qtype = GGMLQuantizationType[kind]
+        try:
+            blocks = quants.quantize(np.ascontiguousarray(value, dtype=np.float32), qtype)
+        except NotImplementedError:  # no gguf-py quantizer (the K-quants): random valid blocks of the shape
+            rows = int(np.prod(value.shape[:-1]))
+            blocks = quantized_blocks(kind, rows, value.shape[-1], rng).reshape(*value.shape[:-1], -1)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
 
     for hf_name, tensor in model.state_dict().items():
         value = tensor.detach().float().numpy()

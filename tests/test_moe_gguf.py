@@ -27,43 +27,47 @@ NEW_TOKENS = 10
 _COMMON = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
                max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                num_hidden_layers=LAYERS, tie_word_embeddings=False, rms_norm_eps=2.0 ** -17)
-FAMILIES = {  # family -> (config, expert type, down experts' type)
-    "qwen3_moe": (dict(intermediate_size=128, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=64, norm_topk_prob=True), "Q4_0", ""),
-    "qwen2_moe": (dict(intermediate_size=128, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
-                       shared_expert_intermediate_size=64), "Q8_0", ""),
-    "mixtral": (dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2), "Q4_1", "Q8_0"),
+FAMILIES = {  # model -> (family, config, expert type, down experts' type)
+    "qwen3_moe": ("qwen3_moe", dict(intermediate_size=128, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=64, norm_topk_prob=True), "Q4_0", ""),
+    "qwen2_moe": ("qwen2_moe", dict(intermediate_size=128, num_experts=6, num_experts_per_tok=2,
+                                    moe_intermediate_size=64, shared_expert_intermediate_size=64), "Q8_0", ""),
+    "mixtral": ("mixtral", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2), "Q4_1", "Q8_0"),
+    # the common downloads' experts: Q4_K, down in Q6_K (Q4_K_M); rows of whole 256-value super-blocks
+    "qwen3_moe-q4_k_m": ("qwen3_moe", dict(hidden_size=256, intermediate_size=256, head_dim=64, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+                         "Q4_K", "Q6_K"),
 }
 
 
 @pytest.fixture(scope="module")
 def moe_ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """family -> (the GGUF file, the imported model dir)."""
+    """model -> (the GGUF file, the imported model dir)."""
     from swarm.store.importer import import_model
 
     def build(root: Path) -> None:
-        for family, (config, experts, down) in FAMILIES.items():
-            model = build_model(family, **_COMMON, **config)
-            write_moe_gguf(root / f"{family}.gguf", model, experts, down=down)
-            import_model(str(root / f"{family}.gguf"), root / "models", family)
+        for name, (family, config, experts, down) in FAMILIES.items():
+            model = build_model(family, **{**_COMMON, **config})
+            write_moe_gguf(root / f"{name}.gguf", model, experts, down=down)
+            import_model(str(root / f"{name}.gguf"), root / "models", name)
 
     root = shared_once(tmp_path_factory, "moe-gguf", build)
-    return {family: (root / f"{family}.gguf", root / "models" / family) for family in FAMILIES}
+    return {name: (root / f"{name}.gguf", root / "models" / name) for name in FAMILIES}
 
 
-def _float_reference(family: str, gguf: Path, model_dir: Path):
+def _float_reference(name: str, gguf: Path, model_dir: Path):
     """transformers' float32 model of the GGUF: loaded from the file itself (with the imported config: transformers'
     GGUF config leaves the expert sizes at the class defaults), or for Mixtral the source model with its experts
     replaced by the file's values."""
     import transformers
     from gguf import GGMLQuantizationType, quants
 
+    family, config, experts, down = FAMILIES[name]
     if family != "mixtral":
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+        imported = transformers.AutoConfig.from_pretrained(model_dir)
+        return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=imported,
                                                                  dtype=torch.float32).eval()
-    config, experts, down = FAMILIES[family]
-    model = build_model(family, **_COMMON, **config)
+    model = build_model(family, **{**_COMMON, **config})
     state = model.state_dict()
     for name in [k for k in state if ".experts." in k]:
         kind = GGMLQuantizationType[down if down and name.endswith("down_proj") else experts]
@@ -83,8 +87,8 @@ def _layer_bytes(stage, local: int) -> int:
     return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(moe_ggufs, family):
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(moe_ggufs, name):
     from gguf import GGUFReader
     from safetensors import safe_open
 
@@ -94,12 +98,15 @@ def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(m
     from swarm.stage.slice_load import stage_specs
     from swarm.store.manifest import load_manifest
 
-    gguf, model_dir = moe_ggufs[family]
+    gguf, model_dir = moe_ggufs[name]
     reader = GGUFReader(str(gguf))
     file_tensors = {t.name: t for t in reader.tensors}
     with safe_open(str(model_dir / "weights" / "layer_001.safetensors"), "pt") as f:
         for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             key = {"ffn_down_exps": "mlp.experts.down_proj"}.get(kind, f"mlp.experts.gate_up_proj.{kind}")
+            _, _, experts, down = FAMILIES[name]
+            want_type = (down or experts) if kind == "ffn_down_exps" else experts
+            assert file_tensors[f"blk.1.{kind}.weight"].tensor_type.name == want_type, kind
             stored = f.get_tensor(key)
             want = np.asarray(file_tensors[f"blk.1.{kind}.weight"].data)
             assert stored.dtype == torch.uint8 and stored.numpy().tobytes() == want.tobytes(), kind
@@ -124,8 +131,8 @@ def test_the_import_keeps_each_expert_tensors_blocks_and_placement_counts_them(m
     assert all(0.7 * idle < b - a < 1.3 * idle for a, b in zip(active, planned)), (active, planned, idle)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_experts_blocks_on_the_kernels_are_gguf_pys_values(moe_ggufs, family):
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_experts_blocks_on_the_kernels_are_gguf_pys_values(moe_ggufs, name):
     from gguf import GGUFReader
     from gguf import dequantize as gguf_dequantize
 
@@ -138,7 +145,7 @@ def test_each_experts_blocks_on_the_kernels_are_gguf_pys_values(moe_ggufs, famil
         held = module.dequantized() if callable(getattr(module, "dequantized", None)) else dequantized(module)
         return (held.float() + 0.0).view(torch.int32)  # bits; -0 as +0
 
-    gguf, model_dir = moe_ggufs[family]
+    gguf, model_dir = moe_ggufs[name]
     tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
     stage = StageModel.load_dir(model_dir, stage_specs(LAYERS, 2)[1], quantization="gguf")
     experts = stage.layers[0].mlp.experts
@@ -156,16 +163,16 @@ def test_each_experts_blocks_on_the_kernels_are_gguf_pys_values(moe_ggufs, famil
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_moe_gguf_answers_at_none_as_transformers_and_at_gguf_as_one_process(moe_ggufs, family, stages):
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_moe_gguf_answers_at_none_as_transformers_and_at_gguf_as_one_process(moe_ggufs, name, stages):
     from reference_model import gguf_reference_model
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import stage_specs
 
-    gguf, model_dir = moe_ggufs[family]
+    gguf, model_dir = moe_ggufs[name]
     specs = stage_specs(LAYERS, stages)
-    want, margins = reference(_float_reference(family, gguf, model_dir), PROMPT, NEW_TOKENS)
+    want, margins = reference(_float_reference(name, gguf, model_dir), PROMPT, NEW_TOKENS)
     at_none = [StageModel.load_dir(model_dir, s) for s in specs]
     assert check_reply(LocalRing(at_none).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
     want, margins = reference(gguf_reference_model(model_dir), PROMPT, NEW_TOKENS)
@@ -185,8 +192,8 @@ def test_a_moe_gguf_widened_at_import_holds_the_same_values(moe_ggufs, tmp_path)
     import_model(str(gguf), tmp_path, "wide", dtype="float32")
     wide = StageModel.load_dir(tmp_path / "wide", stage_specs(LAYERS, 1)[0])
     kept = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0])
-    for (name, a), (_, b) in zip(wide.named_parameters(), kept.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
+    for (key, a), (_, b) in zip(wide.named_parameters(), kept.named_parameters(), strict=True):
+        assert torch.equal(a, b), key
 
 
 @pytest.mark.parametrize("architecture,family", [("gpt-oss", "gpt_oss"), ("glm4moe", "glm4_moe")])
