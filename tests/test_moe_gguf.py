@@ -1,7 +1,8 @@
 """Mixture-of-experts models from GGUF files: tiny random models of qwen3_moe, qwen2_moe (shared expert) and mixtral
 (a llama file with experts), built by transformers from each family's config and written with gguf-py's writer as
 llama.cpp lays them out -- the experts as 3-D ffn_gate_exps / ffn_up_exps / ffn_down_exps tensors quantized by
-gguf-py (Q4_0, Q8_0, Q4_1 with Q8_0 down experts), the rest F32. Imported with every tensor's blocks kept, they
+gguf-py (Q4_0, Q8_0, Q4_1 with Q8_0 down experts; Q4_K with Q6_K down, as Q4_K_M files have them: random
+valid blocks, gguf-py has no K-quantizer), the rest F32. Imported with every tensor's blocks kept, they
 place at those bytes and answer over 1, 2 and 3 stages: at ``none`` as transformers' float32 reference loaded from
 the same GGUF (Mixtral, which transformers' GGUF loader reads as a dense Llama: as the source model with its experts
 set to the file's values), at ``gguf`` as the gguf kind in one process; each expert's matrices on the kernels are
