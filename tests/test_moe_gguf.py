@@ -268,3 +268,37 @@ async def test_a_moe_gguf_over_real_fellows_answers_at_gguf_and_none_as_one_proc
                 verdicts = [check_reply(got[i], w, m) for i, (w, m) in enumerate(expected[kind])]
                 assert verdicts == ["identical"] * len(CHATS), (kind, stages, verdicts)
                 await swarm.leader.serving.loader.unload(name)
+
+
+def test_gate_and_up_experts_of_different_types_compute_side_by_side():
+    """A file may keep a layer's gate and up experts in different types: each expert's matrix is then two layers, the
+    gate rows' and the up rows', whose outputs are side by side as in the joined gate_up_proj."""
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+
+    from gguf_files import quantized_blocks
+    from swarm.stage.gguf_experts import expert_linear
+    from swarm.stage.gguf_linear import GGUFBlocks
+
+    experts, rows, cols = 3, 32, 128
+    rng = np.random.default_rng(3)
+    parts = []
+    for kind in ("Q4_0", "Q8_0"):
+        blocks = quantized_blocks(kind, experts * rows, cols, rng)
+        parts.append((kind, blocks, GGUFBlocks(torch.from_numpy(blocks), kind, (rows, cols), experts=experts)))
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(0))
+    for e in range(experts):
+        module = expert_linear([p for _, _, p in parts], e, "cpu", torch.float32)
+        assert len(module.parts) == 2  # the two parts apart, each on its kernel
+        halves = [gguf_linear_of(kind, blocks[e * rows : (e + 1) * rows], rows, cols) for kind, blocks, _ in parts]
+        assert torch.equal(module(x), torch.cat([h(x) for h in halves], dim=-1))
+        want = [torch.from_numpy(gguf_dequantize(blocks[e * rows : (e + 1) * rows], GGMLQuantizationType[kind]))
+                for kind, blocks, _ in parts]
+        exact = x.double() @ torch.cat(want).double().T
+        assert ((module(x).double() - exact).abs() / exact.abs().max()).max() < 0.02
+
+
+def gguf_linear_of(kind: str, blocks: np.ndarray, rows: int, cols: int):
+    from swarm.stage.gguf_linear import gguf_linear
+
+    return gguf_linear(torch.from_numpy(np.ascontiguousarray(blocks)), kind, (rows, cols), None)

@@ -54,7 +54,7 @@ class _Joined(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def _expert_linear(parts: list[GGUFBlocks], expert: int, device: Any, dtype: torch.dtype) -> nn.Module:
+def expert_linear(parts: list[GGUFBlocks], expert: int, device: Any, dtype: torch.dtype) -> nn.Module:
     """Expert ``expert``'s matrix made of ``parts`` (in order, stacked along the rows) as a gguf_linear."""
     def rows(part: GGUFBlocks) -> torch.Tensor:
         n = part.shape[0]
@@ -85,8 +85,8 @@ class GGUFExperts(nn.Module):
             if any(p.experts != self.num_experts for p in parts):
                 raise ModelError(f"{name} holds {[p.experts for p in parts]} experts where the config says "
                                  f"{self.num_experts}")
-        self.up = nn.ModuleList(_expert_linear(matrices[up_name], e, device, dtype) for e in range(self.num_experts))
-        self.down = nn.ModuleList(_expert_linear(matrices["down_proj"], e, device, dtype)
+        self.up = nn.ModuleList(expert_linear(matrices[up_name], e, device, dtype) for e in range(self.num_experts))
+        self.down = nn.ModuleList(expert_linear(matrices["down_proj"], e, device, dtype)
                                   for e in range(self.num_experts))
         self.act_fn = experts.act_fn
         for name in (up_name, "down_proj"):  # the library's module for its gating, its matrices let go
