@@ -90,9 +90,11 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
                 if info.get("fixup") and processor is not None:
                     # torch.as_tensor: a fix-up may hand back numpy (Qwen2-MoE's shared-expert gate, expand_dims)
                     value = torch.as_tensor(processor.process(weights=value, name=info["name"]).weights).contiguous()
-                out[key] = value.to(device=device, dtype=wanted(key, value))
+                if into:  # a part: into its place in the joined tensor
+                    _put_part(out, kept, key, value.to(device=device, dtype=wanted(into, value)), what or str(path))
+                else:
+                    out[key] = value.to(device=device, dtype=wanted(key, value))
                 del value
-            _join_parts(out, kept, what or str(path))
     except ModelError:
         raise
     except Exception as exc:  # safetensors and gguf raise many kinds for a damaged file
@@ -100,17 +102,24 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
     return out, kept_blocks
 
 
-def _join_parts(out: dict[str, torch.Tensor], kept: Mapping[str, Any], what: str) -> None:
-    """Replace in ``out`` the widened parts of each tensor the GGUF holds in parts (a MoE layer's ffn_gate_exps and
-    ffn_up_exps) by the tensor they make, joined as transformers' GGUF loader joins them (swarm.store.gguf_source)."""
-    parts: dict[str, list[tuple[int, str]]] = {}
-    for key, info in kept.items():
-        if info.get("into") and key in out:
-            parts.setdefault(info["into"], []).append((int(info.get("part", 0)), key))
-    for into, members in parts.items():
-        if [p for p, _ in sorted(members)] != list(range(len(members))):
-            raise ModelError(f"{what} holds parts {sorted(p for p, _ in members)} of {into}; it needs all of them")
-        out[into] = torch.cat([out.pop(key) for _, key in sorted(members)], dim=GGUF_JOIN_DIM)
+def _put_part(out: dict[str, torch.Tensor], kept: Mapping[str, Any], key: str, value: torch.Tensor,
+              what: str) -> None:
+    """Copy ``value``, the widened part ``key`` of a tensor the GGUF holds in parts (a MoE layer's ffn_gate_exps and
+    ffn_up_exps: its experts' gate_up_proj), into its place in that tensor in ``out`` -- joined as transformers' GGUF
+    loader joins them (swarm.store.gguf_source) -- allocated at the first part read: a layer holds its joined tensor
+    and one widened part at once, never every part and their join."""
+    into = kept[key]["into"]
+    members = sorted((int(info.get("part", 0)), k) for k, info in kept.items() if info.get("into") == into)
+    if [p for p, _ in members] != list(range(len(members))) or len(members) < 2:
+        raise ModelError(f"{what} holds parts {[p for p, _ in members]} of {into}; it needs all of them")
+    sizes = [int(kept[k]["shape"][GGUF_JOIN_DIM]) for _, k in members]
+    joined = out.get(into)
+    if joined is None:
+        shape = list(value.shape)
+        shape[GGUF_JOIN_DIM] = sum(sizes)
+        joined = out[into] = torch.empty(shape, dtype=value.dtype, device=value.device)
+    index = [k for _, k in members].index(key)
+    joined.narrow(GGUF_JOIN_DIM, sum(sizes[:index]), sizes[index]).copy_(value)
 
 
 def dequantize(stored: torch.Tensor, gguf_type: str, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:
