@@ -18,9 +18,11 @@ gguf and transformers are imported inside the functions that need them.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from swarm.errors import ImportFailed
+from swarm.model_format import GGUF_MOE_ARCHITECTURES, MOE_ARCHITECTURES
 
 # GGUF metadata keys (after the architecture) of MoE sizes, and the transformers config attribute each sets
 MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
@@ -31,6 +33,19 @@ MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
 # ffn_gate_exps into the first half of the rows of each expert's gate_up_proj and ffn_up_exps into the second.
 PART_ORDER = ("ffn_gate_exps", "ffn_up_exps")
 _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
+# GGUF architecture names of MoE families whose safetensors folders import but whose GGUFs do not yet
+# (swarm.model_format.GGUF_MOE_ARCHITECTURES says why): refused before transformers reads them
+NOT_YET = {"gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+
+
+def check_importable(path: Path, architecture: str, model_type: str = "") -> None:
+    """Refuse a GGUF of a MoE family whose GGUFs swarm does not import yet, by its ``architecture``
+    (general.architecture) or, once transformers has read it, its ``model_type``."""
+    family = NOT_YET.get(architecture) or (
+        model_type if model_type in MOE_ARCHITECTURES and model_type not in GGUF_MOE_ARCHITECTURES else "")
+    if family:
+        raise ImportFailed(f"{path} is a {family} GGUF, which swarm cannot import yet (it imports the MoE GGUFs of "
+                           f"{', '.join(GGUF_MOE_ARCHITECTURES)}); import the model's safetensors folder instead")
 
 
 def moe_config(reader: Any, architecture: str, config: Any) -> Any:

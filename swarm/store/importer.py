@@ -37,15 +37,13 @@ from swarm.model_format import (
     EMBED_FILE,
     FINAL_FILE,
     GENERATION_CONFIG_FILE,
-    GGUF_MOE_ARCHITECTURES,
     GGUF_STORAGE,
     MANIFEST_FILE,
-    MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     check_sliceable,
     layer_file,
 )
-from swarm.store import gguf_source, weight_files
+from swarm.store import gguf_moe, gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, kept_float32
@@ -324,9 +322,7 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
 
 def _plan_gguf(path: Path, dtype: str) -> _Plan:
     source = gguf_source.GGUFSource(path)
-    not_yet = _GGUF_MOE_NOT_YET.get(source.architecture)
-    if not_yet:
-        _refuse_moe_gguf(path, not_yet)
+    gguf_moe.check_importable(path, source.architecture)  # a MoE family whose GGUFs do not import yet
     if source.architecture not in _GGUF_ARCHITECTURES:
         _check_architecture(source.architecture, path)
     unsupported = source.unsupported_types()
@@ -339,8 +335,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         )
     config = source.config()
     _check_architecture(config.model_type, path)
-    if config.model_type in MOE_ARCHITECTURES and config.model_type not in GGUF_MOE_ARCHITECTURES:
-        _refuse_moe_gguf(path, config.model_type)
+    gguf_moe.check_importable(path, source.architecture, config.model_type)
     check_sliceable(config)
     tensors = source.tensors(config)
     if dtype != "auto":  # widened: a MoE layer's gate and up experts joined as the decoder layer holds them
@@ -358,16 +353,6 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
 # model types: llama.cpp calls Gemma 3's text model "gemma3", Qwen's MoE models "qwen2moe" and "qwen3moe", and writes
 # Mistral as "llama".
 _GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe"}
-
-
-# GGUF architecture names of MoE families whose safetensors folders import but whose GGUFs do not yet
-# (swarm.model_format.GGUF_MOE_ARCHITECTURES says why), refused before transformers reads them
-_GGUF_MOE_NOT_YET = {"gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
-
-
-def _refuse_moe_gguf(path: Path, family: str) -> None:
-    raise ImportFailed(f"{path} is a {family} GGUF, which swarm cannot import yet (it imports the MoE GGUFs of "
-                       f"{', '.join(GGUF_MOE_ARCHITECTURES)}); import the model's safetensors folder instead")
 
 
 def _check_disk(plan: _Plan, models_root: Path) -> None:
