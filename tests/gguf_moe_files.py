@@ -46,6 +46,8 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
     writer = GGUFWriter(str(path), arch)
+    if config.model_type == "mixtral":  # as llama.cpp names Mistral AI's files (transformers then reads "mistral")
+        writer.add_name("mistralai_Mixtral-tiny-Instruct")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

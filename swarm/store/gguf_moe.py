@@ -54,7 +54,8 @@ def moe_config(reader: Any, architecture: str, config: Any) -> Any:
     import transformers
 
     experts = number(reader, f"{architecture}.expert_count")
-    if config.model_type == "llama" and experts:
+    # transformers names a llama file "mistral" where general.name says so, as real Mixtral files' names do
+    if config.model_type in ("llama", "mistral") and experts:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
         fields.update(num_local_experts=experts,
                       num_experts_per_tok=number(reader, f"{architecture}.expert_used_count") or 2)
