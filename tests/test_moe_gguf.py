@@ -302,3 +302,62 @@ def gguf_linear_of(kind: str, blocks: np.ndarray, rows: int, cols: int):
     from swarm.stage.gguf_linear import gguf_linear
 
     return gguf_linear(torch.from_numpy(np.ascontiguousarray(blocks)), kind, (rows, cols), None)
+
+
+def test_a_qwen3_30b_a3b_q4_k_m_header_maps_every_expert_tensor_as_the_file_has_it(tmp_path):
+    """The header of Qwen3-30B-A3B Q4_K_M (llama.cpp's names, types and shapes, its metadata; the data a hole):
+    the config takes the file's expert sizes, and each layer's three expert tensors are kept as the file's blocks."""
+    import gguf
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    import real_moe_models as real
+    from swarm.store.gguf_source import GGUFSource
+
+    config = real.QWEN3_30B
+    path = tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf"
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(40960)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(6144)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    data = 0
+    for name, shape, kind in real.tensors(config, "Q4_K_M"):
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        raw = (*shape[:-1], shape[-1] // block * size) if block > 1 else shape
+        nbytes = int(np.prod(shape)) // block * size
+        writer.add_tensor_info(name, raw, np.dtype(np.uint8 if block > 1 else np.float32), nbytes,
+                               raw_dtype=GGMLQuantizationType[kind])
+        data += -(-nbytes // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    start = -(-path.stat().st_size // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+    with open(path, "r+b") as f:
+        f.truncate(start + data)  # a hole: no disk space taken
+
+    source = GGUFSource(path)
+    model = source.config()
+    assert (model.model_type, model.num_experts, model.moe_intermediate_size) == ("qwen3_moe", 128, 768)
+    tensors = source.tensors(model)
+    assert sum(t.raw_bytes for t in tensors) == sum(int(t.n_bytes) for t in source.reader.tensors)  # all of it
+    layer = {t.hf_name.removeprefix("model.layers.47."): t for t in tensors if t.hf_name.startswith("model.layers.47.")}
+    experts = {k: (t.gguf_type, t.shape, t.into, t.part) for k, t in layer.items() if ".experts." in k}
+    assert experts == {
+        "mlp.experts.gate_up_proj.ffn_gate_exps": ("Q4_K", (128, 768, 2048), "model.layers.47.mlp.experts.gate_up_proj",
+                                                   0),
+        "mlp.experts.gate_up_proj.ffn_up_exps": ("Q4_K", (128, 768, 2048), "model.layers.47.mlp.experts.gate_up_proj",
+                                                 1),
+        "mlp.experts.down_proj": ("Q6_K", (128, 2048, 768), "", 0)}  # the last layer's down experts: more bits
+    assert not any(t.fixup for t in layer.values() if ".experts." in t.hf_name)
