@@ -47,6 +47,11 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3
 # Mixture-of-experts families: their layers route each token to a few experts (fused 3D expert tensors, imported by
 # swarm.store.moe_layout); they take the generic decode step, never the lean or compiled one.
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+# The MoE families a GGUF of imports (swarm.store.gguf_moe): those transformers' GGUF loader knows (qwen2moe,
+# qwen3moe) and Mixtral (a llama file with experts). Not gpt-oss: transformers' processor for it expects tensor names
+# llama.cpp does not write (ffn_gate_up_projs) and a layout its own model no longer has; nor GLM-4.5: transformers has
+# no GGUF config mapping for glm4moe. Their safetensors folders import.
+GGUF_MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
 # planner (swarm.leader.planning.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -61,6 +66,9 @@ GGUF_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_BLOCK_TYPES)
 GGUF_TENSORS_KEY = "swarm.gguf_tensors"
 GGUF_ARCHITECTURE_KEY = "swarm.gguf_architecture"
 GGUF_STORAGE = "gguf"  # Manifest.storage of a model whose files keep a GGUF's tensors
+# The axis along which the parts of a tensor a GGUF holds in several (a MoE layer's ffn_gate_exps and ffn_up_exps: its
+# experts' gate_up_proj, [experts, rows, columns]) are joined, in the order of their ``part`` (swarm.store.gguf_source)
+GGUF_JOIN_DIM = 1
 
 # Bytes of one element, by the dtype names torch prints without the "torch." prefix.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

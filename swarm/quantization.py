@@ -79,6 +79,19 @@ def gguf_layer_bytes(file_type: str, stored: int, params: int) -> int:
     return int(stored * max(r for r in ratios if r is not None))
 
 
+# What a stage at gguf holds per weight of each type a kernel takes (the figures above): a MoE layer's routed
+# experts' bytes a weight, for the planner's speed (swarm.leader.planning.moe_speed)
+GGUF_HELD_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q8_0": 1.0625, "Q5_0": 0.6875, "Q5_1": 0.75,
+                        "Q5_K": 0.625 + 2 * 1.25 / 32, "Q6_K": 0.75 + 2 * 1.25 / 32}
+
+
+def gguf_weight_bytes(file_type: str) -> float | None:
+    """What a weight of a GGUF of ``file_type`` (Q4_0, Q4_K_M) holds at ``gguf`` on CPU, at the file's main type (a
+    mix's: Q4_K for Q4_K_M); None where no kernel takes it (it widens to float32)."""
+    name = file_type.upper()
+    return GGUF_HELD_PER_WEIGHT.get(name.rsplit("_", 1)[0] if name.endswith(("_S", "_M", "_L", "_XS")) else name)
+
+
 def gguf_head_bytes(file_type: str, stored: int, params: int) -> int:
     """What a head built on an embedding's blocks of ``stored`` bytes takes at ``gguf`` on CPU: llama.cpp's files keep
     the embedding at a type of their own (Q8_0 in a Q4_1 file, Q6_K in a Q4_K_M one), so it counts at the most a

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from swarm.model_format import GGUF_MOE_ARCHITECTURES
+
 QWEN3_30B = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                  vocab_size=151936, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                  tie_word_embeddings=False)
@@ -159,13 +161,14 @@ def manifest_from_header(path: Path, model_type: str, config: dict) -> dict:
             "tie_word_embeddings": False, "kv_bytes_per_token": kv, "files": files, "storage": "gguf"}
 
 
-def pcs_needed(manifest: dict, free_gb: int, quantization: str) -> int | None:
-    """The fewest GPU PCs with ``free_gb`` GB free each that the planner places the model on (None: over 64)."""
+def pcs_needed(manifest: dict, free_gb: int, quantization: str, cpu: bool = False) -> int | None:
+    """The fewest GPU PCs (CPU PCs where ``cpu``) with ``free_gb`` GB free each that the planner places the model on
+    (None: over 64)."""
     from swarm.errors import PlacementError
     from swarm.leader.planning.placement import FellowCapacity, place
     from swarm.leader.serving.models import model_size
 
-    size = model_size(manifest, cpu=False, quantization=quantization)
+    size = model_size(manifest, cpu=cpu, quantization=quantization)
     for n in range(1, 65):
         fellows = [FellowCapacity(i, f"pc-{i}", free_gb * 10**9) for i in range(n)]
         try:
@@ -186,6 +189,11 @@ def table_rows(folder: Path) -> list[str]:
         cells = [name, f"{path.stat().st_size / 1e9:.1f} GB"]
         for kind in ("none", "int4-fast"):
             cells += [str(pcs_needed(manifest, gb, kind) or "more than 64") for gb in FREE_GB]
+        # at gguf on CPU PCs: the file's blocks, experts included, as the kernels repack them -- for the families
+        # whose GGUFs import (swarm.model_format.GGUF_MOE_ARCHITECTURES)
+        at_gguf = {**manifest, "file_type": file_type}
+        cells += [str(pcs_needed(at_gguf, gb, "gguf", cpu=True) or "more than 64")
+                  if model_type in GGUF_MOE_ARCHITECTURES else "-" for gb in FREE_GB]
         path.unlink()
         rows.append("| " + " | ".join(cells) + " |")
     return rows

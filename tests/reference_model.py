@@ -71,19 +71,25 @@ def gguf_reference_model(model_dir: Path) -> Any:
     layers built from the file's blocks (swarm.stage.gguf_linear, with the same sibling stacking and the compiled
     decode step where it applies) and the head (a tied one on the embedding's blocks); the embedding (its rows are
     the file's values either way) and the norms as the float reference has them. The reference a
-    ring at gguf is checked against, as quantize_model's is for the other kinds."""
+    ring at gguf is checked against, as quantize_model's is for the other kinds. A MoE layer's experts are computed
+    on their blocks too, per expert (swarm.stage.gguf_experts)."""
     import functools
     import json
 
     from swarm.stage.compiled_decode import install
+    from swarm.stage.gguf_experts import is_expert_weight, place_experts
     from swarm.stage.gguf_linear import gguf_linear, is_linear_weight, place_linears
     from swarm.stage.weights import read_weights_and_blocks
+
+    def on_blocks(layer: Any, key: str) -> bool:
+        return is_linear_weight(layer, key) or is_expert_weight(layer, key)
 
     model = load_reference_model(model_dir)
     raw_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
     for i, layer in enumerate(model.model.layers):
         _, kept = read_weights_and_blocks(Path(model_dir) / layer_file(i), raw_config,
-                                          functools.partial(is_linear_weight, layer))
+                                          functools.partial(on_blocks, layer))
+        place_experts(layer, kept)  # a MoE layer's experts on their blocks, per expert
         biases = {f"{key[: -len('.weight')]}.bias": layer.get_submodule(key[: -len(".weight")]).bias
                   for key in kept}
         place_linears(layer, kept, {k: v.detach() for k, v in biases.items() if v is not None})

@@ -43,11 +43,16 @@ REPACKED = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
 @dataclass
 class GGUFBlocks:
     """A linear weight as the GGUF holds it: ``blocks`` (rows, bytes per row) uint8, or the file's float tensor for
-    F32/F16/BF16; ``ggml_type`` its GGUF type name; ``shape`` (out_features, in_features)."""
+    F32/F16/BF16; ``ggml_type`` its GGUF type name; ``shape`` (out_features, in_features). A MoE layer's expert
+    tensor holds ``experts`` such weights, one after another in its rows (swarm.stage.gguf_experts), and may be a
+    part of a tensor joined from several (``into``, ``part``: swarm.store.gguf_source)."""
 
     blocks: torch.Tensor
     ggml_type: str
     shape: tuple[int, int]
+    experts: int = 0
+    into: str = ""
+    part: int = 0
 
 
 def levels(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:

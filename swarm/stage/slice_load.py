@@ -23,6 +23,7 @@ from swarm.model_format import CONFIG_FILE, EMBED_FILE, FINAL_FILE, layer_file, 
 from swarm.stage.architectures import blocks_for, check_sliceable, config_from_dict
 from swarm.stage.compiled_decode import install as install_compiled_step
 from swarm.stage.devices import return_freed_memory
+from swarm.stage.gguf_experts import is_expert_weight, place_experts
 from swarm.stage.gguf_linear import GGUFBlocks, GGUFEmbedding, gguf_linear, is_linear_weight, place_linears
 from swarm.stage.moe_experts import ROUTED as ROUTED_EXPERTS
 from swarm.stage.moe_experts import register as register_routed_experts
@@ -125,8 +126,9 @@ def load_stage(
             rel = layer_file(index)
             layer = layers[local]
             tensors, kept = read_weights_and_blocks(
-                files[rel], config, functools.partial(is_linear_weight, layer), dtype, devices[local],
+                files[rel], config, functools.partial(_on_blocks, layer), dtype, devices[local],
                 what=f"{rel} from {files[rel]}", keep_float32=keep_float32)
+            place_experts(layer, kept, devices[local], dtype or torch.float32)  # a MoE layer's, per expert
             place_linears(layer, kept, tensors, devices[local], dtype or torch.float32)
             _assign(layer, tensors, f"layer {index}", partial=True)
             continue
@@ -154,6 +156,12 @@ def load_stage(
         module.eval()
     return_freed_memory()
     return stage
+
+
+def _on_blocks(layer: nn.Module, key: str) -> bool:
+    """Whether the gguf kind computes weight ``key`` of ``layer`` on the file's blocks: a linear layer's weight, or a
+    MoE layer's expert matrices (swarm.stage.gguf_experts)."""
+    return is_linear_weight(layer, key) or is_expert_weight(layer, key)
 
 
 def _ends(config: Any, spec: StageSpec, blocks, tied: bool, read, first: torch.device, last: torch.device,

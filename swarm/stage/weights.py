@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from swarm.errors import ModelError
-from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_TENSORS_KEY, GGUF_TYPES
+from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_JOIN_DIM, GGUF_TENSORS_KEY, GGUF_TYPES
 from swarm.stage.gguf_linear import GGUFBlocks, row_order
 
 # Values dequantized per slice of rows (the importer's bound before blocks were kept: swarm.store.gguf_source).
@@ -74,6 +74,15 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
                 if info.get("fixup") and processor is None:
                     processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
                 shape = tuple(info["shape"])
+                into = info.get("into", "")
+                if keep is not None and len(shape) == 3 and not info.get("fixup") and keep(into or key):
+                    # a MoE layer's experts, [experts, rows, columns], whatever their type: as (experts x rows) rows
+                    # of blocks, each expert's rows taken apart by swarm.stage.gguf_experts
+                    blocks = f.get_tensor(key).clone()
+                    kept_blocks[key] = GGUFBlocks(blocks.reshape(shape[0] * shape[1], -1), info["type"],
+                                                  (int(shape[1]), int(shape[2])), experts=int(shape[0]), into=into,
+                                                  part=int(info.get("part", 0)))
+                    continue
                 if keep is not None and keep(key) and info["type"] not in GGUF_FLOAT_TYPES and len(shape) == 2:
                     # a copy: the stage must not hold safetensors' map of the file (see dequantize)
                     blocks = f.get_tensor(key).clone()
@@ -84,14 +93,38 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
                         continue
                 value = dequantize(f.get_tensor(key), info["type"], shape, f"{key} of {what or path}")
                 if info.get("fixup") and processor is not None:
-                    value = processor.process(weights=value, name=info["name"]).weights.contiguous()
-                out[key] = value.to(device=device, dtype=wanted(key, value))
+                    # torch.as_tensor: a fix-up may hand back numpy (Qwen2-MoE's shared-expert gate, expand_dims)
+                    value = torch.as_tensor(processor.process(weights=value, name=info["name"]).weights).contiguous()
+                if into:  # a part: into its place in the joined tensor
+                    _put_part(out, kept, key, value.to(device=device, dtype=wanted(into, value)), what or str(path))
+                else:
+                    out[key] = value.to(device=device, dtype=wanted(key, value))
                 del value
     except ModelError:
         raise
     except Exception as exc:  # safetensors and gguf raise many kinds for a damaged file
         raise ModelError(f"cannot read {what or path} ({exc}); fetch it again") from exc
     return out, kept_blocks
+
+
+def _put_part(out: dict[str, torch.Tensor], kept: Mapping[str, Any], key: str, value: torch.Tensor,
+              what: str) -> None:
+    """Copy ``value``, the widened part ``key`` of a tensor the GGUF holds in parts (a MoE layer's ffn_gate_exps and
+    ffn_up_exps: its experts' gate_up_proj), into its place in that tensor in ``out`` -- joined as transformers' GGUF
+    loader joins them (swarm.store.gguf_source) -- allocated at the first part read: a layer holds its joined tensor
+    and one widened part at once, never every part and their join."""
+    into = kept[key]["into"]
+    members = sorted((int(info.get("part", 0)), k) for k, info in kept.items() if info.get("into") == into)
+    if [p for p, _ in members] != list(range(len(members))) or len(members) < 2:
+        raise ModelError(f"{what} holds parts {[p for p, _ in members]} of {into}; it needs all of them")
+    sizes = [int(kept[k]["shape"][GGUF_JOIN_DIM]) for _, k in members]
+    joined = out.get(into)
+    if joined is None:
+        shape = list(value.shape)
+        shape[GGUF_JOIN_DIM] = sum(sizes)
+        joined = out[into] = torch.empty(shape, dtype=value.dtype, device=value.device)
+    index = [k for _, k in members].index(key)
+    joined.narrow(GGUF_JOIN_DIM, sum(sizes[:index]), sizes[index]).copy_(value)
 
 
 def dequantize(stored: torch.Tensor, gguf_type: str, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:

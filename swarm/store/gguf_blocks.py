@@ -9,8 +9,9 @@ against the 1.02x of the GGUF's size an import may take (measured on the built-i
 A quantized tensor is written as a uint8 tensor of its block bytes, shaped (rows, bytes per row); F32, F16 and BF16
 tensors as safetensors tensors of that dtype, exactly the file's bytes (GGUF and safetensors are both little-endian).
 What a stage needs to turn them back into transformers' tensors goes in the file's metadata (swarm.model_format,
-GGUF_TENSORS_KEY): per tensor its GGUF type, logical shape, GGUF name and whether transformers' fix-up still applies.
-swarm.stage.weights reads it.
+GGUF_TENSORS_KEY): per tensor its GGUF type, logical shape, GGUF name and whether transformers' fix-up still
+applies, and for a part of a tensor transformers joins from several (a MoE layer's ffn_gate_exps and ffn_up_exps:
+its experts' gate_up_proj) the joined tensor's name and the part's place. swarm.stage.weights reads it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def _layout(group: dict[str, Any]) -> list[tuple[str, Any]]:
 def header(group: dict[str, Any], architecture: str) -> bytes:
     """The safetensors header of a file holding ``group`` (name in the file -> GGUF tensor of gguf_source) as the GGUF
     has them, with the metadata the stage's loader reads."""
-    tensors = {key: {"type": t.gguf_type, "shape": list(t.shape), "name": t.gguf_name, "fixup": bool(t.fixup)}
+    tensors = {key: {"type": t.gguf_type, "shape": list(t.shape), "name": t.gguf_name, "fixup": bool(t.fixup),
+                     # a part is named "<joined tensor>.<its GGUF kind>" (swarm.store.gguf_source), in the file's names
+                     **({"into": key.rpartition(".")[0], "part": t.part} if getattr(t, "into", "") else {})}
                for key, t in group.items()}
     head: dict[str, Any] = {"__metadata__": {"format": "pt", GGUF_ARCHITECTURE_KEY: architecture,
                                              GGUF_TENSORS_KEY: json.dumps(tensors, separators=(",", ":"))}}

@@ -8,7 +8,8 @@ it will be stored in: written out slice by slice where the family's fix-up leave
 embedding and head, the largest, included), else assembled whole and handed over, one tensor at a time.
 
 The names and the fix-ups are transformers' own, reused rather than copied: the GGUF-to-transformers name map comes
-from ``get_gguf_hf_weights_map`` over a model built on the meta device from the GGUF's config, and the per-family
+from ``get_gguf_hf_weights_map`` over a model built on the meta device from the GGUF's config (with a MoE file's
+particulars: swarm.store.gguf_moe), and the per-family
 tensor processors (Llama's q/k row permutation, Gemma's norm offset) from ``TENSOR_PROCESSORS``. So a tensor
 imported here equals the one ``from_pretrained(gguf_file=...)`` produces (tests/test_model_import.py compares them on
 the built-in model).
@@ -25,6 +26,7 @@ them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -35,6 +37,7 @@ from typing import Any
 
 from swarm.errors import ImportFailed
 from swarm.model_format import GGUF_TYPES
+from swarm.store import gguf_moe
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,14 @@ class GGUFTensor:
     raw_bytes: int = 0
     fixup: bool = False
     copy_raw: Callable[[Any], None] | None = None
+    # one of several GGUF tensors that together make one transformers tensor (a MoE layer's ffn_gate_exps and
+    # ffn_up_exps: its experts' gate_up_proj), joined along swarm.model_format.GGUF_JOIN_DIM: that tensor's name,
+    # and this part's place
+    into: str = ""
+    part: int = 0
+    # the shape transformers' fix-up gives a vector where it reshapes it (Qwen2-MoE's shared-expert gate: [hidden] to
+    # [1, hidden]): what ``read`` returns; () where it is ``shape``
+    read_shape: tuple[int, ...] = ()
 
 
 class GGUFSource:
@@ -137,14 +148,17 @@ class GGUFSource:
         return "float32"
 
     def config(self) -> Any:
-        """The transformers config transformers builds from the file's metadata."""
+        """The transformers config transformers builds from the file's metadata, with a MoE file's particulars
+        (swarm.store.gguf_moe: its expert sizes, Mixtral)."""
         from transformers import AutoConfig
 
         try:
             with self._parsed_once():
-                return AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
+                config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except Exception as exc:
             raise ImportFailed(f"transformers cannot read the GGUF file {self.path}: {exc}") from exc
+        # the expert sizes transformers leaves at the class defaults, and Mixtral (a llama file with experts)
+        return gguf_moe.moe_config(self.reader, self.architecture, config)
 
     def tokenizer(self) -> Any:
         """The tokenizer transformers builds from the file's vocabulary (raises what transformers raises)."""
@@ -184,20 +198,19 @@ class GGUFSource:
         from_pretrained leaves them out)."""
         import torch
         from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-        )
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        names = get_gguf_hf_weights_map(skeleton, processor)
+        names = gguf_moe.weights_map(skeleton, processor, self.architecture)
         del skeleton
         out = []
+        joined = gguf_moe.joined_parts(names)
         for tensor in self.reader.tensors:
-            hf_name = names.get(tensor.name)
+            # transformers maps a MoE layer's expert tensors under their names without ".weight" (its processor
+            # matches them so)
+            hf_name = names.get(tensor.name) or names.get(tensor.name.removesuffix(".weight"))
             if hf_name is None:
                 log.info("%s: no place for GGUF tensor %s in a %s model; skipped", self.path.name, tensor.name,
                          config.model_type)
@@ -211,10 +224,17 @@ class GGUFSource:
             raw_bytes = int(tensor.n_bytes)
             rows = int(tensor.n_elements) // shape[-1]
             raw_shape = shape if kind in _FLOAT_TYPES else (rows, raw_bytes // rows)
+            into, part = "", 0
+            stem = gguf_moe.stem(tensor.name)
+            if stem in joined:  # a part of a MoE layer's gate_up_proj: named apart, joined where a stage widens it
+                into, part = hf_name, joined[stem]
+                hf_name = f"{hf_name}.{stem.split('.')[-1]}"
+            read_shape = _fixed_shape(processor, tensor.name, shape) if not as_is and len(shape) < 2 else shape
             out.append(GGUFTensor(hf_name, shape, functools.partial(self._read, tensor, shape, processor=processor),
                                   write, gguf_name=tensor.name, gguf_type=kind, raw_shape=raw_shape,
                                   raw_bytes=raw_bytes, fixup=not as_is,
-                                  copy_raw=functools.partial(self._copy_raw, tensor)))
+                                  copy_raw=functools.partial(self._copy_raw, tensor), into=into, part=part,
+                                  read_shape=() if read_shape == shape else read_shape))
         return out
 
     def _copy_raw(self, tensor: Any, out: Any) -> None:
@@ -244,7 +264,7 @@ class GGUFSource:
         for start, values in self._slices(tensor):
             flat[start : start + values.shape[0]] = values
         result = processor.process(weights=out, name=tensor.name).weights
-        return result.to(dtype).contiguous()
+        return torch.as_tensor(result).to(dtype).contiguous()  # a fix-up may hand back numpy (Qwen2-MoE's)
 
     def _write(self, tensor: Any, shape: tuple[int, ...], dtype: Any, out: Any) -> None:
         """Write the tensor's bytes in ``dtype`` to ``out`` slice by slice (for tensors the fix-up leaves as is)."""
@@ -283,6 +303,24 @@ class GGUFSource:
         from transformers import GenerationConfig
 
         return GenerationConfig.from_model_config(config)
+
+
+def widened(tensors: list[GGUFTensor]) -> list[Any]:
+    """``tensors`` as an import widening them to a float dtype writes them: each in the shape its ``read`` returns, a
+    MoE layer's gate and up experts joined into the gate_up_proj the decoder layer holds."""
+    from swarm.store.moe_layout import joined_parts
+
+    return joined_parts([dataclasses.replace(t, shape=t.read_shape) if t.read_shape else t for t in tensors])
+
+
+def _fixed_shape(processor: Any, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a (small) tensor after the family's fix-up."""
+    import numpy as np
+
+    try:
+        return tuple(np.shape(processor.process(weights=np.zeros(shape, np.float32), name=name).weights))
+    except Exception:  # a fix-up that needs the real values: it keeps the shape, as _read assumes
+        return shape
 
 
 def _left_as_is(processor: Any, name: str, shape: tuple[int, ...]) -> bool:

@@ -43,7 +43,7 @@ from swarm.model_format import (
     check_sliceable,
     layer_file,
 )
-from swarm.store import gguf_source, weight_files
+from swarm.store import gguf_moe, gguf_source, weight_files
 from swarm.store.folder_source import FolderSource
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
 from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, kept_float32
@@ -322,6 +322,7 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
 
 def _plan_gguf(path: Path, dtype: str) -> _Plan:
     source = gguf_source.GGUFSource(path)
+    gguf_moe.check_importable(path, source.architecture)  # a MoE family whose GGUFs do not import yet
     if source.architecture not in _GGUF_ARCHITECTURES:
         _check_architecture(source.architecture, path)
     unsupported = source.unsupported_types()
@@ -334,8 +335,11 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         )
     config = source.config()
     _check_architecture(config.model_type, path)
+    gguf_moe.check_importable(path, source.architecture, config.model_type)
     check_sliceable(config)
     tensors = source.tensors(config)
+    if dtype != "auto":  # widened: a MoE layer's gate and up experts joined as the decoder layer holds them
+        tensors = gguf_source.widened(tensors)
 
     def tokenizer() -> Any:
         return _load_tokenizer(source.tokenizer)
@@ -346,8 +350,9 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
 
 
 # GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
-# model types: llama.cpp calls Gemma 3's text model "gemma3" and writes Mistral as "llama".
-_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3"}
+# model types: llama.cpp calls Gemma 3's text model "gemma3", Qwen's MoE models "qwen2moe" and "qwen3moe", and writes
+# Mistral as "llama".
+_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe"}
 
 
 def _check_disk(plan: _Plan, models_root: Path) -> None:
@@ -407,7 +412,7 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     # library's model ignores them at load (_keys_to_ignore_on_load_unexpected), and so does an import
     extra = int(getattr(config, "num_mtp_layers", 0) or 0) if config.model_type == "glm4_moe" else 0
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source, extra)
-    if plan.keep_blocks:  # a GGUF's blocks as the file has them (MoE GGUF imports are not supported yet)
+    if plan.keep_blocks:  # a GGUF's blocks as the file has them, a MoE layer's expert tensors included
         params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
         for i in range(num_layers):  # MoE layers: per-expert checkpoint tensors fused as the decoder layer holds them

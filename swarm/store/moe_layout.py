@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import ImportFailed
+from swarm.model_format import GGUF_JOIN_DIM
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,46 @@ def _fused_shape(rule: Any, tensors: dict[str, tuple[Any, ...]]) -> tuple[int, .
         values = op.convert(values, list(rule.source_patterns), list(rule.target_patterns))
     (value,) = values.values()
     return tuple(int(d) for d in value.shape)
+
+
+@dataclass(frozen=True)
+class JoinedTensor:
+    """A transformers tensor a GGUF holds in parts (swarm.store.gguf_source: a MoE layer's ffn_gate_exps and
+    ffn_up_exps, its experts' gate_up_proj), read joined along ``dim`` -- as transformers' GGUF loader joins them."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    parts: tuple[Any, ...]
+    dim: int
+    write: None = None
+    floating: bool = True
+
+    def read(self, dtype: Any) -> Any:
+        import torch
+
+        return torch.cat([part.read(dtype) for part in self.parts], dim=self.dim)
+
+
+def joined_parts(tensors: list[Any]) -> list[Any]:
+    """``tensors`` (a GGUF's, swarm.store.gguf_source) with the parts of each joined tensor replaced by one
+    :class:`JoinedTensor`, where the first part was; a list without parts comes back as it was."""
+    parts: dict[str, list[Any]] = {}
+    for tensor in tensors:
+        if getattr(tensor, "into", ""):
+            parts.setdefault(tensor.into, []).append(tensor)
+    out = []
+    for tensor in tensors:
+        into = getattr(tensor, "into", "")
+        if not into:
+            out.append(tensor)
+            continue
+        group = sorted(parts.pop(into, []), key=lambda t: t.part)
+        if not group:
+            continue  # joined at its first part
+        shape = list(group[0].shape)
+        shape[GGUF_JOIN_DIM] = sum(t.shape[GGUF_JOIN_DIM] for t in group)
+        out.append(JoinedTensor(into, tuple(shape), tuple(group), GGUF_JOIN_DIM))
+    return out
 
 
 # gpt-oss checkpoints keep their experts in MXFP4: for each fused matrix ``X``, ``X_blocks`` (experts x rows x groups x

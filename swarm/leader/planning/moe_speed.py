@@ -92,11 +92,15 @@ def active_layer_bytes(layer_bytes: tuple[int, ...], config: dict, weight_bytes:
 
 
 def expert_weight_bytes(manifest: dict, cpu: bool, kind: str) -> float:
-    """What one expert weight holds at a load of ``kind`` (swarm.leader.serving.models.model_size counts alike)."""
+    """What one expert weight holds at a load of ``kind`` (swarm.leader.serving.models.model_size counts alike); at
+    ``gguf`` on CPU, a weight of the GGUF's main type as the kernels hold it."""
     from swarm.model_format import DTYPE_BYTES
-    from swarm.quantization import bytes_per_weight
+    from swarm.quantization import GGUF_KIND, bytes_per_weight, gguf_weight_bytes
 
     quantized = bytes_per_weight(kind, "cpu" if cpu else "cuda", manifest.get("hidden_size") or 0)
     if quantized is not None:
         return quantized
+    held = gguf_weight_bytes(manifest.get("file_type", "")) if kind == GGUF_KIND and cpu else None
+    if held is not None:
+        return held
     return 4 if cpu else DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)

@@ -236,15 +236,14 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     (swarm.kv_kinds: the compute dtype's at auto). A mixture-of-experts layer's experts are quantized too, a linear
     layer per expert matrix (swarm.stage.moe_experts); its router stays in the compute dtype but is counted at the
     kind's size like the rest (experts x hidden weights: under 0.1 % of a real model's layer), and its experts' rows
-    are counted at the hidden size where some are shorter (an int8 row's scale: 2 bytes a row)."""
-    from swarm.model_format import MOE_ARCHITECTURES
+    are counted at the hidden size where some are shorter (an int8 row's scale: 2 bytes a row). At ``gguf`` a layer
+    -- a MoE layer's expert tensors included -- counts at its stored blocks' bytes as the kernels repack them."""
     from swarm.quantization import GGUF_KIND, bytes_per_weight, gguf_head_bytes, gguf_layer_bytes
 
     stored = DTYPE_BYTES.get(manifest.get("dtype", "float32"), 4)
     scale = 4 / stored if cpu else 1.0
     device = "cpu" if cpu else "cuda"
     hidden = manifest.get("hidden_size") or 0  # the shortest row of a decoder layer's linears, and the head's row
-    moe = manifest.get("architecture") in MOE_ARCHITECTURES  # a GGUF MoE's experts are not kept as blocks yet
     layer_q = bytes_per_weight(quantization, device, hidden)
     head_kind = ("int4-fast" if quantization == "int4-fast" else "int8") if quantization not in ("none", GGUF_KIND) \
         and cpu else "none"  # at gguf the head and embedding widen to float
@@ -263,8 +262,9 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
     embed = final = 0
     for f in manifest["files"]:
         size = int(f.get("params") or 0) * stored or f["size"]  # as if stored in `stored`
-        if f["kind"] == "layer" and quantization == GGUF_KIND and cpu and not moe:
-            # the file's blocks, repacked (swarm.stage.gguf_linear), and its two norms in float32
+        if f["kind"] == "layer" and quantization == GGUF_KIND and cpu:
+            # the file's blocks, repacked (swarm.stage.gguf_linear; a MoE layer's experts too, per expert:
+            # swarm.stage.gguf_experts), and its two norms in float32
             layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
         elif f["kind"] == "layer":
             layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms

@@ -1,0 +1,112 @@
+"""Mixture-of-experts GGUF files made up for tests: a tiny random model of a family, built by transformers from its
+config, written with gguf-py's writer under llama.cpp's tensor names and metadata keys -- the expert matrices as the
+3-D tensors llama.cpp writes (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [experts, rows, columns]) quantized by
+gguf-py's quantizers (the K-quants, which gguf-py cannot quantize: random valid blocks, as tests/gguf_files.py makes
+them -- then the file's values are not the source model's), every other tensor in F32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gguf_files import quantized_blocks
+
+# GGUF architecture and the key its metadata is written under, by transformers model type
+ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def _permuted(weights: np.ndarray, heads: int) -> np.ndarray:
+    """The q/k row order llama.cpp's converter writes a llama file's attention in (convert_hf_to_gguf.py's
+    LlamaModel.permute), which transformers' Llama processor undoes."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+def build_model(model_type: str, seed: int = 1234, **config: Any) -> Any:
+    """A float32 random transformers model of ``model_type`` with ``config``'s values."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str = "F32", down: str = "") -> None:
+    """Write ``model`` (a transformers MoE model) to ``path`` as llama.cpp lays such a model out: its expert matrices in
+    ``experts`` (a type gguf-py quantizes; the down experts in ``down`` where given), its other matrices in
+    ``matrices``, vectors in F32."""
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    config = model.config
+    arch = ARCHITECTURES[config.model_type]
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
+    writer = GGUFWriter(str(path), arch)
+    if config.model_type == "mixtral":  # as llama.cpp names Mistral AI's files (transformers then reads "mistral")
+        writer.add_name("mistralai_Mixtral-tiny-Instruct")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15}[experts])  # llama.cpp's LlamaFileType
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+
+    rng = np.random.default_rng(0)
+
+    def put(name: str, value: np.ndarray, kind: str) -> None:
+        if kind == "F32" or value.ndim < 2:
+            writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+            return
+        qtype = GGMLQuantizationType[kind]
+        try:
+            blocks = quants.quantize(np.ascontiguousarray(value, dtype=np.float32), qtype)
+        except NotImplementedError:  # no gguf-py quantizer (the K-quants): random valid blocks of the shape
+            rows = int(np.prod(value.shape[:-1]))
+            blocks = quantized_blocks(kind, rows, value.shape[-1], rng).reshape(*value.shape[:-1], -1)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
+
+    for hf_name, tensor in model.state_dict().items():
+        value = tensor.detach().float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        if base.endswith("mlp.experts"):  # the fused experts: gate and up rows apart, as llama.cpp writes them
+            layer = hf_name.split(".")[2]
+            if suffix == "gate_up_proj":
+                half = value.shape[1] // 2
+                put(f"blk.{layer}.ffn_gate_exps.weight", value[:, :half], experts)
+                put(f"blk.{layer}.ffn_up_exps.weight", value[:, half:], experts)
+            else:
+                put(f"blk.{layer}.ffn_down_exps.weight", value, down or experts)
+            continue
+        gguf_name = names.get_name(base)
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        if gguf_name.endswith("ffn_gate_inp_shexp"):  # llama.cpp keeps the shared expert's gate a vector
+            value = value.reshape(-1)
+        if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
+            value = _permuted(value, config.num_attention_heads if gguf_name.endswith("attn_q")
+                              else config.num_key_value_heads)
+        put(f"{gguf_name}.{suffix}", value, matrices)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
