@@ -231,8 +231,6 @@ async def test_a_moe_gguf_over_real_fellows_answers_at_gguf_and_none_as_one_proc
 
     from harness import running_swarm
     from reference_model import gguf_reference_model
-    from swarm import messages
-    from swarm.leader.serving.request import Reader, Request
 
     gguf, model_dir = moe_ggufs["qwen3_moe"]
     name = model_dir.name
@@ -240,14 +238,7 @@ async def test_a_moe_gguf_over_real_fellows_answers_at_gguf_and_none_as_one_proc
                 "none": [reference(_float_reference("qwen3_moe", gguf, model_dir), p, NEW_TOKENS) for p in CHATS]}
 
     async def tokens(swarm, prompt):
-        request = Request(model=name, prompt=prompt, max_tokens=NEW_TOKENS, sampling=messages.Sampling(), eos=[])
-        await swarm.leader.serving.intake.submit(request)
-        reader = Reader(request)
-        while True:
-            kind, value = await reader.next(60)
-            assert kind != "error", value
-            if kind == "done":
-                return request.tokens
+        return await swarm.greedy(name, prompt, NEW_TOKENS)
 
     with trio.fail_after(200):
         async with running_swarm(tmp_path, [model_dir], fellows=3,
