@@ -180,6 +180,11 @@ def record(cls):
     return dataclasses.dataclass(frozen=True)(cls)
 
 
+def type_of(message_or_class: Any) -> str:
+    """The wire type a typed message (or its class) was registered under (see :func:`message`)."""
+    return message_or_class.TYPE
+
+
 def decode_message(data: bytes) -> Any:
     """The typed message in ``data``; ProtocolError for anything malformed or of an unknown type."""
     return parse(decode(data))
@@ -288,5 +293,5 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     raise TypeError(f"wire messages cannot declare a field of type {hint!r} ({where})")
 
 
-# The message types: registered when swarm.messages is imported (it imports this module's decorators).
-from swarm import messages  # noqa: E402,F401
+# The message types: registered when these modules are imported (they import this module's decorators).
+from swarm import control_links, control_messages, messages  # noqa: E402,F401
