@@ -61,8 +61,13 @@ class DirectLinkAgent:
         await sock.bind(("0.0.0.0", 0))
         self.sockets[hop_id] = sock
         server = (urlsplit(self.fellow.leader_url).hostname, message.rendezvous_port)
-        plan = await plan_punch(sock, server, message.who.encode(), outbound_ip(self.fellow.leader_url),
-                                self.learned.setdefault(hop_id, Learned()))
+        try:
+            plan = await plan_punch(sock, server, message.who.encode(), outbound_ip(self.fellow.leader_url),
+                                    self.learned.setdefault(hop_id, Learned()))
+        except (SwarmError, OSError) as exc:  # the leader's token or address was refused: no punch this time
+            self._close(hop_id)
+            await self.fellow.send_to_leader(reply(skip=f"cannot prepare: {exc}"))
+            return
         self.plans[hop_id] = plan
         log.info("hop %s: punching with IP TTL %d for the first %d rounds (%s)", hop_id, plan.low_ttl,
                  plan.low_ttl_rounds, plan.note)

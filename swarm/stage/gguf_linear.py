@@ -164,7 +164,7 @@ def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[
     (state-dict names: "self_attn.q_proj.weight" ...), taking each one's bias out of ``tensors``. Siblings that read
     the same input (swarm.stage.quantize.SIBLINGS: q/k/v, gate/up) of one repacked type become one matrix -- their
     blocks' rows stacked, which is exact, as every block lies within a row -- computed in one kernel call."""
-    from swarm.stage.quantize import SIBLINGS, FusedPart, _Computed
+    from swarm.stage.quantize import SIBLINGS, Computed, FusedPart
 
     def bias_of(path: str) -> torch.Tensor | None:
         return tensors.pop(f"{path}.bias", None)
@@ -191,7 +191,7 @@ def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[
             stacked = torch.cat([m.blocks for m in members if m])
             bias = torch.cat([b for b in biases if b is not None]) if biases[0] is not None else None
             fused = gguf_linear(stacked, first.ggml_type, (sum(sizes), first.shape[1]), bias, device, dtype)
-            shared = _Computed()
+            shared = Computed()
             for index, name in enumerate(names):
                 setattr(parent, name, FusedPart(fused, sizes, index, shared))
                 del paths[prefix + name]

@@ -165,7 +165,7 @@ def _auto_tokenizer(folder: Path, **kwargs: Any) -> Any:
 def _load_tokenizer(load: Callable[[], Any]) -> Any:
     try:
         return load()
-    except Exception as exc:
+    except Exception as exc:  # the model still imports without one (token ids only): the reason goes in its warnings
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("no usable tokenizer: %s", reason)
         return ImportFailed(reason)
@@ -178,7 +178,7 @@ def _load_generation_config(folder: Path) -> Any:
 
     try:
         return GenerationConfig.from_pretrained(folder)
-    except Exception as exc:
+    except Exception as exc:  # transformers raises many kinds here: said as the import's refusal
         raise ImportFailed(f"cannot read {folder / GENERATION_CONFIG_FILE}: {exc}") from exc
 
 

@@ -123,7 +123,7 @@ def import_model(
             name = source
         else:
             assert path is not None  # only a built-in model has no path yet
-            name = _default_name(path)
+            name = default_name(path)
     if not _NAME_RE.match(name):
         raise ImportFailed(
             f"{name!r} cannot be a model name: use letters, digits, '.', '_' and '-' (up to 128), e.g. --name my-model"
@@ -192,7 +192,7 @@ def _check_installed(name: str) -> None:
         )
 
 
-def _default_name(path: Path) -> str:
+def default_name(path: Path) -> str:
     stem = path.stem if path.is_file() else path.resolve().name
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._").lower()
     return cleaned or "model"

@@ -33,6 +33,7 @@ import trio
 
 from swarm import control_messages as cm
 from swarm import messages
+from swarm.errors import ProtocolError
 from swarm.leader.serving.models import ModelServing, ModelStatus
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _array(d: dict) -> np.ndarray:
     elif d["dtype"] == "bfloat16":  # the high half of a float32
         a = (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
     else:
-        raise ValueError(f"a stage's output of dtype {d['dtype']!r}")
+        raise ProtocolError(f"a stage's output of dtype {d['dtype']!r}")
     return a.reshape(shape)
 
 
@@ -247,7 +248,7 @@ class Verifier:
             return
         try:
             diff = difference(check.claimed or {}, result.output)
-        except (KeyError, TypeError, ValueError) as exc:  # the checked fellow's sample did not decode: it is wrong
+        except (ProtocolError, KeyError, TypeError, ValueError) as exc:  # the checked fellow's sample did not decode
             log.info("a checked pass of stage %d of %s did not decode: %s", check.index, check.model, exc)
             diff = float("inf")
         self.checks += 1
