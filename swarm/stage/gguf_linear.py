@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from swarm.errors import ModelError
-from swarm.model_format import GGUF_FLOAT_TYPES
 from swarm.stage import gguf_q8, int4_kernel
 
 # Types repacked into swarm's int4 kernel: bytes per block and values per block (ggml-common.h's block_q4_0,
@@ -152,10 +151,6 @@ def row_order(processor: Any, name: str, rows: int) -> torch.Tensor | None:
     if order.shape != (rows,) or not np.array_equal(np.sort(order), np.arange(rows)):
         return None
     return torch.from_numpy(order.astype(np.int64))
-
-
-def is_float_type(ggml_type: str) -> bool:
-    return ggml_type in GGUF_FLOAT_TYPES
 
 
 def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[str, torch.Tensor],
