@@ -149,7 +149,8 @@ def tensor_from_wire(d: Mapping[str, Any]) -> torch.Tensor:
 
 # --- typed messages ---------------------------------------------------------------------------------------------------
 #
-# Every message of the ring and of a request's life is a frozen dataclass registered under its wire type. Decoding
+# Every message of the ring, of a request's life and of the control link (swarm.control_messages, control_links) --
+# all but the hello that opens a link -- is a frozen dataclass registered under its wire type. Decoding
 # checks each field against its annotation (str, int, float, bool, bytes, list[X], X | None, nested records), so a
 # handler never meets a field of the wrong type: a peer that sends one gets a ProtocolError naming the field.
 
