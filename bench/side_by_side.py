@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafting import CHATS
 from ring_speed import PROMPT, bench_generate, free_port, machine, stream_once
 from swarm.client import LeaderClient
-from swarm.demo import BUILTIN, Processes, _credentials, _wait_fellows, _wait_http
+from swarm.demo import BUILTIN, Processes, credentials, wait_fellows, wait_http
 from swarm.model_import import ensure_imported
 
 
@@ -105,13 +105,13 @@ class Fleet:
         self.leader_args = ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data / "leader")]
         self.speculative = 0
         self.leader = self.procs.start("leader", self.leader_args, env=self.leader_env())
-        _wait_http(self.url, self.procs)
-        self.token, join, _ = _credentials(data / "leader")
+        wait_http(self.url, self.procs)
+        self.token, join, _ = credentials(data / "leader")
         for i in range(2):
             self.procs.start(f"fellow-{i}", ["join", self.url, "--token", join, "--name", f"fellow-{i}",
                                              "--data-dir", str(data / f"fellow-{i}")], env=fellow_env)
         self.client = LeaderClient(self.url, self.token)
-        _wait_fellows(self.client, self.procs, 2)
+        wait_fellows(self.client, self.procs, 2)
 
     def leader_env(self) -> dict[str, str]:
         return {"SWARM_PIPELINE_TRANSPORT": "direct", "SWARM_SERVE_SPECULATIVE": str(self.speculative)}
@@ -126,8 +126,8 @@ class Fleet:
         self.procs.children.remove(("leader", self.leader))  # stopped on purpose: not a failure for procs.check
         self.speculative = speculative
         self.leader = self.procs.start("leader", self.leader_args, env=self.leader_env())
-        _wait_http(self.url, self.procs)
-        _wait_fellows(self.client, self.procs, 2)
+        wait_http(self.url, self.procs)
+        wait_fellows(self.client, self.procs, 2)
 
     def rate(self, stages: int, kind: str, tokens: int) -> float:
         return self.replies(stages, kind, {"": PROMPT}, tokens)[""][0]

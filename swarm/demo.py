@@ -61,7 +61,7 @@ class Processes:
                 proc.wait()
 
 
-def _wait_http(url: str, procs: Processes, timeout: float = 120) -> None:
+def wait_http(url: str, procs: Processes, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs.check()
@@ -97,14 +97,14 @@ def run_demo(port: int, stages: int, open_browser: bool, data_dir: Path) -> int:
     url = f"http://127.0.0.1:{port}"
     try:
         procs.start("leader", ["leader", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(leader_dir)])
-        _wait_http(url, procs)
-        token, join_token, login = _credentials(leader_dir, fellows=stages)
+        wait_http(url, procs)
+        token, join_token, login = credentials(leader_dir, fellows=stages)
         for i in range(stages):
             procs.start(f"fellow-{i}", ["join", url, "--token", join_token, "--name", f"fellow-{i}",
                                         "--data-dir", str(data_dir / f"fellow-{i}")],
                         env={"SWARM_SERVE_PORT": "0"})
         client = LeaderClient(url, token)
-        _wait_fellows(client, procs, stages)
+        wait_fellows(client, procs, stages)
         print(f"Loading {BUILTIN} over {stages} stage{'s' if stages > 1 else ''}...", flush=True)
         client.post(f"/api/v1/models/{BUILTIN}/load", {"num_stages": stages})
         view = client.wait_ready(BUILTIN, show_progress=True)
@@ -129,7 +129,7 @@ def run_demo(port: int, stages: int, open_browser: bool, data_dir: Path) -> int:
         procs.stop()
 
 
-def _credentials(leader_dir: Path, fellows: int = 2) -> tuple[str, str, str]:
+def credentials(leader_dir: Path, fellows: int = 2) -> tuple[str, str, str]:
     """A fresh API token, join token (for ``fellows`` fellows, within the hour) and sign-in link for this run, made
     by the demo in the leader's store."""
     store = Store(leader_dir / "leader.db")
@@ -155,7 +155,7 @@ def mint_join_token(leader_dir: Path, uses: int = 1, ttl_s: float = 3600) -> str
         store.close()
 
 
-def _wait_fellows(client: LeaderClient, procs: Processes, count: int, timeout: float = 120) -> None:
+def wait_fellows(client: LeaderClient, procs: Processes, count: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         procs.check()

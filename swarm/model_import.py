@@ -8,7 +8,7 @@ from pathlib import Path
 from swarm.errors import ImportFailed
 from swarm.store.db import leader_store
 from swarm.store.fleet import DEFAULT_POOL, check_pool_name, model_id
-from swarm.store.importer import BUILTIN_MODELS, _default_name, import_model
+from swarm.store.importer import BUILTIN_MODELS, default_name, import_model
 from swarm.store.manifest import Manifest, load_manifest
 
 
@@ -20,7 +20,7 @@ def import_into_leader(source: str, data_dir: Path, name: str | None = None, *, 
     if pool != DEFAULT_POOL:
         check_pool_name(pool)
         _pool_id(data_dir, pool)  # refuses an unknown pool before anything is read
-        base = name or (source if source in BUILTIN_MODELS else _default_name(Path(source)))
+        base = name or (source if source in BUILTIN_MODELS else default_name(Path(source)))
         if "@" in base:
             raise ImportFailed(f"{base!r} cannot be a model name: use letters, digits, '.', '_' and '-' "
                                "(--pool names the pool)")

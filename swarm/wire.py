@@ -149,7 +149,8 @@ def tensor_from_wire(d: Mapping[str, Any]) -> torch.Tensor:
 
 # --- typed messages ---------------------------------------------------------------------------------------------------
 #
-# Every message of the ring and of a request's life is a frozen dataclass registered under its wire type. Decoding
+# Every message of the ring, of a request's life and of the control link (swarm.control_messages, control_links) --
+# all but the hello that opens a link -- is a frozen dataclass registered under its wire type. Decoding
 # checks each field against its annotation (str, int, float, bool, bytes, list[X], X | None, nested records), so a
 # handler never meets a field of the wrong type: a peer that sends one gets a ProtocolError naming the field.
 
@@ -178,6 +179,11 @@ def message(wire_type: str):
 def record(cls):
     """A dataclass that travels inside messages (a field of a message, or an item of a list field)."""
     return dataclasses.dataclass(frozen=True)(cls)
+
+
+def type_of(message_or_class: Any) -> str:
+    """The wire type a typed message (or its class) was registered under (see :func:`message`)."""
+    return message_or_class.TYPE
 
 
 def decode_message(data: bytes) -> Any:
@@ -288,5 +294,5 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     raise TypeError(f"wire messages cannot declare a field of type {hint!r} ({where})")
 
 
-# The message types: registered when swarm.messages is imported (it imports this module's decorators).
-from swarm import messages  # noqa: E402,F401
+# The message types: registered when these modules are imported (they import this module's decorators).
+from swarm import control_links, control_messages, messages  # noqa: E402,F401

@@ -19,6 +19,8 @@ import pytest
 import trio
 
 from harness import running_swarm
+from swarm import control_links as cl
+from swarm import control_messages as cm
 from swarm import messages, wire
 from swarm.errors import SwarmError
 from swarm.tunnel.framing import FrameDecoder
@@ -37,15 +39,18 @@ def n(count: int) -> int:
 
 
 def _valid_messages() -> list[bytes]:
-    """Well-formed messages of every registered type and the control link's plain ones: the seeds for mutation."""
+    """Well-formed messages of the ring's and the control link's types, and the plain hello: the seeds for
+    mutation."""
     samples = [
         messages.Failed("m", "r1", "boom", stage=1, not_loaded=True),
         messages.HopLost("m", "hop-1", "relay"),
-        {"t": "heartbeat", "hardware": {"cpu_cores": 2, "ram_free_bytes": 1, "gpus": []}, "hops": [], "held": {}},
+        cm.Heartbeat(messages.Hardware(2, 2, 1), hops=[{"hop_id": "h", "transport": "relay"}]),
         {"t": "hello", "name": "pc", "version": "1", "hardware": {}, "stages": [], "join_token": "swj_x"},
-        {"t": "load_progress", "model": "m", "load_id": "l", "phase": "download", "fraction": 0.5},
-        {"t": "punch_result", "hop_id": "h", "role": "dial", "ok": True},
-        {"t": "tokens", "model": "m", "items": [{"rid": "r", "tokens": [1, 2, 3]}]},
+        cm.LoadProgress("m", "l", "download", 0.5),
+        cm.VerifySample("m", "c1", "r", [[0, 3]], [1, 2, 3], 3, {"token": 5}),
+        cl.PunchResult("m", "h", "a", True, peer=["127.0.0.1", 9]),
+        cl.LinkReport([cl.LinkFigures(2, "direct", 0.5, 900.0)]),
+        messages.Tokens("m", [messages.TokenBatch("r", [1, 2, 3])]),
     ]
     return [wire.encode(m) for m in samples]
 

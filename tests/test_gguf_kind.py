@@ -20,6 +20,7 @@ import trio
 from exactness import check_reply, reference
 from gguf_files import quantized_blocks, write_llama_gguf
 from harness import running_swarm
+from kernel_reference import int4_reference
 
 TYPES = ["Q4_0", "Q4_1", "Q4_K"]
 
@@ -56,7 +57,6 @@ def test_each_4_bit_type_repacks_to_gguf_pys_values_and_computes_them(tmp_path, 
     from gguf import GGMLQuantizationType
     from gguf import dequantize as gguf_dequantize
 
-    from swarm.stage import int4_kernel
     from swarm.stage.gguf_linear import dequantized, gguf_linear, levels
 
     n = 37  # odd: the packed layout's tail comes first on odd outputs
@@ -72,7 +72,7 @@ def test_each_4_bit_type_repacks_to_gguf_pys_values_and_computes_them(tmp_path, 
     x[0, 5] = 40.0  # an outlier: its group's other activations get a coarser step
     got = module(x)
     q, scale, factor = levels(torch.from_numpy(blocks), kind, (n, k))
-    expected = int4_kernel.reference(x, q, scale.double(), factor.double() + 8 * scale.double())
+    expected = int4_reference(x, q, scale.double(), factor.double() + 8 * scale.double())
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4), (got.double() - expected).abs().max()
     # the float layer on the file's values, to within the activations' 8 bits (int4-fast's tolerance)
     exact = x.double() @ want.double().T
@@ -102,7 +102,7 @@ def test_the_kernels_other_builds_compute_exact_scales_the_same(march, dtype):
         assert torch.equal(other.unpack(packed, k), q.to(torch.uint8))
         x = torch.randn(6, k, generator=g)
         got = other.matmul(x, packed, scales, 37, None)
-        want = int4_kernel.reference(x, q, scale.double(), factor.double() + 8 * scale.double())
+        want = int4_reference(x, q, scale.double(), factor.double() + 8 * scale.double())
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
 
 

@@ -627,13 +627,14 @@ async def test_a_replayed_handshake_on_the_serving_port_does_not_hold_a_session(
     import types
 
     from swarm.config import Settings
+    from swarm.control_messages import HopIn
     from swarm.fellow.links import IncomingLinks
     from swarm.mesh.hop import SILENT_S
     from swarm.tunnel.channel import StreamFrameTransport
     from swarm.tunnel.keys import public_key
 
     me, previous_stage = generate_private_key(), generate_private_key()
-    stage = types.SimpleNamespace(hop_in={"hop_id": "hop-1", "peer_key": public_key(previous_stage)},
+    stage = types.SimpleNamespace(hop_in=HopIn("hop-1", public_key(previous_stage)),
                                   ring_id="ring-1", model="m", driver=None)
     fellow = types.SimpleNamespace(private=me, stages={"m": stage},
                                    settings=Settings.from_env({"SWARM_SERVE_PORT": "0",

@@ -8,6 +8,7 @@ import platform
 import pytest
 import torch
 
+from kernel_reference import int4_reference
 from swarm.stage import int4_kernel
 from swarm.stage.quantize import Int4Linear, quantize_linears
 
@@ -34,7 +35,7 @@ def test_the_kernel_computes_the_4_bit_weights_against_the_rows_quantized_to_8_b
     x[0, 5] = 40.0  # an outlier: its group's other activations get a coarser step
     packed, scale_zeros = kernel.pack(q, scale, zero)
     got = kernel.matmul(x, packed, scale_zeros, n, None)
-    want = int4_kernel.reference(x, q, scale, zero)
+    want = int4_reference(x, q, scale, zero)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4), (got.double() - want).abs().max()
     # and it is the float layer on those levels, to within the activations' 8 bits
@@ -75,7 +76,7 @@ def test_the_kernels_other_builds_compute_the_same(march, k):
     packed, scale_zeros = other.pack(q, scale, zero)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
     got = other.matmul(x, packed, scale_zeros, 37, None)
-    assert torch.allclose(got.double(), int4_kernel.reference(x, q, scale, zero), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(got.double(), int4_reference(x, q, scale, zero), rtol=1e-5, atol=1e-4)
 
 
 def test_the_steps_exponential_is_exp_to_float_rounding():

@@ -160,9 +160,9 @@ class Ring:
 
         wait_for(healthy, 120, interval=0.2, message=lambda: self.tail("leader"))
         self.leader_up = True
-        from swarm.demo import _credentials
+        from swarm.demo import credentials
 
-        self.token, self.join_token, _ = _credentials(self.leader_dir, fellows=16)  # every case's fellows
+        self.token, self.join_token, _ = credentials(self.leader_dir, fellows=16)  # every case's fellows
 
     def api(self, method: str, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, object]:
         status, answer = self.proxy.call(method, path, body, self.token, timeout)

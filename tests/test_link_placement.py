@@ -133,24 +133,28 @@ def test_a_pair_keeps_the_least_round_trip_of_its_latest_rounds():
 
     import trio
 
+    from swarm.control_links import LinkFigures, LinkReport
     from swarm.leader.fleet.link_matrix import WINDOW_ROUNDS, LinkMatrix
+
+    def report(**figures) -> LinkReport:
+        return LinkReport([LinkFigures(fellow_id=2, **figures)])
 
     a, b = (types.SimpleNamespace(id=i, pool_id=1) for i in (1, 2))
     matrix = LinkMatrix(types.SimpleNamespace(hub=types.SimpleNamespace(online={1: a, 2: b})))
 
     async def rounds():
         for rtt, mbps in [(1.5, 90.0), (152.0, 3.0), (2.0, 80.0)]:
-            matrix.on_report(a, {"links": [{"fellow_id": 2, "path": "direct", "rtt_ms": rtt, "mbps": mbps}]})
+            matrix.on_report(a, report(path="direct", rtt_ms=rtt, mbps=mbps))
         assert (matrix.links[(1, 2)]["rtt_ms"], matrix.links[(1, 2)]["mbps"]) == (1.5, 90.0)
         assert matrix.links[(1, 2)]["last_rtt_ms"] == 2.0 and matrix.links[(1, 2)]["rounds"] == 3
         for _ in range(WINDOW_ROUNDS):  # the link really did get slower: after a window of rounds, it says so
-            matrix.on_report(a, {"links": [{"fellow_id": 2, "path": "direct", "rtt_ms": 60.0, "mbps": 10.0}]})
+            matrix.on_report(a, report(path="direct", rtt_ms=60.0, mbps=10.0))
         assert matrix.links[(1, 2)]["rtt_ms"] == 60.0
         # another path starts afresh: the relay's round trip is not the direct link's
-        matrix.on_report(a, {"links": [{"fellow_id": 2, "path": "relay", "rtt_ms": 9.0, "mbps": 5.0}]})
+        matrix.on_report(a, report(path="relay", rtt_ms=9.0, mbps=5.0))
         assert (matrix.links[(1, 2)]["rtt_ms"], matrix.links[(1, 2)]["rounds"]) == (9.0, 1)
         # a failed probe leaves the pair unmeasured until the next one that gets through
-        matrix.on_report(a, {"links": [{"fellow_id": 2, "path": "relay", "rtt_ms": None, "error": "timed out"}]})
+        matrix.on_report(a, report(path="relay", error="timed out"))
         assert matrix.links[(1, 2)]["rtt_ms"] is None and matrix.links[(1, 2)]["error"] == "timed out"
         assert link_hops(matrix.links) == {}
 

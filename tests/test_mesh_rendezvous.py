@@ -7,6 +7,7 @@ import random
 import pytest
 import trio
 
+from swarm.errors import ProtocolError
 from swarm.mesh import rendezvous
 from swarm.mesh.rendezvous import (
     discover_reflexive,
@@ -42,7 +43,7 @@ def test_ipv4_mapped_address_is_answered_as_ipv4():
 
 
 def test_limits_on_what_we_build():
-    with pytest.raises(ValueError):
+    with pytest.raises(ProtocolError):
         make_request(TXID, bytes(65))
     with pytest.raises(ValueError):
         make_request(b"short", b"")

@@ -243,10 +243,10 @@ def test_sharded_folder_missing_a_shard_is_refused(tmp_path):
 
 
 def test_refuses_when_the_disk_is_too_small_saying_how_much_it_needs(tmp_path, monkeypatch):
-    from swarm.store import importer
+    from swarm.store import import_plan
 
     source = build_tiny_source(tmp_path / "src", "llama")
-    monkeypatch.setattr(importer, "_free_bytes", lambda path: 100 << 20)
+    monkeypatch.setattr(import_plan, "_free_bytes", lambda path: 100 << 20)
     with pytest.raises(ImportFailed) as caught:
         import_model(str(source), tmp_path / "models", "m")
     message = str(caught.value)

@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from gguf_files import quantized_blocks
+from kernel_reference import q8_activations, q8_reference
 from swarm.errors import KernelMismatch, ModelError
 from swarm.stage import gguf_q8, q8_kernel
 
@@ -76,7 +77,7 @@ def bound(linear, x: torch.Tensor) -> torch.Tensor:
     generously as 4 k float32 epsilons of sum |x| |w| (the kernel's and the dequantized weights' own roundings)."""
     q, scale, offset = linear.grid()
     rows, k = x.shape
-    _, d = q8_kernel.quantize_activations(x)
+    _, d = q8_activations(x)
     scaled = (q.double() * scale.double().repeat_interleave(16, -1)).abs()
     rounding = (d.double().repeat_interleave(32, -1) / 2) @ scaled.T
     w = scaled if offset is None else scaled + offset.double().abs().repeat_interleave(32, -1)
@@ -97,7 +98,7 @@ def test_the_layer_is_the_float_layer_to_within_the_activations_8_bits(kind):
         assert (err <= limit).all(), (kind, cols, (err / limit).max())
         # and exactly the kernel's arithmetic: the rows quantized to 8 bits, in integers, to float32 rounding
         q, scale, offset = linear.grid()
-        want = q8_kernel.reference(x, q, scale, offset) + bias.double()
+        want = q8_reference(x, q, scale, offset) + bias.double()
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -142,7 +143,7 @@ def test_the_kernels_other_builds_compute_the_same(march, path):
             x = activations(9, cols, seed=7)
             got = other.matmul(x, linear.packed, linear.scales, linear.halves, linear.offsets, None, linear.bits,
                                linear.zero)
-            want = q8_kernel.reference(x, *linear.grid())
+            want = q8_reference(x, *linear.grid())
             assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (kind, cols)
             if linear.bits != 8:  # the planes and a byte a level: the same integers, the same float steps
                 wide = gguf_q8.q8_linear(torch.from_numpy(blocks(kind, 29, cols, 6)), kind, (29, cols), None, False)
@@ -308,7 +309,7 @@ def test_fp16_scales_of_any_value_are_held_and_computed_exactly(kind):
     want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
     assert torch.equal(linear.dequantized().view(torch.int32), want.view(torch.int32))
     x = activations(3, 576, seed=10) * 0.01
-    reference = q8_kernel.reference(x, *linear.grid())
+    reference = q8_reference(x, *linear.grid())
     builds = [q8_kernel.FLAGS]
     if platform.machine() in ("x86_64", "AMD64"):
         builds += [tuple(f for flag in q8_kernel.FLAGS for f in ([f"-march={march}"] if flag == "-march=native"

@@ -151,6 +151,7 @@ def serving_state(fellows: int, linked: bool = True):
 async def test_a_relayout_loads_beside_switches_and_unloads_the_old_stages(monkeypatch):
     import trio
 
+    from swarm import control_messages as cm
     from swarm.leader.serving import relayout
 
     monkeypatch.setattr(relayout, "load_message", lambda model, i, cover=False: {
@@ -169,20 +170,21 @@ async def test_a_relayout_loads_beside_switches_and_unloads_the_old_stages(monke
         # pc-3 loads the whole model beside the ring, which serves on meanwhile
         assert online[3].posted == [{"t": "load", "model": "m", "stage": 0, "num_stages": 1, "cover": True}]
         assert [s.plan.fellow_id for s in model.stages] == [1, 2] and interrupted == []
-        assert relayouts.on_stage_event(model, online[3], {"t": "load_progress", "phase": "load", "fraction": 0.5})
-        assert not relayouts.on_stage_event(model, online[1], {"t": "loaded"})  # not one of the next stages
-        relayouts.on_stage_event(model, online[3], {"t": "loaded"})
+        assert relayouts.on_stage_event(model, online[3], cm.LoadProgress("m", "l", "load", 0.5))
+        assert not relayouts.on_stage_event(model, online[1], cm.Loaded("m", "l"))  # not one of the next stages
+        relayouts.on_stage_event(model, online[3], cm.Loaded("m", "l"))
         model.notify()
     assert done == ["m: 2 stages -> 1 stage on pc-3: re-laid out"]
     assert interrupted == ["m"]  # the running requests went on from what they had streamed
     assert [(s.plan.fellow_id, s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(3, 0, 8)]
     assert model.stages[0].free_bytes == 5 * GB + one[0].weight_bytes and model.relayout == []
-    assert online[1].posted == online[2].posted == [{"t": "unload", "model": "m"}]
+    assert online[1].posted == online[2].posted == [cm.Unload("m")]
 
 
 async def test_a_relayout_whose_stage_fails_to_load_leaves_the_ring_as_it_was(monkeypatch):
     import trio
 
+    from swarm import control_messages as cm
     from swarm.leader.serving import relayout
 
     monkeypatch.setattr(relayout, "load_message", lambda model, i, cover=False: {"t": "load", "stage": i})
@@ -198,10 +200,10 @@ async def test_a_relayout_whose_stage_fails_to_load_leaves_the_ring_as_it_was(mo
 
         nursery.start_soon(run)
         await trio.sleep(0.01)
-        relayouts.on_stage_event(model, online[3], {"t": "loaded"})
-        relayouts.on_stage_event(model, online[4], {"t": "load_failed", "message": "out of memory"})
+        relayouts.on_stage_event(model, online[3], cm.Loaded("m", "l"))
+        relayouts.on_stage_event(model, online[4], cm.LoadFailed("m", "l", "out of memory"))
         model.notify()
     assert done == ["m: 2 stages -> 2 stages on pc-3, pc-4 not done: stage 1 did not load on pc-4: out of memory"]
     assert [s.plan.fellow_id for s in model.stages] == [1, 2] and model.relayout == [] and interrupted == []
-    assert online[3].posted[-1] == online[4].posted[-1] == {"t": "unload", "model": "m"}  # the new stages go
+    assert online[3].posted[-1] == online[4].posted[-1] == cm.Unload("m")  # the new stages go
     assert online[1].posted == online[2].posted == []  # the old ring serves on

@@ -148,7 +148,7 @@ async def test_unreachable_direct_address_falls_back_to_relay_and_strangers_are_
             assert swarm.fellows[0].stages[name].driver.out_hop.path == "relay"
 
             # A peer whose key the leader did not vouch for gets nothing from a fellow's serving port.
-            hop_id = swarm.fellows[1].stages[name].hop_in["hop_id"]
+            hop_id = swarm.fellows[1].stages[name].hop_in.hop_id
             stream = await trio.open_tcp_stream("127.0.0.1", real_port)
             with pytest.raises((HandshakeFailed, PeerRejected)):
                 await NoiseChannel.connect(StreamFrameTransport(stream), generate_private_key(),

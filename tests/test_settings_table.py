@@ -51,3 +51,14 @@ def test_the_readmes_numeric_defaults_are_configs():
         assert float(given) == float(want), f"{names[field.name]}: the README says {given}, config.py {default}"
         checked += 1
     assert checked >= 20
+
+
+def test_no_module_names_a_setting_config_does_not_read():
+    """Settings are read in config.py and nowhere else: a SWARM_* name anywhere in the package's code is one config.py
+    reads, so the README's table (checked above) lists it too. (The installers' own variables -- SWARM_HOME,
+    SWARM_PYTHON, ... -- live in their shell scripts, not in Python.)"""
+    package = Path(config.__file__).parent
+    named = {name for path in package.rglob("*.py")
+             for name in re.findall(r"\bSWARM_[A-Z0-9_]+\b", path.read_text(encoding="utf-8"))}
+    read = set(Settings.variables().values())
+    assert named - read == set(), f"named in swarm/ but not read by config.py: {named - read}"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from honest_checks import KINDS, honest_checks, requests_for
+from swarm import control_messages as cm
 from swarm import messages, wire
 from swarm.config import Settings
 from swarm.errors import ConfigError
@@ -103,7 +104,7 @@ class Conn:
         self.posted: list = []
 
     def post(self, message) -> None:
-        self.posted.append(message)
+        self.posted.append({"t": wire.type_of(message), **wire.to_map(message)})  # as the fellow reads it
 
 
 def fleet(fraction: float):
@@ -122,6 +123,15 @@ def fleet(fraction: float):
     return Verifier(serving, random.Random(1)), model, conns, taken_out
 
 
+def sample(check: str, output: dict, path: str | None = None) -> cm.VerifySample:
+    """pc-a's sample of the picked pass: prompt positions 0-2."""
+    return cm.VerifySample("m", check, "r1", [[0, 3]], [1, 2, 3], 3, output, path=path)
+
+
+def result(check: str, output: dict, path: str | None = None) -> cm.VerifyResult:
+    return cm.VerifyResult(check, output, path)
+
+
 def generate(rid: str = "r1") -> messages.Generate:
     return messages.Generate("m", rid, [1, 2, 3], 30, [0], messages.Sampling())
 
@@ -133,13 +143,10 @@ def answer(verifier: Verifier, conns, diff_scale: float) -> None:
         for _, check in pick["picks"]:
             if check not in verifier.pending:
                 continue
-            verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]],
-                                           "inputs": [1, 2, 3], "prompt_len": 3,
-                                           "output": {"hidden": wire.tensor_to_wire(x * (1 + diff_scale))}})
+            verifier.on_message(conns[1], sample(check, {"hidden": wire.tensor_to_wire(x * (1 + diff_scale))}))
             run = conns[3].posted[-1]
             assert run["t"] == "verify_run" and run["check"] == check and run["inputs"] == [1, 2, 3]
-            verifier.on_message(conns[3], {"t": "verify_result", "check": check,
-                                           "output": {"hidden": wire.tensor_to_wire(x)}})
+            verifier.on_message(conns[3], result(check, {"hidden": wire.tensor_to_wire(x)}))
 
 
 def test_only_the_stage_with_a_checker_is_picked_and_honest_results_pass():
@@ -157,10 +164,8 @@ def test_a_stage_off_twice_is_suspect_then_taken_out_with_the_requests_that_went
     verifier.on_generate(model, generate())
     pick = conns[1].posted[0]
     check = pick["picks"][0][1]
-    verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]], "inputs": [1, 2, 3],
-                                   "prompt_len": 3, "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8) * 2)}})
-    verifier.on_message(conns[3], {"t": "verify_result", "check": check,
-                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    verifier.on_message(conns[1], sample(check, {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8) * 2)}))
+    verifier.on_message(conns[3], result(check, {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}))
     assert verifier.failures == 1 and verifier.view()["suspects"][0]["fellow"] == "pc-a" and not taken_out
     answer(verifier, conns, 0.5)  # the rest of the picks: the second failure takes it out
     assert len(taken_out) == 1 and taken_out[0][0] is model.stages[0]
@@ -175,10 +180,9 @@ def test_a_forged_result_from_a_fellow_that_is_not_the_checker_is_ignored():
     verifier, model, conns, taken_out = fleet(1.0)
     verifier.on_generate(model, generate())
     check = conns[1].posted[0]["picks"][0][1]
-    verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]], "inputs": [1, 2, 3],
-                                   "prompt_len": 3, "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
-    verifier.on_message(conns[1], {"t": "verify_result", "check": check,  # the checked fellow vouching for itself
-                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    verifier.on_message(conns[1], sample(check, {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}))
+    # the checked fellow vouching for itself
+    verifier.on_message(conns[1], result(check, {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}))
     assert verifier.checks == 0 and check in verifier.pending
 
 
@@ -213,11 +217,8 @@ def test_a_checker_on_another_4_bit_kernel_is_not_used_and_the_admin_is_told_why
     model.quantization = "int4-fast"
     verifier.on_generate(model, generate())
     check = conns[1].posted[0]["picks"][0][1]
-    verifier.on_message(conns[1], {"t": "verify_sample", "check": check, "passes": [[0, 3]], "inputs": [1, 2, 3],
-                                   "prompt_len": 3, "path": "swarm",
-                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8) * 1.1)}})
-    verifier.on_message(conns[3], {"t": "verify_result", "check": check, "path": "torch",
-                                   "output": {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}})
+    verifier.on_message(conns[1], sample(check, {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8) * 1.1)}, "swarm"))
+    verifier.on_message(conns[3], result(check, {"hidden": wire.tensor_to_wire(torch.ones(1, 1, 8))}, "torch"))
     assert verifier.checks == 0 and verifier.failures == 0 and not verifier.recheck and not taken_out
     message = verifier.view()["unchecked"][0]["message"]
     assert message.startswith("no checker for stage 0 of m: its checker standby computes 4 bits with torch's")

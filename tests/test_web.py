@@ -613,15 +613,16 @@ def test_settings_shows_the_planned_speed(bg, browser, model):
     run with SWARM_CALIBRATE=0, so each is given a made-up calibration first: 1 ms + 1e-7 ms/byte a decode step, and
     a made-up probe of its links: 0.5 ms round trips, as loopback is when the machine is not busy (a probe that met a
     fellow loading a model reads far more, and with compute this cheap would leave a fellow out)."""
+    from swarm.control_links import LinkFigures, LinkReport
+
     def calibrate():
         online = bg.swarm.leader.hub.online
         for conn in online.values():
             conn.calibration = {"prefill_tokens": 256, "points": [
                 {"weight_bytes": 1_000_000, "decode_ms": 1.1, "prefill_ms": 30},
                 {"weight_bytes": 10_000_000, "decode_ms": 2.0, "prefill_ms": 300}]}
-            links = [{"fellow_id": peer, "path": "direct", "rtt_ms": 0.5, "mbps": 1000.0}
-                     for peer in online if peer != conn.id]
-            bg.swarm.leader.serving.link_matrix.on_report(conn, {"links": links})
+            links = [LinkFigures(peer, "direct", rtt_ms=0.5, mbps=1000.0) for peer in online if peer != conn.id]
+            bg.swarm.leader.serving.link_matrix.on_report(conn, LinkReport(links))
 
     bg.sync(calibrate)
     page = signed_in_page(bg, browser, column="settings")

@@ -6,12 +6,15 @@ key (so it works behind a NAT and nobody on the way reads it). Enrolment, heartb
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 import trio_websocket
 
 from swarm import __version__, messages, wire
+from swarm import control_links as cl
+from swarm import control_messages as cm
 from swarm.errors import AuthError, LinkClosed, ProtocolError
 from swarm.fellow import calibration, calibration_process, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
@@ -70,7 +73,7 @@ class ControlLink:
             try:
                 await self.enrol(channel)
                 nursery.start_soon(self._heartbeat, nursery)
-                nursery.start_soon(self._alive)
+                nursery.start_soon(self._say_alive)
                 while True:
                     data = await self._receive(channel)
                     try:
@@ -104,6 +107,7 @@ class ControlLink:
         """Say hello to the leader over ``channel`` and take its welcome: this fellow's id and credential, and the early
         checks. AuthError if the leader refuses it."""
         fellow = self.fellow
+        # A plain map: the leader reads it before it knows this fellow's version (swarm.control_messages).
         hello = {
             "t": "hello", "name": fellow.name, "version": __version__, "protocol": wire.PROTOCOL_VERSION,
             "updates": True,  # it installs the leader's version when told to (swarm.fellow.update)
@@ -121,24 +125,23 @@ class ControlLink:
         if fellow.join_secret:
             hello["join_token"] = fellow.join_secret
         await channel.send(wire.encode(hello))
-        reply = wire.decode(await channel.receive())
-        if reply["t"] == "refused":
-            raise AuthError(f"the leader refused this fellow: {reply.get('message')}")
-        if reply["t"] != "welcome":
-            raise LinkClosed(f"unexpected first message from the leader: {reply['t']}")
-        fellow.fellow_id = int(reply["fellow_id"])
-        fellow.credential = reply["credential"]
+        reply = wire.unpack(await channel.receive())
+        if isinstance(reply, cm.Refused):
+            raise AuthError(f"the leader refused this fellow: {reply.message}")
+        if not isinstance(reply, cm.Welcome):
+            kind = getattr(reply, "TYPE", None) or reply.get("t")
+            raise LinkClosed(f"unexpected first message from the leader: {kind}")
+        fellow.fellow_id = reply.fellow_id
+        fellow.credential = reply.credential
         fellow.join_secret = None  # enrolled: the key identifies this fellow from now on
         self._channel = channel
         fellow.connected.set()
         log.info("joined %s as %s (fellow %s, key %s)", fellow.leader_url, fellow.name, fellow.fellow_id,
                  fingerprint(fellow.public))
-        if isinstance(reply.get("checks"), str):
-            fellow.checks = reply["checks"]
-            log.info("what this PC can hold: %s", reply["checks"])
-        leader = reply.get("leader")
-        if not isinstance(leader, dict):
-            leader = {}
+        if reply.checks is not None:
+            fellow.checks = reply.checks
+            log.info("what this PC can hold: %s", reply.checks)
+        leader = reply.leader or {}
         if leader.get("protocol", wire.PROTOCOL_VERSION) != wire.PROTOCOL_VERSION:
             log.warning("the leader runs swarm %s (protocol %s), this fellow swarm %s (protocol %s): it gets no "
                         "stage until it is updated -- run `swarm update` here, or Update on the admin page",
@@ -147,7 +150,7 @@ class ControlLink:
             log.info("the leader runs swarm %s, this fellow %s (same protocol); `swarm update` installs the "
                      "leader's", leader.get("version"), __version__)
         # Stages whose model the leader no longer counts as ours are stale after a leader restart.
-        for model in [m for m in fellow.stages if m not in reply.get("stages", [])]:
+        for model in [m for m in fellow.stages if m not in reply.stages]:
             fellow.unload(model)
 
     @property
@@ -167,10 +170,10 @@ class ControlLink:
         if scope.cancelled_caught:
             raise LinkClosed(f"the leader did not take a message within {SEND_TIMEOUT_S:.0f} s")
 
-    async def _alive(self) -> None:
+    async def _say_alive(self) -> None:
         while True:
             await trio.sleep(ALIVE_S)
-            await self.send({"t": "alive"})
+            await self.send(cm.Alive())
 
     async def _calibrate(self, key: str, hw_wire: dict) -> None:
         """How fast this fellow runs a layer, for the planner (swarm.fellow.calibration_process: cached for this
@@ -201,72 +204,97 @@ class ControlLink:
             if trimmer.due(any(s.driver.busy for s in fellow.stages.values())):
                 await trio.to_thread.run_sync(release_free_memory)  # the last burst's high-water mark goes back
             hops = [s.driver.out_hop.stats() for s in fellow.stages.values() if s.driver.out_hop is not None]
-            await self.send({"t": "heartbeat", "hardware": hw.to_wire(), "stages": sorted(fellow.stages),
-                             "hops": hops, "held": {name: s.held() for name, s in fellow.stages.items()},
-                             "placement": {name: s.placement() for name, s in fellow.stages.items()},
-                             "calibration": fellow.calibration})
+            await self.send(cm.Heartbeat(hw, sorted(fellow.stages), hops,
+                                         {name: s.held() for name, s in fellow.stages.items()},
+                                         {name: s.placement() for name, s in fellow.stages.items()},
+                                         fellow.calibration))
 
     async def dispatch(self, message: Any) -> None:
+        """Hand a message of the leader to the part of the fellow that carries it out (``handlers``, by type)."""
+        handler = self.handlers.get(type(message))
+        if handler is None:  # a type this fellow does not know (a plain map from a newer leader), or no business here
+            log.debug("ignoring control message %s", getattr(message, "TYPE", None) or message.get("t"))
+            return
+        await handler(message)
+
+    async def _request(self, message: messages.Generate | messages.Cancel) -> None:
         fellow = self.fellow
-        if isinstance(message, (messages.Generate, messages.Cancel)):
-            stage = fellow.stages.get(message.model)
-            if stage is None:
-                await self.send(messages.Failed(message.model, message.rid,
-                                                f"model {message.model} is not loaded on {fellow.name}",
-                                                not_loaded=True))
-            elif stage.ring_id is None:
-                await self.send(messages.Failed(message.model, message.rid,
-                                                f"stage {stage.index} of {message.model} on {fellow.name} is not "
-                                                "linked into a ring yet"))
-            else:
-                await stage.driver.deliver(message)
-            return
-        if not isinstance(message, dict):
-            log.debug("ignoring control message %s", type(message).__name__)
-            return
-        kind = message["t"]
-        if kind == "alive":
-            return
-        if kind == "load":
-            fellow.nursery.start_soon(fellow.loader.load, message)
-        elif kind == "link":
-            stage = fellow.stages.get(message["model"])
-            if stage is None or stage.load_id != message.get("load_id"):
-                await self.send({"t": "link_failed", "model": message["model"], "ring_id": message["ring_id"],
-                                 "message": f"stage {message['index']} of {message['model']} is not loaded on "
-                                            f"{fellow.name}"})
-                return
-            await stage.link(message)
-            await self.send({"t": "linked", "model": stage.model, "ring_id": stage.ring_id})
-        elif kind == "ring_ready":
-            stage = fellow.stages.get(message["model"])
-            if stage is not None:
-                stage.ring_ready(message.get("ring_id"))
-        elif kind == "unlink":
-            stage = fellow.stages.get(message["model"])
-            if stage is not None:
-                stage.unlink()
-        elif kind == "unload":
-            fellow.loader.cancel(message["model"])  # a load still in flight stops too
-            fellow.unload(message["model"])
-            await self.send({"t": "unloaded", "model": message["model"]})
-        elif kind == "update":
-            fellow.nursery.start_soon(fellow.updater.run, message)
-        elif kind == "verify_pick":  # the leader's spot check of a pass of this stage (swarm.fellow.verify)
-            stage = fellow.stages.get(message["model"])
-            if stage is not None:
-                stage.driver.audits.pick(message["rid"], message["picks"])
-        elif kind == "verify_run":
-            fellow.checker.submit(message)
-        elif kind in ("leave", "leave_refused"):  # swarm.fellow.leave
-            fellow.leaving.on_message(message)
-        elif kind == "punch_ping":
-            await self.send({"t": "punch_pong", "hop_id": message["hop_id"], "role": message["role"]})
-        elif kind == "punch_prepare":
-            fellow.nursery.start_soon(fellow.direct_links.prepare, message)
-        elif kind == "punch_start":
-            fellow.nursery.start_soon(fellow.direct_links.start, message)
-        elif kind == "probe_links":
-            fellow.nursery.start_soon(fellow.link_probes.run, message)
+        stage = fellow.stages.get(message.model)
+        if stage is None:
+            await self.send(messages.Failed(message.model, message.rid,
+                                            f"model {message.model} is not loaded on {fellow.name}", not_loaded=True))
+        elif stage.ring_id is None:
+            await self.send(messages.Failed(message.model, message.rid,
+                                            f"stage {stage.index} of {message.model} on {fellow.name} is not linked "
+                                            "into a ring yet"))
         else:
-            log.debug("ignoring control message %r", kind)
+            await stage.driver.deliver(message)
+
+    async def _alive(self, message: cm.Alive) -> None:
+        pass  # the link's silence check counts every message; this one says nothing else
+
+    async def _load(self, message: cm.Load) -> None:
+        self.fellow.nursery.start_soon(self.fellow.loader.load, message)
+
+    async def _link(self, message: cm.Link) -> None:
+        stage = self.fellow.stages.get(message.model)
+        if stage is None or stage.load_id != message.load_id:
+            await self.send(cm.LinkFailed(message.model, message.ring_id, f"stage {message.index} of {message.model} "
+                                                                          f"is not loaded on {self.fellow.name}"))
+            return
+        await stage.link(message)
+        await self.send(cm.Linked(stage.model, stage.ring_id))
+
+    async def _ring_ready(self, message: cm.RingReady) -> None:
+        stage = self.fellow.stages.get(message.model)
+        if stage is not None:
+            stage.ring_ready(message.ring_id)
+
+    async def _unlink(self, message: cm.Unlink) -> None:
+        stage = self.fellow.stages.get(message.model)
+        if stage is not None:
+            stage.unlink()
+
+    async def _unload(self, message: cm.Unload) -> None:
+        self.fellow.loader.cancel(message.model)  # a load still in flight stops too
+        self.fellow.unload(message.model)
+        await self.send(cm.Unloaded(message.model))
+
+    async def _update(self, message: cm.Update) -> None:
+        self.fellow.nursery.start_soon(self.fellow.updater.run, message)
+
+    async def _verify_pick(self, message: cm.VerifyPick) -> None:
+        """The leader's spot check of a pass of this stage (swarm.fellow.verify)."""
+        stage = self.fellow.stages.get(message.model)
+        if stage is not None:
+            stage.driver.audits.pick(message.rid, message.picks)
+
+    async def _verify_run(self, message: cm.VerifyRun) -> None:
+        self.fellow.checker.submit(message)
+
+    async def _leaving(self, message: cm.Leave | cm.LeaveRefused) -> None:
+        self.fellow.leaving.on_message(message)  # swarm.fellow.leave
+
+    async def _punch_ping(self, message: cl.PunchPing) -> None:
+        await self.send(cl.PunchPong(message.hop_id, message.role))
+
+    async def _punch_prepare(self, message: cl.PunchPrepare) -> None:
+        self.fellow.nursery.start_soon(self.fellow.direct_links.prepare, message)
+
+    async def _punch_start(self, message: cl.PunchStart) -> None:
+        self.fellow.nursery.start_soon(self.fellow.direct_links.start, message)
+
+    async def _probe_links(self, message: cl.ProbeLinks) -> None:
+        self.fellow.nursery.start_soon(self.fellow.link_probes.run, message)
+
+    @property
+    def handlers(self) -> dict[type, Callable[[Any], Awaitable[None]]]:
+        """What the fellow does with each message of the leader, by its type."""
+        return {
+            messages.Generate: self._request, messages.Cancel: self._request, cm.Alive: self._alive,
+            cm.Load: self._load, cm.Link: self._link, cm.RingReady: self._ring_ready, cm.Unlink: self._unlink,
+            cm.Unload: self._unload, cm.Update: self._update, cm.VerifyPick: self._verify_pick,
+            cm.VerifyRun: self._verify_run, cm.Leave: self._leaving, cm.LeaveRefused: self._leaving,
+            cl.PunchPing: self._punch_ping, cl.PunchPrepare: self._punch_prepare, cl.PunchStart: self._punch_start,
+            cl.ProbeLinks: self._probe_links,
+        }

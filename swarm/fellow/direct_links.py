@@ -9,11 +9,13 @@ leader saw is the one the peer punches to.
 
 from __future__ import annotations
 
+import functools
 import logging
 from urllib.parse import urlsplit
 
 import trio
 
+from swarm.control_links import PunchCandidates, PunchPrepare, PunchResult, PunchStart
 from swarm.errors import SwarmError, first_leaf
 from swarm.fellow.net import outbound_ip
 from swarm.mesh import hole_punch, quic
@@ -36,13 +38,13 @@ class DirectLinkAgent:
         if sock is not None:
             sock.close()
 
-    async def prepare(self, message: dict) -> None:
+    async def prepare(self, message: PunchPrepare) -> None:
         """Open this end's UDP socket for the hop, learn its public address, tell the leader the candidates."""
-        hop_id, role = message["hop_id"], message["role"]
-        stage = self.fellow.stages.get(message["model"])
-        reply = {"t": "punch_candidates", "model": message["model"], "hop_id": hop_id, "role": role}
+        hop_id, role = message.hop_id, message.role
+        stage = self.fellow.stages.get(message.model)
+        reply = functools.partial(PunchCandidates, message.model, hop_id, role)
         if stage is None:
-            await self.fellow.send_to_leader({**reply, "skip": "not loaded"})
+            await self.fellow.send_to_leader(reply(skip="not loaded"))
             return
         if role == "a":
             hop = stage.driver.out_hop
@@ -52,35 +54,40 @@ class DirectLinkAgent:
                 except SwarmError as exc:
                     log.info("hop %s cannot open any path yet: %s", hop_id, exc)
             if hop is None or hop.path in ("direct", "tunnel"):
-                await self.fellow.send_to_leader({**reply, "skip": hop.path if hop else "no hop"})
+                await self.fellow.send_to_leader(reply(skip=hop.path if hop else "no hop"))
                 return
         self._close(hop_id)
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
         await sock.bind(("0.0.0.0", 0))
         self.sockets[hop_id] = sock
-        server = (urlsplit(self.fellow.leader_url).hostname, int(message["rendezvous_port"]))
-        plan = await plan_punch(sock, server, message["who"].encode(), outbound_ip(self.fellow.leader_url),
-                                self.learned.setdefault(hop_id, Learned()))
+        server = (urlsplit(self.fellow.leader_url).hostname, message.rendezvous_port)
+        try:
+            plan = await plan_punch(sock, server, message.who.encode(), outbound_ip(self.fellow.leader_url),
+                                    self.learned.setdefault(hop_id, Learned()))
+        except (SwarmError, OSError) as exc:  # the leader's token or address was refused: no punch this time
+            self._close(hop_id)
+            await self.fellow.send_to_leader(reply(skip=f"cannot prepare: {exc}"))
+            return
         self.plans[hop_id] = plan
         log.info("hop %s: punching with IP TTL %d for the first %d rounds (%s)", hop_id, plan.low_ttl,
                  plan.low_ttl_rounds, plan.note)
-        await self.fellow.send_to_leader({**reply, "candidates": plan.candidates,
-                                          "reflexive": plan.reflexive is not None})
+        await self.fellow.send_to_leader(reply(candidates=[list(c) for c in plan.candidates],
+                                               reflexive=plan.reflexive is not None))
 
-    async def start(self, message: dict) -> None:
-        hop_id, role = message["hop_id"], message["role"]
+    async def start(self, message: PunchStart) -> None:
+        hop_id, role = message.hop_id, message.role
         sock = self.sockets.get(hop_id)
         plan = self.plans.pop(hop_id, None)
-        stage = self.fellow.stages.get(message["model"])
-        result = {"t": "punch_result", "model": message["model"], "hop_id": hop_id, "role": role}
+        stage = self.fellow.stages.get(message.model)
+        result = functools.partial(PunchResult, message.model, hop_id, role)
         if sock is None or stage is None or plan is None:
-            await self.fellow.send_to_leader({**result, "ok": False, "message": "not prepared"})
+            await self.fellow.send_to_leader(result(False, "not prepared"))
             return
-        start_at = trio.current_time() + float(message["start_in_s"])
+        start_at = trio.current_time() + message.start_in_s
         learned = self.learned.setdefault(hop_id, Learned())
         try:
             try:
-                peer = await hole_punch.punch(sock, [tuple(c) for c in message["peer_candidates"]], message["secret"],
+                peer = await hole_punch.punch(sock, [tuple(c) for c in message.peer_candidates], message.secret,
                                               role, start_at, low_ttl=plan.low_ttl, low_ttl_rounds=plan.low_ttl_rounds,
                                               ttl_note=plan.note)
                 if role == "a":
@@ -95,11 +102,11 @@ class DirectLinkAgent:
                 why += next_attempt(learned)
             log.info("no tunnel for hop %s: %s", hop_id, why)
             self._close(hop_id)
-            await self.fellow.send_to_leader({**result, "ok": False, "message": why})
+            await self.fellow.send_to_leader(result(False, why))
             return
         self.learned.pop(hop_id, None)  # a hop that punched starts afresh if it ever needs to again
         self.sockets.pop(hop_id, None)  # the QUIC driver owns it now
-        await self.fellow.send_to_leader({**result, "ok": True, "peer": list(peer)})
+        await self.fellow.send_to_leader(result(True, peer=list(peer)))
 
     async def _dial(self, stage, sock, peer, hop_id: str) -> None:
         hop = stage.driver.out_hop
@@ -111,10 +118,10 @@ class DirectLinkAgent:
         await hop.upgrade(channel, "tunnel")
 
     async def _accept(self, stage, sock, peer, hop_id: str) -> None:
-        if not stage.hop_in or stage.hop_in["hop_id"] != hop_id or stage.links_nursery is None:
+        if not stage.hop_in or stage.hop_in.hop_id != hop_id or stage.links_nursery is None:
             raise SwarmError("the ring was rebuilt meanwhile: this hop is gone")
         transport = await quic.accept_quic_server(sock, peer, stage.links_nursery)
-        expected = stage.hop_in["peer_key"]
+        expected = stage.hop_in.peer_key
         channel = await NoiseChannel.accept(transport, self.fellow.private, lambda key: key == expected)
         if channel.handshake_payload.decode(errors="replace") != hop_id:
             await channel.aclose()

@@ -25,6 +25,7 @@ import threading
 import trio
 
 from swarm import __version__, wire
+from swarm.control_messages import Leave, LeaveRefused, Left, Refused
 from swarm.errors import DrainRefused, LinkClosed, SwarmError
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,10 @@ class Leaving:
         self.message: str | None = None  # what the leader said about it
         self._answer = trio.Event()
 
-    def on_message(self, message: dict) -> None:
-        """{"t": "leave"} (go now) or {"t": "leave_refused"} from the leader."""
-        self.message = str(message.get("message") or "")
-        if message["t"] == "leave":
+    def on_message(self, message: Leave | LeaveRefused) -> None:
+        """Leave (go now) or LeaveRefused from the leader."""
+        self.message = message.message
+        if isinstance(message, Leave):
             log.info("leaving: %s", self.message or "the leader said so")
             self.left.set()
         else:
@@ -61,7 +62,7 @@ class Leaving:
             return
         self._answer = trio.Event()
         try:
-            await fellow.send_to_leader({"t": "leave", "force": force, "wait_s": wait_s})
+            await fellow.send_to_leader(Leave(force, wait_s))
         except SwarmError as exc:
             log.warning("could not ask the leader to take this fellow's stages (%s): they fail over", exc)
             return
@@ -177,10 +178,9 @@ async def leave_command(fellow, force: bool = False) -> str:
         await channel.send(wire.encode({"t": "hello", "purpose": "leave", "name": fellow.name, "version": __version__,
                                         "protocol": wire.PROTOCOL_VERSION, "force": force,
                                         "wait_s": fellow.settings.leave_wait_s}))
-        reply = wire.decode(await channel.receive())
-    kind = reply.get("t")
-    if kind == "refused":
-        raise DrainRefused(str(reply.get("message")))
-    if kind != "left":
-        raise LinkClosed(f"unexpected answer from the leader: {kind!r}")
-    return str(reply.get("message"))
+        reply = wire.unpack(await channel.receive())
+    if isinstance(reply, Refused):
+        raise DrainRefused(reply.message)
+    if not isinstance(reply, Left):
+        raise LinkClosed(f"unexpected answer from the leader: {getattr(reply, 'TYPE', None) or reply.get('t')!r}")
+    return reply.message

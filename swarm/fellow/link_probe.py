@@ -20,6 +20,7 @@ import os
 import trio
 import trio_websocket
 
+from swarm.control_links import LinkFigures, LinkReport, ProbeLinks, ProbePeer
 from swarm.errors import SwarmError
 from swarm.mesh.paths import accept_relay, dial_direct, dial_relay
 from swarm.tunnel.channel import NoiseChannel, close_quietly
@@ -45,46 +46,46 @@ class LinkProbes:
     def allows(self, key: bytes) -> bool:
         return self._allowed.get(key, 0.0) > trio.current_time()
 
-    async def run(self, message: dict) -> None:
+    async def run(self, message: ProbeLinks) -> None:
         """Measure every peer of a ``probe_links`` message, one after another, and report them to the leader."""
-        peers = [p for p in message.get("peers", []) if isinstance(p, dict) and isinstance(p.get("key"), bytes)]
+        peers = message.peers
         until = trio.current_time() + ALLOW_S
         for peer in peers:
-            self._allowed[peer["key"]] = until
+            self._allowed[peer.key] = until
         nursery = self.fellow.nursery
-        listens = [x for x in message.get("listen", []) if isinstance(x, dict) and isinstance(x.get("key"), bytes)]
+        listens = message.listen
         # A peer measures its peers one after another, each direct then over the relay: this fellow's relay ends
         # wait that long (a probe that went direct leaves them idle), then free their slots on the leader.
         wait_s = min(ALLOW_S, 2 * TIMEOUT_S * (len(listens) + 1))
         for listen in listens if nursery is not None else []:
-            nursery.start_soon(self.echo_relay, str(listen.get("hop_id")), listen["key"], wait_s)
+            nursery.start_soon(self.echo_relay, listen.hop_id, listen.key, wait_s)
         links = []
         for peer in peers:
-            links.append({"fellow_id": peer.get("fellow_id"), **await self.measure(peer)})
+            links.append(LinkFigures(fellow_id=peer.fellow_id, **await self.measure(peer)))
         if links:
             try:
-                await self.fellow.control.send({"t": "link_report", "links": links})
+                await self.fellow.control.send(LinkReport(links))
             except SwarmError as exc:  # the control link dropped meanwhile: the next probe reports again
                 log.info("could not report link measurements: %s", exc)
 
-    async def measure(self, peer: dict) -> dict:
+    async def measure(self, peer: ProbePeer) -> dict:
         """The figures of one peer over the direct link, else over the relay (saying why not direct)."""
-        direct = peer.get("direct")
+        direct = peer.direct
         why = "no serving port to dial"
         if isinstance(direct, list) and len(direct) == 2:
             host, port = str(direct[0]), int(direct[1])
             figures, why = await self._measure_over("direct", lambda: dial_direct(
-                host, port, PREFIX + str(peer.get("probe_id", "")), self.fellow.private, peer["key"], TIMEOUT_S))
+                host, port, PREFIX + peer.probe_id, self.fellow.private, peer.key, TIMEOUT_S))
             if figures is not None:
                 return figures
             why = f"direct link failed: {why}"
-        relay = peer.get("relay")
+        relay = peer.relay
         if not isinstance(relay, str) or not relay:
             return {"path": "relay", "rtt_ms": None, "mbps": None, "error": why[:200]}
         async with trio.open_nursery() as nursery:  # the relay websocket's own tasks
             figures, relay_why = await self._measure_over("relay", lambda: dial_relay(
                 nursery, self.fellow.leader_url, relay, self.fellow.credential or "", self.fellow.private,
-                peer["key"]))
+                peer.key))
             nursery.cancel_scope.cancel()
         if figures is None:
             return {"path": "relay", "rtt_ms": None, "mbps": None, "error": f"{why}; relay failed: {relay_why}"[:200]}

@@ -13,6 +13,7 @@ import trio
 import trio_websocket
 
 from swarm import wire
+from swarm.control_messages import HopIn
 from swarm.errors import SwarmError, TunnelError, first_leaf
 from swarm.fellow.link_probe import PREFIX as PROBE_PREFIX
 from swarm.mesh import sequencing
@@ -46,13 +47,13 @@ class IncomingLinks:
         self._resequencers.pop(hop_id, None)
 
     def _expects(self, key: bytes) -> bool:
-        return any(s.hop_in is not None and s.hop_in["peer_key"] == key for s in self.fellow.stages.values()) or \
+        return any(s.hop_in is not None and s.hop_in.peer_key == key for s in self.fellow.stages.values()) or \
             self.fellow.link_probes.allows(key)  # a fellow of the pool measuring its link to this one
 
     def stage_for_hop(self, hop_id: str, key: bytes):
         """The stage that receives on ``hop_id`` from the fellow with ``key`` (None: no such hop)."""
         for stage in self.fellow.stages.values():
-            if stage.hop_in is not None and stage.hop_in["hop_id"] == hop_id and stage.hop_in["peer_key"] == key:
+            if stage.hop_in is not None and stage.hop_in.hop_id == hop_id and stage.hop_in.peer_key == key:
                 return stage
         return None
 
@@ -97,17 +98,17 @@ class IncomingLinks:
             return
         await self.pump(channel, stage, hop_id)
 
-    async def relay_listener(self, stage, hop_in: dict) -> None:
+    async def relay_listener(self, stage, hop_in: HopIn) -> None:
         """Keep one listener waiting on this stage's relay channel, for whenever the previous stage uses it."""
         while True:
             try:
                 try:
                     async with trio.open_nursery() as nursery:
                         channel = await accept_relay(
-                            nursery, self.fellow.leader_url, hop_in["hop_id"], self.fellow.credential,
-                            self.fellow.private, lambda key: key == hop_in["peer_key"],
+                            nursery, self.fellow.leader_url, hop_in.hop_id, self.fellow.credential,
+                            self.fellow.private, lambda key: key == hop_in.peer_key,
                         )
-                        await self.pump(channel, stage, hop_in["hop_id"])
+                        await self.pump(channel, stage, hop_in.hop_id)
                         nursery.cancel_scope.cancel()
                 except BaseExceptionGroup as group:
                     raise first_leaf(group) from None

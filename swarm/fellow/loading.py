@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import trio
 
+from swarm import control_messages as cm
+from swarm.control_messages import DraftPart, Load, Loaded, LoadFailed
 from swarm.errors import ModelError, SwarmError, first_leaf
 from swarm.fellow import compute
 from swarm.fellow.downloads import fetch_with_retries
@@ -38,8 +40,7 @@ class LoadProgress:
 
     async def report(self, phase: str, fraction: float) -> None:
         try:
-            await self.fellow.send_to_leader({"t": "load_progress", "model": self.model, "load_id": self.load_id,
-                                              "phase": phase, "fraction": round(fraction, 4)})
+            await self.fellow.send_to_leader(cm.LoadProgress(self.model, self.load_id, phase, round(fraction, 4)))
         except SwarmError:  # progress is for the page only: a lost link must not stop the load
             pass
 
@@ -54,10 +55,10 @@ class StageLoader:
         self.fellow = fellow
         self._loading: dict[str, trio.CancelScope] = {}  # model -> its load in flight
 
-    async def load(self, message: dict) -> None:
+    async def load(self, message: Load) -> None:
         """Load the stage ``message`` places here. A newer load of the same model (the leader placed it again, a
         failover) supersedes one still in flight: the older stops where it is, without a word to the leader."""
-        model = message["model"]
+        model = message.model
         earlier = self._loading.get(model)
         if earlier is not None:
             earlier.cancel()
@@ -69,7 +70,7 @@ class StageLoader:
                 if self._loading.get(model) is scope:
                     del self._loading[model]
         if scope.cancelled_caught:
-            log.info("a newer load of %s replaced load %s before it finished", model, message["load_id"])
+            log.info("a newer load of %s replaced load %s before it finished", model, message.load_id)
 
     def cancel(self, model: str) -> None:
         """Stop a load of ``model`` still in flight (the leader unloaded the model)."""
@@ -77,9 +78,9 @@ class StageLoader:
         if scope is not None:
             scope.cancel()
 
-    async def _load(self, message: dict) -> None:
+    async def _load(self, message: Load) -> None:
         fellow = self.fellow
-        model, load_id = message["model"], message["load_id"]
+        model, load_id = message.model, message.load_id
         fellow.unload(model)
         progress = LoadProgress(fellow, model, load_id)
         try:
@@ -92,21 +93,21 @@ class StageLoader:
                 log.exception("loading %s failed", model)
             text = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
             try:
-                await fellow.send_to_leader({"t": "load_failed", "model": model, "load_id": load_id,
-                                             "message": f"stage {message['stage']['index']} on {fellow.name}: {text}"})
+                await fellow.send_to_leader(LoadFailed(model, load_id,
+                                                       f"stage {message.stage.index} on {fellow.name}: {text}"))
             except SwarmError:  # the leader is out of reach: the heartbeat once it is back says what is held
                 pass
             return
         await self._serve(message, stage_model)
 
-    async def _fetch(self, message: dict, progress: LoadProgress) -> tuple[dict[str, Path], dict[str, Path]]:
+    async def _fetch(self, message: Load, progress: LoadProgress) -> tuple[dict[str, Path], dict[str, Path]]:
         """The stage's files, and the draft model's (the last stage's, SWARM_SERVE_DRAFT_MODEL; {} without one): each
         path to its local file."""
         fellow = self.fellow
         draft = _draft_part(message)
-        wanted = [(message["model"], f) for f in message["files"]] + \
-            ([(draft["model"], f) for f in draft["files"]] if draft else [])
-        total = sum(f["size"] for _, f in wanted) or 1
+        wanted = [(message.model, f) for f in message.files]
+        wanted += [(draft.model, f) for f in draft.files] if draft else []
+        total = sum(f.size for _, f in wanted) or 1
         done_before = 0
         local: dict[str, Path] = {}
         draft_local: dict[str, Path] = {}
@@ -115,17 +116,17 @@ class StageLoader:
                 trio.open_nursery() as pump:
             pump.start_soon(progress.pump)
             for i, (model, f) in enumerate(wanted):
-                url = f"{fellow.leader_url}/api/v1/models/{model}/files/{f['path']}"
+                url = f"{fellow.leader_url}/api/v1/models/{model}/files/{f.path}"
 
                 def on_bytes(done: int, _size: int, base: int = done_before) -> None:
                     progress.fraction = (base + done) / total
 
-                into = local if i < len(message["files"]) else draft_local
-                into[f["path"]] = await fetch_with_retries(
-                    client, url, fellow.cache_dir, f["sha256"], f["size"], self._credential_headers, on_bytes,
+                into = local if i < len(message.files) else draft_local
+                into[f.path] = await fetch_with_retries(
+                    client, url, fellow.cache_dir, f.sha256, f.size, self._credential_headers, on_bytes,
                     renew_credential=self._renewed_credential,
                 )
-                done_before += f["size"]
+                done_before += f.size
             pump.cancel_scope.cancel()
         return local, draft_local
 
@@ -138,7 +139,7 @@ class StageLoader:
         with trio.fail_after(CREDENTIAL_WAIT_S):
             await self.fellow.connected.wait()
 
-    async def _fetch_and_build(self, message: dict, progress: LoadProgress):
+    async def _fetch_and_build(self, message: Load, progress: LoadProgress):
         # torch, transformers and the stage code take seconds to import, more on a busy machine: in a worker thread,
         # so that the control link's heartbeats go on meanwhile (a loop held that long is a fellow gone silent)
         await trio.to_thread.run_sync(_import_stage_code)
@@ -152,27 +153,27 @@ class StageLoader:
         local, draft_local = await self._fetch(message, progress)
         await progress.report("download", 1.0)
         await progress.report("extract", 1.0)  # shards are verified safetensors: nothing to unpack
-        spec_msg = message["stage"]
-        spec = StageSpec(spec_msg["first_layer"], spec_msg["end_layer"], spec_msg["is_first"], spec_msg["is_last"])
+        slot = message.stage
+        spec = StageSpec(slot.first_layer, slot.end_layer, slot.is_first, slot.is_last)
         device = self.fellow.settings.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         # On CPU compute in float32; on a GPU in the checkpoint's half precision (DESIGN.md, The ring).
-        dtype = torch.float32 if device == "cpu" else getattr(torch, message.get("gpu_dtype") or "float16")
+        dtype = torch.float32 if device == "cpu" else getattr(torch, message.gpu_dtype or "float16")
         await progress.report("load", 0.0)
         layer_devices = _spread_over_cards(message, spec, device, dtype)
-        quantization = check_kind(message.get("quantization"))  # a leader from before sends none
+        quantization = check_kind(message.quantization)  # a leader from before sends none
         if quantization not in kinds_on("cpu" if device == "cpu" else "cuda"):
             raise ModelError(f"this fellow cannot load {quantization} on {device}: it needs "
                              f"{needs(quantization, 'cpu' if device == 'cpu' else 'cuda')}")
         int4_kernel.use(self.fellow.settings.int4_kernel)
         q8_kernel.use(self.fellow.settings.int4_kernel)  # SWARM_INT4_KERNEL: swarm's kernels at all
         stage_model = await compute.run(
-            lambda: StageModel.load(message["config"], local, spec, dtype=dtype, device=device,
+            lambda: StageModel.load(message.config, local, spec, dtype=dtype, device=device,
                                     layer_devices=layer_devices, quantization=quantization)
         )
         stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
-        stage_model.kv_cache = check_kv_kind(message.get("kv_cache"))  # a leader from before sends none: auto
+        stage_model.kv_cache = check_kv_kind(message.kv_cache)  # a leader from before sends none: auto
         draft = _draft_part(message)
         if draft is not None:  # the last stage's draft model, whole, as the stage: dtype, device, quantization
             stage_model.drafter = await compute.run(
@@ -184,13 +185,12 @@ class StageLoader:
         await progress.report("load", 1.0)
         return stage_model
 
-    async def _serve(self, message: dict, stage_model) -> None:
+    async def _serve(self, message: Load, stage_model) -> None:
         fellow = self.fellow
         stage = LoadedStage(fellow, message, stage_model)
         await fellow.nursery.start(self._hold, stage)
         try:
-            await fellow.send_to_leader({"t": "loaded", "model": stage.model, "load_id": stage.load_id,
-                                         "stage": stage.summary()})
+            await fellow.send_to_leader(Loaded(stage.model, stage.load_id, stage.summary()))
         except SwarmError:  # the link dropped meanwhile: the hello of the next one tells the leader of the stage
             log.info("loaded %s while not connected to the leader", stage.model)
 
@@ -206,13 +206,12 @@ class StageLoader:
             _free_memory(stage.driver.stage_model)
 
 
-def _draft_part(message: dict) -> dict | None:
+def _draft_part(message: Load) -> DraftPart | None:
     """The draft model a last stage's load message sends (SWARM_SERVE_DRAFT_MODEL), None without one."""
-    draft = message.get("draft")
-    return draft if isinstance(draft, dict) and message["stage"]["is_last"] else None
+    return message.draft if message.stage.is_last else None
 
 
-def _draft_model(draft: dict, local: dict[str, Path], message: dict, dtype, device: str, quantization: str):
+def _draft_model(draft: DraftPart, local: dict[str, Path], message: Load, dtype, device: str, quantization: str):
     """Build the draft model whole from its fetched files (swarm.stage.draft_model) at the stage's ``quantization``
     (its guesses are checked by the ring, so a 4-bit draft model costs no exactness, only a few guesses), warmed
     up."""
@@ -220,15 +219,15 @@ def _draft_model(draft: dict, local: dict[str, Path], message: dict, dtype, devi
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import StageSpec
 
-    layers = int(draft["num_layers"])
-    model = StageModel.load(draft["config"], local, StageSpec(0, layers, True, True), dtype=dtype, device=device,
+    layers = draft.num_layers
+    model = StageModel.load(draft.config, local, StageSpec(0, layers, True, True), dtype=dtype, device=device,
                             quantization=quantization)
-    drafter = DraftModel(model, vocab_size=int(message["config"].get("vocab_size") or 0) or None)
+    drafter = DraftModel(model, vocab_size=int(message.config.get("vocab_size") or 0) or None)
     drafter.warm_up()
     return drafter
 
 
-def _spread_over_cards(message: dict, spec, device: str, dtype) -> list[str] | None:
+def _spread_over_cards(message: Load, spec, device: str, dtype) -> list[str] | None:
     """On a PC with several GPUs and SWARM_DEVICE=auto/cuda, the cards that together hold the stage (None: one)."""
     if device != "cuda":
         return None
@@ -239,10 +238,9 @@ def _spread_over_cards(message: dict, spec, device: str, dtype) -> list[str] | N
     gpus = nvidia_gpus()
     if len(gpus) < 2:
         return None
-    scale = dtype.itemsize / dtype_bytes(message.get("stored_dtype") or "float32")  # file bytes -> memory bytes
+    scale = dtype.itemsize / dtype_bytes(message.stored_dtype or "float32")  # file bytes -> memory bytes
     # a GGUF's blocks: their weight values at the compute dtype, not the stored bytes
-    sizes = {f["path"]: f["params"] * dtype.itemsize if f.get("params") else f["size"] * scale
-             for f in message["files"]}
+    sizes = {f.path: f.params * dtype.itemsize if f.params else f.size * scale for f in message.files}
 
     layers = [int(sizes.get(layer_file(i), 0)) for i in range(spec.first_layer, spec.end_layer)]
     first = int(sizes.get(EMBED_FILE, 0)) if spec.is_first else 0
@@ -282,12 +280,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "config.json")
 
 
-def _tokenizer_dir(local: dict[str, Path], cache_dir: Path, message: dict) -> Path | None:
+def _tokenizer_dir(local: dict[str, Path], cache_dir: Path, message: Load) -> Path | None:
     """A folder with the tokenizer's files under their own names (links into the content-addressed cache), for the
     last stage's constrained sampling; None when the leader sent no tokenizer (a leader from before)."""
-    if not message["stage"]["is_last"] or "tokenizer.json" not in local and "tokenizer_config.json" not in local:
+    if not message.stage.is_last or "tokenizer.json" not in local and "tokenizer_config.json" not in local:
         return None
-    folder = Path(cache_dir) / "tokenizers" / f"{message['model']}-{message['load_id']}"
+    folder = Path(cache_dir) / "tokenizers" / f"{message.model}-{message.load_id}"
     folder.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if name in local:

@@ -117,7 +117,7 @@ class StageDriver:
                     continue
                 assert protocol is not None and self.timer is not None  # a batch came from the ring's protocol
                 timer = self.timer
-                samples: list[dict] = []
+                samples: list = []
                 self.audits.before(batch)
                 try:
                     threads = self.threads(len(protocol.requests))

@@ -12,10 +12,12 @@ import logging
 
 import trio
 
+from swarm.control_messages import HopIn, HopOut, Link, Load, Unloaded
 from swarm.errors import SwarmError
 from swarm.fellow.idle import unload_due
 from swarm.fellow.ring import StageDriver
 from swarm.mesh.hop import HopConfig, OutgoingHop
+from swarm.messages import HopLost
 
 log = logging.getLogger(__name__)
 
@@ -23,21 +25,21 @@ IDLE_CHECK_S = 5.0  # how often a stage looks at its idle time: the unload comes
 
 
 class LoadedStage:
-    def __init__(self, fellow, message: dict, stage_model):
-        spec = message["stage"]
+    def __init__(self, fellow, message: Load, stage_model):
+        spec = message.stage
         self.fellow = fellow
-        self.model: str = message["model"]
-        self.load_id: str = message["load_id"]
-        self.index: int = spec["index"]
-        self.num_stages: int = spec["num_stages"]
-        self.first_layer: int = spec["first_layer"]
-        self.end_layer: int = spec["end_layer"]
-        self.cover: bool = bool(message.get("cover"))  # a hot cover: loaded and waiting to take over the stage
+        self.model: str = message.model
+        self.load_id: str = message.load_id
+        self.index: int = spec.index
+        self.num_stages: int = spec.num_stages
+        self.first_layer: int = spec.first_layer
+        self.end_layer: int = spec.end_layer
+        self.cover: bool = message.cover  # a hot cover: loaded and waiting to take over the stage
         self.driver = StageDriver(model=self.model, stage_model=stage_model, send_to_leader=fellow.send_to_leader,
                                   prefill_chunk=fellow.settings.serve_prefill_chunk,
                                   max_batch=fellow.settings.serve_max_batch, threads=fellow.threads_for)
         self.ring_id: str | None = None
-        self.hop_in: dict | None = None  # the hop this stage receives on: id and the previous stage's key
+        self.hop_in: HopIn | None = None  # the hop this stage receives on: id and the previous stage's key
         self.cancel_scope = trio.CancelScope()  # the whole stage: cancelled on unload
         self.nursery: trio.Nursery | None = None
         self.links_nursery: trio.Nursery | None = None  # this ring generation's hops and tunnels
@@ -83,16 +85,16 @@ class LoadedStage:
 
     # --- linking ------------------------------------------------------------------------------------------------
 
-    async def link(self, message: dict) -> None:
-        """Join the ring generation ``message["ring_id"]``: new hops, no requests carried over."""
+    async def link(self, message: Link) -> None:
+        """Join the ring generation ``message.ring_id``: new hops, no requests carried over."""
         self.unlink()
         self.cover = False
-        self.index, self.num_stages = message["index"], message["num_stages"]
-        self.ring_id, self.hop_in = message["ring_id"], message.get("hop_in")
+        self.index, self.num_stages = message.index, message.num_stages
+        self.ring_id, self.hop_in = message.ring_id, message.hop_in
         self._links_scope = trio.CancelScope()
         assert self.nursery is not None  # set while the fellow runs
         self.links_nursery = await self.nursery.start(self._hold_links, self._links_scope)
-        out_hop = self._out_hop(message.get("hop_out"))
+        out_hop = self._out_hop(message.hop_out)
         self.driver.relink(self.ring_id, self.index, self.num_stages, out_hop)
         if self.hop_in:
             self.links_nursery.start_soon(self.fellow.links.relay_listener, self, self.hop_in)
@@ -113,7 +115,7 @@ class LoadedStage:
             self._links_scope.cancel()
             self._links_scope = None
         if self.hop_in:
-            self.fellow.links.forget_hop(self.hop_in["hop_id"])
+            self.fellow.links.forget_hop(self.hop_in.hop_id)
         self.ring_id = self.hop_in = self.links_nursery = None
         self.ready_since = None
 
@@ -123,18 +125,18 @@ class LoadedStage:
                 task_status.started(nursery)
                 await trio.sleep_forever()
 
-    def _out_hop(self, hop_out: dict | None) -> OutgoingHop | None:
+    def _out_hop(self, hop_out: HopOut | None) -> OutgoingHop | None:
         if not hop_out:
             return None
         assert self.links_nursery is not None  # link() opened it first
         fellow = self.fellow
         hop = OutgoingHop(
             HopConfig(
-                hop_id=hop_out["hop_id"],
-                peer_public=hop_out["peer_key"],
-                peer_name=hop_out["peer_name"],
-                direct=tuple(hop_out["direct"]) if hop_out.get("direct") else None,
-                transport=hop_out.get("transport", "auto"),
+                hop_id=hop_out.hop_id,
+                peer_public=hop_out.peer_key,
+                peer_name=hop_out.peer_name,
+                direct=tuple(hop_out.direct) if hop_out.direct else None,
+                transport=hop_out.transport,
             ),
             nursery=self.links_nursery,
             leader_url=fellow.leader_url,
@@ -145,8 +147,7 @@ class LoadedStage:
 
         async def lost(hop: OutgoingHop) -> None:
             try:
-                await fellow.send_to_leader({"t": "hop_lost", "model": self.model, "hop_id": hop.config.hop_id,
-                                             "path": hop.path})
+                await fellow.send_to_leader(HopLost(self.model, hop.config.hop_id, hop.path))
             except SwarmError:  # the link to the leader is down: the heartbeat after it is back reports the hops
                 pass
 
@@ -170,8 +171,7 @@ class LoadedStage:
                 continue
             log.info("unloading %s: unused for %.0f s (SWARM_MODEL_IDLE_UNLOAD_S)", self.model, limit)
             try:
-                await self.fellow.send_to_leader({"t": "unloaded", "model": self.model, "load_id": self.load_id,
-                                                  "reason": "idle"})
+                await self.fellow.send_to_leader(Unloaded(self.model, self.load_id, reason="idle"))
             except SwarmError:  # the leader is out of reach: the heartbeat once it is back says what is held
                 pass
             self.fellow.unload(self.model)  # cancels this task too

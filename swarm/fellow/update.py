@@ -31,6 +31,7 @@ import trio
 import trio_websocket
 
 from swarm import __version__, wire
+from swarm.control_messages import Current, Refused, Update, UpdateFailed, Updating
 from swarm.errors import AuthError, LinkClosed, SwarmError, UpdateError
 from swarm.fellow.downloads import fetch_with_retries
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -108,7 +109,7 @@ def restart(command: list[str]) -> None:
 
 
 class FellowUpdater:
-    """The running fellow's side: what it does with {"t": "update"} from the leader."""
+    """The running fellow's side: what it does with an Update from the leader."""
 
     def __init__(self, fellow, restart_with: list[str] | None = None):
         self.fellow = fellow
@@ -118,13 +119,13 @@ class FellowUpdater:
         self.downloaded: Path | None = None  # the verified wheel of the last update
         self._busy = False
 
-    async def run(self, message: dict) -> None:
+    async def run(self, message: Update) -> None:
         if self._busy:
             return
         self._busy = True
         fellow = self.fellow
         try:
-            offer = check_offer(message)
+            offer = check_offer(message.offer())
             self.downloaded = await download(fellow.leader_url, offer, fellow.credential or "", fellow.cache_dir)
             if self.restart_with is None:
                 log.warning("downloaded swarm %s (sha256 verified) but installed nothing: this fellow runs inside "
@@ -135,7 +136,7 @@ class FellowUpdater:
         except SwarmError as exc:
             log.error("swarm update failed: %s", exc)
             try:
-                await fellow.send_to_leader({"t": "update_failed", "message": str(exc)[:500]})
+                await fellow.send_to_leader(UpdateFailed(str(exc)[:500]))
             except SwarmError:  # the link to the leader is down: the failure is in this fellow's log, it runs on
                 pass
             return
@@ -175,20 +176,19 @@ async def update_command(fellow, force: bool = False) -> str:
     async with open_control(fellow) as channel:
         await channel.send(wire.encode({"t": "hello", "purpose": "update", "name": fellow.name,
                                         "version": __version__, "protocol": wire.PROTOCOL_VERSION, "force": force}))
-        reply = wire.decode(await channel.receive())
-    kind = reply.get("t")
-    if kind == "refused":
-        raise AuthError(f"the leader refused the update: {reply.get('message')}")
-    if kind == "current":
+        reply = wire.unpack(await channel.receive())
+    if isinstance(reply, Refused):
+        raise AuthError(f"the leader refused the update: {reply.message}")
+    if isinstance(reply, Current):
         return (f"{fellow.name} already runs swarm {__version__}, the leader's version "
                 f"(protocol {wire.PROTOCOL_VERSION}).")
-    if kind == "updating":
-        return (f"{fellow.name} is running: it installs swarm {reply.get('version')} from the leader and restarts "
+    if isinstance(reply, Updating):
+        return (f"{fellow.name} is running: it installs swarm {reply.version} from the leader and restarts "
                 "itself, then rejoins.")
-    if kind != "update":
-        raise LinkClosed(f"unexpected answer from the leader: {kind!r}")
-    offer = await fetch_and_install(fellow.leader_url, reply, str(reply.get("credential") or ""), fellow.cache_dir)
-    if reply.get("running"):
+    if not isinstance(reply, Update):
+        raise LinkClosed(f"unexpected answer from the leader: {getattr(reply, 'TYPE', None) or reply.get('t')!r}")
+    offer = await fetch_and_install(fellow.leader_url, reply.offer(), reply.credential or "", fellow.cache_dir)
+    if reply.running:
         return (f"Installed swarm {offer['version']} (protocol {offer['protocol']}); {fellow.name} still runs the old "
                 "version: stop it and start `swarm join` again (a service restarts on its own).")
     return (f"Installed swarm {offer['version']} (protocol {offer['protocol']}). Start the fellow with `swarm join "

@@ -21,6 +21,7 @@ import math
 import trio
 
 from swarm import wire
+from swarm.control_messages import VerifyResult, VerifyRun, VerifySample
 from swarm.errors import SwarmError
 from swarm.fellow import compute
 
@@ -83,7 +84,7 @@ class StageAudits:
                 rows = work.rows
                 record.inputs.append(rows.source.tensor()[:, rows.row : rows.row + rows.n].clone())
 
-    def after(self, batch: list, output, is_last: bool) -> list[dict]:
+    def after(self, batch: list, output, is_last: bool) -> list[VerifySample]:
         """The samples of the picked passes in ``batch``, computed into ``output``
         (swarm.stage.protocol_records.Output)."""
         if not self.records or not any(w.rid in self.records for w in batch):
@@ -95,7 +96,7 @@ class StageAudits:
             self.clear()
             return []
 
-    def _after(self, batch: list, output, is_last: bool) -> list[dict]:
+    def _after(self, batch: list, output, is_last: bool) -> list[VerifySample]:
         from swarm.stage.quantize import int4_path  # a stage is loaded here: torch is in already
 
         # the stage's 4-bit kernel: the leader judges it only against a checker on the same one
@@ -122,10 +123,9 @@ class StageAudits:
             inputs = _inputs(record)
             ids = [record.checks.pop(pos) for pos in due]  # several only where passes are not where the leader
             # thought (the others are forgotten there)
-            samples.append({"t": "verify_sample", "model": self.model, "check": ids[0],
-                            "rid": work.rid, "passes": [list(p) for p in record.passes[record.sent:]],
-                            "inputs": inputs, "prompt_len": work.request.start.prompt_len, "output": claimed,
-                            "final": not record.checks, "path": path})
+            samples.append(VerifySample(self.model, ids[0], work.rid, [list(p) for p in record.passes[record.sent:]],
+                                        inputs, work.request.start.prompt_len, claimed, final=not record.checks,
+                                        path=path))
             record.sent, record.inputs = len(record.passes), []
             if not record.checks:
                 self.forget(work.rid)
@@ -147,16 +147,16 @@ class Checker:
 
     def __init__(self, fellow):
         self.fellow = fellow
-        self._send: trio.MemorySendChannel[dict] | None = None
+        self._send: trio.MemorySendChannel[VerifyRun] | None = None
         self.replays: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
-    def submit(self, message: dict) -> None:
+    def submit(self, message: VerifyRun) -> None:
         if self._send is None:
-            self._send, receive = trio.open_memory_channel[dict](math.inf)
+            self._send, receive = trio.open_memory_channel[VerifyRun](math.inf)
             self.fellow.nursery.start_soon(self._work, receive)
         self._send.send_nowait(message)
 
-    async def _work(self, receive: trio.MemoryReceiveChannel[dict]) -> None:
+    async def _work(self, receive: trio.MemoryReceiveChannel[VerifyRun]) -> None:
         async for message in receive:
             answer = await self._check(message)
             try:
@@ -164,17 +164,16 @@ class Checker:
             except SwarmError as exc:
                 log.warning("could not send a check's result to the leader: %s", exc)
 
-    async def _check(self, message: dict) -> dict:
+    async def _check(self, message: VerifyRun) -> VerifyResult:
         from swarm.stage.recompute import recompute  # torch: imported once a check comes
 
-        answer: dict = {"t": "verify_result", "check": message["check"]}
-        stage = self.fellow.stages.get(message["model"])
-        if stage is None or (stage.first_layer, stage.end_layer) != (message["first_layer"], message["end_layer"]):
-            answer["error"] = f"{self.fellow.name} does not hold layers {message['first_layer']}-{message['end_layer']}"
-            return answer
+        stage = self.fellow.stages.get(message.model)
+        if stage is None or (stage.first_layer, stage.end_layer) != (message.first_layer, message.end_layer):
+            return VerifyResult(message.check, error=f"{self.fellow.name} does not hold layers "
+                                                     f"{message.first_layer}-{message.end_layer}")
         stage_model = stage.driver.stage_model
-        key = (message["model"], str(message["rid"]))
-        keep = not message.get("final")
+        key = (message.model, message.rid)
+        keep = not message.final
         self.replays.pop(key, None)
         if keep:
             self.replays[key] = None
@@ -184,12 +183,12 @@ class Checker:
                     self.fellow.stages[model].driver.stage_model.drop("verify-" + rid)
         from swarm.stage.quantize import int4_path
 
-        answer["path"] = int4_path(stage_model)
-        claimed = (message.get("output") or {}).get("token")
+        path = int4_path(stage_model)
+        claimed = message.output.get("token")
         try:
-            answer["output"] = await compute.run(recompute, stage_model, "verify-" + key[1], message["passes"],
-                                                 message["inputs"], message["prompt_len"], claimed, keep)
+            output = await compute.run(recompute, stage_model, "verify-" + key[1], message.passes, message.inputs,
+                                       message.prompt_len, claimed, keep)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run says why; the fellow goes on serving
             self.replays.pop(key, None)
-            answer["error"] = f"{type(exc).__name__}: {exc}"
-        return answer
+            return VerifyResult(message.check, path=path, error=f"{type(exc).__name__}: {exc}")
+        return VerifyResult(message.check, output, path)

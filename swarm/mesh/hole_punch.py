@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import trio
 
-from swarm.errors import TunnelError
+from swarm.errors import ProtocolError, TunnelError
 from swarm.mesh.udp import Address, normalize_address, receive_datagram, socket_address
 
 log = logging.getLogger(__name__)
@@ -130,13 +130,17 @@ class PunchSession:
         ttl_note: str = "",
         rng: random.Random | None = None,
     ):
+        # What the leader's punch_start said (swarm.control_links.PunchStart): a malformed one is its protocol error.
         if role not in ("a", "b"):
-            raise ValueError(f'role must be "a" or "b", not {role!r}')
+            raise ProtocolError(f'role must be "a" or "b", not {role!r}')
         if not secret:
-            raise ValueError("a punch needs the secret the leader issued for it")
-        self.candidates: list[Address] = list(dict.fromkeys(normalize_address(c) for c in candidates))
+            raise ProtocolError("a punch needs the secret the leader issued for it")
+        try:
+            self.candidates: list[Address] = list(dict.fromkeys(normalize_address(c) for c in candidates))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"a candidate address of the peer is malformed: {exc}") from None
         if not self.candidates:
-            raise ValueError("a punch needs at least one candidate address of the peer")
+            raise ProtocolError("a punch needs at least one candidate address of the peer")
         self.peer_reflexive_candidates: list[Address] = []
         self.secret = secret
         self.role = role

@@ -30,6 +30,7 @@ import trio
 
 # normalize_address and socket_address live in swarm.mesh.udp (punching and QUIC use them too) and stay importable
 # from here, as they were.
+from swarm.errors import ProtocolError
 from swarm.mesh.udp import Address, normalize_address, receive_datagram, socket_address
 from swarm.mesh.udp import plain_ip as _plain_ip
 
@@ -59,9 +60,9 @@ DEFAULT_RETRIES = 3
 def make_request(txid: bytes, who: bytes) -> bytes:
     """A binding request with transaction id ``txid`` (12 bytes) and the leader-checked token ``who``."""
     if len(txid) != TXID_SIZE:
-        raise ValueError(f"a transaction id has {TXID_SIZE} bytes, got {len(txid)}")
-    if len(who) > MAX_WHO:
-        raise ValueError(f"a rendezvous token has at most {MAX_WHO} bytes, got {len(who)}")
+        raise ValueError(f"a transaction id has {TXID_SIZE} bytes, got {len(txid)}")  # our own bug: a builtin's
+    if len(who) > MAX_WHO:  # the token is the leader's (swarm.control_links.PunchPrepare.who)
+        raise ProtocolError(f"a rendezvous token has at most {MAX_WHO} bytes, got {len(who)}")
     return _HEAD.pack(MAGIC, VERSION, TYPE_REQUEST, txid) + bytes([len(who)]) + who
 
 

@@ -5,7 +5,7 @@ rotary embedding shared by all layers -- the shape that splits into contiguous s
 the Llama shape, its Blocks say how:
 
 - Gemma 3 (``gemma3_text``) scales its embedding by sqrt(hidden) (its own embedding class), keeps one rotary
-  embedding per layer type (local layers use another base than global ones: ``rotary_per_layer_type``), and may
+  embedding per layer type (local layers use another base than global ones: StageModel.rotary_per_type), and may
   soft-cap its logits (``final_logit_softcapping``, applied by the last stage as Gemma3ForCausalLM applies it).
 - Phi-3 and Mistral use one attention kind for every layer, sliding when the config has a window.
 - The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, gpt_oss) are the Llama shape with
@@ -22,7 +22,6 @@ the Llama shape, its Blocks say how:
 from __future__ import annotations
 
 import importlib
-import inspect
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -76,11 +75,6 @@ class Blocks:
         if dtype == torch.float16:
             names += self.keep_float32_half
         return module_names_pattern(names)
-
-    @property
-    def rotary_per_layer_type(self) -> bool:
-        """Whether the rotary embedding computes per layer type (``forward(x, position_ids, layer_type)``)."""
-        return "layer_type" in inspect.signature(self.rotary_embedding.forward).parameters
 
 
 def blocks_for(model_type: str) -> Blocks:

@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 import platformdirs
 import torch
 
-from swarm.errors import KernelMismatch
+from swarm.errors import KernelMismatch, SwarmError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL, Pa
             done = subprocess.run([cc, *flags, "-o", temporary, str(source), "-lm"], capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_S)
             if done.returncode:
-                raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-400:]}")
+                raise SwarmError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-400:]}")
             os.replace(temporary, target)
         finally:
             if os.path.exists(temporary):

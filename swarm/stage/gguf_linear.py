@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from swarm.errors import ModelError
-from swarm.model_format import GGUF_FLOAT_TYPES
 from swarm.stage import gguf_q8, int4_kernel
 
 # Types repacked into swarm's int4 kernel: bytes per block and values per block (ggml-common.h's block_q4_0,
@@ -159,17 +158,13 @@ def row_order(processor: Any, name: str, rows: int) -> torch.Tensor | None:
     return torch.from_numpy(order.astype(np.int64))
 
 
-def is_float_type(ggml_type: str) -> bool:
-    return ggml_type in GGUF_FLOAT_TYPES
-
-
 def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[str, torch.Tensor],
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """Put into ``module`` (a decoder layer on the meta device) a :func:`gguf_linear` for each weight in ``kept``
     (state-dict names: "self_attn.q_proj.weight" ...), taking each one's bias out of ``tensors``. Siblings that read
     the same input (swarm.stage.quantize.SIBLINGS: q/k/v, gate/up) of one repacked type become one matrix -- their
     blocks' rows stacked, which is exact, as every block lies within a row -- computed in one kernel call."""
-    from swarm.stage.quantize import SIBLINGS, FusedPart, _Computed
+    from swarm.stage.quantize import SIBLINGS, Computed, FusedPart
 
     def bias_of(path: str) -> torch.Tensor | None:
         return tensors.pop(f"{path}.bias", None)
@@ -196,7 +191,7 @@ def place_linears(module: nn.Module, kept: dict[str, GGUFBlocks], tensors: dict[
             stacked = torch.cat([m.blocks for m in members if m])
             bias = torch.cat([b for b in biases if b is not None]) if biases[0] is not None else None
             fused = gguf_linear(stacked, first.ggml_type, (sum(sizes), first.shape[1]), bias, device, dtype)
-            shared = _Computed()
+            shared = Computed()
             for index, name in enumerate(names):
                 setattr(parent, name, FusedPart(fused, sizes, index, shared))
                 del paths[prefix + name]

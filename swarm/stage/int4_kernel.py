@@ -211,18 +211,3 @@ def kernel(flags: tuple[str, ...] = FLAGS) -> Int4Kernel | None:
     """The kernel built for this CPU (once per process; ``flags`` for other builds, as the tests compile the AVX2 and
     plain-C paths), or None where it cannot be built here."""
     return _kernels.get(flags)
-
-
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64 with torch: ``x`` (rows, in) quantized per group of 32 as the C file
-    quantizes it, against levels ``q`` (out, in) with ``scale`` and ``zero`` per group (out, in / 32). For tests and
-    the bench: the kernel must agree with it to float32 rounding."""
-    rows, k = x.shape
-    groups = x.float().reshape(rows, k // 32, 32)
-    d = groups.abs().amax(-1) / 127
-    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    xq = torch.round(groups * inverse[..., None]).clamp(-127, 127)
-    dot = torch.einsum("rgi,ngi->rng", xq.double(), q.double().reshape(q.shape[0], k // 32, 32))
-    scale, zero = scale.double(), zero.double()
-    return (dot * scale[None] * d.double()[:, None]
-            + (zero - 8 * scale)[None] * groups.double().sum(-1)[:, None]).sum(-1)

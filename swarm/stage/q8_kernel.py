@@ -195,28 +195,3 @@ def kernel(flags: tuple[str, ...] = FLAGS) -> Q8Kernel | None:
     """The kernel built for this CPU (once per process; ``flags`` for other builds, as the tests compile the AVX2 and
     plain-C paths), or None where it cannot be built here."""
     return _kernels.get(flags)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq, d): rows ``x`` (rows, in) quantized per group of 32 as the C file does, xq (rows, in / 32, 32) in
-    -127..127 and d (rows, in / 32) with x ~ d xq."""
-    rows, k = x.shape
-    groups = x.float().reshape(rows, k // GROUP, GROUP)
-    d = groups.abs().amax(-1) / 127
-    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return torch.round(groups * inverse[..., None]).clamp(-127, 127), d
-
-
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """What the kernel computes, in float64 with torch: ``x`` (rows, in) quantized per group of 32 as the C file
-    quantizes it, against levels ``q`` (out, in) with ``scale`` per half group (out, in / 16) and ``offset`` per group
-    (out, in / 32) or None. For tests and the bench: the kernel must agree with it to float32 rounding."""
-    rows, k = x.shape
-    xq, d = quantize_activations(x)
-    halves = xq.double().reshape(rows, k // 16, 16)
-    dot = torch.einsum("rhi,nhi->rnh", halves, q.double().reshape(q.shape[0], k // 16, 16))
-    d16 = d.double().repeat_interleave(2, -1)
-    y = (dot * scale.double()[None] * d16[:, None]).sum(-1)
-    if offset is not None:
-        y = y + x.double().reshape(rows, k // GROUP, GROUP).sum(-1) @ offset.double().T
-    return y

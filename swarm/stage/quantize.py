@@ -104,12 +104,12 @@ def _fuse_siblings(parent: Any, kind: str, skip: set[str]) -> None:
         if first.bias is not None:
             stacked.bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]), requires_grad=False)
         fused = _cpu_linear(stacked, kind)
-        shared = _Computed()
+        shared = Computed()
         for index, name in enumerate(names):
             setattr(parent, name, FusedPart(fused, sizes, index, shared))
 
 
-class _Computed:
+class Computed:
     """The last output of a fused matrix and the input it was computed for, until its last part took its share."""
 
     __slots__ = ("input", "parts")
@@ -125,7 +125,7 @@ class FusedPart(nn.Module):
     member called with another input (or on its own) computes the stacked matrix itself and returns its part: always
     correct, only slower."""
 
-    def __init__(self, fused: nn.Module, sizes: list[int], index: int, shared: _Computed):
+    def __init__(self, fused: nn.Module, sizes: list[int], index: int, shared: Computed):
         super().__init__()
         self.fused = fused  # the same module in every member: its buffers are held (and counted) once
         self.sizes, self.index, self._shared = list(sizes), index, shared

@@ -373,6 +373,6 @@ def _field(reader: Any, key: str) -> str | None:
         return None
     try:
         return bytes(field.parts[field.data[0]]).decode()
-    except Exception:
+    except Exception:  # a metadata string of another shape or encoding: the caller treats it as absent
         return None
 

@@ -14,8 +14,6 @@ from typing import Any
 
 from swarm.store.core import StoreCore
 
-OUTCOMES = ("done", "failed", "cancelled")
-
 
 @dataclasses.dataclass(frozen=True)
 class ServedRequest:

@@ -26,27 +26,23 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarm.errors import ImportFailed, UnsupportedArchitecture
+from swarm.errors import ImportFailed
 from swarm.model_format import (
     CONFIG_FILE,
-    DTYPE_BYTES,
     EMBED_FILE,
     FINAL_FILE,
     GENERATION_CONFIG_FILE,
     GGUF_STORAGE,
     MANIFEST_FILE,
-    SUPPORTED_ARCHITECTURES,
-    check_sliceable,
     layer_file,
 )
-from swarm.store import gguf_moe, gguf_source, weight_files
-from swarm.store.folder_source import FolderSource
+from swarm.store import weight_files
+from swarm.store.import_plan import Plan, check_disk, plan_folder, plan_gguf
 from swarm.store.manifest import FileEntry, Manifest, kv_bytes_per_token, sha256_file
-from swarm.store.moe_layout import dequantized_mxfp4, fuse_layer, kept_float32
+from swarm.store.moe_layout import fuse_layer, kept_float32
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +93,6 @@ def builtin_gguf_path(name: str = DEFAULT_BUILTIN, scratch: Path | None = None) 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
-# Beyond the weights, an import writes config, tokenizer and manifest files (a large vocabulary's tokenizer.json is
-# tens of MB) and safetensors headers: room kept free on top of the weights' own bytes.
-DISK_MARGIN_BYTES = 256 << 20
-
-
 def import_model(
     source: str,
     models_root: Path,
@@ -132,7 +123,7 @@ def import_model(
             name = source
         else:
             assert path is not None  # only a built-in model has no path yet
-            name = _default_name(path)
+            name = default_name(path)
     if not _NAME_RE.match(name):
         raise ImportFailed(
             f"{name!r} cannot be a model name: use letters, digits, '.', '_' and '-' (up to 128), e.g. --name my-model"
@@ -149,10 +140,10 @@ def import_model(
             models_root.mkdir(parents=True, exist_ok=True)
             scratch = Path(tempfile.mkdtemp(prefix=f".{name}.source-{os.getpid()}-", dir=models_root))
             path = builtin_gguf_path(source, scratch)
-        plan = _plan_gguf(path, dtype) if is_gguf else _plan_folder(path, dtype)
+        plan = plan_gguf(path, dtype) if is_gguf else plan_folder(path, dtype)
         models_root.mkdir(parents=True, exist_ok=True)
         _remove_stale_work(models_root, name, keep=scratch)
-        _check_disk(plan, models_root)
+        check_disk(plan, models_root)
         work = Path(tempfile.mkdtemp(prefix=f".{name}.importing-{os.getpid()}-", dir=models_root))
         os.chmod(work, 0o755)  # mkdtemp makes it owner-only; the model folder should read like any other
         manifest = _write_model(work, name, plan, report)
@@ -201,7 +192,7 @@ def _check_installed(name: str) -> None:
         )
 
 
-def _default_name(path: Path) -> str:
+def default_name(path: Path) -> str:
     stem = path.stem if path.is_file() else path.resolve().name
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._").lower()
     return cleaned or "model"
@@ -247,164 +238,7 @@ def _install(work: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_architecture(model_type: str | None, where: object) -> str:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{where} is a {model_type or 'unknown'!s} model; swarm can split only these architectures into stages: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Pick a model of one of those families."
-        )
-    return model_type
-
-
-# --- what an import will write --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Plan:
-    """Everything an import writes, known before the first byte is: config, the tensors (read lazily), the dtype they
-    are stored in, tokenizer and generation config."""
-
-    source: str
-    config: Any
-    tensors: list  # of objects with hf_name, shape, read(dtype)
-    dtype: str
-    tokenizer: Callable[[], Any]
-    generation_config: Any
-    # a GGUF's tensors kept as the file has them (swarm.store.gguf_blocks), and the file's general.architecture
-    keep_blocks: bool = False
-    architecture: str = ""
-    # a GGUF's quantization as llama.cpp names it ("Q4_K_M") and its size label ("135M"), for the model lists
-    file_type: str = ""
-    size_label: str = ""
-
-    def weight_bytes(self) -> int:
-        tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        total = 0
-        for tensor in self.tensors:
-            if tied and tensor.hf_name == "lm_head.weight":
-                continue
-            if self.keep_blocks:
-                total += tensor.raw_bytes
-                continue
-            n = 1
-            for d in tensor.shape:
-                n *= d
-            total += n * DTYPE_BYTES[self.dtype]
-        return total
-
-
-def _plan_folder(folder: Path, dtype: str) -> _Plan:
-    from transformers import AutoConfig
-
-    source = FolderSource(folder)
-    _check_architecture(source.architecture, folder)
-    tensors = dequantized_mxfp4(source.tensors())  # gpt-oss's MXFP4 experts, stored dequantized
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as exc:  # transformers raises many kinds here
-        raise ImportFailed(f"transformers cannot read {folder / CONFIG_FILE}: {exc}") from exc
-    check_sliceable(config)
-    if getattr(config, "quantization_config", None) is not None:
-        quantization = dict(config.quantization_config)
-        if quantization.get("quant_method") != "mxfp4":
-            raise ImportFailed(f"{folder} is quantized with {quantization.get('quant_method')!r}, which swarm cannot "
-                               "import from a folder; import the unquantized checkpoint (or a GGUF) instead")
-        del config.quantization_config  # its MXFP4 experts are stored dequantized: nothing is quantized any more
-    if any((folder / f).exists() for f in _TOKENIZER_MARKERS):
-        def tokenizer() -> Any:
-            return _load_tokenizer(lambda: _auto_tokenizer(folder))
-    else:
-        def tokenizer() -> Any:
-            return ImportFailed(f"no tokenizer files ({', '.join(_TOKENIZER_MARKERS)})")
-    return _Plan(str(folder), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
-                 _load_generation_config(folder))
-
-
-def _plan_gguf(path: Path, dtype: str) -> _Plan:
-    source = gguf_source.GGUFSource(path)
-    gguf_moe.check_importable(path, source.architecture)  # a MoE family whose GGUFs do not import yet
-    if source.architecture not in _GGUF_ARCHITECTURES:
-        _check_architecture(source.architecture, path)
-    unsupported = source.unsupported_types()
-    if unsupported:
-        kinds = ", ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in unsupported.items())
-        raise ImportFailed(
-            f"{path} stores tensors as {kinds}, which swarm does not run; it runs "
-            f"{', '.join(gguf_source.supported_quant_types())}. Use a GGUF of another quantization (Q4_K_M and Q8_0 "
-            "are the common ones) or the model's safetensors folder."
-        )
-    config = source.config()
-    _check_architecture(config.model_type, path)
-    gguf_moe.check_importable(path, source.architecture, config.model_type)
-    check_sliceable(config)
-    tensors = source.tensors(config)
-    if dtype != "auto":  # widened: a MoE layer's gate and up experts joined as the decoder layer holds them
-        tensors = gguf_source.widened(tensors)
-
-    def tokenizer() -> Any:
-        return _load_tokenizer(source.tokenizer)
-
-    return _Plan(str(path), config, tensors, source.stored_dtype() if dtype == "auto" else dtype, tokenizer,
-                 source.generation_config(config), keep_blocks=dtype == "auto", architecture=source.architecture,
-                 file_type=source.file_type() if dtype == "auto" else "", size_label=source.size_label())
-
-
-# GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
-# model types: llama.cpp calls Gemma 3's text model "gemma3", Qwen's MoE models "qwen2moe" and "qwen3moe", and writes
-# Mistral as "llama".
-_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe"}
-
-
-def _check_disk(plan: _Plan, models_root: Path) -> None:
-    need = plan.weight_bytes() + DISK_MARGIN_BYTES
-    free = _free_bytes(models_root)
-    if free < need:
-        raise ImportFailed(
-            f"importing {plan.source} needs {need / 1e9:.1f} GB free in {models_root} "
-            f"({plan.weight_bytes() / 1e9:.1f} GB of weights {_stored_as(plan)} + {DISK_MARGIN_BYTES >> 20} MB for "
-            f"tokenizer and config), has {free / 1e9:.1f} GB free; free some space or import into another data dir"
-        )
-
-
-def _stored_as(plan: _Plan) -> str:
-    return "as the GGUF's blocks" if plan.keep_blocks else f"in {plan.dtype}"
-
-
-def _free_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
-
-
-# Any of these in a folder means it carries a tokenizer (without one, AutoTokenizer may build an empty one).
-_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
-
-
-def _auto_tokenizer(folder: Path, **kwargs: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, **kwargs)
-
-
-def _load_tokenizer(load: Callable[[], Any]) -> Any:
-    try:
-        return load()
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("no usable tokenizer: %s", reason)
-        return ImportFailed(reason)
-
-
-def _load_generation_config(folder: Path) -> Any:
-    if not (folder / GENERATION_CONFIG_FILE).is_file():
-        return None
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(folder)
-    except Exception as exc:
-        raise ImportFailed(f"cannot read {folder / GENERATION_CONFIG_FILE}: {exc}") from exc
-
-
-def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manifest:
+def _write_model(work: Path, name: str, plan: Plan, report: Progress) -> Manifest:
     config = plan.config
     num_layers = int(config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -412,7 +246,7 @@ def _write_model(work: Path, name: str, plan: _Plan, report: Progress) -> Manife
     # library's model ignores them at load (_keys_to_ignore_on_load_unexpected), and so does an import
     extra = int(getattr(config, "num_mtp_layers", 0) or 0) if config.model_type == "glm4_moe" else 0
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source, extra)
-    if plan.keep_blocks:  # a GGUF's blocks as the file has them, a MoE layer's expert tensors included
+    if plan.keep_blocks:  # a GGUF's blocks as the file has them , a MoE layer's expert tensors included
         params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
         for i in range(num_layers):  # MoE layers: per-expert checkpoint tensors fused as the decoder layer holds them

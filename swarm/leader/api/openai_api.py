@@ -65,7 +65,7 @@ class OpenAIRoutes:
             opened = await self.open_chat(request, body, user)
             if opened is None:
                 return Response(status_code=499)  # nobody reads it
-        except Exception as exc:
+        except Exception as exc:  # every failure becomes the client's OpenAI-shaped error, not a 500
             if stream and isinstance(exc, ContextTooLong):  # the seed: context_length_exceeded in a stream
                 return StreamingResponse(error_events(exc), media_type="text/event-stream")
             return openai_error(exc)

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import secrets
+from typing import Any
 
 import trio
 
+from swarm import control_links as cl
+from swarm import wire
 from swarm.errors import SwarmError
 from swarm.leader.serving.models import ModelStatus
 
 log = logging.getLogger(__name__)
+
 
 DIRECT_LINKS = "direct_links"  # the store setting the admin page and `swarm admin direct-links` write
 CANDIDATES_TIMEOUT_S = 15.0  # a fellow's rendezvous takes at most ~2 s; opening its hop first may take a relay wait
@@ -57,11 +61,8 @@ class DirectLinkCoordinator:
             if model.status == ModelStatus.READY and model.hop_ids:
                 await self.start(model)
 
-    def on_message(self, conn, message: dict) -> None:
-        hop_id, role, kind = message.get("hop_id"), message.get("role"), message["t"]
-        if not (isinstance(hop_id, str) and isinstance(role, str) and isinstance(kind, str)):
-            return
-        key = (hop_id, role, kind)
+    def on_message(self, conn, message: cl.PunchAnswer) -> None:
+        key = (message.hop_id, message.role, wire.type_of(message))
         waiting = self._waiting.get(key)
         if waiting is None:
             return
@@ -104,11 +105,11 @@ class DirectLinkCoordinator:
             await trio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
             failures += 1
 
-    async def _ask(self, fellow_id: int, message: dict, reply: str, role: str, timeout: float) -> dict:
+    async def _ask(self, fellow_id: int, message: Any, reply: str, role: str, timeout: float) -> Any:
         conn = self.serving.hub.online.get(fellow_id)
         if conn is None:
             raise SwarmError("a fellow of the hop is offline")
-        key = (message["hop_id"], role, reply)
+        key = (message.hop_id, role, reply)
         send, receive = trio.open_memory_channel(1)
         self._waiting[key] = (fellow_id, send)
         try:
@@ -125,7 +126,7 @@ class DirectLinkCoordinator:
         best = float("inf")
         for _ in range(3):
             started = trio.current_time()
-            await self._ask(fellow_id, {"t": "punch_ping", "hop_id": hop_id, "role": role}, "punch_pong", role, 5.0)
+            await self._ask(fellow_id, cl.PunchPing(hop_id, role), wire.type_of(cl.PunchPong), role, 5.0)
             best = min(best, trio.current_time() - started)
         return best
 
@@ -140,12 +141,13 @@ class DirectLinkCoordinator:
                 who = secrets.token_urlsafe(16)
                 self.tokens[who.encode()] = ends[role]
                 tokens.append(who.encode())
-                answer = await self._ask(ends[role], {
-                    "t": "punch_prepare", "model": model.name, "hop_id": hop_id, "role": role, "who": who,
-                    "rendezvous_port": self.rendezvous_port}, "punch_candidates", role, CANDIDATES_TIMEOUT_S)
-                if answer.get("skip"):
-                    return str(answer["skip"])
-                candidates[role] = answer.get("candidates") or []
+                assert self.rendezvous_port is not None  # no attempt starts without it (enabled)
+                prepare = cl.PunchPrepare(model.name, hop_id, role, who, self.rendezvous_port)
+                answer = await self._ask(ends[role], prepare, wire.type_of(cl.PunchCandidates), role,
+                                         CANDIDATES_TIMEOUT_S)
+                if answer.skip:
+                    return answer.skip
+                candidates[role] = answer.candidates
         finally:
             for token in tokens:
                 self.tokens.pop(token, None)
@@ -157,14 +159,13 @@ class DirectLinkCoordinator:
         results = {}
 
         async def run(role: str, other: str) -> None:
-            results[role] = await self._ask(ends[role], {
-                "t": "punch_start", "model": model.name, "hop_id": hop_id, "role": role, "secret": secret,
-                "peer_candidates": candidates[other], "start_in_s": max(0.05, START_IN_S - rtt[role] / 2)},
-                "punch_result", role, RESULT_TIMEOUT_S)
+            results[role] = await self._ask(ends[role], cl.PunchStart(
+                model.name, hop_id, role, secret, candidates[other], max(0.05, START_IN_S - rtt[role] / 2)),
+                wire.type_of(cl.PunchResult), role, RESULT_TIMEOUT_S)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, "a", "b")
             nursery.start_soon(run, "b", "a")
-        if results["a"].get("ok") and results["b"].get("ok"):
+        if results["a"].ok and results["b"].ok:
             return "tunnel"
-        return "failed: " + "; ".join(str(r.get("message")) for r in results.values() if not r.get("ok"))
+        return "failed: " + "; ".join(str(r.message) for r in results.values() if not r.ok)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from typing import TYPE_CHECKING, Any
 
 import trio
 from starlette.websockets import WebSocket
 
 from swarm import __version__, wire
+from swarm import control_messages as cm
 from swarm.errors import AuthError, ProtocolError, SwarmError
+from swarm.leader.fleet.fellow_conn import FellowConn
 from swarm.leader.fleet.wsframes import ServerWebSocketFrameTransport
 from swarm.leader.serving.drain import leave_session
 from swarm.messages import Hardware
@@ -46,84 +46,6 @@ MALFORMED_LOG_EVERY = 1000
 TOUCH_EVERY_S = 10.0  # the database's "last seen" of a fellow: a heartbeat a second need not write it each time
 
 
-@dataclasses.dataclass(eq=False)
-class FellowConn:
-    id: int
-    name: str
-    public_key: bytes
-    pool_id: int
-    hardware: Hardware
-    serve_host: str | None
-    serve_port: int | None
-    version: str
-    channel: NoiseChannel
-    connected_at: float
-    last_heartbeat: float
-    standby: bool = False  # left alone by plain loads: it takes over stages of fellows that drop out
-    protocol: int = wire.PROTOCOL_VERSION  # the wire protocol it speaks (its hello's "v")
-    updates: bool = False  # it installs the leader's version when told to (`swarm update`), and restarts itself
-    drafting: bool = False  # its stages run and verify guessed tokens (drafting ahead; its hello says so)
-    draft_model: bool = False  # its last stage can hold a draft model (SWARM_SERVE_DRAFT_MODEL; its hello says so)
-    prefix_cache: bool = False  # its stages carry out prefix cache plans, replies' blocks included (its hello says so)
-    update_error: str | None = None  # why its last update failed, as it said
-    disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
-    calibration: dict | None = None  # how fast it runs a decoder layer, as its hello or heartbeat said (planner)
-    held: dict = dataclasses.field(default_factory=dict)  # model -> {"requests", "caches"} its stage holds
-    last_seen: float = 0.0  # when anything last arrived from it
-    credential: str = ""  # this connection's node credential (file downloads, relay); never logged
-    malformed: int = 0  # messages skipped as malformed
-    touched_at: float = -math.inf  # when its last_seen_at was last written to the database
-    # Messages to the fellow wait here for the connection's writer task, so whoever posts one -- the loop reading
-    # another fellow's link, a client's request -- never waits on this fellow's network.
-    outbox: trio.MemorySendChannel = dataclasses.field(init=False, repr=False)
-    _outbox_reader: trio.MemoryReceiveChannel = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.outbox, self._outbox_reader = trio.open_memory_channel(math.inf)
-
-    def post(self, message: Any) -> None:
-        """Queue a message for the fellow; it goes out in order. A closed connection drops it."""
-        try:
-            self.outbox.send_nowait(message)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("dropped a message for %s: its link is closed", self.name)
-
-    async def write_outbox(self) -> None:
-        async for message in self._outbox_reader:
-            await self.channel.send(wire.encode(message))
-
-    @property
-    def compatible(self) -> bool:
-        """Whether it reads this leader's messages: only such a fellow is given a stage, a cover or a link."""
-        return self.protocol == wire.PROTOCOL_VERSION
-
-    @property
-    def outdated(self) -> bool:
-        """Whether it runs another version of swarm than the leader (the admin page marks it)."""
-        return not self.compatible or self.version != __version__
-
-    def why_incompatible(self) -> str:
-        return (f"{self.name} runs swarm {self.version} (protocol {self.protocol}); this leader needs protocol "
-                f"{wire.PROTOCOL_VERSION} — run swarm update on {self.name}.")
-
-    def summary(self) -> dict:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "fingerprint": fingerprint(self.public_key),
-            "state": "online",
-            "hardware": self.hardware.to_wire(),
-            "hardware_text": self.hardware.describe(),
-            "serve": {"host": self.serve_host, "port": self.serve_port},
-            "version": self.version,
-            "protocol": self.protocol,
-            "outdated": self.outdated,
-            "update_error": self.update_error,
-            "standby": self.standby,
-            "held": self.held,
-        }
-
-
 class FellowHub:
     """Connected fellows by id. ``serving`` gets every message and every disconnect."""
 
@@ -143,6 +65,8 @@ class FellowHub:
                 # Any key may open the handshake: a new fellow enrols with a join token inside the encrypted session.
                 channel = await NoiseChannel.accept(transport, self.private, lambda key: True, timeout=HELLO_S)
                 channel.max_message_size = HELLO_MAX_BYTES
+                # A plain map, read field by field in _admit: a fellow of any version must be able to enrol and be
+                # told to update (swarm.control_messages).
                 hello = wire.decode(await channel.receive())
             if hello.get("t") != "hello":
                 raise AuthError("the first message on a fellow link must be hello")
@@ -170,7 +94,7 @@ class FellowHub:
             if not isinstance(exc, SwarmError):
                 exc = ProtocolError(f"the hello is malformed ({type(exc).__name__}); send the hello of `swarm join`.")
             log.info("refused a fellow: %s", exc)
-            await send_last(channel, wire.encode({"t": "refused", "message": str(exc)}))
+            await send_last(channel, wire.encode(cm.Refused(str(exc))))
             await close_quietly(transport)
             return
         try:
@@ -189,9 +113,8 @@ class FellowHub:
                             conn.version, conn.protocol, __version__, wire.PROTOCOL_VERSION)
                 self.serving.start_task(self._prepare_update)  # the wheel is ready by the time someone asks for it
             keep = self.serving.on_fellow_joined(conn, hello.get("stages") or [])
-            conn.post({"t": "welcome", "fellow_id": conn.id, "name": conn.name, "credential": conn.credential,
-                       "stages": keep, "leader": {"version": __version__, "protocol": wire.PROTOCOL_VERSION},
-                       "checks": checks.get("text")})
+            conn.post(cm.Welcome(conn.id, conn.credential, conn.name, keep,
+                                 {"version": __version__, "protocol": wire.PROTOCOL_VERSION}, checks.get("text")))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write, conn, nursery.cancel_scope)
                 nursery.start_soon(self._watch, conn, nursery.cancel_scope)
@@ -230,7 +153,7 @@ class FellowHub:
         offer = await self.updates.offer()
         log.info("asking %s (swarm %s, protocol %s) to update to swarm %s", conn.name, conn.version, conn.protocol,
                  offer["version"])
-        conn.post({"t": "update", **offer})
+        conn.post(cm.Update(**offer))
 
     async def _prepare_update(self) -> None:
         if self.updates is None:
@@ -254,20 +177,20 @@ class FellowHub:
             conn = self.online.get(known.id)
             if hello.get("version") == offer["version"] and _protocol(hello) == offer["protocol"] and \
                     hello.get("force") is not True:
-                reply = {"t": "current", "version": offer["version"]}
+                reply: Any = cm.Current(offer["version"])
             elif conn is not None and conn.updates:
                 await self.ask_update(conn)
-                reply = {"t": "updating", "name": conn.name, "version": offer["version"]}
+                reply = cm.Updating(conn.name, offer["version"])
             else:
                 if conn is not None:
                     credential = conn.credential  # the running fellow keeps its own
                 else:
                     _, credential = await trio.to_thread.run_sync(self.store.enrol_fellow, known.name, key,
                                                                   known.pool_id)
-                reply = {"t": "update", **offer, "credential": credential, "running": conn is not None}
+                reply = cm.Update(**offer, credential=credential, running=conn is not None)
         except SwarmError as exc:
             log.info("refused an update for key %s: %s", fingerprint(key), exc)
-            reply = {"t": "refused", "message": str(exc)}
+            reply = cm.Refused(str(exc))
         await send_last(channel, wire.encode(reply))
 
     async def disconnect(self, fellow_id: int) -> bool:
@@ -292,24 +215,22 @@ class FellowHub:
                     continue
                 conn.last_seen = trio.current_time()
                 try:
-                    if isinstance(message, dict) and message["t"] == "update_failed":
-                        conn.update_error = str(message.get("message"))[:500]
+                    if isinstance(message, cm.UpdateFailed):
+                        conn.update_error = message.message[:500]
                         log.warning("fellow %s could not update: %s", conn.name, conn.update_error)
                         continue
-                    if isinstance(message, dict) and message["t"] == "heartbeat":
-                        conn.hardware = Hardware.from_wire(message.get("hardware"))
-                        held = message.get("held")
-                        conn.held = held if isinstance(held, dict) else {}
-                        if isinstance(message.get("calibration"), dict):
-                            conn.calibration = message["calibration"]
+                    if isinstance(message, cm.Heartbeat):
+                        conn.hardware, conn.held = message.hardware, message.held
+                        if message.calibration is not None:
+                            conn.calibration = message.calibration
                         conn.last_heartbeat = trio.current_time()
                         if conn.last_heartbeat - conn.touched_at >= TOUCH_EVERY_S:  # not a write per message
                             conn.touched_at = conn.last_heartbeat
                             await trio.to_thread.run_sync(self.store.touch_fellow, conn.id)
                     await self.serving.on_fellow_message(conn, message)
                 except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                    # A field of the wrong type in an untyped message: the handlers read what they need and
-                    # trust the rest to be well formed; one bad message is skipped, not worth the fellow's link.
+                    # Decoding checked each message's own fields; the maps inside some (a heartbeat's hops, a
+                    # sample's output) are read field by field, and one bad message is skipped, not worth the link.
                     kind = getattr(message, "TYPE", None) or message.get("t")
                     self._malformed(conn, f"a malformed {kind!r} message ({type(exc).__name__}: {exc})")
         except SwarmError as exc:
@@ -327,7 +248,7 @@ class FellowHub:
         """Say alive; drop a fellow that stopped saying anything."""
         while True:
             await trio.sleep(ALIVE_S)
-            conn.post({"t": "alive"})
+            conn.post(cm.Alive())
             if trio.current_time() - conn.last_seen > SILENT_S:
                 # What it said may still wait unread if this process's own loop was held (a long collection, swap):
                 # let the reader catch up before deciding.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from swarm import control_links as cl
 from swarm.leader.planning.link_placement import link_hops
 from swarm.leader.planning.planner import Hop
 
@@ -67,25 +68,22 @@ class LinkMatrix:
                 relay_id = f"probe-{probe_id}"  # conn dials it, peer listens
                 relay.open_channel(relay_id, conn.id, peer.id)
                 self._relay_channels.append(relay_id)
-                peers.append({"fellow_id": peer.id, "name": peer.name, "key": peer.public_key, "probe_id": probe_id,
-                              "direct": [peer.serve_host, peer.serve_port]
-                              if direct_ok and peer.serve_host and peer.serve_port else None,
-                              "relay": relay_id})
-                listen.append({"hop_id": f"probe-{self._round}-{peer.id}-{conn.id}", "key": peer.public_key})
+                peers.append(cl.ProbePeer(peer.id, peer.name, peer.public_key, probe_id,
+                                          [peer.serve_host, peer.serve_port]
+                                          if direct_ok and peer.serve_host and peer.serve_port else None, relay_id))
+                listen.append(cl.ProbeListen(f"probe-{self._round}-{peer.id}-{conn.id}", peer.public_key))
             if peers:
-                conn.post({"t": "probe_links", "peers": peers, "listen": listen})
+                conn.post(cl.ProbeLinks(peers, listen))
 
-    def on_report(self, conn, message: dict) -> None:
+    def on_report(self, conn, message: cl.LinkReport) -> None:
         """A fellow's ``link_report``: its figures to each peer it measured (only peers of its pool are kept)."""
         online = self.serving.hub.online if self.serving.hub is not None else {}
-        links = message.get("links")
-        for link in links if isinstance(links, list) else []:
-            peer_id = link.get("fellow_id") if isinstance(link, dict) else None
-            peer = online.get(peer_id) if isinstance(peer_id, int) else None
+        for link in message.links:
+            peer = online.get(link.fellow_id)
             if peer is None or peer.id == conn.id or peer.pool_id != conn.pool_id:
                 continue
-            path = link.get("path") if link.get("path") in ("direct", "relay") else "relay"
-            rtt, mbps = _number(link.get("rtt_ms")), _number(link.get("mbps"))
+            path = link.path if link.path in ("direct", "relay") else "relay"
+            rtt, mbps = _number(link.rtt_ms), _number(link.mbps)
             before = self.links.get((conn.id, peer.id)) or {}
             # a failed probe, or a change of path, starts the window afresh
             recent = list(before.get("recent", [])) if before.get("path") == path and rtt is not None else []
@@ -96,8 +94,8 @@ class LinkMatrix:
             self.links[(conn.id, peer.id)] = {
                 "path": path, "rtt_ms": min(rtts) if rtts else None, "mbps": max(rates) if rates else None,
                 "last_rtt_ms": rtt, "rounds": len(recent), "recent": recent,
-                "error": str(link["error"])[:200] if link.get("error") else None,
-                "note": str(link["note"])[:200] if link.get("note") else None, "at": trio.current_time()}
+                "error": link.error[:200] if link.error else None,
+                "note": link.note[:200] if link.note else None, "at": trio.current_time()}
 
     def hops(self) -> dict[tuple[int, int], Hop]:
         """What placement and the planner know of each pair of fellows: the hops of rings serving now, as their

@@ -25,7 +25,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from swarm.errors import PlacementError
+from swarm.errors import PlacementError, ProtocolError
 from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan, place_in_order
 from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, layer_speed, predict
 
@@ -65,7 +65,7 @@ def fellow_speeds(fellows) -> dict[int, LayerSpeed]:
     for fellow in fellows:
         try:
             speeds[fellow.id] = layer_speed(fellow.calibration)
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ProtocolError, ValueError, KeyError, TypeError, AttributeError):
             continue
     return speeds
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from swarm.errors import PlacementError
+from swarm.errors import PlacementError, ProtocolError
 from swarm.leader.planning.moe_speed import (  # noqa: F401 -- the planner's MoE functions are told from here too
     active_layer_bytes,
     expert_line,
@@ -110,13 +110,13 @@ class LayerSpeed:
 
 
 def layer_speed(calibration: dict, lean: bool = False, kind: str = "none") -> LayerSpeed:
-    """A fellow's LayerSpeed from its calibration report; PlacementError-free ValueError when it is malformed.
+    """A fellow's LayerSpeed from its calibration report; ProtocolError when it is malformed (a fellow's report).
     ``lean``: the model's stages decode through the lean step (:func:`takes_lean_step`), so its figures count where
     the calibration has them (swarm.fellow.calibration VERSION 6). ``kind``: the load's quantization, whose routed
     expert's figures count where the calibration timed it (VERSION 8)."""
     points = calibration.get("points") if isinstance(calibration, dict) else None
     if not isinstance(points, list) or not points:
-        raise ValueError("no calibration points")
+        raise ProtocolError("no calibration points")
     if lean and all(isinstance(p, dict) and "lean_decode_ms" in p and "lean_decode_idle_ms" in p for p in points):
         points = [{**p, "decode_ms": p["lean_decode_ms"], "decode_idle_ms": p["lean_decode_idle_ms"]} for p in points]
     tokens = float(calibration.get("prefill_tokens") or PROMPT_TOKENS)
@@ -124,17 +124,17 @@ def layer_speed(calibration: dict, lean: bool = False, kind: str = "none") -> La
     prefill = [(float(p["weight_bytes"]), float(p["prefill_ms"]) * PROMPT_TOKENS / tokens) for p in points]
     heads = [(float(p["head_bytes"]), float(p["head_ms"])) for p in points if "head_ms" in p and "head_bytes" in p]
     if any(x <= 0 or y < 0 or not math.isfinite(y) for x, y in decode + prefill + heads):
-        raise ValueError("calibration points out of range")
+        raise ProtocolError("calibration points out of range")
 
     def mean(key: str) -> float:
         values = [float(p[key]) for p in points if key in p]
         if any(v < 0 or not math.isfinite(v) for v in values):
-            raise ValueError(f"calibration {key} out of range")
+            raise ProtocolError(f"calibration {key} out of range")
         return sum(values) / len(values) if values else 0.0
 
     idle = [(float(p["weight_bytes"]), float(p["decode_idle_ms"])) for p in points if "decode_idle_ms" in p]
     if any(y < 0 or not math.isfinite(y) for _, y in idle):
-        raise ValueError("calibration decode_idle_ms out of range")
+        raise ProtocolError("calibration decode_idle_ms out of range")
     head = line(heads) if len(heads) == len(points) else (None, None)
     after_idle = line(idle) if len(idle) == len(points) else (None, None)
     moe = calibration.get("moe")
@@ -317,7 +317,7 @@ async def plan_model(serving, name: str, num_stages: int | None = None) -> dict:
     for fellow in fellows:
         try:
             speeds[fellow.id] = layer_speed(fellow.calibration, lean=lean, kind=kind)
-        except (ValueError, KeyError, TypeError):
+        except (ProtocolError, ValueError, KeyError, TypeError):  # a field missing or not a number: no speed
             continue
     missing_speeds(plans, speeds)
     known = serving.link_matrix.hops()

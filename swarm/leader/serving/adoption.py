@@ -116,7 +116,7 @@ class Adoption:
                 kind = check_kind(plans[0].get("quantization") if plans else None)
                 kv = check_kv_kind(plans[0].get("kv_cache") if plans else None)
                 context = plans[0].get("context_tokens") if plans else None
-            except Exception as exc:
+            except Exception as exc:  # a stored plan of any shape must not stop the leader: it forgets that one
                 log.warning("cannot restore %s after the restart (%s); it is not serving", name, exc)
                 await trio.to_thread.run_sync(serving.store.delete_serving, name)
                 continue

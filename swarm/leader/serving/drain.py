@@ -26,6 +26,7 @@ from collections.abc import Set as AbstractSet
 
 import trio
 
+from swarm import control_messages as cm
 from swarm import wire
 from swarm.errors import AuthError, DrainRefused, SwarmError
 from swarm.leader.planning.failover import Candidate, choose_replacement
@@ -137,20 +138,19 @@ class Drains:
                 done = await self._drain(conn, force, wait_s)
             finally:
                 self.leaving.discard(fellow_id)
-        conn.post({"t": "leave", "message": done})
+        conn.post(cm.Leave(message=done))
         log.info("%s", done)
         return done
 
-    async def on_leave(self, conn, message: dict) -> None:
-        """The fellow itself asks to leave ({"t": "leave"}: its process got SIGTERM): drain it, then it is told to
-        leave ({"t": "leave"}), or why it may not ({"t": "leave_refused"}, only without ``force``)."""
-        wait = message.get("wait_s")
-        wait_s = min(600.0, max(1.0, float(wait))) if isinstance(wait, (int, float)) and \
-            not isinstance(wait, bool) else self.serving.settings.leave_wait_s
+    async def on_leave(self, conn, message: cm.Leave) -> None:
+        """The fellow itself asks to leave (Leave: its process got SIGTERM): drain it, then it is told to leave
+        (Leave), or why it may not (LeaveRefused, only without ``force``)."""
+        wait = message.wait_s
+        wait_s = min(600.0, max(1.0, wait)) if wait is not None else self.serving.settings.leave_wait_s
         try:
-            await self.drain(conn.id, force=message.get("force") is True, wait_s=wait_s)
+            await self.drain(conn.id, force=message.force, wait_s=wait_s)
         except DrainRefused as exc:
-            conn.post({"t": "leave_refused", "message": str(exc)})
+            conn.post(cm.LeaveRefused(str(exc)))
 
     async def _drain(self, conn, force: bool, wait_s: float) -> str:
         moves, refusals = self.plan(conn.id)
@@ -219,7 +219,7 @@ class Drains:
         log.info("the ring of %s switched stage %d from %s to %s in %.0f ms", model.name, handover.index,
                  leaving.name, taker.name, 1000 * (trio.current_time() - switched_at))
         self.switches = [*self.switches[-15:], Switch(model.name, last_token, switched_at, trio.current_time())]
-        leaving.post({"t": "unload", "model": model.name})
+        leaving.post(cm.Unload(model.name))
         return None
 
     async def next_token(self, model: ModelServing) -> float | None:
@@ -261,7 +261,7 @@ class Drains:
                 if slot.cover == fellow_id:
                     slot.cover, slot.cover_ready, slot.cover_given = None, False, None
                     if conn is not None:
-                        conn.post({"t": "unload", "model": model.name})
+                        conn.post(cm.Unload(model.name))
                     model.notify()
 
     def _cancel_cover(self, model: ModelServing, slot: StageState, leaving_id: int) -> None:
@@ -270,7 +270,7 @@ class Drains:
             return
         conn = self.serving.hub.online.get(slot.cover)
         if conn is not None:
-            conn.post({"t": "unload", "model": model.name})
+            conn.post(cm.Unload(model.name))
         slot.cover, slot.cover_given = None, None
         model.notify()
 
@@ -282,7 +282,7 @@ async def _then_cancel(wait, scope: trio.CancelScope) -> None:
 
 async def leave_session(hub, channel, hello: dict) -> None:
     """Answer `swarm leave` (a control session of the fellow's own key, next to the running fellow's link): drain the
-    running fellow and tell it to leave -> {"t": "left"}, or {"t": "refused"} saying why it stays."""
+    running fellow and tell it to leave -> Left, or Refused saying why it stays."""
     key = channel.remote_static
     try:
         known = await trio.to_thread.run_sync(hub.store.fellow_by_key, key)
@@ -295,8 +295,8 @@ async def leave_session(hub, channel, hello: dict) -> None:
         wait_s = min(600.0, max(1.0, float(wait))) if isinstance(wait, (int, float)) and \
             not isinstance(wait, bool) else hub.serving.settings.leave_wait_s
         done = await hub.serving.drains.drain(known.id, force=hello.get("force") is True, wait_s=wait_s)
-        reply = {"t": "left", "message": done}
+        reply: cm.Left | cm.Refused = cm.Left(done)
     except SwarmError as exc:
         log.info("refused a leave for key %s: %s", fingerprint(key), exc)
-        reply = {"t": "refused", "message": str(exc)}
+        reply = cm.Refused(str(exc))
     await send_last(channel, wire.encode(reply))

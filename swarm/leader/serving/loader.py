@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from swarm import control_messages as cm
 from swarm.errors import ModelNotLoaded, PlacementError
 from swarm.leader.api.limits import model_context, served_context
 from swarm.leader.planning.auto_load import room
@@ -210,7 +211,7 @@ class Loader:
         for fellow_id in serving.fellow_ids | {s.cover for s in serving.stages if s.cover is not None}:
             conn = self.serving.online.get(fellow_id)
             if conn is not None:
-                conn.post({"t": "unload", "model": name})
+                conn.post(cm.Unload(name))
         self.serving.recovery.close_ring(serving)
         self.serving.book.end_model(name, reason or f"model {name} was unloaded")
         self.serving.prefix.forget(name)  # the stages drop their blocks with the model

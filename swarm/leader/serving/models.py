@@ -6,16 +6,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
 
 import trio
 
+from swarm import control_messages as cm
 from swarm.kv_kinds import kv_element_bytes
 from swarm.leader.api.limits import FALLBACK_CONTEXT
 from swarm.leader.planning.placement import ModelSize, StagePlan
 from swarm.leader.serving import admission
 from swarm.leader.serving.admission import Budget
 from swarm.model_format import DTYPE_BYTES
+from swarm.wire import from_map, to_map
 
 LOAD_PHASES = ["queued", "download", "extract", "load", "ready"]
 
@@ -92,8 +93,8 @@ class ModelServing:
     def files_for(self, fellow_id: int) -> set[str]:
         """The model files ``fellow_id`` may download: those of the stages (and hot covers, and a re-layout's next
         stages) placed on it."""
-        files = {f["path"] for i, s in enumerate(self.stages) if fellow_id in (s.plan.fellow_id, s.cover)
-                 for f in load_message(self, i)["files"]}
+        files = {f.path for i, s in enumerate(self.stages) if fellow_id in (s.plan.fellow_id, s.cover)
+                 for f in load_message(self, i).files}
         if self.relayout:
             files |= dataclasses.replace(self, stages=self.relayout, relayout=[]).files_for(fellow_id)
         return files
@@ -157,29 +158,27 @@ class ModelServing:
         }
 
 
-def load_message(serving: ModelServing, i: int, cover: bool = False) -> dict:
+def load_message(serving: ModelServing, i: int, cover: bool = False) -> cm.Load:
     """What a fellow needs to load stage ``i`` (or a hot cover of it): its layers and their files."""
     from swarm.store.manifest import Manifest, stage_files
 
     plan, n = serving.stages[i].plan, len(serving.stages)
-    spec: dict[str, Any] = {"index": i, "num_stages": n, "first_layer": plan.first_layer, "end_layer": plan.end_layer,
-            "is_first": i == 0, "is_last": i == n - 1}
-    files = stage_files(Manifest.from_dict(serving.manifest), plan.first_layer, plan.end_layer, spec["is_first"],
-                        spec["is_last"])
+    slot = cm.StageSlot(i, n, plan.first_layer, plan.end_layer, is_first=i == 0, is_last=i == n - 1)
+    files = stage_files(Manifest.from_dict(serving.manifest), plan.first_layer, plan.end_layer, slot.is_first,
+                        slot.is_last)
     dtype = serving.manifest.get("dtype")
-    return {
-        "t": "load", "model": serving.name, "load_id": serving.load_id, "stage": spec, "config": serving.config,
-        "files": [_file_message(f) for f in files],
-        "gpu_dtype": dtype if dtype in ("float16", "bfloat16") else "float16", "cover": cover,
-        "stored_dtype": dtype or "float32", "quantization": serving.quantization, "kv_cache": serving.kv_cache,
-        **({"draft": serving.draft} if serving.draft is not None and spec["is_last"] else {}),
-    }
+    # serving.draft is kept as a map (it goes into the stored plans, swarm.leader.serving.adoption)
+    draft = from_map(cm.DraftPart, serving.draft, "draft") if serving.draft is not None and slot.is_last else None
+    return cm.Load(serving.name, serving.load_id, slot, serving.config, [_file_message(f) for f in files],
+                   gpu_dtype=dtype if dtype in ("float16", "bfloat16") else "float16", cover=cover,
+                   stored_dtype=dtype or "float32", quantization=serving.quantization, kv_cache=serving.kv_cache,
+                   draft=draft)
 
 
-def _file_message(f) -> dict:
+def _file_message(f) -> cm.FileEntry:
     """A file of a load message: what to fetch, and (a GGUF's blocks) how many weight values it holds, which a fellow
     spreading a stage over its cards sizes the layers by."""
-    return {"path": f.path, "sha256": f.sha256, "size": f.size, **({"params": f.params} if f.params else {})}
+    return cm.FileEntry(f.path, f.sha256, f.size, f.params or None)
 
 
 def draft_message(chosen) -> dict:
@@ -193,7 +192,7 @@ def draft_message(chosen) -> dict:
     files = [manifest.file(p) for p in stage_file_paths(0, manifest.num_layers, True, True,
                                                         manifest.tie_word_embeddings)]
     return {"model": chosen.name, "config": chosen.config, "num_layers": manifest.num_layers,
-            "files": [_file_message(f) for f in files],
+            "files": [to_map(_file_message(f)) for f in files],
             "stored_dtype": chosen.manifest.get("dtype") or "float32"}
 
 
@@ -207,22 +206,24 @@ def draft_size(manifest: dict, cpu: bool, quantization: str = "none"):
     return DraftSize(stage_weight_bytes(size, 0, n, True, True), size.kv_bytes_per_token_per_layer * n)
 
 
-def link_message(serving: ModelServing, i: int, online: dict, transport: str) -> dict:
+def link_message(serving: ModelServing, i: int, online: dict, transport: str) -> cm.Link:
     """Stage ``i``'s hops in the current ring generation: where it sends, and who may send to it."""
     plans = [s.plan for s in serving.stages]
     n = len(plans)
-    message: dict[str, Any] = {"t": "link", "model": serving.name, "load_id": serving.load_id,
-                               "ring_id": serving.ring_id, "index": i, "num_stages": n}
-    if n > 1:
-        nxt = online.get(plans[(i + 1) % n].fellow_id)
-        direct = None
-        if transport != "relay" and nxt and nxt.serve_port:
-            direct = [nxt.serve_host, nxt.serve_port]
-        message["hop_out"] = {"hop_id": serving.hop_ids[i], "peer_key": nxt.public_key if nxt else b"",
-                              "peer_name": plans[(i + 1) % n].fellow_name, "direct": direct, "transport": transport}
-        prev = online.get(plans[(i - 1) % n].fellow_id)
-        message["hop_in"] = {"hop_id": serving.hop_ids[(i - 1) % n], "peer_key": prev.public_key if prev else b""}
-    return message
+    assert serving.ring_id is not None, "a ring generation is started before its stages are linked"
+    message = cm.Link(serving.name, serving.load_id, serving.ring_id, i, n)
+    if n == 1:
+        return message
+    nxt = online.get(plans[(i + 1) % n].fellow_id)
+    direct = None
+    if transport != "relay" and nxt and nxt.serve_port:
+        direct = [nxt.serve_host, nxt.serve_port]
+    prev = online.get(plans[(i - 1) % n].fellow_id)
+    return dataclasses.replace(
+        message,
+        hop_out=cm.HopOut(serving.hop_ids[i], nxt.public_key if nxt else b"", plans[(i + 1) % n].fellow_name, direct,
+                          transport),
+        hop_in=cm.HopIn(serving.hop_ids[(i - 1) % n], prev.public_key if prev else b""))
 
 
 def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: str = "auto") -> ModelSize:

@@ -22,6 +22,8 @@ import secrets
 
 import trio
 
+from swarm import control_messages as cm
+from swarm import wire
 from swarm.leader.planning.failover import Candidate, choose_cover, choose_replacement, why_no_replacement
 from swarm.leader.planning.placement import StagePlan
 from swarm.leader.serving.adoption import Adoption
@@ -35,6 +37,8 @@ from swarm.leader.serving.models import (
 )
 
 log = logging.getLogger(__name__)
+# What a fellow says of loading and linking a stage (swarm.control_messages)
+StageEvent = cm.LoadProgress | cm.Loaded | cm.LoadFailed | cm.Linked | cm.LinkFailed
 
 HOT_COVER = "hot_cover"  # the store setting the admin page writes (SWARM_SERVE_HOT_COVER=1 turns it on too)
 RETRY_S = 1.0  # how often a stage with no replacement yet looks again (also woken when a fellow joins)
@@ -61,15 +65,15 @@ class Recovery:
 
     # --- events from fellows ------------------------------------------------------------------------------------
 
-    def on_stage_event(self, conn, message: dict) -> None:
-        model = self.serving.models.get(message.get("model"))
+    def on_stage_event(self, conn, message: StageEvent) -> None:
+        model = self.serving.models.get(message.model)
         if model is None:
             return
-        kind = message["t"]
-        if kind in ("linked", "link_failed"):
+        if isinstance(message, (cm.Linked, cm.LinkFailed)):
             self._on_link_event(model, conn, message)
             return
-        if model.load_id != message.get("load_id"):
+        kind = wire.type_of(message)
+        if model.load_id != message.load_id:
             return
         slot = model.slot_of(conn.id)
         cover = next((s for s in model.stages if s.cover == conn.id), None)
@@ -81,16 +85,15 @@ class Recovery:
             if self.serving.rebalance.relayouts.on_stage_event(model, conn, message):
                 model.notify()  # a re-layout waits for its next stages (swarm.leader.serving.relayout)
             return
-        if kind == "load_progress":
-            phase, fraction = message.get("phase"), message.get("fraction")
-            if phase not in LOAD_PHASES or isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        if isinstance(message, cm.LoadProgress):
+            if message.phase not in LOAD_PHASES:
                 return  # malformed: a fellow's bug or a forgery, not worth its link
-            slot.phase, slot.fraction = phase, min(1.0, max(0.0, float(fraction)))
-        elif kind == "loaded":
+            slot.phase, slot.fraction = message.phase, min(1.0, max(0.0, message.fraction))
+        elif isinstance(message, cm.Loaded):
             slot.phase, slot.fraction, slot.ready, slot.error = "ready", 1.0, True, None
             self.link_when_loaded(model)
-        elif kind == "load_failed":
-            self._on_load_failed(model, slot, conn, message.get("message"))
+        elif isinstance(message, cm.LoadFailed):
+            self._on_load_failed(model, slot, conn, message.message)
         model.notify()
 
     def _on_load_failed(self, model: ModelServing, slot: StageState, conn, text: str | None) -> None:
@@ -110,14 +113,14 @@ class Recovery:
         elif kind == "load_failed":
             slot.cover, slot.cover_ready, slot.cover_given = None, False, None
 
-    def _on_link_event(self, model: ModelServing, conn, message: dict) -> None:
-        if message.get("ring_id") != model.ring_id:
+    def _on_link_event(self, model: ModelServing, conn, message: cm.Linked | cm.LinkFailed) -> None:
+        if message.ring_id != model.ring_id:
             return  # an older generation's answer
         slot = model.slot_of(conn.id)
         if slot is None:
             return
-        if message["t"] == "link_failed":
-            log.warning("linking %s failed: %s", model.name, message.get("message"))
+        if isinstance(message, cm.LinkFailed):
+            log.warning("linking %s failed: %s", model.name, message.message)
             slot.ready = False
             self.serving.start_task(self.replace, model, slot.plan.index)
             return
@@ -134,7 +137,7 @@ class Recovery:
         for slot in model.stages:
             conn = self.serving.hub.online.get(slot.plan.fellow_id)
             if conn is not None:
-                conn.post({"t": "ring_ready", "model": model.name, "ring_id": model.ring_id})
+                conn.post(cm.RingReady(model.name, model.ring_id))
         self.serving.resume(model.name)
         await self._save(model)
         if len(model.stages) > 1 and self.serving.direct_links is not None:
@@ -218,7 +221,7 @@ class Recovery:
         for slot in model.stages:  # the stages still there drop their work until the ring is linked again
             conn = serving.hub.online.get(slot.plan.fellow_id)
             if conn is not None and slot.ready:
-                conn.post({"t": "unlink", "model": model.name})
+                conn.post(cm.Unlink(model.name))
 
     async def replace(self, model: ModelServing, index: int) -> None:
         """Find a fellow for stage ``index`` of ``model`` and load it there; give up after the failover wait."""

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import trio
 
+from swarm import control_messages as cm
 from swarm.leader.api.limits import FALLBACK_CONTEXT
 from swarm.leader.planning.placement import StagePlan
 from swarm.leader.planning.relayout import describe
 from swarm.leader.serving.models import LOAD_PHASES, ModelServing, ModelStatus, StageState, load_message
+
+if TYPE_CHECKING:
+    from swarm.leader.serving.recovery import StageEvent
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +56,18 @@ class Relayouts:
         self.serving = serving
         self._lock = trio.Lock()
 
-    def on_stage_event(self, model: ModelServing, conn, message: dict) -> bool:
+    def on_stage_event(self, model: ModelServing, conn, message: StageEvent) -> bool:
         """A load event of a fellow that holds no stage of ``model``: a re-layout's next stage? -> handled."""
         state = next((s for s in model.relayout if s.plan.fellow_id == conn.id and not s.linked), None)
         if state is None:
             return False
-        kind = message["t"]
-        if kind == "load_progress":
-            phase, fraction = message.get("phase"), message.get("fraction")
-            if phase in LOAD_PHASES and isinstance(fraction, (int, float)) and not isinstance(fraction, bool):
-                state.phase, state.fraction = phase, min(1.0, max(0.0, float(fraction)))
-        elif kind == "loaded":
+        if isinstance(message, cm.LoadProgress):
+            if message.phase in LOAD_PHASES:
+                state.phase, state.fraction = message.phase, min(1.0, max(0.0, message.fraction))
+        elif isinstance(message, cm.Loaded):
             state.phase, state.fraction, state.ready, state.error = "ready", 1.0, True, None
-        elif kind == "load_failed":
-            state.error = str(message.get("message") or f"{conn.name} could not load it")
+        elif isinstance(message, cm.LoadFailed):
+            state.error = message.message or f"{conn.name} could not load it"
         return True
 
     async def apply(self, model: ModelServing, plans: list[StagePlan]) -> str:
@@ -158,7 +161,7 @@ class Relayouts:
         conn = self.serving.hub.online.get(fellow_id) if fellow_id is not None else None
         if conn is None or model.slot_of(conn.id) is not None or any(s.cover == conn.id for s in model.stages):
             return
-        conn.post({"t": "unload", "model": model.name})
+        conn.post(cm.Unload(model.name))
 
 
 def _next(model: ModelServing, stages: list[StageState]) -> ModelServing:

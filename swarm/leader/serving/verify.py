@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 import trio
 
+from swarm import control_messages as cm
 from swarm import messages
+from swarm.errors import ProtocolError
 from swarm.leader.serving.models import ModelServing, ModelStatus
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ def _array(d: dict) -> np.ndarray:
     elif d["dtype"] == "bfloat16":  # the high half of a float32
         a = (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
     else:
-        raise ValueError(f"a stage's output of dtype {d['dtype']!r}")
+        raise ProtocolError(f"a stage's output of dtype {d['dtype']!r}")
     return a.reshape(shape)
 
 
@@ -198,7 +200,7 @@ class Verifier:
                 self.pending[check_id] = Check(model.name, model.load_id, slot.plan.index, conn.id, checker.id,
                                                message.rid, request_id, now, tol)
                 picks.append([pos, check_id])
-            conn.post({"t": "verify_pick", "model": model.name, "rid": message.rid, "picks": picks})
+            conn.post(cm.VerifyPick(model.name, message.rid, picks))
             checked = True
         self._prune(now)
         return checked
@@ -209,47 +211,44 @@ class Verifier:
 
     # --- samples and results ------------------------------------------------------------------------------------
 
-    def on_message(self, conn, message: dict) -> None:
-        check = self.pending.get(str(message.get("check")))
+    def on_message(self, conn, message: cm.VerifySample | cm.VerifyResult) -> None:
+        check = self.pending.get(message.check)
         if check is None:
             return
-        if message["t"] == "verify_sample" and conn.id == check.fellow_id and check.claimed is None:
+        if isinstance(message, cm.VerifySample) and conn.id == check.fellow_id and check.claimed is None:
             self._run(check, message)
-        elif message["t"] == "verify_result" and conn.id == check.checker_id and check.claimed is not None:
-            del self.pending[message["check"]]
+        elif isinstance(message, cm.VerifyResult) and conn.id == check.checker_id and check.claimed is not None:
+            del self.pending[message.check]
             self._judge(check, message)
 
-    def _run(self, check: Check, sample: dict) -> None:
+    def _run(self, check: Check, sample: cm.VerifySample) -> None:
         model = self.serving.models.get(check.model)
         checker = self.serving.hub.online.get(check.checker_id)
         if model is None or model.load_id != check.load_id or checker is None:
-            self.pending.pop(sample["check"], None)
+            self.pending.pop(sample.check, None)
             return
-        output = sample.get("output")
-        check.claimed = output if isinstance(output, dict) else {}
-        check.path = sample.get("path") if isinstance(sample.get("path"), str) else None
+        check.claimed = sample.output
+        check.path = sample.path
         plan = model.stages[check.index].plan
-        checker.post({"t": "verify_run", "model": check.model, "check": sample["check"],
-                      "first_layer": plan.first_layer, "end_layer": plan.end_layer, "rid": check.rid,
-                      "passes": sample["passes"], "inputs": sample["inputs"], "prompt_len": sample["prompt_len"],
-                      "output": check.claimed, "final": bool(sample.get("final"))})
+        checker.post(cm.VerifyRun(check.model, sample.check, plan.first_layer, plan.end_layer, check.rid,
+                                  sample.passes, sample.inputs, sample.prompt_len, check.claimed, sample.final))
 
-    def _judge(self, check: Check, result: dict) -> None:
-        if result.get("error") or not isinstance(result.get("output"), dict):
-            log.info("a check of stage %d of %s could not run: %s", check.index, check.model, result.get("error"))
+    def _judge(self, check: Check, result: cm.VerifyResult) -> None:
+        if result.error or result.output is None:
+            log.info("a check of stage %d of %s could not run: %s", check.index, check.model, result.error)
             return
-        if result.get("path") != check.path:  # honest fellows on other 4-bit kernels differ like a broken one
+        if result.path != check.path:  # honest fellows on other 4-bit kernels differ like a broken one
             checker = self.serving.hub.online.get(check.checker_id)
             self.mismatched[(check.model, check.index)] = (check.fellow_id, check.checker_id, (
-                f"its checker {checker.name if checker else 'standby'} computes 4 bits with {result.get('path')}'s "
+                f"its checker {checker.name if checker else 'standby'} computes 4 bits with {result.path}'s "
                 f"kernel, the stage with {check.path}'s (honest fellows on the two differ as much as a broken one); "
                 "give both the same SWARM_INT4_KERNEL"))
             log.warning("stage %d of %s is not checked: %s", check.index, check.model,
                         self.mismatched[(check.model, check.index)][2])
             return
         try:
-            diff = difference(check.claimed or {}, result["output"])
-        except (KeyError, TypeError, ValueError) as exc:  # the checked fellow's sample did not decode: it is wrong
+            diff = difference(check.claimed or {}, result.output)
+        except (ProtocolError, KeyError, TypeError, ValueError) as exc:  # the checked fellow's sample did not decode
             log.info("a checked pass of stage %d of %s did not decode: %s", check.index, check.model, exc)
             diff = float("inf")
         self.checks += 1
@@ -300,7 +299,7 @@ class Verifier:
             s.failed_on.add(check.fellow_id)  # none of this model's stages goes back to it
         conn = self.serving.hub.online.get(check.fellow_id)
         if conn is not None:
-            conn.post({"t": "unload", "model": model.name})
+            conn.post(cm.Unload(model.name))
         if slot is not None:
             self.serving.recovery.take_out(model, slot, f"stage {slot.plan.index} of {model.name} on {name} "
                                                           "failed its checks")
