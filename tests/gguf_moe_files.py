@@ -15,7 +15,7 @@ import torch
 from gguf_files import quantized_blocks
 
 # GGUF architecture and the key its metadata is written under, by transformers model type
-ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "glm4_moe": "glm4moe"}
 
 
 def _permuted(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -44,11 +44,12 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
     config = model.config
     arch = ARCHITECTURES[config.model_type]
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
+    nextn = int(getattr(config, "num_nextn_predict_layers", 0) or 0)  # GLM: MTP layers after the decoder's
+    names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers + nextn)
     writer = GGUFWriter(str(path), arch)
     if config.model_type == "mixtral":  # as llama.cpp names Mistral AI's files (transformers then reads "mistral")
         writer.add_name("mistralai_Mixtral-tiny-Instruct")
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + nextn)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -60,8 +61,16 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+    if arch == "glm4moe":  # as convert_hf_to_gguf.py's Glm4MoeModel writes them
+        writer.add_nextn_predict_layers(nextn)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_count(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+                            or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if getattr(config, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -97,6 +106,8 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
             else:
                 put(f"blk.{layer}.ffn_down_exps.weight", value, down or experts)
             continue
+        if suffix == "e_score_correction_bias":  # convert_hf_to_gguf.py renames it e_score_correction.bias
+            base, suffix = f"{base}.e_score_correction", "bias"
         gguf_name = names.get_name(base)
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
@@ -106,6 +117,10 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
             value = _permuted(value, config.num_attention_heads if gguf_name.endswith("attn_q")
                               else config.num_key_value_heads)
         put(f"{gguf_name}.{suffix}", value, matrices)
+    for extra in range(config.num_hidden_layers, config.num_hidden_layers + nextn):  # a NextN layer: random
+        for kind in ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "attn_norm.weight"):
+            shape = (config.hidden_size, 2 * config.hidden_size) if "eh_proj" in kind else (config.hidden_size,)
+            put(f"blk.{extra}.{kind}", rng.standard_normal(shape).astype(np.float32), matrices)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -37,7 +37,7 @@ PART_ORDER = ("ffn_gate_exps", "ffn_up_exps")
 _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 # GGUF architecture names of MoE families whose safetensors folders import but whose GGUFs do not yet
 # (swarm.model_format.GGUF_MOE_ARCHITECTURES says why): refused before transformers reads them
-NOT_YET = {"gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+NOT_YET = {"gpt-oss": "gpt_oss"}
 
 
 def check_importable(path: Path, architecture: str, model_type: str = "") -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from swarm.errors import ImportFailed
 from swarm.model_format import GGUF_TYPES
-from swarm.store import gguf_moe
+from swarm.store import gguf_moe, gguf_names
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ class GGUFSource:
         (swarm.store.gguf_moe: its expert sizes, Mixtral)."""
         from transformers import AutoConfig
 
+        if gguf_names.owned(self.architecture):  # a family transformers' GGUF loader cannot read
+            return gguf_names.config(self.reader, self.architecture)
         try:
             with self._parsed_once():
                 config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
@@ -200,11 +202,15 @@ class GGUFSource:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        names = gguf_moe.weights_map(skeleton, processor, self.architecture)
-        del skeleton
+        if gguf_names.owned(self.architecture):  # swarm's own map; the file's tensors as they are
+            processor = TensorProcessor(config=config.to_dict())
+            names = gguf_names.weights_map(self.architecture, config)
+        else:
+            processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+            names = gguf_moe.weights_map(skeleton, processor, self.architecture)
+            del skeleton
         out = []
         joined = gguf_moe.joined_parts(names)
         for tensor in self.reader.tensors:

@@ -352,7 +352,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
 # GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
 # model types: llama.cpp calls Gemma 3's text model "gemma3", Qwen's MoE models "qwen2moe" and "qwen3moe", and writes
 # Mistral as "llama".
-_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe"}
+_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe", "glm4moe", "gpt-oss"}
 
 
 def _check_disk(plan: _Plan, models_root: Path) -> None:

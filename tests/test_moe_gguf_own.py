@@ -1,0 +1,115 @@
+"""MoE GGUFs that transformers' GGUF loader cannot read, mapped by swarm (swarm.store.gguf_names): a tiny random
+GLM-4.5 (glm4_moe: a dense first layer, shared experts, the router's score-correction bias, q/k/v biases, partial
+rotary, a NextN layer after the decoder's) built by transformers from its config, written with gguf-py's writer as
+convert_hf_to_gguf.py writes it (experts Q8_0, the rest F32), imported with its blocks kept; over 1, 2 and 3 stages
+it answers at ``none`` as the source model with its experts set to the file's values, at ``gguf`` as the gguf kind
+in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import shared_once
+from exactness import check_reply, reference
+from gguf_moe_files import build_model, write_moe_gguf
+
+LAYERS = 3
+PROMPT = [5, 17, 42, 99, 7, 150, 3, 88, 21, 64]
+NEW_TOKENS = 10
+_COMMON = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+               max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               num_hidden_layers=LAYERS, tie_word_embeddings=False, rms_norm_eps=2.0 ** -17)
+FAMILIES = {  # model -> (family, config, expert type)
+    "glm4_moe": ("glm4_moe", dict(intermediate_size=128, head_dim=32, moe_intermediate_size=64, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                  topk_group=1, attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                  num_nextn_predict_layers=1,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5}), "Q8_0"),
+}
+
+
+def _source(name: str):
+    """The family's random float32 model, its biases (zeros as transformers makes them) random too."""
+    family, config, _ = FAMILIES[name]
+    model = build_model(family, **{**_COMMON, **config})
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for key, value in model.named_parameters():
+            if key.endswith(("bias", "e_score_correction_bias")):
+                value.copy_(torch.randn(value.shape, generator=generator) * 0.3)
+        for key, value in model.named_buffers():
+            if key.endswith("e_score_correction_bias"):
+                value.copy_(torch.randn(value.shape, generator=generator) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def own_ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """model -> (the GGUF file, the imported model dir)."""
+    from swarm.store.importer import import_model
+
+    def build(root: Path) -> None:
+        for name, (_, _, experts) in FAMILIES.items():
+            write_moe_gguf(root / f"{name}.gguf", _source(name), experts)
+            import_model(str(root / f"{name}.gguf"), root / "models", name)
+
+    root = shared_once(tmp_path_factory, "moe-gguf-own", build)
+    return {name: (root / f"{name}.gguf", root / "models" / name) for name in FAMILIES}
+
+
+def _float_reference(name: str):
+    """The source model with its experts set to the file's (quantized) values."""
+    from gguf import GGMLQuantizationType, quants
+
+    model = _source(name)
+    kind = GGMLQuantizationType[FAMILIES[name][2]]
+    state = model.state_dict()
+    for key in [k for k in state if ".experts." in k and ".shared_experts." not in k]:
+        state[key] = torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(state[key].numpy(),
+                                                                                             kind), kind)))
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_tensor_but_the_nextn_layers_is_mapped_and_the_config_is_the_sources(own_ggufs, name):
+    from gguf import GGUFReader
+
+    from swarm.store.gguf_source import GGUFSource
+
+    gguf, _ = own_ggufs[name]
+    source = GGUFSource(gguf)
+    config = source.config()
+    want = _source(name).config
+    for key in ("num_hidden_layers", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+                "moe_intermediate_size", "routed_scaling_factor", "attention_bias", "head_dim", "rope_parameters",
+                "num_nextn_predict_layers", "norm_topk_prob"):
+        assert getattr(config, key) == getattr(want, key), key
+    mapped = {t.gguf_name for t in source.tensors(config)}
+    every = {t.name for t in GGUFReader(str(gguf)).tensors}
+    assert every - mapped == {n for n in every if n.startswith(f"blk.{LAYERS}.")} != set()
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_own_mapped_moe_gguf_answers_at_none_as_its_source_and_at_gguf_as_one_process(own_ggufs, name, stages):
+    from reference_model import gguf_reference_model
+    from swarm.stage.gguf_experts import GGUFExperts
+    from swarm.stage.local import LocalRing
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+
+    _, model_dir = own_ggufs[name]
+    specs = stage_specs(LAYERS, stages)
+    want, margins = reference(_float_reference(name), PROMPT, NEW_TOKENS)
+    at_none = [StageModel.load_dir(model_dir, s) for s in specs]
+    assert check_reply(LocalRing(at_none).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
+    want, margins = reference(gguf_reference_model(model_dir), PROMPT, NEW_TOKENS)
+    at_gguf = [StageModel.load_dir(model_dir, s, quantization="gguf") for s in specs]
+    assert isinstance(at_gguf[-1].layers[-1].mlp.experts, GGUFExperts)  # the experts on the file's blocks
+    assert check_reply(LocalRing(at_gguf).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
