@@ -15,7 +15,8 @@ import torch
 from gguf_files import quantized_blocks
 
 # GGUF architecture and the key its metadata is written under, by transformers model type
-ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "glm4_moe": "glm4moe"}
+ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "glm4_moe": "glm4moe",
+                 "gpt_oss": "gpt-oss"}
 
 
 def _permuted(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -69,6 +70,13 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
         writer.add_expert_weights_scale(config.routed_scaling_factor)
         writer.add_expert_weights_norm(config.norm_topk_prob)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if arch == "gpt-oss":  # as convert_hf_to_gguf.py's GptOssModel writes them
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+        rope = config.rope_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_expert_count(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
                             or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
@@ -76,7 +84,8 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15}[experts])  # llama.cpp's LlamaFileType
+    # llama.cpp's LlamaFileType
+    writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "MXFP4": 38}[experts])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
 
@@ -97,6 +106,23 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
     for hf_name, tensor in model.state_dict().items():
         value = tensor.detach().float().numpy()
         base, _, suffix = hf_name.rpartition(".")
+        if base.endswith("mlp.experts") and arch == "gpt-oss":
+            # transposed, gate and up interleaved in transformers (GptOssExperts); llama.cpp writes them apart, as the
+            # other families' experts, biases beside them (convert_hf_to_gguf.py's GptOssModel)
+            layer = hf_name.split(".")[2]
+            kind = "ffn_down_exps" if suffix.startswith("down_proj") else ""
+            if suffix.endswith("_bias"):
+                parts = {kind: value} if kind else {"ffn_gate_exps": value[..., ::2], "ffn_up_exps": value[..., 1::2]}
+                for name, part in parts.items():
+                    put(f"blk.{layer}.{name}.bias", part, "F32")
+                continue
+            value = value.swapaxes(-1, -2)
+            parts = {kind: value} if kind else {"ffn_gate_exps": value[:, ::2], "ffn_up_exps": value[:, 1::2]}
+            for name, part in parts.items():
+                put(f"blk.{layer}.{name}.weight", part, experts)
+            continue
+        if suffix == "sinks":  # convert_hf_to_gguf.py names them attn_sinks.weight
+            base, suffix = hf_name, "weight"
         if base.endswith("mlp.experts"):  # the fused experts: gate and up rows apart, as llama.cpp writes them
             layer = hf_name.split(".")[2]
             if suffix == "gate_up_proj":

@@ -1,9 +1,10 @@
-"""MoE GGUFs that transformers' GGUF loader cannot read, mapped by swarm (swarm.store.gguf_names): a tiny random
-GLM-4.5 (glm4_moe: a dense first layer, shared experts, the router's score-correction bias, q/k/v biases, partial
-rotary, a NextN layer after the decoder's) built by transformers from its config, written with gguf-py's writer as
-convert_hf_to_gguf.py writes it (experts Q8_0, the rest F32), imported with its blocks kept; over 1, 2 and 3 stages
-it answers at ``none`` as the source model with its experts set to the file's values, at ``gguf`` as the gguf kind
-in one process."""
+"""MoE GGUFs that transformers' GGUF loader cannot read, mapped by swarm (swarm.store.gguf_names): tiny random models
+of GLM-4.5 (glm4_moe: a dense first layer, shared experts, the router's score-correction bias, q/k/v biases, partial
+rotary, a NextN layer after the decoder's; experts Q8_0) and gpt-oss (attention sinks, biased router and experts,
+sliding-window layers, YaRN; experts MXFP4, written apart and transposed as llama.cpp does), built by transformers
+from each config, written with gguf-py's writer as convert_hf_to_gguf.py writes them (the rest F32), imported with
+their blocks kept. Over 1, 2 and 3 stages each answers at ``none`` as the source model with its experts set to the
+file's values, at ``gguf`` as the gguf kind in one process."""
 
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ FAMILIES = {  # model -> (family, config, expert type)
                                   num_nextn_predict_layers=1,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.5}), "Q8_0"),
+    # sliding windows shorter than a reply, YaRN rope, MXFP4 experts as gpt-oss files have them
+    "gpt_oss": ("gpt_oss", dict(intermediate_size=64, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=8, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                   "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                   "truncate": False, "rope_theta": 150000.0,
+                                                                   "original_max_position_embeddings": 64}),
+                "MXFP4"),
+}
+
+_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "head_dim", "num_key_value_heads",
+         "attention_bias", "rope_parameters", "num_experts_per_tok", "vocab_size")
+CONFIG_KEYS = {  # the config attributes the header gives, as the source model has them
+    "glm4_moe": (*_KEYS, "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "moe_intermediate_size",
+                 "routed_scaling_factor", "num_nextn_predict_layers", "norm_topk_prob"),
+    "gpt_oss": (*_KEYS, "num_local_experts", "sliding_window", "layer_types"),
 }
 
 
@@ -40,7 +56,7 @@ def _source(name: str):
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for key, value in model.named_parameters():
-            if key.endswith(("bias", "e_score_correction_bias")):
+            if key.endswith(("bias", "sinks")):
                 value.copy_(torch.randn(value.shape, generator=generator) * 0.3)
         for key, value in model.named_buffers():
             if key.endswith("e_score_correction_bias"):
@@ -69,9 +85,14 @@ def _float_reference(name: str):
     model = _source(name)
     kind = GGMLQuantizationType[FAMILIES[name][2]]
     state = model.state_dict()
-    for key in [k for k in state if ".experts." in k and ".shared_experts." not in k]:
-        state[key] = torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(state[key].numpy(),
-                                                                                             kind), kind)))
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        value = state[key].numpy()
+        if name == "gpt_oss":  # quantized in the file's layout: rows of the transposed matrix
+            value = value.swapaxes(-1, -2)
+        value = quants.dequantize(quants.quantize(np.ascontiguousarray(value), kind), kind)
+        if name == "gpt_oss":
+            value = value.swapaxes(-1, -2)
+        state[key] = torch.from_numpy(np.ascontiguousarray(value))
     model.load_state_dict(state)
     return model
 
@@ -86,13 +107,11 @@ def test_every_tensor_but_the_nextn_layers_is_mapped_and_the_config_is_the_sourc
     source = GGUFSource(gguf)
     config = source.config()
     want = _source(name).config
-    for key in ("num_hidden_layers", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
-                "moe_intermediate_size", "routed_scaling_factor", "attention_bias", "head_dim", "rope_parameters",
-                "num_nextn_predict_layers", "norm_topk_prob"):
+    for key in CONFIG_KEYS[name]:
         assert getattr(config, key) == getattr(want, key), key
     mapped = {t.gguf_name for t in source.tensors(config)}
     every = {t.name for t in GGUFReader(str(gguf)).tensors}
-    assert every - mapped == {n for n in every if n.startswith(f"blk.{LAYERS}.")} != set()
+    assert every - mapped == {n for n in every if n.startswith(f"blk.{LAYERS}.")}  # GLM's NextN layer only
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
@@ -106,10 +125,17 @@ def test_an_own_mapped_moe_gguf_answers_at_none_as_its_source_and_at_gguf_as_one
 
     _, model_dir = own_ggufs[name]
     specs = stage_specs(LAYERS, stages)
-    want, margins = reference(_float_reference(name), PROMPT, NEW_TOKENS)
+    source = _float_reference(name)
+    want, margins = reference(source, PROMPT, NEW_TOKENS)
     at_none = [StageModel.load_dir(model_dir, s) for s in specs]
+    for key, value in at_none[-1].layers[-1].mlp.experts.state_dict().items():  # gpt-oss's: transposed, interleaved
+        assert torch.equal(value, source.state_dict()[f"model.layers.{LAYERS - 1}.mlp.experts.{key}"]), key
     assert check_reply(LocalRing(at_none).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
     want, margins = reference(gguf_reference_model(model_dir), PROMPT, NEW_TOKENS)
     at_gguf = [StageModel.load_dir(model_dir, s, quantization="gguf") for s in specs]
-    assert isinstance(at_gguf[-1].layers[-1].mlp.experts, GGUFExperts)  # the experts on the file's blocks
+    experts = at_gguf[-1].layers[-1].mlp.experts
+    if name == "gpt_oss":  # MXFP4 has no kernel here: its experts widened at load
+        assert experts.gate_up_proj.dtype == torch.float32
+    else:
+        assert isinstance(experts, GGUFExperts)  # the experts on the file's blocks
     assert check_reply(LocalRing(at_gguf).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"

@@ -322,7 +322,6 @@ def _plan_folder(folder: Path, dtype: str) -> _Plan:
 
 def _plan_gguf(path: Path, dtype: str) -> _Plan:
     source = gguf_source.GGUFSource(path)
-    gguf_moe.check_importable(path, source.architecture)  # a MoE family whose GGUFs do not import yet
     if source.architecture not in _GGUF_ARCHITECTURES:
         _check_architecture(source.architecture, path)
     unsupported = source.unsupported_types()
@@ -335,7 +334,7 @@ def _plan_gguf(path: Path, dtype: str) -> _Plan:
         )
     config = source.config()
     _check_architecture(config.model_type, path)
-    gguf_moe.check_importable(path, source.architecture, config.model_type)
+    gguf_moe.check_importable(path, config.model_type)  # a MoE family whose GGUFs do not import yet
     check_sliceable(config)
     tensors = source.tensors(config)
     if dtype != "auto":  # widened: a MoE layer's gate and up experts joined as the decoder layer holds them
