@@ -139,3 +139,19 @@ def test_an_own_mapped_moe_gguf_answers_at_none_as_its_source_and_at_gguf_as_one
     else:
         assert isinstance(experts, GGUFExperts)  # the experts on the file's blocks
     assert check_reply(LocalRing(at_gguf).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_own_mapped_moe_gguf_widened_at_import_holds_the_same_values(own_ggufs, name, tmp_path):
+    """--dtype float32: the experts laid out (gpt-oss: transposed, gate and up interleaved) and joined at import, the
+    values a load of the kept blocks at none holds."""
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+    from swarm.store.importer import import_model
+
+    gguf, model_dir = own_ggufs[name]
+    import_model(str(gguf), tmp_path, "wide", dtype="float32")
+    wide = StageModel.load_dir(tmp_path / "wide", stage_specs(LAYERS, 1)[0])
+    kept = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0])
+    for (key, a), (_, b) in zip(wide.named_parameters(), kept.named_parameters(), strict=True):
+        assert torch.equal(a, b), key
