@@ -35,10 +35,33 @@ def build_model(model_type: str, seed: int = 1234, **config: Any) -> Any:
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str = "F32", down: str = "") -> None:
+def byte_level_vocabulary(size: int, specials: list[str]) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a small GPT-2 style byte-level BPE vocabulary of ``size`` tokens, as
+    llama.cpp's files of GLM and gpt-oss carry theirs (tokenizer.ggml.model "gpt2"): the 256 byte symbols, merges of
+    a space and a letter, ``specials`` as control tokens, then reserved control tokens to ``size``."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    symbols, extra = {}, 0
+    for b in range(256):  # GPT-2's bytes_to_unicode
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    tokens = [symbols[b] for b in range(256)]
+    merges = [f"{symbols[32]} {c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    tokens += [m.replace(" ", "") for m in merges]
+    types = [1] * len(tokens)
+    tokens += specials
+    tokens += [f"<|reserved_{i}|>" for i in range(size - len(tokens))]
+    return tokens, merges, types + [3] * (size - len(types))
+
+
+def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str = "F32", down: str = "",
+                   tokenizer: tuple[list[str], list[str], list[int], str] | None = None) -> None:
     """Write ``model`` (a transformers MoE model) to ``path`` as llama.cpp lays such a model out: its expert matrices in
     ``experts`` (a type gguf-py quantizes; the down experts in ``down`` where given), its other matrices in
-    ``matrices``, vectors in F32."""
+    ``matrices``, vectors in F32; with ``tokenizer`` (tokens, merges, types, chat template: a "gpt2" vocabulary) where
+    given."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
@@ -86,6 +109,13 @@ def write_moe_gguf(path: Path, model: Any, experts: str = "Q8_0", matrices: str 
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     # llama.cpp's LlamaFileType
     writer.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "MXFP4": 38}[experts])
+    if tokenizer is not None:
+        tokens, merges, types, template = tokenizer
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_chat_template(template)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
 

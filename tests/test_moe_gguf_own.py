@@ -16,7 +16,7 @@ import torch
 
 from conftest import shared_once
 from exactness import check_reply, reference
-from gguf_moe_files import build_model, write_moe_gguf
+from gguf_moe_files import build_model, byte_level_vocabulary, write_moe_gguf
 
 LAYERS = 3
 PROMPT = [5, 17, 42, 99, 7, 150, 3, 88, 21, 64]
@@ -42,6 +42,10 @@ FAMILIES = {  # model -> (family, config, expert type)
 
 _KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "head_dim", "num_key_value_heads",
          "attention_bias", "rope_parameters", "num_experts_per_tok", "vocab_size")
+# a byte-level vocabulary of the models' size, its token 2 (eos) "<|endoftext|>", and a chat template
+VOCABULARY = byte_level_vocabulary(_COMMON["vocab_size"], [])
+VOCABULARY[0][2] = "<|endoftext|>"
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
 CONFIG_KEYS = {  # the config attributes the header gives, as the source model has them
     "glm4_moe": (*_KEYS, "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "moe_intermediate_size",
                  "routed_scaling_factor", "num_nextn_predict_layers", "norm_topk_prob"),
@@ -71,7 +75,7 @@ def own_ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
     def build(root: Path) -> None:
         for name, (_, _, experts) in FAMILIES.items():
-            write_moe_gguf(root / f"{name}.gguf", _source(name), experts)
+            write_moe_gguf(root / f"{name}.gguf", _source(name), experts, tokenizer=(*VOCABULARY, TEMPLATE))
             import_model(str(root / f"{name}.gguf"), root / "models", name)
 
     root = shared_once(tmp_path_factory, "moe-gguf-own", build)
@@ -155,3 +159,15 @@ def test_an_own_mapped_moe_gguf_widened_at_import_holds_the_same_values(own_gguf
     kept = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0])
     for (key, a), (_, b) in zip(wide.named_parameters(), kept.named_parameters(), strict=True):
         assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_own_mapped_moe_gguf_brings_its_tokenizer_and_chat_template(own_ggufs, name):
+    from transformers import AutoTokenizer
+
+    _, model_dir = own_ggufs[name]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.encode(" swarm of fellows", add_special_tokens=False)
+    assert ids[:2] == [VOCABULARY[0].index("\u0120s"), VOCABULARY[0].index("w")]  # " s" merged, as the merges say
+    assert tokenizer.decode(ids) == " swarm of fellows" and tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.chat_template == TEMPLATE

@@ -166,8 +166,12 @@ class GGUFSource:
 
     def tokenizer(self) -> Any:
         """The tokenizer transformers builds from the file's vocabulary (raises what transformers raises)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        if gguf_names.owned(self.architecture):
+            # AutoTokenizer asks transformers' GGUF config first, which these families do not have; the tokenizer
+            # itself is built from the file's tokenizer.ggml.* fields whatever the architecture
+            return PreTrainedTokenizerFast.from_pretrained(self.path.parent, gguf_file=self.path.name)
         with self._parsed_once():
             return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
 
