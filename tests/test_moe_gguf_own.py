@@ -171,3 +171,37 @@ def test_an_own_mapped_moe_gguf_brings_its_tokenizer_and_chat_template(own_ggufs
     assert ids[:2] == [VOCABULARY[0].index("\u0120s"), VOCABULARY[0].index("w")]  # " s" merged, as the merges say
     assert tokenizer.decode(ids) == " swarm of fellows" and tokenizer.eos_token == "<|endoftext|>"
     assert tokenizer.chat_template == TEMPLATE
+
+
+@pytest.mark.e2e
+async def test_a_gpt_oss_gguf_over_real_fellows_answers_as_one_process(tmp_path, own_ggufs):
+    """gpt-oss's GGUF over real fellows, at its default kind (gguf: the MXFP4 experts widened at load) over 2 stages
+    and at none over 3: a reply alone and two concurrent chats (batched decode, sliding windows) as the reference of
+    the kind in one process."""
+    import trio
+
+    from harness import running_swarm
+    from reference_model import gguf_reference_model
+
+    _, model_dir = own_ggufs["gpt_oss"]
+    chats = [PROMPT, list(range(30, 50))]
+    expected = {"gguf": [reference(gguf_reference_model(model_dir), p, NEW_TOKENS) for p in chats],
+                "none": [reference(_float_reference("gpt_oss"), p, NEW_TOKENS) for p in chats]}
+    with trio.fail_after(200):
+        async with running_swarm(tmp_path, [model_dir], fellows=3) as swarm:
+            for kind, stages in (("gguf", 2), ("none", 3)):
+                view = await swarm.load(model_dir.name, stages, quantization=None if kind == "gguf" else kind)
+                assert view["quantization"] == kind and len(view["stages"]) == stages, view
+                want, margins = expected[kind][0]
+                assert check_reply(await swarm.greedy(model_dir.name, PROMPT, NEW_TOKENS), want, margins) == "identical"
+                got: dict[int, list[int]] = {}
+
+                async def chat(i, prompt, got=got):
+                    got[i] = await swarm.greedy(model_dir.name, prompt, NEW_TOKENS)
+
+                async with trio.open_nursery() as nursery:
+                    for i, prompt in enumerate(chats):
+                        nursery.start_soon(chat, i, prompt)
+                verdicts = [check_reply(got[i], w, m) for i, (w, m) in enumerate(expected[kind])]
+                assert verdicts == ["identical"] * len(chats), (kind, stages, verdicts)
+                await swarm.leader.serving.loader.unload(model_dir.name)
