@@ -205,3 +205,79 @@ async def test_a_gpt_oss_gguf_over_real_fellows_answers_as_one_process(tmp_path,
                 verdicts = [check_reply(got[i], w, m) for i, (w, m) in enumerate(expected[kind])]
                 assert verdicts == ["identical"] * len(chats), (kind, stages, verdicts)
                 await swarm.leader.serving.loader.unload(model_dir.name)
+
+
+@pytest.mark.parametrize("model", ["GLM-4.5-Air Q4_K_M", "gpt-oss-120b MXFP4"])
+def test_a_real_models_header_maps_every_tensor_as_the_file_has_it(tmp_path, model):
+    """The header of GLM-4.5-Air Q4_K_M or gpt-oss-120b MXFP4 (llama.cpp's names, types and shapes, the header keys
+    convert_hf_to_gguf.py writes; the data a hole): the config is the model's, and every tensor is kept as the file's
+    blocks, gpt-oss's expert matrices transposed where a stage widens them."""
+    import gguf
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    import real_moe_models as real
+    from swarm.store.gguf_source import GGUFSource
+
+    model_type, config, file_type = real.MODELS[model]
+    arch = {"glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}[model_type]
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(131072)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_expert_count(config.get("n_routed_experts") or config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == "glm4moe":
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_rope_dimension_count(config["head_dim"] // 2)
+    else:
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_sliding_window(128)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+    data = 0
+    for name, shape, kind in real.tensors(config, file_type):
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        raw = (*shape[:-1], shape[-1] // block * size) if block > 1 else shape
+        nbytes = int(np.prod(shape)) // block * size
+        writer.add_tensor_info(name, raw, np.dtype(np.uint8 if block > 1 else np.float32), nbytes,
+                               raw_dtype=GGMLQuantizationType[kind])
+        data += -(-nbytes // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    start = -(-path.stat().st_size // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+    with open(path, "r+b") as f:
+        f.truncate(start + data)  # a hole: no disk space taken
+
+    source = GGUFSource(path)
+    got = source.config()
+    assert got.model_type == model_type
+    assert all(getattr(got, k) == v for k, v in config.items()), {k: getattr(got, k) for k in config}
+    tensors = source.tensors(got)
+    assert len(tensors) == len(source.reader.tensors) and not any(t.fixup for t in tensors if t.gguf_type != "MXFP4")
+    last = config["num_hidden_layers"] - 1
+    layer = {t.hf_name.removeprefix(f"model.layers.{last}."): t for t in tensors
+             if t.hf_name.startswith(f"model.layers.{last}.")}
+    experts = getattr(got, "n_routed_experts", None) or got.num_local_experts
+    rows, h = getattr(got, "moe_intermediate_size", None) or got.intermediate_size, got.hidden_size
+    gate = layer["mlp.experts.gate_up_proj.ffn_gate_exps"]
+    assert (gate.gguf_type, gate.shape, gate.part) == (("MXFP4" if arch == "gpt-oss" else "Q4_K"), (experts, rows, h), 0)
+    assert layer["mlp.experts.gate_up_proj.ffn_up_exps"].part == 1
+    if arch == "gpt-oss":  # transposed where a stage widens them, as GptOssExperts holds them
+        assert (gate.read_shape or gate.shape) == (experts, h, rows) and gate.join == "interleave"
+        assert gate.fixup  # the transposition, at load
+        assert layer["mlp.experts.gate_up_proj_bias.ffn_up_exps"].into.endswith("gate_up_proj_bias")
+        assert "self_attn.sinks" in layer
+    else:
+        assert "mlp.gate.e_score_correction_bias" in layer and "mlp.shared_experts.down_proj.weight" in layer
