@@ -272,7 +272,7 @@ def test_a_real_models_header_maps_every_tensor_as_the_file_has_it(tmp_path, mod
     experts = getattr(got, "n_routed_experts", None) or got.num_local_experts
     rows, h = getattr(got, "moe_intermediate_size", None) or got.intermediate_size, got.hidden_size
     gate = layer["mlp.experts.gate_up_proj.ffn_gate_exps"]
-    assert (gate.gguf_type, gate.shape, gate.part) == (("MXFP4" if arch == "gpt-oss" else "Q4_K"), (experts, rows, h), 0)
+    assert (gate.gguf_type, gate.shape, gate.part) == ("MXFP4" if arch == "gpt-oss" else "Q4_K", (experts, rows, h), 0)
     assert layer["mlp.experts.gate_up_proj.ffn_up_exps"].part == 1
     if arch == "gpt-oss":  # transposed where a stage widens them, as GptOssExperts holds them
         assert (gate.read_shape or gate.shape) == (experts, h, rows) and gate.join == "interleave"
