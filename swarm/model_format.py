@@ -48,10 +48,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3
 # swarm.store.moe_layout); they take the generic decode step, never the lean or compiled one.
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 # The MoE families a GGUF of imports (swarm.store.gguf_moe): those transformers' GGUF loader knows (qwen2moe,
-# qwen3moe) and Mixtral (a llama file with experts). Not gpt-oss: transformers' processor for it expects tensor names
-# llama.cpp does not write (ffn_gate_up_projs) and a layout its own model no longer has; nor GLM-4.5: transformers has
-# no GGUF config mapping for glm4moe. Their safetensors folders import.
-GGUF_MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# qwen3moe), Mixtral (a llama file with experts), and GLM-4.5 and gpt-oss, which transformers' loader cannot read and
+# swarm.store.gguf_names maps.
+GGUF_MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 # The families whose decode steps take the lean step (swarm.stage.lean_decode) when they have no sliding window; the
 # planner (swarm.leader.planning.planner) counts their calibrated lean speed.
 LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

@@ -63,7 +63,9 @@ def tensors(config: dict, file_type: str) -> list[tuple[str, tuple[int, ...], st
         out += [(b + "attn_norm.weight", (h,), "F32"), (b + "attn_q.weight", (q, h), dense_kind),
                 (b + "attn_k.weight", (kv, h), dense_kind),
                 (b + "attn_v.weight", (kv, h), "Q6_K" if more else dense_kind),
-                (b + "attn_output.weight", (h, q), dense_kind), (b + "ffn_norm.weight", (h,), "F32")]
+                (b + "attn_output.weight", (h, q), dense_kind),
+                # llama.cpp names GLM's and gpt-oss's post-attention norm post_attention_norm, Qwen3's ffn_norm
+                (b + ("ffn_norm.weight" if "num_experts" in config else "post_attention_norm.weight"), (h,), "F32")]
         if "num_experts" in config:  # Qwen3's norms of queries and keys
             out += [(b + "attn_q_norm.weight", (config["head_dim"],), "F32"),
                     (b + "attn_k_norm.weight", (config["head_dim"],), "F32")]

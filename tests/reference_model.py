@@ -33,7 +33,9 @@ def load_reference_model(model_dir: Path, dtype: Any = None) -> Any:
         return read_weights(path, raw_config)
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        # gpt-oss's sinks have no sdpa path in transformers: eager, as its stages attend
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager"
+                                                 if config.model_type == "gpt_oss" else "sdpa")
     state: dict[str, torch.Tensor] = {}
     state["model.embed_tokens.weight"] = load_file(model_dir / EMBED_FILE)["embed_tokens.weight"]
     for i in range(manifest.num_layers):

@@ -197,28 +197,6 @@ def test_a_moe_gguf_widened_at_import_holds_the_same_values(moe_ggufs, tmp_path)
         assert torch.equal(a, b), key
 
 
-@pytest.mark.parametrize("architecture,family", [("gpt-oss", "gpt_oss"), ("glm4moe", "glm4_moe")])
-def test_a_moe_gguf_of_a_family_not_imported_yet_is_refused_with_nothing_written(tmp_path, architecture, family):
-    from gguf import GGUFWriter
-
-    from swarm.errors import ImportFailed
-    from swarm.store.importer import import_model
-
-    path = tmp_path / f"{family}.gguf"
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(1)
-    writer.add_expert_count(4)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ImportFailed, match=f"is a {family} GGUF, which swarm cannot import yet") as refused:
-        import_model(str(path), tmp_path / "models", "m")
-    assert "safetensors folder" in str(refused.value)
-    assert not (tmp_path / "models" / "m").exists()
-
-
 # 4 chats at once, batched in each stage; one longer than a prefill chunk of 8
 CHATS = [PROMPT, [11, 12, 13], list(range(30, 50)), [1, 250, 31, 5]]
 

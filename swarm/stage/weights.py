@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from swarm.errors import ModelError
+from swarm.gguf_layout import joined_shape, own_processor, place_part
 from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_JOIN_DIM, GGUF_TENSORS_KEY, GGUF_TYPES
 from swarm.stage.gguf_linear import GGUFBlocks, row_order
 
@@ -117,14 +118,17 @@ def _put_part(out: dict[str, torch.Tensor], kept: Mapping[str, Any], key: str, v
     members = sorted((int(info.get("part", 0)), k) for k, info in kept.items() if info.get("into") == into)
     if [p for p, _ in members] != list(range(len(members))) or len(members) < 2:
         raise ModelError(f"{what} holds parts {[p for p, _ in members]} of {into}; it needs all of them")
+    join = kept[key].get("join", "")  # side by side, or interleaved (gpt-oss: swarm.gguf_layout)
     sizes = [int(kept[k]["shape"][GGUF_JOIN_DIM]) for _, k in members]
     joined = out.get(into)
     if joined is None:
         shape = list(value.shape)
-        shape[GGUF_JOIN_DIM] = sum(sizes)
+        if join:
+            shape = list(joined_shape(tuple(value.shape), len(members), join, GGUF_JOIN_DIM))
+        else:
+            shape[GGUF_JOIN_DIM] = sum(sizes)
         joined = out[into] = torch.empty(shape, dtype=value.dtype, device=value.device)
-    index = [k for _, k in members].index(key)
-    joined.narrow(GGUF_JOIN_DIM, sum(sizes[:index]), sizes[index]).copy_(value)
+    place_part(joined, value, [k for _, k in members].index(key), sizes, join, GGUF_JOIN_DIM)
 
 
 def dequantize(stored: torch.Tensor, gguf_type: str, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:
@@ -175,4 +179,7 @@ def _processor(architecture: str, config: Mapping[str, Any]) -> Any:
     """transformers' fix-up of the GGUF's family, as its GGUF loader builds it."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    own = own_processor(architecture)  # a family swarm maps itself (swarm.store.gguf_names)
+    if own is not None:
+        return own
     return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=dict(config))

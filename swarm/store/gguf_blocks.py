@@ -46,7 +46,8 @@ def header(group: dict[str, Any], architecture: str) -> bytes:
     has them, with the metadata the stage's loader reads."""
     tensors = {key: {"type": t.gguf_type, "shape": list(t.shape), "name": t.gguf_name, "fixup": bool(t.fixup),
                      # a part is named "<joined tensor>.<its GGUF kind>" (swarm.store.gguf_source), in the file's names
-                     **({"into": key.rpartition(".")[0], "part": t.part} if getattr(t, "into", "") else {})}
+                     **({"into": key.rpartition(".")[0], "part": t.part} if getattr(t, "into", "") else {}),
+                     **({"join": t.join} if getattr(t, "join", "") else {})}
                for key, t in group.items()}
     head: dict[str, Any] = {"__metadata__": {"format": "pt", GGUF_ARCHITECTURE_KEY: architecture,
                                              GGUF_TENSORS_KEY: json.dumps(tensors, separators=(",", ":"))}}

@@ -1,5 +1,6 @@
 """What a mixture-of-experts GGUF needs beyond transformers' GGUF code: its config's expert sizes, Mixtral (which
-llama.cpp writes as a ``llama`` file with experts), and the expert tensors transformers joins from two.
+llama.cpp writes as a ``llama`` file with experts), and the expert tensors transformers joins from two. (GLM-4.5
+and gpt-oss, which transformers' GGUF code cannot read at all, are mapped by swarm.store.gguf_names.)
 
 - transformers' GGUF config mapping (transformers.integrations.ggml) maps ``expert_count`` and ``expert_used_count``
   but not ``expert_feed_forward_length`` nor ``expert_shared_feed_forward_length``: the config keeps the class
@@ -35,18 +36,13 @@ MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
 # ffn_gate_exps into the first half of the rows of each expert's gate_up_proj and ffn_up_exps into the second.
 PART_ORDER = ("ffn_gate_exps", "ffn_up_exps")
 _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
-# GGUF architecture names of MoE families whose safetensors folders import but whose GGUFs do not yet
-# (swarm.model_format.GGUF_MOE_ARCHITECTURES says why): refused before transformers reads them
-NOT_YET = {"gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
 
 
-def check_importable(path: Path, architecture: str, model_type: str = "") -> None:
-    """Refuse a GGUF of a MoE family whose GGUFs swarm does not import yet, by its ``architecture``
-    (general.architecture) or, once transformers has read it, its ``model_type``."""
-    family = NOT_YET.get(architecture) or (
-        model_type if model_type in MOE_ARCHITECTURES and model_type not in GGUF_MOE_ARCHITECTURES else "")
-    if family:
-        raise ImportFailed(f"{path} is a {family} GGUF, which swarm cannot import yet (it imports the MoE GGUFs of "
+def check_importable(path: Path, model_type: str) -> None:
+    """Refuse a GGUF of a MoE family whose GGUFs swarm does not import, by the ``model_type`` transformers (or
+    swarm.store.gguf_names) read from it."""
+    if model_type in MOE_ARCHITECTURES and model_type not in GGUF_MOE_ARCHITECTURES:
+        raise ImportFailed(f"{path} is a {model_type} GGUF, which swarm cannot import yet (it imports the MoE GGUFs of "
                            f"{', '.join(GGUF_MOE_ARCHITECTURES)}); import the model's safetensors folder instead")
 
 

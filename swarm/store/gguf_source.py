@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import ImportFailed
+from swarm.gguf_layout import JOINS, own_processor
 from swarm.model_format import GGUF_TYPES
-from swarm.store import gguf_moe
+from swarm.store import gguf_moe, gguf_names
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class GGUFTensor:
     # and this part's place
     into: str = ""
     part: int = 0
+    join: str = ""  # how the parts are joined: side by side, or interleaved (gpt-oss: swarm.gguf_layout)
     # the shape transformers' fix-up gives a vector where it reshapes it (Qwen2-MoE's shared-expert gate: [hidden] to
     # [1, hidden]): what ``read`` returns; () where it is ``shape``
     read_shape: tuple[int, ...] = ()
@@ -152,6 +154,8 @@ class GGUFSource:
         (swarm.store.gguf_moe: its expert sizes, Mixtral)."""
         from transformers import AutoConfig
 
+        if gguf_names.owned(self.architecture):  # a family transformers' GGUF loader cannot read
+            return gguf_names.config(self.reader, self.architecture)
         try:
             with self._parsed_once():
                 config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
@@ -162,8 +166,12 @@ class GGUFSource:
 
     def tokenizer(self) -> Any:
         """The tokenizer transformers builds from the file's vocabulary (raises what transformers raises)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        if gguf_names.owned(self.architecture):
+            # AutoTokenizer asks transformers' GGUF config first, which these families do not have; the tokenizer
+            # itself is built from the file's tokenizer.ggml.* fields whatever the architecture
+            return PreTrainedTokenizerFast.from_pretrained(self.path.parent, gguf_file=self.path.name)
         with self._parsed_once():
             return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
 
@@ -200,13 +208,20 @@ class GGUFSource:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        names = gguf_moe.weights_map(skeleton, processor, self.architecture)
-        del skeleton
+        own = own_processor(self.architecture)
+        if own is not None:  # swarm's own map and fix-up (swarm.store.gguf_names, swarm.gguf_layout)
+            processor: Any = own
+            names = gguf_names.weights_map(self.architecture, config)
+            joined = gguf_names.joined_parts(self.architecture, config)
+        else:
+            processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=config.to_dict())
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+            names = gguf_moe.weights_map(skeleton, processor, self.architecture)
+            del skeleton
+            joined = gguf_moe.joined_parts(names)
+        join = JOINS.get(self.architecture, "")
         out = []
-        joined = gguf_moe.joined_parts(names)
         for tensor in self.reader.tensors:
             # transformers maps a MoE layer's expert tensors under their names without ".weight" (its processor
             # matches them so)
@@ -225,15 +240,18 @@ class GGUFSource:
             rows = int(tensor.n_elements) // shape[-1]
             raw_shape = shape if kind in _FLOAT_TYPES else (rows, raw_bytes // rows)
             into, part = "", 0
-            stem = gguf_moe.stem(tensor.name)
+            stem = tensor.name if tensor.name in joined else gguf_moe.stem(tensor.name)
             if stem in joined:  # a part of a MoE layer's gate_up_proj: named apart, joined where a stage widens it
                 into, part = hf_name, joined[stem]
-                hf_name = f"{hf_name}.{stem.split('.')[-1]}"
+                hf_name = f"{hf_name}.{tensor.name.split('.')[2]}"  # blk.N.<kind>...: the kind
             read_shape = _fixed_shape(processor, tensor.name, shape) if not as_is and len(shape) < 2 else shape
+            if own is not None:
+                read_shape = own.shape(tensor.name, shape)
             out.append(GGUFTensor(hf_name, shape, functools.partial(self._read, tensor, shape, processor=processor),
                                   write, gguf_name=tensor.name, gguf_type=kind, raw_shape=raw_shape,
                                   raw_bytes=raw_bytes, fixup=not as_is,
                                   copy_raw=functools.partial(self._copy_raw, tensor), into=into, part=part,
+                                  join=join if into else "",
                                   read_shape=() if read_shape == shape else read_shape))
         return out
 

@@ -105,7 +105,6 @@ def plan_folder(folder: Path, dtype: str) -> Plan:
 
 def plan_gguf(path: Path, dtype: str) -> Plan:
     source = gguf_source.GGUFSource(path)
-    gguf_moe.check_importable(path, source.architecture)  # a MoE family whose GGUFs do not import yet
     if source.architecture not in _GGUF_ARCHITECTURES:
         check_architecture(source.architecture, path)
     unsupported = source.unsupported_types()
@@ -118,7 +117,7 @@ def plan_gguf(path: Path, dtype: str) -> Plan:
         )
     config = source.config()
     check_architecture(config.model_type, path)
-    gguf_moe.check_importable(path, source.architecture, config.model_type)
+    gguf_moe.check_importable(path, config.model_type)  # a MoE family whose GGUFs do not import yet
     check_sliceable(config)
     tensors = source.tensors(config)
     if dtype != "auto":  # widened: a MoE layer's gate and up experts joined as the decoder layer holds them
@@ -133,9 +132,9 @@ def plan_gguf(path: Path, dtype: str) -> Plan:
 
 
 # GGUF architecture names (general.architecture) of the supported families, where they differ from transformers'
-# model types: llama.cpp calls Gemma 3's text model "gemma3", Qwen's MoE models "qwen2moe" and "qwen3moe", and writes
-# Mistral as "llama".
-_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe"}
+# model types: llama.cpp calls Gemma 3's text model "gemma3", Qwen's MoE models "qwen2moe" and "qwen3moe", GLM-4.5
+# "glm4moe" and gpt-oss "gpt-oss", and writes Mistral (and Mixtral) as "llama".
+_GGUF_ARCHITECTURES = {*SUPPORTED_ARCHITECTURES, "gemma3", "qwen2moe", "qwen3moe", "glm4moe", "gpt-oss"}
 
 
 def check_disk(plan: Plan, models_root: Path) -> None:

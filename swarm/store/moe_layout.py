@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import ImportFailed
+from swarm.gguf_layout import joined_shape, place_part
 from swarm.model_format import GGUF_JOIN_DIM
 
 
@@ -111,11 +112,18 @@ class JoinedTensor:
     dim: int
     write: None = None
     floating: bool = True
+    join: str = ""  # swarm.gguf_layout: side by side along dim, or interleaved (gpt-oss)
 
     def read(self, dtype: Any) -> Any:
         import torch
 
-        return torch.cat([part.read(dtype) for part in self.parts], dim=self.dim)
+        if not self.join:
+            return torch.cat([part.read(dtype) for part in self.parts], dim=self.dim)
+        out = torch.empty(self.shape, dtype=dtype)
+        sizes = [int(part.shape[self.dim]) for part in self.parts]
+        for index, part in enumerate(self.parts):
+            place_part(out, part.read(dtype), index, sizes, self.join, self.dim)
+        return out
 
 
 def joined_parts(tensors: list[Any]) -> list[Any]:
@@ -134,9 +142,13 @@ def joined_parts(tensors: list[Any]) -> list[Any]:
         group = sorted(parts.pop(into, []), key=lambda t: t.part)
         if not group:
             continue  # joined at its first part
+        join = getattr(group[0], "join", "")
         shape = list(group[0].shape)
-        shape[GGUF_JOIN_DIM] = sum(t.shape[GGUF_JOIN_DIM] for t in group)
-        out.append(JoinedTensor(into, tuple(shape), tuple(group), GGUF_JOIN_DIM))
+        if join:
+            shape = list(joined_shape(tuple(shape), len(group), join, GGUF_JOIN_DIM))
+        else:
+            shape[GGUF_JOIN_DIM] = sum(t.shape[GGUF_JOIN_DIM] for t in group)
+        out.append(JoinedTensor(into, tuple(shape), tuple(group), GGUF_JOIN_DIM, join=join))
     return out
 
 
