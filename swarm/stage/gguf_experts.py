@@ -19,7 +19,7 @@ from torch import nn
 
 from swarm.errors import ModelError
 from swarm.stage.gguf_linear import GGUFBlocks, gguf_linear
-from swarm.stage.moe_experts import experts_loop, fused_experts
+from swarm.stage.moe_experts import LinearExperts, fused_experts
 
 # the experts' matrices a stage at gguf computes on blocks, as transformers' experts modules name them
 EXPERT_MATRICES = ("gate_up_proj", "up_proj", "down_proj")
@@ -68,7 +68,7 @@ def expert_linear(parts: list[GGUFBlocks], expert: int, device: Any, dtype: torc
     return _Joined([gguf_linear(rows(p).contiguous(), p.ggml_type, p.shape, None, device, dtype) for p in parts])
 
 
-class GGUFExperts(nn.Module):
+class GGUFExperts(LinearExperts):
     """An experts module whose experts' matrices are gguf_linear layers on the file's blocks, one per expert and
     matrix, computed routed-only and grouped by expert (see the module doc)."""
 
@@ -94,15 +94,6 @@ class GGUFExperts(nn.Module):
                 delattr(experts, name)
         self._library = (experts,)  # a tuple: not registered, its (now empty) parameters are not the stage's
         self.kinds = sorted({p.ggml_type for parts in matrices.values() for p in parts})
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            projected = self.up[expert](rows)
-            projected = self._library[0]._apply_gate(projected) if self.has_gate else self.act_fn(projected)
-            return self.down[expert](projected)
-
-        return experts_loop(hidden_states, top_k_index, top_k_weights, self.num_experts, expert_out)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, {'/'.join(self.kinds)} blocks"

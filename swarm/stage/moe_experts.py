@@ -90,7 +90,29 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> list[tuple[int, torch.
     return out
 
 
-class QuantizedExperts(nn.Module):
+class LinearExperts(nn.Module):
+    """Experts held as a linear module per expert and matrix -- ``up`` (gate and up joined, or up alone) and ``down``
+    -- computed for the routed rows only, through the family's own gating: the library's experts module, kept in
+    ``_library`` with its matrices let go (gpt-oss clamps and interleaves). Subclasses build ``up`` and ``down``."""
+
+    num_experts: int
+    has_gate: bool
+    up: nn.ModuleList
+    down: nn.ModuleList
+    act_fn: Any
+    _library: tuple[Any]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            projected = self.up[expert](rows)
+            projected = self._library[0]._apply_gate(projected) if self.has_gate else self.act_fn(projected)
+            return self.down[expert](projected)
+
+        return experts_loop(hidden_states, top_k_index, top_k_weights, self.num_experts, expert_out)
+
+
+class QuantizedExperts(LinearExperts):
     """An experts module whose experts' matrices are ``kind`` linear layers (one per expert and kind of matrix: the
     fused gate-and-up rows stay one matrix, computed in one kernel call), computed routed-only, grouped by expert."""
 
@@ -112,15 +134,6 @@ class QuantizedExperts(nn.Module):
                 delattr(experts, name)
         self._library = (experts,)  # a tuple: not registered, its (now empty) parameters are not the stage's
         self.kind = kind
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        def expert_out(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            projected = self.up[expert](rows)
-            projected = self._library[0]._apply_gate(projected) if self.has_gate else self.act_fn(projected)
-            return self.down[expert](projected)
-
-        return experts_loop(hidden_states, top_k_index, top_k_weights, self.num_experts, expert_out)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, {self.kind}"
