@@ -109,32 +109,36 @@ def _whole_blocks(shape: tuple[int, ...], kind: str) -> str:
 
 def write_header(path: Path, model_type: str, config: dict, file_type: str) -> None:
     """A GGUF of the model's tensor infos, its data a hole of the data's length."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), model_type.replace("_", ""))
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
-    for name, shape, kind in tensors(config, file_type):
+    write_tensor_infos(writer, path, tensors(config, file_type))
+
+
+def write_tensor_infos(writer, path: Path, infos: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """Write ``infos`` (name, shape, GGUF type) as the tensors of the GGUF ``writer`` writes to ``path`` (its keys
+    added before), then close it: a header-only file, its data a hole of the data's length (no disk space taken)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+    data = 0
+    for name, shape, kind in infos:
         kind_enum = GGMLQuantizationType[kind]
         block, size = GGML_QUANT_SIZES[kind_enum]
-        count = int(np.prod(shape))
+        nbytes = int(np.prod(shape)) // block * size
         # gguf-py takes a quantized tensor's shape in bytes per row: (..., row values / block * block bytes)
         raw = (*shape[:-1], shape[-1] // block * size) if block > 1 else shape
-        writer.add_tensor_info(name, raw, np.dtype(np.uint8 if block > 1 else np.float32), count // block * size,
-                               raw_dtype=kind_enum)
+        writer.add_tensor_info(name, raw, np.dtype(np.uint8 if block > 1 else np.float32), nbytes, raw_dtype=kind_enum)
+        data += _padded(nbytes, GGUF_DEFAULT_ALIGNMENT)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
-    import gguf
-
-    data = sum(_padded(int(np.prod(shape)) // GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
-                       * GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]) for _, shape, kind in
-               tensors(config, file_type))
-    start = _padded(path.stat().st_size, gguf.GGUF_DEFAULT_ALIGNMENT)
+    start = _padded(path.stat().st_size, GGUF_DEFAULT_ALIGNMENT)
     with open(path, "r+b") as f:
-        f.truncate(start + data)  # a hole: no disk space taken
+        f.truncate(start + data)
 
 
 def _padded(n: int, alignment: int = 32) -> int:

@@ -277,7 +277,7 @@ def test_a_qwen3_30b_a3b_q4_k_m_header_maps_every_expert_tensor_as_the_file_has_
     """The header of Qwen3-30B-A3B Q4_K_M (llama.cpp's names, types and shapes, its metadata; the data a hole):
     the config takes the file's expert sizes, and each layer's three expert tensors are kept as the file's blocks."""
     import gguf
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
 
     import real_moe_models as real
     from swarm.store.gguf_source import GGUFSource
@@ -300,21 +300,7 @@ def test_a_qwen3_30b_a3b_q4_k_m_header_maps_every_expert_tensor_as_the_file_has_
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    data = 0
-    for name, shape, kind in real.tensors(config, "Q4_K_M"):
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-        raw = (*shape[:-1], shape[-1] // block * size) if block > 1 else shape
-        nbytes = int(np.prod(shape)) // block * size
-        writer.add_tensor_info(name, raw, np.dtype(np.uint8 if block > 1 else np.float32), nbytes,
-                               raw_dtype=GGMLQuantizationType[kind])
-        data += -(-nbytes // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    writer.close()
-    start = -(-path.stat().st_size // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
-    with open(path, "r+b") as f:
-        f.truncate(start + data)  # a hole: no disk space taken
+    real.write_tensor_infos(writer, path, real.tensors(config, "Q4_K_M"))
 
     source = GGUFSource(path)
     model = source.config()

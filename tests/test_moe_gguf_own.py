@@ -213,7 +213,7 @@ def test_a_real_models_header_maps_every_tensor_as_the_file_has_it(tmp_path, mod
     convert_hf_to_gguf.py writes; the data a hole): the config is the model's, and every tensor is kept as the file's
     blocks, gpt-oss's expert matrices transposed where a stage widens them."""
     import gguf
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
 
     import real_moe_models as real
     from swarm.store.gguf_source import GGUFSource
@@ -244,21 +244,7 @@ def test_a_real_models_header_maps_every_tensor_as_the_file_has_it(tmp_path, mod
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(32.0)
         writer.add_rope_scaling_orig_ctx_len(4096)
-    data = 0
-    for name, shape, kind in real.tensors(config, file_type):
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-        raw = (*shape[:-1], shape[-1] // block * size) if block > 1 else shape
-        nbytes = int(np.prod(shape)) // block * size
-        writer.add_tensor_info(name, raw, np.dtype(np.uint8 if block > 1 else np.float32), nbytes,
-                               raw_dtype=GGMLQuantizationType[kind])
-        data += -(-nbytes // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    writer.close()
-    start = -(-path.stat().st_size // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
-    with open(path, "r+b") as f:
-        f.truncate(start + data)  # a hole: no disk space taken
+    real.write_tensor_infos(writer, path, real.tensors(config, file_type))
 
     source = GGUFSource(path)
     got = source.config()
