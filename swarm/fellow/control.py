@@ -13,7 +13,7 @@ import trio_websocket
 
 from swarm import __version__, messages, wire
 from swarm.errors import AuthError, LinkClosed, ProtocolError
-from swarm.fellow import calibration, calibration_process, hardware
+from swarm.fellow import calibration, calibration_process, handover, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -252,6 +252,8 @@ class ControlLink:
             await self.send({"t": "unloaded", "model": message["model"]})
         elif kind == "update":
             fellow.nursery.start_soon(fellow.updater.run, message)
+        elif kind in ("kv_keep", "kv_import"):  # a drain's KV handover (swarm.fellow.handover)
+            fellow.nursery.start_soon(handover.answer, fellow, self.send, message)
         elif kind == "verify_pick":  # the leader's spot check of a pass of this stage (swarm.fellow.verify)
             stage = fellow.stages.get(message["model"])
             if stage is not None:

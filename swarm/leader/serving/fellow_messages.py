@@ -62,6 +62,8 @@ class FellowMessages:
             self.serving.verifier.on_message(conn, message)
         elif message["t"] == "leave":  # SIGTERM of the fellow's process: hand its stages over, then it goes
             self.serving.start_task(self.serving.drains.on_leave, conn, message)
+        elif message["t"] in ("kv_kept", "kv_imported"):  # a drain's KV handover (swarm.leader.serving.kv_carry)
+            self.serving.drains.kv.on_message(conn, message)
         elif message["t"] == "unloaded" and message.get("reason") == "idle":
             await self._idle(conn, message)
         elif message["t"] == "link_report":
