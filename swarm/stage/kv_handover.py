@@ -64,6 +64,7 @@ def import_blocks(stage: Any, epoch: int, blocks: list) -> list[bytes]:
     if not store.adopt(epoch):
         return []
     device = getattr(stage, "device", None) or "cpu"
+    devices = list(getattr(stage, "layer_devices", None) or ())  # several cards: each layer's rows on its own
     held = next(iter(store.blocks.values()), None)
     layer_count = len(held) if held is not None else None  # every block of a stage has one entry per cache layer
     parsed: list[tuple[bytes, list[Rows]]] = []
@@ -75,12 +76,13 @@ def import_blocks(stage: Any, epoch: int, blocks: list) -> list[bytes]:
             raise ProtocolError(f"a handed-over block does not fit this stage ({layer_count} cache layers)")
         layer_count = len(layers)
         rows = []
-        for layer in layers:
+        for i, layer in enumerate(layers):
             if not (isinstance(layer, list) and len(layer) == 3 and isinstance(layer[0], list)
                     and isinstance(layer[1], list) and layer[2] in _ATTEND_DTYPES):
                 raise ProtocolError("a handed-over block's layer is not [keys, values, dtype]")
-            rows.append((tuple(wire.tensor_from_wire(k).to(device) for k in layer[0]),
-                         tuple(wire.tensor_from_wire(v).to(device) for v in layer[1]), _ATTEND_DTYPES[layer[2]]))
+            to = devices[i] if len(devices) == len(layers) else device
+            rows.append((tuple(wire.tensor_from_wire(k).to(to) for k in layer[0]),
+                         tuple(wire.tensor_from_wire(v).to(to) for v in layer[1]), _ATTEND_DTYPES[layer[2]]))
         parsed.append((name, rows))
     for name, rows in parsed:  # all checked first: a bad block stores none
         store.blocks[name] = rows
