@@ -6,6 +6,8 @@ go (SIGTERM, --force).
   switches, the reply is generate's and pauses only for the switch, not for the load;
 - `swarm leave` with a hot cover: the ring switches at once, the reply pausing a few tokens' time (the goal is
   0.5 s; bench/drain_gap.py measures it);
+- in both, the reply's KV goes over to the new ring (from the leaving process to the standby in the first): each
+  stage of the new ring prefills only what came after the last whole block handed over;
 - no fellow to take a stage: `swarm leave` and the admin API's Drain refuse, saying why; `--force` leaves with
   failover, and the stage is loaded again once a fellow joins.
 
