@@ -25,7 +25,8 @@ and tells the stages with each request (messages.PrefixPlan; swarm.stage.prefix_
 
 A block a request was to keep but that never became held (the request ended before its first token) may still have
 been kept by some stage: it is evicted with the next plan. A failover, unload or reload resets the index: a new
-``epoch`` makes every stage forget its blocks when the next plan reaches it.
+``epoch`` makes every stage forget its blocks when the next plan reaches it. A drain's switch keeps the epoch
+(swarm.leader.serving.kv_carry): the running requests' blocks are on every stage of the new ring, and only those stay.
 """
 
 from __future__ import annotations
