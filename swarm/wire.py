@@ -31,9 +31,10 @@ PROTOCOL_VERSION = 1  # bump when a message changes so that an older peer would 
 ENVELOPE_TYPES = frozenset({"hello", "welcome", "refused", "alive", "heartbeat", "update", "updating", "current",
                             "update_failed"})
 
-# dtype name on the wire -> bytes per element. Only these: they are what stages compute in and what token ids are.
+# dtype name on the wire -> bytes per element. Only these: they are what stages compute in, what token ids are, and
+# int8 for the packed keys and values a drain hands over (swarm.stage.kv_handover).
 # A name outside this table is refused before any torch call sees it.
-_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1}
 
 # 256 MiB, the tunnel's message cap (swarm.tunnel.noise.MAX_MESSAGE_SIZE): a bigger tensor could not have arrived.
 _MAX_TENSOR_BYTES = 256 * 1024 * 1024
@@ -295,4 +296,4 @@ def _check(value: Any, hint: Any, where: str) -> Any:
 
 
 # The message types: registered when these modules are imported (they import this module's decorators).
-from swarm import control_links, control_messages, messages  # noqa: E402,F401
+from swarm import control_links, control_messages, handover_messages, messages  # noqa: E402,F401

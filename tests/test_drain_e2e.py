@@ -6,6 +6,8 @@ go (SIGTERM, --force).
   switches, the reply is generate's and pauses only for the switch, not for the load;
 - `swarm leave` with a hot cover: the ring switches at once, the reply pausing a few tokens' time (the goal is
   0.5 s; bench/drain_gap.py measures it);
+- in both, the reply's KV goes over to the new ring (from the leaving process to the standby in the first): each
+  stage of the new ring prefills only what came after the last whole block handed over;
 - no fellow to take a stage: `swarm leave` and the admin API's Drain refuse, saying why; `--force` leaves with
   failover, and the stage is loaded again once a fellow joins.
 
@@ -122,6 +124,21 @@ def switch_gap(result: dict) -> float:
     return first_new - last_old
 
 
+def check_carried(swarm, result: dict) -> int:
+    """The switch handed the request's KV over (swarm.leader.serving.kv_carry): each stage of the new ring computed
+    only the tokens after the blocks carried. -> how many blocks were."""
+    from swarm.leader.serving.prefix_index import BLOCK_TOKENS
+
+    switch = swarm.leader.serving.drains.switches[-1]
+    request, marks = result["request"], result["tokens"]
+    streamed = next(n for _, n, attempt in marks if attempt == 2)  # when it was sent again
+    assert switch.carried >= 1 and 0 < len(request.prompt) + streamed - BLOCK_TOKENS * switch.carried <= BLOCK_TOKENS \
+        + 12, (switch.carried, len(request.prompt), streamed)  # (a few tokens may stream during the handover)
+    prefills = [t.prefill_tokens for _, t in sorted(request.stage_times.items())]
+    assert prefills == [len(request.prompt) + streamed - BLOCK_TOKENS * switch.carried] * len(prefills), prefills
+    return switch.carried
+
+
 def check_exact(swarm, result: dict, expected, model_dir) -> str:
     from swarm.leader.chat.chat_format import load_tokenizer
 
@@ -177,9 +194,10 @@ async def test_sigterm_hands_the_stage_to_the_standby_while_the_reply_streams(tm
                 assert f"handed over stage {index} of {name} to fellow-1" in leaving.log(), leaving.log()
                 assert stage_fellows(swarm, name)[index] == "fellow-1" and serving.status == "ready"
                 gap, load_s = switch_gap(result), result["acted"]
+                carried = check_carried(swarm, result)  # the leaving process's blocks went to the standby
                 print(f"drain without hot cover: the standby loaded for {load_s:.2f} s, the stream paused "
-                      f"{gap:.2f} s at the switch (longest gap {longest_gap(result['arrivals']):.2f} s); the reply "
-                      f"is {outcome}")
+                      f"{gap:.2f} s at the switch (longest gap {longest_gap(result['arrivals']):.2f} s), "
+                      f"{carried} KV blocks handed over; the reply is {outcome}")
                 assert gap < load_s  # the old stage served while the new one loaded
             except BaseException:
                 print(logs([leaving]), progress())
@@ -218,10 +236,12 @@ async def test_swarm_leave_with_a_hot_cover_switches_at_once(tmp_path, smollm_mo
             [switch] = swarm.leader.serving.drains.switches
             assert switch.last_token_at is not None
             after_token = switch.switched_at - switch.last_token_at
+            check_carried(swarm, result)
             print(f"drain with hot cover: the stream paused {gap:.2f} s at the switch, tokens came every {pace:.2f} s "
                   f"before it (longest gap {longest_gap(result['arrivals']):.2f} s), the switch came "
                   f"{1000 * after_token:.0f} ms after a token, the new ring linked in "
-                  f"{1000 * (switch.linked_at - switch.switched_at):.0f} ms and prefilled "
+                  f"{1000 * (switch.linked_at - switch.switched_at):.0f} ms and, {switch.carried} KV blocks handed "
+                  "over, prefilled "
                   + ", ".join(f"{t.prefill_tokens} tokens in {1000 * t.prefill_s:.0f} ms on stage {i}"
                               for i, t in sorted(result["request"].stage_times.items()))
                   + f"; the reply is {outcome}")

@@ -15,8 +15,9 @@ import trio_websocket
 from swarm import __version__, messages, wire
 from swarm import control_links as cl
 from swarm import control_messages as cm
+from swarm import handover_messages as hm
 from swarm.errors import AuthError, LinkClosed, ProtocolError
-from swarm.fellow import calibration, calibration_process, hardware
+from swarm.fellow import calibration, calibration_process, handover, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
 from swarm.mesh.websocket import WebSocketFrameTransport, ws_url
@@ -263,6 +264,10 @@ class ControlLink:
     async def _update(self, message: cm.Update) -> None:
         self.fellow.nursery.start_soon(self.fellow.updater.run, message)
 
+    async def _kv_handover(self, message: hm.KvKeep | hm.KvImport) -> None:
+        """A drain's KV handover (swarm.fellow.handover)."""
+        self.fellow.nursery.start_soon(handover.answer, self.fellow, self.send, message)
+
     async def _verify_pick(self, message: cm.VerifyPick) -> None:
         """The leader's spot check of a pass of this stage (swarm.fellow.verify)."""
         stage = self.fellow.stages.get(message.model)
@@ -296,5 +301,5 @@ class ControlLink:
             cm.Unload: self._unload, cm.Update: self._update, cm.VerifyPick: self._verify_pick,
             cm.VerifyRun: self._verify_run, cm.Leave: self._leaving, cm.LeaveRefused: self._leaving,
             cl.PunchPing: self._punch_ping, cl.PunchPrepare: self._punch_prepare, cl.PunchStart: self._punch_start,
-            cl.ProbeLinks: self._probe_links,
+            cl.ProbeLinks: self._probe_links, hm.KvKeep: self._kv_handover, hm.KvImport: self._kv_handover,
         }

@@ -119,14 +119,16 @@ def finish(stage: Any, release: Any) -> None:
     # rows past ``end`` may be guessed tokens a pass rejected (drafting ahead): they are never kept
     count = min(plan.reply_blocks, release.end // plan.block - first)
     at = list(range(first, first + count))
-    _keep_rows(store, stage.request_cache(release.rid), plan.block, [plan.reply_key(i) for i in at], at)
+    keep_rows(store, stage.request_cache(release.rid), plan.block, [plan.reply_key(i) for i in at], at)
 
 
 def _keep(store: PrefixStore, cache: Any, plan: Any) -> None:
-    _keep_rows(store, cache, plan.block, plan.keep, plan.keep_at)
+    keep_rows(store, cache, plan.block, plan.keep, plan.keep_at)
 
 
-def _keep_rows(store: PrefixStore, cache: Any, block: int, names: list[bytes], at: list[int]) -> None:
+def keep_rows(store: PrefixStore, cache: Any, block: int, names: list[bytes], at: list[int]) -> None:
+    """Keep blocks ``at`` of ``cache`` (copies of their rows) under ``names``; none of a cache that cannot give rows
+    back, nor one past the rows the cache holds."""
     layers = cache.layers
     if any(getattr(layer, "is_sliding", False) or (getattr(layer, "keys", None) is None
                                                    and not isinstance(layer, PackedLayer)) for layer in layers):

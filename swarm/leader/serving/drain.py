@@ -9,8 +9,10 @@ For each stage the leaving fellow holds, on a model that is serving:
      cover: it is there already);
   3. the ring switches at a token boundary: the leader takes every running request of the model off the ring between
      two of its tokens (what streamed so far is kept), links a new ring generation with the taker in the stage's
-     place, and sends the requests on as their prompt plus the tokens they had streamed -- the new ring prefills
-     them, the client's stream just goes on (greedy replies are those of an uninterrupted run);
+     place, and sends the requests on as their prompt plus the tokens they had streamed; the client's stream just
+     goes on (greedy replies are those of an uninterrupted run). Just before, the running requests' KV is handed over
+     (swarm.leader.serving.kv_carry: the stages that stay keep it, the leaving one sends its part to the taker), so
+     the new ring computes only each request's tokens after its last whole block;
   4. once the new ring is ready the old stage is unloaded; when every stage is handed over, the fellow is told to
      leave.
 
@@ -31,6 +33,7 @@ from swarm import wire
 from swarm.errors import AuthError, DrainRefused, SwarmError
 from swarm.leader.planning.failover import Candidate, choose_replacement
 from swarm.leader.planning.placement import GB, StagePlan
+from swarm.leader.serving.kv_carry import KvCarry
 from swarm.leader.serving.models import ModelServing, ModelStatus, StageState, load_message
 from swarm.tunnel.channel import send_last
 from swarm.tunnel.keys import fingerprint
@@ -90,12 +93,14 @@ def why_nobody_takes(model: str, plan: StagePlan, candidates: list[Candidate], l
 @dataclasses.dataclass(frozen=True)
 class Switch:
     """One switch's times (trio's clock): the running requests' latest token before it, the switch, the new ring
-    linked (the requests then go on, prefilling what streamed so far)."""
+    linked (the requests then go on, prefilling what streamed so far past the blocks handed over); and how many KV
+    blocks were carried across it (swarm.leader.serving.kv_carry)."""
 
     model: str
     last_token_at: float | None
     switched_at: float
     linked_at: float
+    carried: int = 0
 
 
 class Drains:
@@ -105,6 +110,7 @@ class Drains:
         self.serving = serving
         self.leaving: set[int] = set()  # fellows draining now: they take nothing
         self.switches: list[Switch] = []  # the latest switches' times, for bench/drain_gap.py and the tests
+        self.kv = KvCarry(serving)  # the running requests' KV handed over at a switch
         self._lock = trio.Lock()
 
     def plan(self, fellow_id: int) -> tuple[list[tuple[ModelServing, StageState, Handover]], list[str]]:
@@ -207,6 +213,9 @@ class Drains:
                 await model.changed.wait()
         if model.status != ModelStatus.READY or model.slot_of(leaving.id) is not slot:
             return f"{model.name} is recovering from another loss; stage {handover.index} goes the failover's way"
+        carried = await self.kv.prepare(model, slot, taker, leaving)  # the running requests' KV, while they stream
+        if model.status != ModelStatus.READY or model.slot_of(leaving.id) is not slot:
+            return f"{model.name} is recovering from another loss; stage {handover.index} goes the failover's way"
         last_token = await self.next_token(model)
         if model.status != ModelStatus.READY or model.slot_of(leaving.id) is not slot \
                 or serving.hub.online.get(taker.id) is not taker:
@@ -218,7 +227,8 @@ class Drains:
                 await model.changed.wait()
         log.info("the ring of %s switched stage %d from %s to %s in %.0f ms", model.name, handover.index,
                  leaving.name, taker.name, 1000 * (trio.current_time() - switched_at))
-        self.switches = [*self.switches[-15:], Switch(model.name, last_token, switched_at, trio.current_time())]
+        self.switches = [*self.switches[-15:], Switch(model.name, last_token, switched_at, trio.current_time(),
+                                                      carried)]
         leaving.post(cm.Unload(model.name))
         return None
 

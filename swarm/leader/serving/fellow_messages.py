@@ -12,6 +12,7 @@ import trio
 
 from swarm import control_links as cl
 from swarm import control_messages as cm
+from swarm import handover_messages as hm
 from swarm import messages
 from swarm.leader.serving.performance import hop_rate
 from swarm.leader.serving.recovery import StageEvent
@@ -48,6 +49,7 @@ class FellowMessages:
             cm.Loaded: stage_event, cm.LoadFailed: stage_event, cm.Linked: stage_event, cm.LinkFailed: stage_event,
             cm.VerifySample: verify, cm.VerifyResult: verify, cm.Leave: self._leave, cm.Unloaded: self._unloaded,
             cl.LinkReport: self._link_report, cl.PunchCandidates: punch, cl.PunchResult: punch, cl.PunchPong: punch,
+            hm.KvKept: self._kv_handover, hm.KvImported: self._kv_handover,
         }
 
     async def _tokens(self, conn, message: messages.Tokens) -> None:
@@ -93,6 +95,9 @@ class FellowMessages:
     async def _unloaded(self, conn, message: cm.Unloaded) -> None:
         if message.reason == "idle":
             await self._idle(conn, message)
+
+    async def _kv_handover(self, conn, message: hm.KvKept | hm.KvImported) -> None:
+        self.serving.drains.kv.on_message(conn, message)  # a drain's KV handover (swarm.leader.serving.kv_carry)
 
     async def _link_report(self, conn, message: cl.LinkReport) -> None:
         self.serving.link_matrix.on_report(conn, message)

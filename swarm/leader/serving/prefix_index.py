@@ -25,7 +25,8 @@ and tells the stages with each request (messages.PrefixPlan; swarm.stage.prefix_
 
 A block a request was to keep but that never became held (the request ended before its first token) may still have
 been kept by some stage: it is evicted with the next plan. A failover, unload or reload resets the index: a new
-``epoch`` makes every stage forget its blocks when the next plan reaches it.
+``epoch`` makes every stage forget its blocks when the next plan reaches it. A drain's switch keeps the epoch
+(swarm.leader.serving.kv_carry): the running requests' blocks are on every stage of the new ring, and only those stay.
 """
 
 from __future__ import annotations
@@ -226,6 +227,23 @@ class PrefixIndex:
     def cached_tokens(self, rid: str) -> int:
         return self.reused.get(rid, 0) * self.block
 
+    def carry(self, names: Sequence[bytes]) -> None:
+        """A drain's switch (swarm.leader.serving.kv_carry): every stage of the new ring holds blocks ``names``, kept
+        or handed over under their own names. Nothing else is sure to be on the new stage: the rest is forgotten here
+        (and evicted from the stages that still hold it with the next plan)."""
+        carried = set(names)
+        for rid in list(self.replies):
+            self._drop_reply(rid)
+        for name, found in list(self.blocks.items()):
+            if name not in carried or found.key:
+                self.orphans.append(found.on_stages(name))
+                del self.blocks[name]
+        self.orphans = [name for name in self.orphans if name not in carried]
+        self.uses.clear()
+        self.reused.clear()
+        for name in names:
+            self.blocks[name] = _Block(True, set())
+
 
 class PrefixCaches:
     """The index of every served model, and what the serving brain (swarm.leader.serving.serving) tells it.
@@ -236,10 +254,21 @@ class PrefixCaches:
     def __init__(self, share: int | None):
         self.share = share
         self.indexes: dict[str, PrefixIndex] = {}
+        # model -> a drain's blocks to carry across its switch: (the index's epoch, the names, the new ring's fellows)
+        self.carried: dict[str, tuple[int, list[bytes], tuple[int, ...]]] = {}
 
-    def reset(self, model: str, config: dict | None = None) -> None:
+    def carry(self, model: str, epoch: int, names: list[bytes], fellows: tuple[int, ...]) -> None:
+        """A drain handed blocks ``names`` over (swarm.leader.serving.kv_carry): when the ring of ``model`` is whole
+        again on ``fellows`` (stage by stage), the index keeps its epoch and those blocks rather than start anew."""
+        self.carried[model] = (epoch, names, fellows)
+
+    def reset(self, model: str, config: dict | None = None, fellows: tuple[int, ...] = ()) -> None:
         """The ring of ``model`` is whole again (loaded, failed over, reloaded): a new, empty index, whose epoch makes
-        every stage forget the blocks it held."""
+        every stage forget the blocks it held -- unless a drain carried blocks to this very ring (:meth:`carry`)."""
+        carried, index = self.carried.pop(model, None), self.indexes.get(model)
+        if carried is not None and index is not None and index.epoch == carried[0] and fellows == carried[2]:
+            index.carry(carried[1])
+            return
         if self.share == 0 or sliding(config or {}):
             self.indexes.pop(model, None)
         else:

@@ -213,5 +213,6 @@ class Serving:
         """The ring of ``name`` is whole: send the requests that waited for it, as its budget allows."""
         serving = self.models.get(name)
         if serving is not None:
-            self.prefix.reset(name, serving.config)  # a new ring, or the same one after a failover: a cache anew
+            # a new ring, or the same one after a failover: a cache anew (a drain's switch carries what it handed over)
+            self.prefix.reset(name, serving.config, tuple(stage.plan.fellow_id for stage in serving.stages))
             self.perform(self.book.resume(name, serving.budget(self.settings)))

@@ -1,0 +1,119 @@
+"""A drain's KV handover: the stages of a ring keep a running request's computed blocks, the leaving stage's blocks
+travel (as wire bytes) to a fresh copy of the stage, and the new ring -- the stage that stayed and the taker -- goes
+on from them, computing only the tokens after the last whole block; the reply is the uninterrupted one. And the
+leader's index carries its epoch across the switch only to the ring the drain handed the blocks to."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm import wire
+from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names
+from swarm.stage import LocalRing, StageModel, stage_specs
+from swarm.stage.kv_handover import export_blocks, import_blocks, keep_running
+from swarm.stage.prefix_cache import store_of
+from swarm.store.manifest import load_manifest
+from test_prefix_cache import BIG, B, prompt_of
+
+
+def stages_of(model_dir, kv_cache: str) -> list[StageModel]:
+    models = [StageModel.load_dir(model_dir, s) for s in stage_specs(load_manifest(model_dir).num_layers, 2)]
+    for model in models:
+        model.kv_cache = kv_cache
+    return models
+
+
+@pytest.mark.parametrize("kv_cache", ["auto", "q8"])
+def test_a_switch_goes_on_from_the_handed_over_blocks_and_the_reply_is_the_same(tiny_model_dirs, kv_cache):
+    model_dir = tiny_model_dirs["llama"]
+    steps, streamed = 14, 9
+    prompt = prompt_of(2 * B + 3, 3)
+    cold = LocalRing(stages_of(model_dir, kv_cache), prefill_chunk=B)
+    want = cold.submit("w", prompt, steps).tokens
+    cold.run()
+    assert len(want) == steps
+
+    old = LocalRing(stages_of(model_dir, kv_cache), prefill_chunk=B)
+    index = PrefixIndex(B)
+    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
+    while len(reply.tokens) < streamed:
+        old.step()
+    index.first_token("r")
+    tokens = reply.tokens[:streamed]  # what the leader had streamed when the switch came
+    seq = prompt + tokens
+    count = (len(seq) - 1) // B  # all but the latest token's rows: every stage has computed them
+    names = block_names(seq, B, count)
+    assert count == 3
+    kept = [keep_running(stage, index.epoch, B, [("r", names)]) for stage in old.stages]
+    assert kept == [names, names]
+
+    taker = stages_of(model_dir, kv_cache)[1]  # a fresh copy of stage 1: the hot cover
+    sent = wire.decode(wire.encode({"t": "kv_import", "blocks": export_blocks(old.stages[1], names)}))
+    assert import_blocks(taker, index.epoch, sent["blocks"]) == names
+    assert [t.dtype for t in store_of(taker).blocks[names[0]][0][0]] == \
+        [t.dtype for t in store_of(old.stages[1]).blocks[names[0]][0][0]]
+
+    # the switch: the request comes off the ring, the index carries the blocks, the new ring gets it again
+    index.ended("r")
+    index.carry(names)
+    new = LocalRing([old.stages[0], taker], prefill_chunk=B)
+    plan = index.plan("r2", seq, BIG)
+    assert plan is not None and plan.cached == count * B
+    rest = new.submit("r2", seq, steps - streamed, prefix=plan)
+    new.run()
+    assert rest.error is None, rest.error
+    assert tokens + rest.tokens == want
+    # each stage computed only the tokens after the last whole block
+    assert [p.prefill_tokens for p in new.protocols] == [len(seq) - count * B] * 2
+
+
+def test_a_handed_over_block_that_does_not_fit_is_refused_whole(tiny_model_dirs):
+    from swarm.errors import ProtocolError
+
+    model_dir = tiny_model_dirs["llama"]
+    stage = stages_of(model_dir, "auto")[1]
+    ring = LocalRing(stages_of(model_dir, "auto"), prefill_chunk=B)
+    prompt = prompt_of(2 * B + 1, 5)
+    ring.submit("r", prompt, 2)
+    for _ in range(3):
+        ring.step()
+    names = block_names(prompt, B)
+    assert keep_running(ring.stages[1], 7, B, [("r", names), ("gone", [b"x" * 16])]) == names
+    blocks = export_blocks(ring.stages[1], names)
+    bad = [blocks[0], {"name": b"y" * 16, "layers": blocks[1]["layers"][:-1]}]  # a layer short
+    with pytest.raises(ProtocolError):
+        import_blocks(stage, 7, bad)
+    assert store_of(stage).blocks == {}
+    assert import_blocks(stage, 7, blocks) == names
+    assert import_blocks(stage, 6, blocks) == []  # a handover of an older epoch than the stage's: stale, ignored
+
+
+def test_the_index_carries_its_epoch_only_to_the_ring_the_drain_handed_over_to():
+    caches = PrefixCaches(None)
+    caches.reset("m")
+    index = caches.indexes["m"]
+    block = index.block
+    running = prompt_of(3 * block + 4, 2)
+    names = block_names(running, block)
+    index.plan("b", running, BIG)
+    index.first_token("b")
+    caches.carry("m", index.epoch, names[:2], (1, 3))
+    caches.reset("m", None, (1, 2))  # the ring came back otherwise (a failover): a new cache
+    assert caches.indexes["m"] is not index and "m" not in caches.carried
+
+    index = caches.indexes["m"]
+    other = prompt_of(2 * block + 1, 1)
+    index.plan("a", other, BIG)  # another chat's blocks: the taker does not hold them
+    index.first_token("a")
+    index.ended("a")
+    index.plan("b", running, BIG)
+    index.first_token("b")
+    caches.carry("m", index.epoch, names[:2], (1, 3))
+    index.ended("b")  # the switch takes the request off the ring
+    caches.reset("m", None, (1, 3))
+    assert caches.indexes["m"] is index  # the same epoch: the stages keep what they hold
+    assert sorted(index.orphans) == sorted([*block_names(other, block), names[2]])
+    plan = index.plan("b2", running + [5, 6], BIG)
+    assert plan is not None and plan.reuse == names[:2] and plan.keep == names[2:3]
+    # what no stage of the new ring is sure to hold goes from the stages that still do
+    assert sorted(plan.evict) == sorted(block_names(other, block))
