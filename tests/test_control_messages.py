@@ -11,6 +11,7 @@ import pytest
 
 from swarm import control_links as cl
 from swarm import control_messages as cm
+from swarm import handover_messages as hm
 from swarm import messages, wire
 from swarm.errors import ProtocolError
 from swarm.fellow.control import ControlLink
@@ -40,8 +41,10 @@ SAMPLES = [
     cl.LinkReport([cl.LinkFigures(2, "direct", 0.4, 900.0, 1.2)]), cl.PunchPing("h1", "a"), cl.PunchPong("h1", "a"),
     cl.PunchPrepare("m", "h1", "a", "who", 3478), cl.PunchCandidates("m", "h1", "a", candidates=[["1.2.3.4", 5]]),
     cl.PunchStart("m", "h1", "a", b"s" * 32, [["1.2.3.4", 5]], 0.5), cl.PunchResult("m", "h1", "a", True),
+    hm.KvKeep("m", "g1", "x1", 3, 32, [["r1", [b"n" * 16]]], export=True), hm.KvImport("m", "x1", 3, [{"name": b"n"}]),
+    hm.KvKept("m", "x1", [b"n" * 16], [{"name": b"n"}]), hm.KvImported("m", "x1", message="no stage"),
 ]
-CONTROL = [cls for module in (cm, cl) for cls in vars(module).values()
+CONTROL = [cls for module in (cm, cl, hm) for cls in vars(module).values()
            if isinstance(cls, type) and cls.__module__ == module.__name__ and getattr(cls, "TYPE", None)]
 
 

@@ -277,25 +277,31 @@ async def test_complete_part_and_empty_file_need_no_request(tmp_path: Path) -> N
 
 
 async def test_a_newer_load_of_a_model_supersedes_one_in_flight_and_an_unload_stops_it() -> None:
+    from swarm import control_messages as cm
     from swarm.fellow.loading import StageLoader
 
     loader = StageLoader(fellow=None)
     finished: list[str] = []
 
-    async def slow_load(message: dict) -> None:
-        await trio.sleep(message["takes"])
-        finished.append(message["load_id"])
+    def load(model: str, load_id: str) -> cm.Load:
+        return cm.Load(model, load_id, cm.StageSlot(0, 1, 0, 1, True, True), {}, [])
+
+    takes = {"first": 10, "second": 0.1, "third": 0.2, "fourth": 10}
+
+    async def slow_load(message: cm.Load) -> None:
+        await trio.sleep(takes[message.load_id])
+        finished.append(message.load_id)
 
     loader._load = slow_load
     with trio.fail_after(TIMEOUT_S):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(loader.load, {"model": "m", "load_id": "first", "takes": 10})
+            nursery.start_soon(loader.load, load("m", "first"))
             await trio.sleep(0.05)
-            nursery.start_soon(loader.load, {"model": "m", "load_id": "second", "takes": 0.1})
-            nursery.start_soon(loader.load, {"model": "other", "load_id": "third", "takes": 0.2})
+            nursery.start_soon(loader.load, load("m", "second"))
+            nursery.start_soon(loader.load, load("other", "third"))
         assert finished == ["second", "third"]  # the first was cut short; another model's load was not touched
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(loader.load, {"model": "m", "load_id": "fourth", "takes": 10})
+            nursery.start_soon(loader.load, load("m", "fourth"))
             await trio.sleep(0.05)
             loader.cancel("m")
         assert finished == ["second", "third"] and loader._loading == {}

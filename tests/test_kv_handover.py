@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from swarm import wire
+from swarm.handover_messages import KvImport
 from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.kv_handover import export_blocks, import_blocks, keep_running
@@ -48,8 +49,8 @@ def test_a_switch_goes_on_from_the_handed_over_blocks_and_the_reply_is_the_same(
     assert kept == [names, names]
 
     taker = stages_of(model_dir, kv_cache)[1]  # a fresh copy of stage 1: the hot cover
-    sent = wire.decode(wire.encode({"t": "kv_import", "blocks": export_blocks(old.stages[1], names)}))
-    assert import_blocks(taker, index.epoch, sent["blocks"]) == names
+    sent = wire.unpack(wire.encode(KvImport("m", "x1", 0, export_blocks(old.stages[1], names))))
+    assert import_blocks(taker, index.epoch, sent.blocks) == names
     assert [t.dtype for t in store_of(taker).blocks[names[0]][0][0]] == \
         [t.dtype for t in store_of(old.stages[1]).blocks[names[0]][0][0]]
 

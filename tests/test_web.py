@@ -626,10 +626,14 @@ def test_settings_shows_the_planned_speed(bg, browser, model):
 
     bg.sync(calibrate)
     page = signed_in_page(bg, browser, column="settings")
+    # over both fellows; or, where the serving ring's own hops measured slow links on a busy machine (they win over
+    # the probe above), on one, the other left out and the sentence saying why
     expect(page.locator("#model-plan")).to_have_text(re.compile(
-        r"^about [\d.]+ tokens/s, first token of a 1,000-token prompt in [\d.]+ s over 2 stages; the slowest part is "
-        r"(stage \d on fellow-\d \(compute\)|the links between stages)"))
-    assert api(bg, "GET", f"/api/v1/models/{model}/plan").json()["num_stages"] == 2
+        r"^about [\d.]+ tokens/s, first token of a 1,000-token prompt in [\d.]+ s (over 2 stages|on fellow-\d); "
+        r"the slowest part is (stage \d on fellow-\d \(compute\)|the links between stages)"
+        r"(; fellow-\d left out: [\d.]+ ms to fellow-\d .*)?$"))
+    plan = api(bg, "GET", f"/api/v1/models/{model}/plan").json()
+    assert plan["num_stages"] == (2 if "over 2 stages" in page.locator("#model-plan").inner_text() else 1), plan
     shot(page, "settings-planned-speed")
     assert not page.errors, page.errors
     page.context.close()
