@@ -101,6 +101,18 @@ class ExpertClock:
         self.total += time.perf_counter() - self._t
 
 
+def expert_share(ring, stages, tokens: int) -> float:
+    """The share of a decode token's time ``ring`` spends in its stages' experts: a reply of ``tokens`` less one of
+    a single token (its prefill), both timed whole and inside the experts."""
+    clock = ExpertClock([layer for stage in stages for layer in stage.layers])
+    t0, e0 = time.perf_counter(), clock.total
+    ring.generate(PROMPT, 1)
+    t1, e1 = time.perf_counter(), clock.total
+    ring.generate(PROMPT, tokens)
+    t2, e2 = time.perf_counter(), clock.total
+    return ((e2 - e1) - (e1 - e0)) / ((t2 - t1) - (t1 - t0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
@@ -181,13 +193,7 @@ def main() -> None:
                       f"{speed.decode_per_byte_ms * 1e6:.3f} ms/MB, MoE routing {cal['moe']['router_ms']:.3f} ms + "
                       f"{cal['moe']['expert_ms']:.3f} ms an expert; planned {plan['tokens_per_s']:.1f} tok/s "
                       f"(every expert counted: {whole['tokens_per_s']:.1f}), measured {rate:.1f}", flush=True)
-            clock = ExpertClock([layer for stage in stages for layer in stage.layers])
-            t0, e0 = time.perf_counter(), clock.total
-            ring.generate(PROMPT, 1)
-            t1, e1 = time.perf_counter(), clock.total
-            ring.generate(PROMPT, args.tokens)
-            t2, e2 = time.perf_counter(), clock.total
-            share = ((e2 - e1) - (e1 - e0)) / ((t2 - t1) - (t1 - t0))
+            share = expert_share(ring, stages, args.tokens)
             each = ", ".join(f"{r:.1f}" for r in measured)
             print(f"swarm, {n} stage(s) in one process: {statistics.median(measured):.1f} tok/s (rounds {each}); "
                   f"experts {share:.0%} of a token's time\n"

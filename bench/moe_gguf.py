@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 
-from moe_decode import CONFIG, PROMPT, ExpertClock, decode_rate  # noqa: E402
+from moe_decode import CONFIG, PROMPT, decode_rate, expert_share  # noqa: E402
 
 
 def main() -> None:
@@ -90,13 +90,7 @@ def main() -> None:
                           f"{stage_weight_bytes(size, p.first_layer, p.end_layer, p.is_first, p.is_last) / 1e6:.1f}"
                           f" planned MB" for s, p in zip(stages, specs)]
                 rate, rates = decode_rate(lambda t, ring=ring: ring.generate(PROMPT, t), args.tokens, args.rounds)
-                clock = ExpertClock([layer for stage in stages for layer in stage.layers])
-                t0, e0 = time.perf_counter(), clock.total
-                ring.generate(PROMPT, 1)
-                t1, e1 = time.perf_counter(), clock.total
-                ring.generate(PROMPT, args.tokens)
-                t2, e2 = time.perf_counter(), clock.total
-                share = ((e2 - e1) - (e1 - e0)) / ((t2 - t1) - (t1 - t0))
+                share = expert_share(ring, stages, args.tokens)
                 print(f"swarm at {kind}, {n} stage(s) in one process: {rate:.1f} tok/s (rounds "
                       f"{', '.join(f'{r:.1f}' for r in rates)}); experts {share:.0%} of a token's time; "
                       f"{'; '.join(memory)}", flush=True)
