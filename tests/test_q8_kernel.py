@@ -1,5 +1,5 @@
-"""GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K tensors on swarm's 8-bit kernel (swarm.stage.q8_kernel, gguf_q8): repacked
-without loss (gguf-py's dequantization to the bit), computing what the float layer computes to within the 8-bit
+"""GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K and MXFP4 tensors on swarm's 8-bit kernel (swarm.stage.q8_kernel, gguf_q8):
+repacked without loss (gguf-py's dequantization to the bit), computing what the float layer computes to within the 8-bit
 rounding of the activations (a bound computed per output), each row alone whatever the batch and thread count, the
 same on the kernel's other builds, and on torch where the kernel cannot be built; wrong inputs are refused."""
 
@@ -25,7 +25,8 @@ TYPES = sorted(gguf_q8.SUPPORTED)
 _K_SCALES = {"Q5_K": (0, 2), "Q6_K": (208,)}
 # 576 inputs: a block of 16 groups and a last block of 2 (SmolLM2's hidden size); 1536: whole blocks; 96: a last
 # block alone. The K types' rows are whole blocks of 256: 768 (a block of 16 groups and one of 8), 512.
-SHAPES = {"Q8_0": (576, 1536, 96), "Q5_0": (576, 96), "Q5_1": (576, 96), "Q5_K": (768, 512), "Q6_K": (768, 512)}
+SHAPES = {"MXFP4": (576, 96), "Q8_0": (576, 1536, 96), "Q5_0": (576, 96), "Q5_1": (576, 96), "Q5_K": (768, 512),
+          "Q6_K": (768, 512)}
 
 
 def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -67,7 +68,7 @@ def test_repacked_blocks_dequantize_to_gguf_pys_values_to_the_bit(kind):
         held = linear.packed.numel() + linear.scales.element_size() * linear.scales.numel()
         parts = 1 + (kind == "Q6_K") + (kind in ("Q5_1", "Q5_K"))
         level_bytes = {"Q8_0": cols, "Q6_K": -(-cols // 64) * 48}.get(kind, -(-cols // 64) * 40)
-        scale_bytes = 2 if kind in ("Q8_0", "Q5_0", "Q5_1") else 1.25
+        scale_bytes = 2 if kind in ("Q8_0", "Q5_0", "Q5_1", "MXFP4") else 1.25
         assert held == 37 * (level_bytes + cols // 32 * parts * scale_bytes)
 
 
@@ -319,3 +320,35 @@ def test_fp16_scales_of_any_value_are_held_and_computed_exactly(kind):
         assert built is not None
         got = built.matmul(x, linear.packed, linear.scales, False, linear.offsets, None, linear.bits, linear.zero)
         assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item()), flags
+
+
+def test_mxfp4_every_nibble_and_every_exponent_fp16_holds_repack_to_the_bit_and_others_widen(caplog):
+    """MXFP4's 16 E2M1 nibbles (-0 included) with the E8M0 exponents at fp16's ends (2^-24, 2^15) repack to gguf-py's
+    values to the bit; a tensor with one scale fp16 cannot hold (2^-25, 2^16, ggml's subnormal e < 2) is refused by
+    the kernel's layer and widens to float32 at gguf_linear, saying so"""
+    from swarm.stage.gguf_linear import gguf_linear
+
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, (8, 576 // 32, 17), dtype=np.uint8)
+    raw[:, :, 0] = rng.choice(np.array([104, 105, 120, 127, 128, 130, 143], dtype=np.uint8), raw.shape[:2])
+    raw = raw.reshape(8, -1)
+    linear = gguf_q8.q8_linear(torch.from_numpy(raw), "MXFP4", (8, 576), None)
+    assert linear.scales.dtype == torch.float16 and (linear.bits, linear.zero) == (5, 16)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.MXFP4).astype(np.float32))
+    assert torch.equal(linear.dequantized().view(torch.int32), want.view(torch.int32))
+    x = activations(3, 576, seed=12)
+    assert torch.allclose(linear(x).double(), q8_reference(x, *linear.grid()), rtol=1e-5, atol=1e-9)
+    for e in (0, 1, 103, 144):
+        wide = raw.reshape(8, -1, 17).copy()
+        wide[3, 2, 0] = e
+        wide = torch.from_numpy(wide.reshape(8, -1))
+        assert not gguf_q8.fits(wide, "MXFP4")
+        with pytest.raises(ModelError, match="float16"):
+            gguf_q8.q8_linear(wide, "MXFP4", (8, 576), None)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            plain = gguf_linear(wide, "MXFP4", (8, 576), None)
+        assert isinstance(plain, torch.nn.Linear) and "widens to float32" in caplog.text
+        exact = torch.from_numpy(quants.dequantize(wide.numpy(), GGMLQuantizationType.MXFP4).astype(np.float32))
+        assert torch.equal(plain.weight.view(torch.int32), exact.view(torch.int32))
+        assert torch.equal(gguf_q8.widen(wide, "MXFP4", 576).view(torch.int32), exact.view(torch.int32))

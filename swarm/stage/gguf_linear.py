@@ -23,6 +23,7 @@ Llama's q/k fix-up (transformers' ``TENSOR_PROCESSORS``) permutes output rows: i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ from torch import nn
 
 from swarm.errors import ModelError
 from swarm.stage import gguf_q8, int4_kernel
+
+log = logging.getLogger(__name__)
 
 # Types repacked into swarm's int4 kernel: bytes per block and values per block (ggml-common.h's block_q4_0,
 # block_q4_1, block_q4_K)
@@ -104,8 +107,11 @@ def gguf_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bi
             packed, scales = kernel.pack_exact(q, scale, factor, scale_dtype(scale, factor))
             kept = bias.detach().float().contiguous() if bias is not None else None
             return Int4Linear(packed, scales, int4_kernel.GROUP, k, n, kept, kernel)
-    if device.type == "cpu" and ggml_type in gguf_q8.SUPPORTED:
+    if device.type == "cpu" and gguf_q8.fits(blocks, ggml_type):
         return gguf_q8.q8_linear(blocks, ggml_type, shape, bias)
+    if device.type == "cpu" and ggml_type in gguf_q8.SUPPORTED:
+        log.warning("a %s weight %s has a block scale float16 cannot hold: it widens to float32 (4 bytes a weight)",
+                    ggml_type, tuple(shape))
     return widened(blocks, ggml_type, shape, bias, device, dtype)
 
 

@@ -1,10 +1,13 @@
-"""GGUF's 8-bit-exact types as layers of swarm's 8-bit kernel (swarm.stage.q8_kernel): Q8_0, Q5_0, Q5_1, Q5_K and
-Q6_K blocks repacked losslessly at load -- every weight is s q (+ z) with an integer level q and the file's own
-scale, so ``dequantized()`` is gguf-py's dequantization to the bit.
+"""GGUF's 8-bit-exact types as layers of swarm's 8-bit kernel (swarm.stage.q8_kernel): Q8_0, Q5_0, Q5_1, Q5_K,
+Q6_K and MXFP4 blocks repacked losslessly at load -- every weight is s q (+ z) with an integer level q and the file's
+own scale, so ``dequantized()`` is gguf-py's dequantization to the bit.
 
 Per type (value = what gguf-py computes; level and scales = what the kernel holds):
 - Q8_0: d q, q in -128..127 -> level q, scale d (fp16 in the file, held as fp16);
 - Q5_0: d (q - 16), q in 0..31 -> level q - 16, scale d (fp16);
+- MXFP4 (gpt-oss's experts): 2^(e - 128) v, v an E2M1 value doubled (0, 1, 2, 3, 4, 6, 8, 12 and negatives), e the
+  block's E8M0 byte -> level v in Q5_0's layout (u = v + 16), scale 2^(e - 128) as fp16: exact where fp16 holds it
+  (2^-24 to 2^15, :func:`fits`); a tensor with a scale outside that widens (swarm.stage.gguf_linear);
 - Q5_1: d q + m -> level q, scale d, offset m (both fp16);
 - Q5_K: (d sc) q - (dmin m), 6-bit sc and m per 32 values -> level q, scale d sc, offset -(dmin m) (exact in
   float32: an 11-bit fp16 mantissa times a 6-bit integer);
@@ -14,12 +17,12 @@ Per type (value = what gguf-py computes; level and scales = what the kernel hold
   6- to 7-bit scales do not give, so the kernel takes a scale per half group for Q6_K.
 
 Levels: Q8_0 a byte each; the 5- and 6-bit types as the file's unsigned q in planes -- nibbles, then one plane per
-higher bit (q8_kernel.pack_planes) -- unpacked to bytes in registers. Scales: the K types' as their int8 sub-scales
-and fp16 d (and -dmin) per block (_k_scales), multiplied as an output is computed: exact. Bytes a weight held:
-Q8_0 1.0625, Q5_0 0.6875 and Q5_1 0.75 (their files' sizes), Q5_K 0.703 (file 0.6875), Q6_K 0.828 (file 0.820). A
-byte a level (``planes=False``, the layout before the planes, for tests and the bench) computes the same bits, within
-noise as fast on a stage's shapes (bench/RESULTS.md, Kernels). Where the kernel cannot be built here, the layer
-computes with torch on its weights widened a few thousand outputs at a time.
+higher bit (q8_kernel.pack_planes) -- unpacked to bytes in registers. Scales: the K types' as their int8 sub-scales and
+fp16 d (and -dmin) per block (_k_scales), multiplied as an output is computed: exact. Bytes a weight held: Q8_0 1.0625,
+Q5_0 and MXFP4 0.6875 (MXFP4's file 0.53125), Q5_1 0.75 (the others their files' sizes), Q5_K 0.703 (file 0.6875), Q6_K
+0.828 (file 0.820). A byte a level (``planes=False``, the layout before the planes, for tests and the bench) computes
+the same bits, within noise as fast on a stage's shapes (bench/RESULTS.md, Kernels). Where the kernel cannot be built
+here, the layer computes with torch on its weights widened a few thousand outputs at a time.
 """
 
 from __future__ import annotations
@@ -31,19 +34,24 @@ from torch.nn import functional as F
 from swarm.errors import ModelError
 from swarm.stage import q8_kernel
 
-SUPPORTED: frozenset[str] = frozenset({"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"})
+SUPPORTED: frozenset[str] = frozenset({"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "MXFP4"})
 
 # values and bytes per block (ggml-common.h; gguf.constants.GGML_QUANT_SIZES)
-_BLOCKS = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+_BLOCKS = {"MXFP4": (32, 17), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176),
+           "Q6_K": (256, 210)}
 _HALVES = frozenset({"Q6_K"})  # a scale per 16 values
 _OFFSETS = frozenset({"Q5_1", "Q5_K"})
 # (bits, zero) of the levels as the kernel holds them, u = level + zero: the 5- and 6-bit types in planes of nibbles
 # and high bits (q8_kernel.pack_planes), each level the file's own unsigned q (Q5_0's q - 16 is u - 16, Q6_K's
 # q - 32 is u - 32); Q8_0 a byte a level
-_LEVELS = {"Q8_0": (8, 128), "Q5_0": (5, 16), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 32)}
+_LEVELS = {"MXFP4": (5, 16), "Q8_0": (8, 128), "Q5_0": (5, 16), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 32)}
 # types whose scales (and offsets) are the file's fp16 d (and m): held as fp16, exactly; the K types' d sc and
 # dmin m are not fp16 values and stay float32
-_HALF_SCALES = frozenset({"Q8_0", "Q5_0", "Q5_1"})
+_HALF_SCALES = frozenset({"Q8_0", "Q5_0", "Q5_1", "MXFP4"})
+# MXFP4's E2M1 values doubled (gguf-py's quants.MXFP4.kvalues), + 128: the kernel's byte of each nibble's level
+_MXFP4_LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int16) + 128
+# MXFP4's E8M0 exponents e whose scale 2^(e - 128) fp16 holds exactly (2^-24, its least subnormal, to 2^15)
+_MXFP4_HALF = (128 - 24, 128 + 15)
 _REPACK_VALUES = 1 << 22  # values decoded at a time: the intermediates stay tens of MB whatever the tensor
 _FALLBACK_OUTPUTS = 4096  # outputs widened at a time where torch computes
 
@@ -51,6 +59,23 @@ _FALLBACK_OUTPUTS = 4096  # outputs widened at a time where torch computes
 def _fp16(b: torch.Tensor) -> torch.Tensor:
     """float32 of little-endian fp16 held in the last dimension's two bytes"""
     return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """float32 2^(e - 128) of E8M0 bytes ``e``: half the block's scale, as gguf-py's MXFP4.e8m0_to_fp32_half (ggml's
+    GGML_E8M0_TO_FP32_HALF) builds its bits -- subnormal for e < 2."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def fits(blocks: torch.Tensor, ggml_type: str) -> bool:
+    """Whether the kernel holds ``blocks`` (rows of ``ggml_type``'s blocks) exactly: always for the types of
+    SUPPORTED but MXFP4, whose scales it holds as fp16, so every block's exponent must be one fp16 holds."""
+    if ggml_type != "MXFP4":
+        return ggml_type in SUPPORTED
+    e = blocks.reshape(blocks.shape[0], -1, _BLOCKS["MXFP4"][1])[..., 0]
+    return bool(((e >= _MXFP4_HALF[0]) & (e <= _MXFP4_HALF[1])).all())
 
 
 def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
@@ -82,6 +107,9 @@ def _decode(bl: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tenso
         if ggml_type == "Q5_1":
             offset = _fp16(bl[..., 2:4])
         scale = d.repeat_interleave(2, -1)
+    elif ggml_type == "MXFP4":  # d x (E2M1 doubled), d = 2^(e - 128): level the doubled value, Q5_0's q - 16
+        q = _MXFP4_LEVELS[_nibbles_32(bl[..., 1:17]).long()].to(torch.uint8)
+        scale = _e8m0_half(bl[..., 0]).repeat_interleave(2, -1)
     elif ggml_type == "Q5_K":
         d, dmin = _fp16(bl[..., 0:2]), _fp16(bl[..., 2:4])
         s = bl[..., 4:16].reshape(rows, n, 3, 4)
@@ -284,6 +312,9 @@ def q8_linear(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int], bias
         raise ModelError(f"{tuple(blocks.shape)} bytes of {ggml_type} blocks ({values} values in {size} bytes each) "
                          f"cannot hold a weight of shape {tuple(shape)}: the stored model file may be damaged; "
                          "import it again")
+    if not fits(blocks, ggml_type):
+        raise ModelError(f"a {ggml_type} tensor has a block scale outside what float16 holds (2^-24 to 2^15): the "
+                         "8-bit kernel cannot hold it exactly (this is a bug in swarm's loader: such a tensor widens)")
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ModelError(f"a bias of shape {tuple(bias.shape)} does not fit a weight of shape {tuple(shape)}: the "
                          "stored model file may be damaged; import it again")
