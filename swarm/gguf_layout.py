@@ -48,6 +48,12 @@ class OwnProcessor:
         return (*shape[:-2], shape[-1], shape[-2]) if name.endswith(self.transposed) else shape
 
 
+def rows_as_filed(architecture: str, name: str) -> bool:
+    """Whether GGUF tensor ``name``'s fix-up is only the swap of its last two axes (gpt-oss's experts): its blocks'
+    rows are then a linear layer's (out, in) rows as they are, so a stage computing on blocks takes them unchanged."""
+    return name.endswith(TRANSPOSED.get(architecture, ()))
+
+
 def own_processor(architecture: str) -> OwnProcessor | None:
     """The fix-up of ``architecture`` where swarm maps it itself, else None (transformers' processor applies)."""
     return OwnProcessor(architecture) if architecture in OWN_ARCHITECTURES else None

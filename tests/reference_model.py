@@ -91,7 +91,9 @@ def gguf_reference_model(model_dir: Path) -> Any:
     for i, layer in enumerate(model.model.layers):
         _, kept = read_weights_and_blocks(Path(model_dir) / layer_file(i), raw_config,
                                           functools.partial(on_blocks, layer))
-        place_experts(layer, kept)  # a MoE layer's experts on their blocks, per expert
+        expert_biases = {k: v.detach() for k, v in layer.state_dict().items()
+                         if k.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias"))}  # gpt-oss's
+        place_experts(layer, kept, tensors=expert_biases)  # a MoE layer's experts on their blocks, per expert
         biases = {f"{key[: -len('.weight')]}.bias": layer.get_submodule(key[: -len(".weight")]).bias
                   for key in kept}
         place_linears(layer, kept, {k: v.detach() for k, v in biases.items() if v is not None})

@@ -123,6 +123,7 @@ def test_every_tensor_but_the_nextn_layers_is_mapped_and_the_config_is_the_sourc
 def test_an_own_mapped_moe_gguf_answers_at_none_as_its_source_and_at_gguf_as_one_process(own_ggufs, name, stages):
     from reference_model import gguf_reference_model
     from swarm.stage.gguf_experts import GGUFExperts
+    from swarm.stage.gguf_q8 import GgufQ8Linear
     from swarm.stage.local import LocalRing
     from swarm.stage.slice import StageModel
     from swarm.stage.slice_load import stage_specs
@@ -138,10 +139,8 @@ def test_an_own_mapped_moe_gguf_answers_at_none_as_its_source_and_at_gguf_as_one
     want, margins = reference(gguf_reference_model(model_dir), PROMPT, NEW_TOKENS)
     at_gguf = [StageModel.load_dir(model_dir, s, quantization="gguf") for s in specs]
     experts = at_gguf[-1].layers[-1].mlp.experts
-    if name == "gpt_oss":  # MXFP4 has no kernel here: its experts widened at load
-        assert experts.gate_up_proj.dtype == torch.float32
-    else:
-        assert isinstance(experts, GGUFExperts)  # the experts on the file's blocks
+    assert isinstance(experts, GGUFExperts)  # the experts on the file's blocks: the 8-bit kernel's modules
+    assert all(isinstance(m, GgufQ8Linear) for m in (*experts.up, *experts.down))
     assert check_reply(LocalRing(at_gguf).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
 
 
@@ -175,7 +174,7 @@ def test_an_own_mapped_moe_gguf_brings_its_tokenizer_and_chat_template(own_ggufs
 
 @pytest.mark.e2e
 async def test_a_gpt_oss_gguf_over_real_fellows_answers_as_one_process(tmp_path, own_ggufs):
-    """gpt-oss's GGUF over real fellows, at its default kind (gguf: the MXFP4 experts widened at load) over 2 stages
+    """gpt-oss's GGUF over real fellows, at its default kind (gguf: the MXFP4 experts on the 8-bit kernel) over 2 stages
     and at none over 3: a reply alone and two concurrent chats (batched decode, sliding windows) as the reference of
     the kind in one process."""
     import trio

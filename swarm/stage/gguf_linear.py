@@ -47,7 +47,7 @@ class GGUFBlocks:
     """A linear weight as the GGUF holds it: ``blocks`` (rows, bytes per row) uint8, or the file's float tensor for
     F32/F16/BF16; ``ggml_type`` its GGUF type name; ``shape`` (out_features, in_features). A MoE layer's expert
     tensor holds ``experts`` such weights, one after another in its rows (swarm.stage.gguf_experts), and may be a
-    part of a tensor joined from several (``into``, ``part``: swarm.store.gguf_source)."""
+    part of a tensor joined from several (``into``, ``part``, ``join``: swarm.store.gguf_source)."""
 
     blocks: torch.Tensor
     ggml_type: str
@@ -55,6 +55,7 @@ class GGUFBlocks:
     experts: int = 0
     into: str = ""
     part: int = 0
+    join: str = ""
 
 
 def levels(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:

@@ -128,7 +128,7 @@ def load_stage(
             tensors, kept = read_weights_and_blocks(
                 files[rel], config, functools.partial(_on_blocks, layer), dtype, devices[local],
                 what=f"{rel} from {files[rel]}", keep_float32=keep_float32)
-            place_experts(layer, kept, devices[local], dtype or torch.float32)  # a MoE layer's, per expert
+            place_experts(layer, kept, devices[local], dtype or torch.float32, tensors)  # a MoE layer's, per expert
             place_linears(layer, kept, tensors, devices[local], dtype or torch.float32)
             _assign(layer, tensors, f"layer {index}", partial=True)
             continue

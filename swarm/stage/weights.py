@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from swarm.errors import ModelError
-from swarm.gguf_layout import joined_shape, own_processor, place_part
+from swarm.gguf_layout import joined_shape, own_processor, place_part, rows_as_filed
 from swarm.model_format import GGUF_ARCHITECTURE_KEY, GGUF_FLOAT_TYPES, GGUF_JOIN_DIM, GGUF_TENSORS_KEY, GGUF_TYPES
 from swarm.stage.gguf_linear import GGUFBlocks, row_order
 
@@ -76,13 +76,14 @@ def read_weights_and_blocks(path: Path, config: Mapping[str, Any], keep: Callabl
                     processor = _processor(meta.get(GGUF_ARCHITECTURE_KEY, ""), config)
                 shape = tuple(info["shape"])
                 into = info.get("into", "")
-                if keep is not None and len(shape) == 3 and not info.get("fixup") and keep(into or key):
+                as_filed = not info.get("fixup") or rows_as_filed(meta.get(GGUF_ARCHITECTURE_KEY, ""), info["name"])
+                if keep is not None and len(shape) == 3 and as_filed and keep(into or key):
                     # a MoE layer's experts, [experts, rows, columns], whatever their type: as (experts x rows) rows
                     # of blocks, each expert's rows taken apart by swarm.stage.gguf_experts
                     blocks = f.get_tensor(key).clone()
                     kept_blocks[key] = GGUFBlocks(blocks.reshape(shape[0] * shape[1], -1), info["type"],
                                                   (int(shape[1]), int(shape[2])), experts=int(shape[0]), into=into,
-                                                  part=int(info.get("part", 0)))
+                                                  part=int(info.get("part", 0)), join=info.get("join", ""))
                     continue
                 if keep is not None and keep(key) and info["type"] not in GGUF_FLOAT_TYPES and len(shape) == 2:
                     # a copy: the stage must not hold safetensors' map of the file (see dequantize)
