@@ -66,12 +66,23 @@ _GGUF_MIXES = {"Q4_K": ("Q4_K", "Q5_0", "Q6_K", "Q8_0"), "Q5_K": ("Q5_K", "Q5_0"
                "Q6_K": ("Q6_K", "Q8_0"), "Q3_K": (), "Q2_K": ()}
 
 
+# gpt-oss's MXFP4 files (llama.cpp's MOSTLY_MXFP4_MOE): the experts MXFP4 (17 bytes a block of 32, held at Q5_0's
+# 0.6875 bytes a weight by swarm.stage.gguf_q8), the rest BF16 (and F32 norms and biases), which widens to float32
+_MXFP4_FILES = frozenset({"MXFP4", "MXFP4_MOE"})
+_MXFP4_STORED, _MXFP4_HELD = 17 / 32, 0.6875
+
+
 def gguf_layer_bytes(file_type: str, stored: int, params: int) -> int:
     """What a layer file of ``stored`` bytes holding ``params`` weight values takes in a stage at ``gguf`` on CPU
     (swarm.stage.gguf_linear); the file's type as llama.cpp names it (manifest file_type: Q4_1, Q4_K_M) decides. Types
-    no kernel takes (Q2_K, Q3_K, IQ*) widen to float32: 4 bytes a weight."""
+    no kernel takes (Q2_K, Q3_K, IQ*) widen to float32: 4 bytes a weight. An MXFP4 file's layer is split into its
+    MXFP4 weights and its 16-bit ones from its bytes and weights (two equations, two unknowns): those at 0.6875 bytes,
+    these at 4 (its F32 counted as 16-bit: a few norms and biases)."""
     name = file_type.upper()
     family = name.rsplit("_", 1)[0] if name.endswith(("_S", "_M", "_L", "_XS")) else name
+    if family in _MXFP4_FILES and stored and params:
+        wide = min(params, max(0.0, (stored - _MXFP4_STORED * params) / (2 - _MXFP4_STORED)))
+        return int(_MXFP4_HELD * (params - wide) + 4 * wide)
     types = _GGUF_MIXES.get(family, (family,))
     ratios = [GGUF_HELD_PER_STORED.get(t) for t in types]
     if not stored or not ratios or None in ratios:
@@ -82,7 +93,8 @@ def gguf_layer_bytes(file_type: str, stored: int, params: int) -> int:
 # What a stage at gguf holds per weight of each type a kernel takes (the figures above): a MoE layer's routed
 # experts' bytes a weight, for the planner's speed (swarm.leader.planning.moe_speed)
 GGUF_HELD_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q8_0": 1.0625, "Q5_0": 0.6875, "Q5_1": 0.75,
-                        "Q5_K": 0.625 + 2 * 1.25 / 32, "Q6_K": 0.75 + 2 * 1.25 / 32}
+                        "Q5_K": 0.625 + 2 * 1.25 / 32, "Q6_K": 0.75 + 2 * 1.25 / 32, "MXFP4": _MXFP4_HELD,
+                        "MXFP4_MOE": _MXFP4_HELD}
 
 
 def gguf_weight_bytes(file_type: str) -> float | None:
@@ -96,7 +108,8 @@ def gguf_head_bytes(file_type: str, stored: int, params: int) -> int:
     """What a head built on an embedding's blocks of ``stored`` bytes takes at ``gguf`` on CPU: llama.cpp's files keep
     the embedding at a type of their own (Q8_0 in a Q4_1 file, Q6_K in a Q4_K_M one), so it counts at the most a
     kernel's layout holds per stored byte -- or at float32 for a file whose layers have no kernel either."""
-    if gguf_layer_bytes(file_type, stored, params) == params * 4:
+    name = file_type.upper()
+    if name in _MXFP4_FILES or gguf_layer_bytes(file_type, stored, params) == params * 4:  # gpt-oss's head: BF16
         return params * 4
     return int(stored * max(GGUF_HELD_PER_STORED.values()))
 
