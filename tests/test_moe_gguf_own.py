@@ -136,12 +136,23 @@ def test_an_own_mapped_moe_gguf_answers_at_none_as_its_source_and_at_gguf_as_one
     for key, value in at_none[-1].layers[-1].mlp.experts.state_dict().items():  # gpt-oss's: transposed, interleaved
         assert torch.equal(value, source.state_dict()[f"model.layers.{LAYERS - 1}.mlp.experts.{key}"]), key
     assert check_reply(LocalRing(at_none).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
-    want, margins = reference(gguf_reference_model(model_dir), PROMPT, NEW_TOKENS)
+    at_none_reply, at_none_margins = want, margins
+    at_gguf_model = gguf_reference_model(model_dir)
+    want, margins = reference(at_gguf_model, PROMPT, NEW_TOKENS)
     at_gguf = [StageModel.load_dir(model_dir, s, quantization="gguf") for s in specs]
     experts = at_gguf[-1].layers[-1].mlp.experts
     assert isinstance(experts, GGUFExperts)  # the experts on the file's blocks: the 8-bit kernel's modules
     assert all(isinstance(m, GgufQ8Linear) for m in (*experts.up, *experts.down))
     assert check_reply(LocalRing(at_gguf).generate(PROMPT, NEW_TOKENS), want, margins) == "identical"
+    # the file's values on the kernels, activations at 8 bits: on this prompt the reply the float values give
+    # the file's values on the kernels, activations at 8 bits: the prompt's logits within a small shift of the float
+    # values', and the reply the float values' until a token whose top two logits are within twice that shift
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        floats = source(ids).logits[0, -1]
+        shift = (at_gguf_model(ids).logits[0, -1] - floats).abs().max().item()
+    assert shift < 0.05 * floats.abs().max().item()  # measured: 1 % (glm4_moe), 1.6 % (gpt_oss)
+    check_reply(want, at_none_reply, at_none_margins, tol=2 * shift)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -266,3 +277,35 @@ def test_a_real_models_header_maps_every_tensor_as_the_file_has_it(tmp_path, mod
         assert "self_attn.sinks" in layer
     else:
         assert "mlp.gate.e_score_correction_bias" in layer and "mlp.shared_experts.down_proj.weight" in layer
+
+
+def test_a_gpt_oss_gguf_at_gguf_holds_its_mxfp4_experts_at_the_planned_bytes(tmp_path):
+    """gpt-oss as ggml-org publishes it (experts MXFP4, the other matrices BF16): at gguf on CPU each expert is an
+    8-bit-kernel module holding 0.6875 bytes a weight (Q5_0's layout) plus its biases, and the planner counts each
+    layer at about what the stage then holds (its 16-bit matrices widened to float32), not at float32 throughout."""
+    import json
+
+    from swarm.leader.serving.models import model_size
+    from swarm.stage.gguf_experts import GGUFExperts
+    from swarm.stage.slice import StageModel
+    from swarm.stage.slice_load import stage_specs
+    from swarm.store.importer import import_model
+    from swarm.store.manifest import load_manifest
+
+    write_moe_gguf(tmp_path / "gpt_oss.gguf", _source("gpt_oss"), "MXFP4", matrices="BF16",
+                   tokenizer=(*VOCABULARY, TEMPLATE))
+    import_model(str(tmp_path / "gpt_oss.gguf"), tmp_path / "models", "gpt_oss")
+    model_dir = tmp_path / "models" / "gpt_oss"
+    manifest = json.loads(load_manifest(model_dir).to_json())
+    planned = model_size(manifest, cpu=True, quantization="gguf").layer_bytes
+    stage = StageModel.load_dir(model_dir, stage_specs(LAYERS, 1)[0], quantization="gguf")
+    _, config, _ = FAMILIES["gpt_oss"]
+    hidden, inter, experts = _COMMON["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    for i, layer in enumerate(stage.layers):
+        module = layer.mlp.experts
+        assert isinstance(module, GGUFExperts)
+        held_experts = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+        weights, biases = experts * 3 * hidden * inter, experts * (2 * inter + hidden)
+        assert held_experts == 0.6875 * weights + 4 * biases, i  # MXFP4 at Q5_0's bytes; float32 biases
+        held = sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+        assert held <= planned[i] <= 1.25 * held, (i, held, planned[i])
