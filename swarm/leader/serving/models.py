@@ -101,9 +101,12 @@ class ModelServing:
 
     def draft_files_for(self, fellow_id: int) -> set[str]:
         """The draft model's files ``fellow_id`` may download: all of them, where it holds the last stage (or its
-        hot cover)."""
+        hot cover, or the last stage of a re-layout's next ring that holds the draft model)."""
         last = self.stages[-1] if self.stages else None
-        if self.draft is None or last is None or fellow_id not in (last.plan.fellow_id, last.cover):
+        holders = {last.plan.fellow_id, last.cover} if last is not None else set()
+        if self.relayout and self.relayout[-1].plan.draft_bytes:
+            holders.add(self.relayout[-1].plan.fellow_id)
+        if self.draft is None or fellow_id not in holders:
             return set()
         return {f["path"] for f in self.draft["files"]}
 
