@@ -269,7 +269,8 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
         if f["kind"] == "layer" and quantization == GGUF_KIND and cpu:
             # the file's blocks, repacked (swarm.stage.gguf_linear; a MoE layer's experts too, per expert:
             # swarm.stage.gguf_experts), and its two norms in float32
-            layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
+            layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0),
+                                                  f.get("types"))
         elif f["kind"] == "layer":
             layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms
         elif f["kind"] == "embed" and quantization == GGUF_KIND and cpu:
