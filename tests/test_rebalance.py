@@ -315,3 +315,17 @@ def test_the_served_context_of_a_drafted_ring_is_the_one_it_was_placed_for():
     assert served_context(model, settings) == 100
     model.context_tokens = 4096  # its load's served context comes first
     assert served_context(model, settings) == 4096
+
+
+def test_a_fellow_keeping_the_very_last_stage_keeps_its_draft_model():
+    # stage 0 splits over two fast idle fellows (neither has room for it whole); pc-2 keeps layers 4-7 and the draft
+    ring = drafted_ring()
+    speeds = {**FAST, 2: speed(0.5, 1), 5: speed(0.5, 1)}
+    idle = [FellowCapacity(3, "pc-3", 600 * MB), FellowCapacity(5, "pc-5", 600 * MB)]
+    # pc-2's free memory beside its stage: the split gives it as much room as the two new fellows together
+    held_free = {1: 9 * GB, 2: 1200 * MB + DRAFT.weight_bytes + 100 * DRAFT.kv_bytes_per_token - ring[1].need_bytes
+                 + 200 * MB}
+    found, left_out = propose_layout("m", ring, BIG, idle, held_free, speeds, matrix(5), HIDDEN, 100, None, DRAFT)
+    assert found is not None and found.layout is not None, left_out
+    assert [p.fellow_id for p in found.layout][-1] == 2 and {p.fellow_id for p in found.layout} == {2, 3, 5}
+    assert found.layout[-1] == dataclasses.replace(ring[1], index=2)  # the very stage it holds, its draft model too
