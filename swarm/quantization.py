@@ -72,19 +72,24 @@ _MXFP4_FILES = frozenset({"MXFP4", "MXFP4_MOE"})
 _MXFP4_STORED, _MXFP4_HELD = 17 / 32, 0.6875
 
 
-def gguf_layer_bytes(file_type: str, stored: int, params: int) -> int:
+def gguf_layer_bytes(file_type: str, stored: int, params: int, types: dict[str, int] | None = None) -> int:
     """What a layer file of ``stored`` bytes holding ``params`` weight values takes in a stage at ``gguf`` on CPU
-    (swarm.stage.gguf_linear); the file's type as llama.cpp names it (manifest file_type: Q4_1, Q4_K_M) decides. Types
-    no kernel takes (Q2_K, Q3_K, IQ*) widen to float32: 4 bytes a weight. An MXFP4 file's layer is split into its
-    MXFP4 weights and its 16-bit ones from its bytes and weights (two equations, two unknowns): those at 0.6875 bytes,
-    these at 4 (its F32 counted as 16-bit: a few norms and biases)."""
+    (swarm.stage.gguf_linear). ``types``: its weight values by GGUF type, as the import counted them (the manifest's):
+    each type at what a kernel's layout holds a weight of it (GGUF_HELD_PER_WEIGHT), every other type -- F32, F16,
+    BF16, and the types no kernel takes (Q2_K, Q3_K, IQ*) -- widened to float32, 4 bytes a weight. Without them (a
+    manifest written before), the file's type as llama.cpp names it (manifest file_type: Q4_1, Q4_K_M) decides, an
+    upper bound for a mix; an MXFP4 file's layer is then split into its MXFP4 weights and its 16-bit ones from its
+    bytes and weights (two equations, two unknowns): those at 0.6875 bytes, these at 4 (its F32 counted as 16-bit,
+    which overcounts a file whose matrices are F32)."""
+    if types:
+        return int(sum(GGUF_HELD_PER_WEIGHT.get(t.upper(), 4) * n for t, n in types.items()))
     name = file_type.upper()
     family = name.rsplit("_", 1)[0] if name.endswith(("_S", "_M", "_L", "_XS")) else name
     if family in _MXFP4_FILES and stored and params:
         wide = min(params, max(0.0, (stored - _MXFP4_STORED * params) / (2 - _MXFP4_STORED)))
         return int(_MXFP4_HELD * (params - wide) + 4 * wide)
-    types = _GGUF_MIXES.get(family, (family,))
-    ratios = [GGUF_HELD_PER_STORED.get(t) for t in types]
+    mix = _GGUF_MIXES.get(family, (family,))
+    ratios = [GGUF_HELD_PER_STORED.get(t) for t in mix]
     if not stored or not ratios or None in ratios:
         return params * 4
     return int(stored * max(r for r in ratios if r is not None))

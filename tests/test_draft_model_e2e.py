@@ -3,7 +3,8 @@ on loopback, the built-in model over 2 stages): ``auto`` picks the smaller impor
 tokenizer, the last fellow fetches it from the leader and guesses with it, and the greedy reply to an ordinary chat is
 transformers' generate (near-tie rule) whatever it guesses; named as the draft model, the built-in model itself has
 nearly every guess kept; the draft model counts in the last stage's memory and goes with an unload; a draft model
-named wrong refuses the load before it starts; a restarted leader finds the draft model in the serving record."""
+named wrong refuses the load before it starts; a restarted leader finds the draft model in the serving record; a
+re-layout onto two fellows that join puts the draft model on the new last stage, which goes on guessing with it."""
 
 from __future__ import annotations
 
@@ -127,3 +128,49 @@ async def test_draft_model_over_two_stages(tmp_path, smollm_model_dir, tiny_draf
             assert response.status_code == 409, response.text
             assert "SWARM_SERVE_DRAFT_MODEL names nope, which is not in the catalogue" in response.text
             assert model not in serving.models
+
+            await relayout_with_draft_model(swarm, model, tmp_path, want, margins)
+
+
+async def relayout_with_draft_model(swarm, model: str, tmp_path, want, margins) -> None:
+    """A re-layout (issue 37) of the model drafting with tiny-draft over fellow-0 and fellow-1: two fellows that join
+    take it with another split of the layers; the new last fellow loads the draft model beside the ring, and after
+    the switch it guesses with it, the greedy reply unchanged."""
+    from swarm.fellow import Fellow
+    from swarm.leader.planning.placement import DraftSize, FellowCapacity, place_in_order
+    from swarm.leader.serving.relayout import served_context
+
+    serving = swarm.leader.serving
+    serving.settings = dataclasses.replace(serving.settings, serve_draft_model="tiny-draft")
+    serving.hub.online[swarm.fellows[1].fellow_id].draft_model = True
+    await swarm.load(model, 2)
+    loaded = serving.models[model]
+    old = [s.plan for s in loaded.stages]
+    assert loaded.draft["model"] == "tiny-draft" and old[-1].draft_bytes > 0
+    join = swarm.join_token(2)
+    async with trio.open_nursery() as nursery:
+        new = [Fellow(leader_url=swarm.url, data_dir=tmp_path / f"new-{i}", settings=swarm.fellows[0].settings,
+                      name=f"new-{i}", join_token=join) for i in range(2)]
+        for fellow in new:
+            await nursery.start(fellow.run)
+            await fellow.connected.wait()
+        free = serving.hub.online[new[0].fellow_id].hardware.serving_free_bytes(serving.settings.device)
+        # twice the memory on the first: its stage takes about two thirds of the layers
+        plans = place_in_order(loaded.size, [FellowCapacity(f.fellow_id, f.name, free * (2 - i))
+                                             for i, f in enumerate(new)],
+                               served_context(loaded, serving.settings),
+                               DraftSize(old[-1].draft_bytes, old[-1].draft_kv_per_token))
+        assert plans[0].end_layer > old[0].end_layer and plans[-1].draft_bytes == old[-1].draft_bytes
+        done = await serving.rebalance.relayouts.apply(loaded, plans)
+        assert done.endswith("re-laid out"), done
+        assert [s.plan.fellow_id for s in loaded.stages] == [f.fellow_id for f in new]
+        assert loaded.draft["model"] == "tiny-draft" and loaded.status == "ready"
+        drafter = new[1].stages[model].driver.stage_model.drafter
+        assert drafter is not None and new[0].stages[model].driver.stage_model.drafter is None
+        await wait_until(lambda: all(model not in f.stages for f in swarm.fellows), 30,
+                         message="the old stages were not unloaded")
+        data = await swarm.chat(model, CHAT, max_tokens=TOKENS)
+        check_reply(data["choices"][0]["token_ids"], want, margins)
+        timing = data["swarm"]["timing"]
+        assert timing["spec_drafted"] >= timing["spec_passes"] - 2, timing  # the new last stage guesses with it
+        nursery.cancel_scope.cancel()

@@ -147,3 +147,28 @@ def test_a_model_imported_before_blocks_were_kept_still_loads_as_it_did(tmp_path
     with torch.inference_mode():
         want = model(torch.tensor([[1, 2, 3]])).logits[0, -1]
     assert torch.allclose(logits, want, atol=1e-5)
+
+
+def test_the_header_reader_gives_each_field_as_its_kind_or_none(tmp_path):
+    """swarm.store.gguf_header, which every header read of an import goes through: strings, integers, floats and
+    bools as themselves; a missing field, an array, or a field of another kind than asked as None."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from swarm.store.gguf_header import header_field, header_value
+
+    writer = GGUFWriter(str(tmp_path / "h.gguf"), "llama")
+    writer.add_string("t.name", "Größe 135M")
+    writer.add_uint32("t.count", 32)
+    writer.add_float32("t.base", 10000.5)
+    writer.add_bool("t.flag", True)
+    writer.add_array("t.list", [1, 2, 3])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFReader(str(tmp_path / "h.gguf"))
+    assert [header_value(reader, f"t.{k}") for k in ("name", "count", "base", "flag", "list", "absent")] == \
+        ["Größe 135M", 32, 10000.5, True, None, None]
+    assert header_field(reader, "general.architecture", str) == "llama"
+    assert header_field(reader, "t.count", int) == 32 and header_field(reader, "t.base", float) == 10000.5
+    assert header_field(reader, "t.name", int) is None and header_field(reader, "t.count", str) is None

@@ -230,6 +230,13 @@ def test_placement_counts_a_q4_1_layer_at_its_stored_bytes():
             int(2_000_000 * held), file_type
     # a type no kernel takes widens to float32, never counted under
     assert model_size({**manifest, "file_type": "Q3_K_M"}, cpu=True, quantization="gguf").layer_bytes[0] == 12_800_000
+    # where the import counted each type's weights (the manifest's "types"), each counts at its own layout: a mix's
+    # Q6_K at 0.828 bytes a weight beside its Q4_K at 0.75, floats (and types no kernel takes) widened to float32
+    typed = {**manifest, "file_type": "Q4_K_M", "files": [
+        {**f, "types": {"Q4_K": 3_000_000, "Q6_K": 198_848, "F32": 1152}} if f["kind"] == "layer" else f
+        for f in manifest["files"]]}
+    assert model_size(typed, cpu=True, quantization="gguf").layer_bytes[0] == \
+        int(3_000_000 * 0.75 + 198_848 * (0.75 + 2.5 / 32) + 1152 * 4)
 
 
 def test_gguf_is_the_default_of_a_gguf_model_and_refused_for_a_folders():

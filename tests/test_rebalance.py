@@ -1,13 +1,15 @@
 """Live-move proposals over made-up rings (swarm.leader.serving.rebalance): a stage goes to an idle fellow only when the
 ring is predicted at least 1.3x faster, with the measured links counted."""
 
+import dataclasses
 import types
 
 import pytest
 
 from swarm.config import Settings
 from swarm.errors import ConfigError
-from swarm.leader.planning.placement import FellowCapacity, place
+from swarm.leader.planning.placement import DraftSize, FellowCapacity, ModelSize, place
+from swarm.leader.planning.relayout import same_split
 from swarm.leader.serving.rebalance import MIN_SPEEDUP, Move, propose, propose_layout
 from test_link_placement import GB, HIDDEN, SAME, SIZE, matrix, speed
 
@@ -207,3 +209,123 @@ async def test_a_relayout_whose_stage_fails_to_load_leaves_the_ring_as_it_was(mo
     assert [s.plan.fellow_id for s in model.stages] == [1, 2] and model.relayout == [] and interrupted == []
     assert online[3].posted[-1] == online[4].posted[-1] == cm.Unload("m")  # the new stages go
     assert online[1].posted == online[2].posted == []  # the old ring serves on
+
+
+# --- a model served with a draft model (SWARM_SERVE_DRAFT_MODEL): its last stage holds the draft model too ----------
+
+MB = 1_000_000
+# layers of 100 MB, so that the stages' working memory (200 MB each) does not swamp their split
+BIG = ModelSize(layer_bytes=(100 * MB,) * 8, embed_bytes=50 * MB, final_bytes=MB, tied_embeddings=False,
+                kv_bytes_per_token_per_layer=1000)
+DRAFT = DraftSize(150 * MB, 2000)
+FAST = {1: speed(4, 8), 2: speed(4, 8), 3: speed(0.5, 1), 4: speed(0.5, 1)}  # pc-3 and pc-4 eight times faster
+
+
+def drafted_ring():
+    ring = place(BIG, [FellowCapacity(1, "pc-1", 10 * GB), FellowCapacity(2, "pc-2", 10 * GB)], 2, 100, draft=DRAFT)
+    assert ring[-1].draft_bytes == DRAFT.weight_bytes and ring[0].draft_bytes == 0
+    return ring
+
+
+def relayout_drafted(idle, drafts=None):
+    ring = drafted_ring()
+    found = propose("m", ring, BIG, idle, FAST, matrix(4), HIDDEN)
+    return propose_layout("m", ring, BIG, idle, {1: 9 * GB, 2: 9 * GB}, FAST, matrix(4), HIDDEN, 100, found,
+                          DRAFT, drafts)
+
+
+def test_a_drafted_models_relayout_puts_the_draft_model_on_its_new_last_stage():
+    # neither fast fellow has room for the whole model (1.05 GB); pc-4 has room for the last stage and the draft model
+    idle = [FellowCapacity(3, "pc-3", 560 * MB), FellowCapacity(4, "pc-4", 1040 * MB)]
+    found, left_out = relayout_drafted(idle)
+    assert found is not None and found.layout is not None and found.moves == [], (found, left_out)
+    assert {p.fellow_id for p in found.layout} == {3, 4} and not same_split(found.layout, drafted_ring())
+    last = found.layout[-1]
+    assert (last.draft_bytes, last.draft_kv_per_token) == (DRAFT.weight_bytes, DRAFT.kv_bytes_per_token)
+    assert last.kv_bytes == (1000 * (last.end_layer - last.first_layer) + DRAFT.kv_bytes_per_token) * 100
+    assert last.need_bytes <= {3: 560 * MB, 4: 1040 * MB}[last.fellow_id]
+    assert all(p.draft_bytes == p.draft_kv_per_token == 0 for p in found.layout[:-1])
+    assert found.speedup > 3  # both stages on fast fellows; a move could take only one (the other has no room)
+    # a fellow of an earlier version cannot hold the draft model: a layout with it last is left out, and told
+    found, left_out = relayout_drafted(idle, drafts={1, 2, 3})
+    assert found is not None and found.layout is not None and found.layout[-1].fellow_id == 3
+    assert found.layout[-1].draft_bytes == DRAFT.weight_bytes
+    assert any(note.endswith("pc-4 would hold the last stage and runs a version without draft models")
+               for note in found.left_out), found.left_out
+
+
+def test_a_layout_whose_last_fellow_has_no_room_for_the_draft_model_is_left_out_and_told_why():
+    # without the draft model the layers split 4/4 over pc-3 and pc-4; with it, neither order fits
+    idle = [FellowCapacity(3, "pc-3", 660 * MB), FellowCapacity(4, "pc-4", 660 * MB)]
+    found, _ = relayout_drafted(idle)
+    assert found is not None and found.layout is None  # stage 0 alone moves (stage 1 and its draft model fit nowhere)
+    assert [(m.index, m.to_id) for m in found.moves] == [(0, 3)]
+    assert found.left_out[0].startswith("the layout 2 stages -> 2 stages on pc-3, pc-4 (")
+    assert found.left_out[0].endswith("is left out: pc-4 would hold the last stage and has no room for the draft "
+                                      "model beside it (0.2 GB with its KV cache at 100 tokens; 0.7 GB free)")
+
+
+def test_a_drafted_model_laid_out_on_one_fellow_has_no_draft_model_as_a_load_on_one():
+    found, _ = relayout_drafted([FellowCapacity(3, "pc-3", 10 * GB)])
+    assert found is not None and [(p.fellow_id, p.draft_bytes) for p in found.layout] == [(3, 0)]
+
+
+@pytest.mark.parametrize("stages", [2, 1])
+async def test_a_drafted_models_new_last_stage_loads_the_draft_model_beside_the_ring(monkeypatch, stages):
+    """Over two stages the new last fellow is sent the draft model (and may fetch its files) and keeps it after the
+    switch; on one stage the model goes on by prompt lookup alone, as a load on one fellow does."""
+    import trio
+
+    from swarm import control_messages as cm
+    from swarm.leader.serving import relayout
+
+    monkeypatch.setattr(relayout, "load_message", lambda model, i, cover=False: {
+        "t": "load", "stage": i, "draft": (model.draft or {}).get("model") if i == len(model.stages) - 1 else None})
+    serving, model, online, _ = serving_state(4)
+    model.draft = {"model": "tiny-draft", "files": [{"path": "weights/layer_000.safetensors"}]}
+    small = DraftSize(MB, 10)
+    fellows = [FellowCapacity(3, "pc-3", 10 * GB), FellowCapacity(4, "pc-4", 5 * GB)][:stages]
+    plans = place(SIZE, fellows, stages, 100, draft=small if stages > 1 else None)
+    relayouts = relayout.Relayouts(serving)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relayouts.apply, model, plans)
+        await trio.sleep(0.01)
+        if stages == 2:
+            assert online[3].posted == [{"t": "load", "stage": 0, "draft": None}]
+            assert online[4].posted == [{"t": "load", "stage": 1, "draft": "tiny-draft"}]
+            assert model.draft_files_for(4) == {"weights/layer_000.safetensors"} and model.draft_files_for(3) == set()
+        else:
+            assert online[3].posted == [{"t": "load", "stage": 0, "draft": None}]
+        for fellow_id in range(3, 3 + stages):
+            relayouts.on_stage_event(model, online[fellow_id], cm.Loaded("m", "l"))
+        model.notify()
+    assert [s.plan.fellow_id for s in model.stages] == list(range(3, 3 + stages))
+    assert model.draft == (None if stages == 1 else {"model": "tiny-draft",
+                                                     "files": [{"path": "weights/layer_000.safetensors"}]})
+
+
+def test_the_served_context_of_a_drafted_ring_is_the_one_it_was_placed_for():
+    from swarm.leader.serving.models import ModelServing, StageState
+    from swarm.leader.serving.relayout import served_context
+
+    settings = Settings.from_env({})
+    first, last = drafted_ring()
+    # the last stage's KV cache counts the draft model's too: 100 tokens, not 150 (stage 0's cache told apart)
+    model = ModelServing("m", "l", [StageState(dataclasses.replace(first, kv_bytes=0)), StageState(last)], size=BIG)
+    assert served_context(model, settings) == 100
+    model.context_tokens = 4096  # its load's served context comes first
+    assert served_context(model, settings) == 4096
+
+
+def test_a_fellow_keeping_the_very_last_stage_keeps_its_draft_model():
+    # stage 0 splits over two fast idle fellows (neither has room for it whole); pc-2 keeps layers 4-7 and the draft
+    ring = drafted_ring()
+    speeds = {**FAST, 2: speed(0.5, 1), 5: speed(0.5, 1)}
+    idle = [FellowCapacity(3, "pc-3", 600 * MB), FellowCapacity(5, "pc-5", 600 * MB)]
+    # pc-2's free memory beside its stage: the split gives it as much room as the two new fellows together
+    held_free = {1: 9 * GB, 2: 1200 * MB + DRAFT.weight_bytes + 100 * DRAFT.kv_bytes_per_token - ring[1].need_bytes
+                 + 200 * MB}
+    found, left_out = propose_layout("m", ring, BIG, idle, held_free, speeds, matrix(5), HIDDEN, 100, None, DRAFT)
+    assert found is not None and found.layout is not None, left_out
+    assert [p.fellow_id for p in found.layout][-1] == 2 and {p.fellow_id for p in found.layout} == {2, 3, 5}
+    assert found.layout[-1] == dataclasses.replace(ring[1], index=2)  # the very stage it holds, its draft model too

@@ -62,9 +62,11 @@ def header(group: dict[str, Any], architecture: str) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def write_file(path: Path, group: dict[str, Any], architecture: str, on_tensor: Callable[[str], None]) -> int:
-    """Write ``group``'s tensors to ``path`` as the GGUF has them, one at a time, a chunk at a time; returns the number
-    of weight values it holds. ``on_tensor(key)`` is called before each tensor (progress)."""
+def write_file(path: Path, group: dict[str, Any], architecture: str,
+               on_tensor: Callable[[str], None]) -> dict[str, int]:
+    """Write ``group``'s tensors to ``path`` as the GGUF has them, one at a time, a chunk at a time; returns the
+    weight values it holds by GGUF type (what a stage holds of each differs: swarm.quantization.gguf_layer_bytes).
+    ``on_tensor(key)`` is called before each tensor (progress)."""
     with open(path, "wb") as out:
         out.write(header(group, architecture))
         for key, tensor in _layout(group):
@@ -74,10 +76,10 @@ def write_file(path: Path, group: dict[str, Any], architecture: str, on_tensor: 
             if out.tell() - start != tensor.raw_bytes:
                 raise ImportFailed(f"{key} of {path.name}: copied {out.tell() - start} bytes, expected "
                                    f"{tensor.raw_bytes}; the GGUF may be damaged")
-    params = 0
+    types: dict[str, int] = {}
     for tensor in group.values():
         n = 1
         for d in tensor.shape:
             n *= int(d)
-        params += n
-    return params
+        types[tensor.gguf_type] = types.get(tensor.gguf_type, 0) + n
+    return types

@@ -26,6 +26,7 @@ from typing import Any
 
 from swarm.errors import ImportFailed
 from swarm.model_format import GGUF_MOE_ARCHITECTURES, MOE_ARCHITECTURES
+from swarm.store.gguf_header import header_field
 
 # GGUF metadata keys (after the architecture) of MoE sizes, and the transformers config attribute each sets
 MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
@@ -51,15 +52,15 @@ def moe_config(reader: Any, architecture: str, config: Any) -> Any:
     Mixtral it is."""
     import transformers
 
-    experts = number(reader, f"{architecture}.expert_count")
+    experts = header_field(reader, f"{architecture}.expert_count", int)
     # transformers names a llama file "mistral" where general.name says so, as real Mixtral files' names do
     if config.model_type in ("llama", "mistral") and experts:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
         fields.update(num_local_experts=experts,
-                      num_experts_per_tok=number(reader, f"{architecture}.expert_used_count") or 2)
+                      num_experts_per_tok=header_field(reader, f"{architecture}.expert_used_count", int) or 2)
         config = transformers.MixtralConfig(**fields)
     for key, attribute in MOE_SIZES.items():
-        value = number(reader, f"{architecture}.{key}")
+        value = header_field(reader, f"{architecture}.{key}", int)
         if value is not None and hasattr(config, attribute):
             setattr(config, attribute, value)
     return config
@@ -120,14 +121,3 @@ def joined_parts(names: dict[str, str]) -> dict[str, int]:
                                "way swarm does not know how to join; import the model's safetensors folder instead")
         out.update({p: PART_ORDER.index(k) for p, k in zip(parts, kinds, strict=True)})
     return out
-
-
-def number(reader: Any, key: str) -> int | None:
-    """An integer field of the GGUF's header, None where it has none."""
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    try:
-        return int(field.parts[field.data[0]][0])
-    except (ValueError, IndexError, TypeError):
-        return None

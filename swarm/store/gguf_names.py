@@ -21,6 +21,7 @@ from typing import Any
 
 from swarm.errors import ImportFailed
 from swarm.gguf_layout import OWN_ARCHITECTURES
+from swarm.store.gguf_header import header_value
 
 # per architecture: gguf-py MODEL_TENSOR member -> the transformers name ({bid}: the layer), for .weight and .bias
 _GLOBAL = {"TOKEN_EMBD": "model.embed_tokens", "OUTPUT_NORM": "model.norm", "OUTPUT": "lm_head"}
@@ -76,34 +77,21 @@ def owned(architecture: str) -> bool:
     return architecture in OWN_ARCHITECTURES
 
 
-def field(reader: Any, key: str) -> Any:
-    """A scalar field of the header (int, float, bool or str), None where it has none."""
-    f = reader.fields.get(key)
-    if f is None or not f.data:
-        return None
-    from gguf import GGUFValueType
-
-    value = f.parts[f.data[0]]
-    if f.types and f.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode()
-    return value[0].item()
-
-
 def config(reader: Any, architecture: str) -> Any:
     """The transformers config of a GGUF of ``architecture`` from its header."""
     import transformers
 
     fields = header_fields(reader, architecture)
-    blocks = field(reader, f"{architecture}.block_count")
+    blocks = header_value(reader, f"{architecture}.block_count")
     tensors = {t.name: t for t in reader.tensors}
     if blocks is None or "token_embd.weight" not in tensors:
         raise ImportFailed("the GGUF file has no block_count or no token_embd tensor; the file is incomplete")
     nextn = int(fields.get("num_nextn_predict_layers") or 0)
     layers = int(blocks) - nextn
     head_dim = int(fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"])
-    rotary = field(reader, f"{architecture}.rope.dimension_count") or head_dim
+    rotary = header_value(reader, f"{architecture}.rope.dimension_count") or head_dim
     rope: dict[str, Any] = {"rope_type": "default",
-                            "rope_theta": float(field(reader, f"{architecture}.rope.freq_base") or 10000.0)}
+                            "rope_theta": float(header_value(reader, f"{architecture}.rope.freq_base") or 10000.0)}
     fields.update(num_hidden_layers=layers, head_dim=head_dim, vocab_size=int(tensors["token_embd.weight"].shape[-1]),
                   attention_bias="blk.0.attn_q.bias" in tensors, tie_word_embeddings="output.weight" not in tensors)
     if architecture == "glm4moe":
@@ -112,10 +100,10 @@ def config(reader: Any, architecture: str) -> Any:
     if architecture == "gpt-oss":
         # llama.cpp's gpt-oss: sliding-window attention in every other layer, the first included
         fields["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        if field(reader, f"{architecture}.rope.scaling.type") == "yarn":
+        if header_value(reader, f"{architecture}.rope.scaling.type") == "yarn":
             rope.update(YARN_DEFAULTS, rope_type="yarn")
             for key, name in YARN.items():
-                value = field(reader, f"{architecture}.rope.scaling.{key}")
+                value = header_value(reader, f"{architecture}.rope.scaling.{key}")
                 if value is not None:
                     rope[name] = value
     fields["rope_parameters"] = rope
@@ -126,7 +114,7 @@ def config(reader: Any, architecture: str) -> Any:
 def header_fields(reader: Any, architecture: str) -> dict[str, Any]:
     out = {}
     for key, attribute in HEADER[architecture].items():
-        value = field(reader, f"{architecture}.{key}")
+        value = header_value(reader, f"{architecture}.{key}")
         if value is not None:
             out[attribute] = value
     return out
@@ -135,7 +123,7 @@ def header_fields(reader: Any, architecture: str) -> dict[str, Any]:
 def special_tokens(reader: Any) -> dict[str, int]:
     out = {}
     for name in ("bos", "eos", "padding"):
-        value = field(reader, f"tokenizer.ggml.{name}_token_id")
+        value = header_value(reader, f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             out[{"padding": "pad"}.get(name, name) + "_token_id"] = int(value)
     return out

@@ -39,6 +39,7 @@ from swarm.errors import ImportFailed
 from swarm.gguf_layout import JOINS, own_processor
 from swarm.model_format import GGUF_TYPES
 from swarm.store import gguf_moe, gguf_names
+from swarm.store.gguf_header import header_field
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class GGUFSource:
             self.reader = _lean_reader_class()(str(self.path))
         except Exception as exc:
             raise ImportFailed(f"cannot read the GGUF file {self.path} ({exc}); the file may be incomplete") from exc
-        self.architecture = _field(self.reader, "general.architecture") or "unknown"
+        self.architecture = header_field(self.reader, "general.architecture", str) or "unknown"
 
     # --- checks made before anything is written ---------------------------------------------------------------------
 
@@ -117,11 +118,11 @@ class GGUFSource:
         type most of its matrices' bytes are in."""
         import gguf
 
-        field = self.reader.fields.get("general.file_type")
-        if field is not None and field.data:
+        number = header_field(self.reader, "general.file_type", int)
+        if number is not None:
             try:
-                name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
-            except (ValueError, IndexError):
+                name = gguf.LlamaFileType(number).name
+            except ValueError:
                 name = ""
             if name and name != "GUESSED":
                 return name.removeprefix("MOSTLY_").removeprefix("ALL_")
@@ -133,7 +134,7 @@ class GGUFSource:
 
     def size_label(self) -> str:
         """The file's own size label ("135M", "8x7B"), where it has one."""
-        return _field(self.reader, "general.size_label") or ""
+        return header_field(self.reader, "general.size_label", str) or ""
 
     def stored_dtype(self) -> str:
         """The manifest's dtype: the float type a GPU computes the file's tensors in (a CPU computes in float32), and
@@ -383,14 +384,3 @@ def _lean_reader_class() -> type:
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     return LeanReader
-
-
-def _field(reader: Any, key: str) -> str | None:
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    try:
-        return bytes(field.parts[field.data[0]]).decode()
-    except Exception:  # a metadata string of another shape or encoding: the caller treats it as absent
-        return None
-

@@ -247,11 +247,11 @@ def _write_model(work: Path, name: str, plan: Plan, report: Progress) -> Manifes
     extra = int(getattr(config, "num_mtp_layers", 0) or 0) if config.model_type == "glm4_moe" else 0
     groups = _group_by_file(plan.tensors, num_layers, tied, plan.source, extra)
     if plan.keep_blocks:  # a GGUF's blocks as the file has them , a MoE layer's expert tensors included
-        params = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
+        types = weight_files.write_blocks(work, groups, num_layers, plan.architecture, report)
     else:
         for i in range(num_layers):  # MoE layers: per-expert checkpoint tensors fused as the decoder layer holds them
             groups[layer_file(i)] = kept_float32(config, fuse_layer(config.model_type, i, groups[layer_file(i)]))
-        params = {}
+        types = {}
         weight_files.write_weights(work, groups, num_layers, plan.dtype, report)
     dtype = plan.dtype
     config.dtype = dtype
@@ -275,9 +275,9 @@ def _write_model(work: Path, name: str, plan: Plan, report: Progress) -> Manifes
     for rel in [CONFIG_FILE, *([GENERATION_CONFIG_FILE] if (work / GENERATION_CONFIG_FILE).exists() else [])]:
         entries.append(_entry(work, rel, "config"))
     entries += [_entry(work, rel, "tokenizer") for rel in tokenizer_files]
-    entries.append(_entry(work, EMBED_FILE, "embed", params=params.get(EMBED_FILE, 0)))
-    entries += [_entry(work, layer_file(i), "layer", i, params.get(layer_file(i), 0)) for i in range(num_layers)]
-    entries.append(_entry(work, FINAL_FILE, "final", params=params.get(FINAL_FILE, 0)))
+    entries.append(_entry(work, EMBED_FILE, "embed", types=types.get(EMBED_FILE)))
+    entries += [_entry(work, layer_file(i), "layer", i, types.get(layer_file(i))) for i in range(num_layers)]
+    entries.append(_entry(work, FINAL_FILE, "final", types=types.get(FINAL_FILE)))
 
     raw_config = json.loads((work / CONFIG_FILE).read_text())
     manifest = Manifest(
@@ -337,10 +337,11 @@ def _group_by_file(tensors: Iterable[Any], num_layers: int, tied: bool,
     return groups
 
 
-def _entry(work: Path, rel: str, kind: str, layer: int | None = None, params: int = 0) -> FileEntry:
+def _entry(work: Path, rel: str, kind: str, layer: int | None = None, types: dict[str, int] | None = None) -> FileEntry:
+    """A file of the manifest; ``types``: a file of a GGUF's blocks, its weight values by GGUF type."""
     path = work / rel
     return FileEntry(path=rel, sha256=sha256_file(path), size=path.stat().st_size, kind=kind, layer=layer,
-                     params=params)
+                     params=sum((types or {}).values()), types=dict(sorted((types or {}).items())))
 
 
 def _eos_token_ids(*sources: Any) -> list[int]:

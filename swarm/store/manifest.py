@@ -29,6 +29,9 @@ class FileEntry:
     layer: int | None = None
     # weight values the file holds, where its size does not say (a GGUF's blocks); 0: size / the manifest's dtype
     params: int = 0
+    # a GGUF's blocks: those weight values by GGUF type ({"MXFP4": ..., "BF16": ..., "F32": ...}), which the planner
+    # counts a stage's bytes by (swarm.quantization.gguf_layer_bytes); {} in manifests written before
+    types: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
 
 
 @dataclasses.dataclass

@@ -23,14 +23,14 @@ Progress = Callable[..., None]
 
 
 def write_blocks(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, architecture: str,
-                  report: Progress) -> dict[str, int]:
+                  report: Progress) -> dict[str, dict[str, int]]:
     """Write every weight file with a GGUF's tensors as the file has them (swarm.store.gguf_blocks), one tensor at a
-    time and a chunk at a time; returns each file's number of weight values. Progress as write_weights'."""
+    time and a chunk at a time; returns each file's weight values by GGUF type. Progress as write_weights'."""
     (work / WEIGHTS_DIR).mkdir()
     order = [EMBED_FILE, *map(layer_file, range(num_layers)), FINAL_FILE]
     total = sum(len(groups[rel]) for rel in order)
     done = 0
-    params = {}
+    types = {}
     for rel in order:
         what = _file_label(rel, num_layers)
 
@@ -39,9 +39,9 @@ def write_blocks(work: Path, groups: dict[str, dict[str, Any]], num_layers: int,
             report("write layers", done / total, f"{what}: {key}")
             done += 1
 
-        params[rel] = gguf_blocks.write_file(work / rel, groups[rel], architecture, on_tensor)
+        types[rel] = gguf_blocks.write_file(work / rel, groups[rel], architecture, on_tensor)
         report("write layers", done / total, f"{what} written")
-    return params
+    return types
 
 
 def write_weights(work: Path, groups: dict[str, dict[str, Any]], num_layers: int, dtype: str,

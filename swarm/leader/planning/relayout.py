@@ -14,6 +14,11 @@ A fellow of the ring cannot load a second, different stage of the same model bes
 stage of a model at a time (swarm.fellow.process keeps them by model). A layout that needs that, or memory a fellow
 does not have, is left out, and the proposal says why ("the 1-stage layout on fellow-1 ... is left out: ...").
 
+A model served with a draft model (SWARM_SERVE_DRAFT_MODEL) is placed as a load places it: over several stages its
+last stage holds the draft model's weights and KV cache too (swarm.leader.planning.placement.DraftSize), and its
+fellow must run draft models; on one stage it has none (a load on one fellow drafts by prompt lookup alone). A layout
+whose last fellow has no room for the draft model, or runs a version without draft models, is left out and told.
+
 A pure function over the placement's inputs (swarm.leader.planning.placement), each fellow's calibrated speed and the
 measured links (swarm.leader.planning.link_placement), like the link-aware placement's.
 """
@@ -26,7 +31,7 @@ import math
 from collections.abc import Sequence
 
 from swarm.errors import PlacementError
-from swarm.leader.planning.placement import GB, FellowCapacity, ModelSize, StagePlan, place_in_order
+from swarm.leader.planning.placement import GB, DraftSize, FellowCapacity, ModelSize, StagePlan, place_in_order
 from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
 
 # Every order of a ring is tried up to this many stages, as link_placement.MAX_ORDERED; beyond, fellow id order.
@@ -90,18 +95,22 @@ def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[
 
 def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[FellowCapacity],
                 held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
-                hidden_bytes: int, context_tokens: int, worth_ms: float) -> Layout:
+                hidden_bytes: int, context_tokens: int, worth_ms: float, draft: DraftSize | None = None,
+                drafts: set[int] | None = None) -> Layout:
     """The fastest layout of the model over the pool -- ``current``'s fellows (``held_free``: each one's free memory
     now, what its stage holds apart) and the ``idle`` fellows -- every stage count, set of fellows and order, split
     by free memory as a load splits it, predicted at the measured ``hops``; the fastest that loads beside
     ``current`` is chosen. Layouts faster than it that cannot be loaded beside are told (those under ``worth_ms`` a
-    token only: the ones worth a re-layout). Fellows whose speed is unknown are not counted."""
+    token only: the ones worth a re-layout). Fellows whose speed is unknown are not counted. ``draft``: the draft
+    model the ring's last stage holds (see the module), and ``drafts`` the fellows that run draft models (None:
+    all)."""
     idle_by_id = {f.fellow_id: f for f in idle}
     # the planner's view of the pool: each fellow of the ring with the memory its stage holds counted free
-    pool = [FellowCapacity(p.fellow_id, p.fellow_name, held_free.get(p.fellow_id, 0) + p.weight_bytes + p.kv_bytes)
+    pool = [FellowCapacity(p.fellow_id, p.fellow_name,
+                           held_free.get(p.fellow_id, 0) + p.weight_bytes + p.kv_bytes + p.draft_bytes)
             for p in current] + [f for f in idle if f.fellow_id not in {p.fellow_id for p in current}]
     pool = sorted((f for f in pool if f.fellow_id in speeds), key=lambda f: f.fellow_id)
-    rings: list[tuple[float, int, list[StagePlan]]] = []
+    rings: list[tuple[float, int, list[StagePlan], str | None]] = []
     budget = MAX_RINGS
     for count in range(1, len(pool) + 1):
         for subset in itertools.combinations(pool, count):
@@ -110,16 +119,16 @@ def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[Fellow
                 budget -= 1
                 if budget < 0:
                     break
-                try:
-                    plans = place_in_order(size, list(order), context_tokens)
-                except PlacementError:
+                placed = _placed(size, list(order), context_tokens, draft if count > 1 else None, drafts)
+                if placed is None:
                     continue
+                plans, held_back = placed
                 ms = float(predict(plans, size, speeds, hop_round_trips(plans, hops), hidden_bytes)["ms_per_token"])
-                rings.append((ms, len(rings), plans))
+                rings.append((ms, len(rings), plans, held_back))
     notes: list[str] = []
     seen: set[str] = set()
-    for ms, _, plans in sorted(rings, key=lambda r: (r[0], len(r[2]), r[1])):
-        why = why_not_beside(plans, current, idle_by_id, held_free)
+    for ms, _, plans, held_back in sorted(rings, key=lambda r: (r[0], len(r[2]), r[1])):
+        why = held_back or why_not_beside(plans, current, idle_by_id, held_free)
         if why is None:
             return Layout(plans, ms, notes)
         text = describe(current, plans)
@@ -127,3 +136,29 @@ def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[Fellow
             seen.add(text)
             notes.append(f"the layout {text} ({ms:.0f} ms a token) is left out: {why}")
     return Layout(None, None, notes)
+
+
+def _placed(size: ModelSize, order: list[FellowCapacity], context_tokens: int, draft: DraftSize | None,
+            drafts: set[int] | None) -> tuple[list[StagePlan], str | None] | None:
+    """(the ring over ``order``, None) -- its last stage holding ``draft`` where there is one -- or, where it fits
+    only without the draft model, (the ring without it, why it cannot hold it: a layout told, never chosen); None
+    when it does not fit at all."""
+    with_draft = draft is not None and bool(draft.weight_bytes or draft.kv_bytes_per_token)
+    if with_draft and (drafts is None or order[-1].fellow_id in drafts):
+        try:
+            return place_in_order(size, order, context_tokens, draft), None
+        except PlacementError:
+            pass
+    try:
+        bare = place_in_order(size, order, context_tokens)
+    except PlacementError:
+        return None
+    if not with_draft or draft is None:
+        return bare, None
+    last = order[-1]
+    if drafts is not None and last.fellow_id not in drafts:
+        return bare, f"{last.name} would hold the last stage and runs a version without draft models"
+    need = draft.weight_bytes + draft.kv_bytes_per_token * context_tokens
+    return bare, (f"{last.name} would hold the last stage and has no room for the draft model beside it "
+                  f"({need / GB:.1f} GB with its KV cache at {context_tokens} tokens; {last.free_bytes / GB:.1f} GB "
+                  "free)")

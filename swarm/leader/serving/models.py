@@ -101,9 +101,12 @@ class ModelServing:
 
     def draft_files_for(self, fellow_id: int) -> set[str]:
         """The draft model's files ``fellow_id`` may download: all of them, where it holds the last stage (or its
-        hot cover)."""
+        hot cover, or the last stage of a re-layout's next ring that holds the draft model)."""
         last = self.stages[-1] if self.stages else None
-        if self.draft is None or last is None or fellow_id not in (last.plan.fellow_id, last.cover):
+        holders = {last.plan.fellow_id, last.cover} if last is not None else set()
+        if self.relayout and self.relayout[-1].plan.draft_bytes:
+            holders.add(self.relayout[-1].plan.fellow_id)
+        if self.draft is None or fellow_id not in holders:
             return set()
         return {f["path"] for f in self.draft["files"]}
 
@@ -266,7 +269,8 @@ def model_size(manifest: dict, cpu: bool, quantization: str = "none", kv_cache: 
         if f["kind"] == "layer" and quantization == GGUF_KIND and cpu:
             # the file's blocks, repacked (swarm.stage.gguf_linear; a MoE layer's experts too, per expert:
             # swarm.stage.gguf_experts), and its two norms in float32
-            layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0))
+            layers[f["layer"]] = gguf_layer_bytes(manifest.get("file_type", ""), f["size"], int(f.get("params") or 0),
+                                                  f.get("types"))
         elif f["kind"] == "layer":
             layers[f["layer"]] = quantized(size, layer_q, 2 * norm)  # its two norms
         elif f["kind"] == "embed" and quantization == GGUF_KIND and cpu:

@@ -10,7 +10,8 @@ A move keeps each stage's layers and hands a whole stage to one idle fellow with
 re-layout changes the number of stages or the split of the layers: the planner's best layout for the pool now
 (swarm.leader.planning.relayout), proposed when it is at least MIN_SPEEDUP faster than the ring and faster than the
 best moves, and when its stages can load beside the old ones (else the proposal says why it is left out); it is
-applied by swarm.leader.serving.relayout (load beside, switch at a token boundary, unload the old stages).
+applied by swarm.leader.serving.relayout (load beside, switch at a token boundary, unload the old stages). A model
+served with a draft model is re-laid out as a load places it: the new last stage holds the draft model too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from swarm.leader.planning.link_placement import clearly_faster, fellow_speeds
-from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan
+from swarm.leader.planning.placement import DraftSize, FellowCapacity, ModelSize, StagePlan
 from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
 from swarm.leader.planning.relayout import best_layout, describe, same_split
 from swarm.leader.serving.drain import Handover
@@ -115,18 +116,21 @@ def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[Fell
 
 def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
                    held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
-                   hidden_bytes: int, context_tokens: int, moves: Proposal | None) -> tuple[Proposal | None, list[str]]:
+                   hidden_bytes: int, context_tokens: int, moves: Proposal | None, draft: DraftSize | None = None,
+                   drafts: set[int] | None = None) -> tuple[Proposal | None, list[str]]:
     """The better of ``moves`` (:func:`propose`'s) and a re-layout of ``plans``: the planner's fastest layout for the
     pool that loads beside the ring (swarm.leader.planning.relayout), when it splits the layers otherwise, is at least
     MIN_SPEEDUP faster than the ring and clearly faster than the moves (a re-layout loads more than a move does, so
     noise must not tip it: link_placement.clearly_faster). ``held_free``: the free memory of each fellow of the
-    ring now. -> (the proposal or None, why faster layouts are left out: told with the proposal, or alone)."""
+    ring now; ``draft``: the draft model its last stage holds, which a layout over several stages places there too,
+    on a fellow of ``drafts`` (those that run draft models; None: all). -> (the proposal or None, why faster layouts
+    are left out: told with the proposal, or alone)."""
     if any(p.fellow_id not in speeds for p in plans):
         return moves, []
     now = float(predict(plans, size, speeds, hop_round_trips(plans, hops), hidden_bytes)["ms_per_token"])
     bar = now / MIN_SPEEDUP if moves is None else min(now / MIN_SPEEDUP, moves.proposed_ms_per_token)
     layout = best_layout(size, plans, [f for f in idle if f.fellow_id in speeds], held_free, speeds, hops,
-                         hidden_bytes, context_tokens, worth_ms=bar)
+                         hidden_bytes, context_tokens, worth_ms=bar, draft=draft, drafts=drafts)
     if layout.plans is not None and layout.ms_per_token is not None and not same_split(layout.plans, plans) and \
             layout.ms_per_token <= bar + 1e-9 and \
             (moves is None or clearly_faster(layout.ms_per_token, moves.proposed_ms_per_token)):
@@ -170,17 +174,20 @@ class Rebalancer:
             plans, speeds = [s.plan for s in model.stages], fellow_speeds(fellows)
             capacities = [FellowCapacity(c.fellow_id, c.name, c.free_bytes) for c in idle]
             found = propose(model.name, plans, model.size, capacities, speeds, hops, hidden)
-            if model.draft is None:  # a re-layout does not place a draft model yet: its moves only
-                held_free = {c.fellow_id: c.free_bytes for c in serving.recovery.candidates(model)
-                             if c.fellow_id in model.fellow_ids}
-                device = serving.settings.device
-                runs = [c for c in capacities if model.quantization == "none"  # the new stages load at its kind
-                        or model.quantization in (serving.hub.online[c.fellow_id].hardware.quantization_kinds(device)
-                                                  or [])]
-                found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops,
-                                                 hidden, served_context(model, serving.settings), found)
-                if left_out:
-                    self.left_out[model.name] = left_out
+            held_free = {c.fellow_id: c.free_bytes for c in serving.recovery.candidates(model)
+                         if c.fellow_id in model.fellow_ids}
+            device = serving.settings.device
+            runs = [c for c in capacities if model.quantization == "none"  # the new stages load at its kind
+                    or model.quantization in (serving.hub.online[c.fellow_id].hardware.quantization_kinds(device)
+                                              or [])]
+            # a draft model (SWARM_SERVE_DRAFT_MODEL) goes to the new last stage, as a load places it
+            draft = DraftSize(plans[-1].draft_bytes, plans[-1].draft_kv_per_token) if model.draft is not None \
+                else None
+            drafts = {i for i, conn in serving.hub.online.items() if conn.draft_model}
+            found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops, hidden,
+                                             served_context(model, serving.settings), found, draft, drafts)
+            if left_out:
+                self.left_out[model.name] = left_out
             if found is not None:
                 out.append(found)
         return out

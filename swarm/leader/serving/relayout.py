@@ -39,14 +39,18 @@ READY_WAIT_S = 30.0  # after the switch, how long the new ring may take to link 
 
 
 def served_context(model: ModelServing, settings) -> int:
-    """The context the model's stages were placed for (their KV cache: a model without a draft model), so that a
-    re-layout places the same."""
+    """The context the model's stages were placed for, so that a re-layout places the same: the served context of its
+    load, else (a record of an earlier version) what a stage's KV cache holds -- the last stage's counts its draft
+    model's cache too (swarm.leader.planning.placement), and a stage on one fellow keeps spare room (place_on_one)."""
+    if model.context_tokens:
+        return model.context_tokens
     size = model.size
-    for slot in model.stages:
+    for slot in model.stages if len(model.stages) > 1 else []:
         per_token = size.kv_bytes_per_token_per_layer * (slot.plan.end_layer - slot.plan.first_layer) if size else 0
+        per_token += slot.plan.draft_kv_per_token
         if per_token > 0 and slot.plan.kv_bytes > 0:
             return max(1, round(slot.plan.kv_bytes / per_token))
-    return model.context_tokens or settings.serve_context_tokens or FALLBACK_CONTEXT
+    return settings.serve_context_tokens or FALLBACK_CONTEXT
 
 
 class Relayouts:
@@ -141,7 +145,7 @@ class Relayouts:
                 state.free_bytes = conn.hardware.serving_free_bytes(device) + state.plan.weight_bytes \
                     + state.plan.draft_bytes
             state.ready, state.phase, state.fraction = True, "ready", 1.0
-        model.stages, model.relayout = new, []
+        model.stages, model.relayout, model.draft = new, [], _next(model, new).draft
         serving.recovery.link(model)  # once linked: ready, and the requests go on (swarm.leader.serving.recovery)
         model.notify()
         with trio.move_on_after(READY_WAIT_S):
@@ -165,5 +169,8 @@ class Relayouts:
 
 
 def _next(model: ModelServing, stages: list[StageState]) -> ModelServing:
-    """The model as its next layout: what its stages' load messages are made from."""
-    return dataclasses.replace(model, stages=stages, relayout=[])
+    """The model as its next layout: what its stages' load messages are made from. Its draft model goes with it
+    where its last stage was placed holding one (over several stages, as a load places it), else it drafts by
+    prompt lookup alone."""
+    draft = model.draft if stages and stages[-1].plan.draft_bytes else None
+    return dataclasses.replace(model, stages=stages, relayout=[], draft=draft)
