@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import trio
@@ -115,18 +116,20 @@ def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[Fell
 
 def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
                    held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
-                   hidden_bytes: int, context_tokens: int, moves: Proposal | None) -> tuple[Proposal | None, list[str]]:
+                   hidden_bytes: int, context_tokens: int, moves: Proposal | None,
+                   narrowing: Collection[int] = ()) -> tuple[Proposal | None, list[str]]:
     """The better of ``moves`` (:func:`propose`'s) and a re-layout of ``plans``: the planner's fastest layout for the
     pool that loads beside the ring (swarm.leader.planning.relayout), when it splits the layers otherwise, is at least
     MIN_SPEEDUP faster than the ring and clearly faster than the moves (a re-layout loads more than a move does, so
     noise must not tip it: link_placement.clearly_faster). ``held_free``: the free memory of each fellow of the
-    ring now. -> (the proposal or None, why faster layouts are left out: told with the proposal, or alone)."""
+    ring now; ``narrowing``: those that can narrow their stage in place. -> (the proposal or None, why faster layouts
+    are left out: told with the proposal, or alone)."""
     if any(p.fellow_id not in speeds for p in plans):
         return moves, []
     now = float(predict(plans, size, speeds, hop_round_trips(plans, hops), hidden_bytes)["ms_per_token"])
     bar = now / MIN_SPEEDUP if moves is None else min(now / MIN_SPEEDUP, moves.proposed_ms_per_token)
     layout = best_layout(size, plans, [f for f in idle if f.fellow_id in speeds], held_free, speeds, hops,
-                         hidden_bytes, context_tokens, worth_ms=bar)
+                         hidden_bytes, context_tokens, worth_ms=bar, narrowing=narrowing)
     if layout.plans is not None and layout.ms_per_token is not None and not same_split(layout.plans, plans) and \
             layout.ms_per_token <= bar + 1e-9 and \
             (moves is None or clearly_faster(layout.ms_per_token, moves.proposed_ms_per_token)):
@@ -177,8 +180,9 @@ class Rebalancer:
                 runs = [c for c in capacities if model.quantization == "none"  # the new stages load at its kind
                         or model.quantization in (serving.hub.online[c.fellow_id].hardware.quantization_kinds(device)
                                                   or [])]
+                narrowing = {p for p in model.fellow_ids if p in serving.hub.online and serving.hub.online[p].narrowing}
                 found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops,
-                                                 hidden, served_context(model, serving.settings), found)
+                                                 hidden, served_context(model, serving.settings), found, narrowing)
                 if left_out:
                     self.left_out[model.name] = left_out
             if found is not None:
