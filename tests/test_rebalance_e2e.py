@@ -231,8 +231,11 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
                 last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
                 first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
                 gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+                narrowed = {f.name: f.stages[name].placement()["bytes"] for f in swarm.fellows}
                 print(f"narrowing re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
-                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed")
+                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed; "
+                      "weights held " + ", ".join(f"{n} {held[n] / 1e6:.0f} -> {b / 1e6:.0f} MB"
+                                                  for n, b in narrowed.items()))
                 assert replies == [reference]
                 ids = {f.fellow_id: f.name for f in [*swarm.fellows, third]}
                 assert [(ids[s.plan.fellow_id], s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [
@@ -242,7 +245,7 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
                     stage = fellow.stages[name]
                     assert (stage.first_layer, stage.end_layer) == (first, end)
                     assert stage.summary()["first_layer"] == first  # what a restarted leader adopts
-                    assert stage.placement()["bytes"] < held[fellow.name] - 70_000_000  # 5 layers of ~14 MB
+                    assert narrowed[fellow.name] < held[fellow.name] - 70_000_000  # 5 layers of ~14 MB
                 after = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
                 assert after == reference[:12]
                 fellows.cancel_scope.cancel()

@@ -9,8 +9,9 @@ none.
 A move keeps each stage's layers and hands a whole stage to one idle fellow with room for it, as a drain does. A
 re-layout changes the number of stages or the split of the layers: the planner's best layout for the pool now
 (swarm.leader.planning.relayout), proposed when it is at least MIN_SPEEDUP faster than the ring and faster than the
-best moves, and when its stages can load beside the old ones (else the proposal says why it is left out); it is
-applied by swarm.leader.serving.relayout (load beside, switch at a token boundary, unload the old stages).
+best moves, and when its stages can load beside the old ones -- on idle fellows, or kept or narrowed in place by the
+ring's fellows (else the proposal says why it is left out); it is applied by swarm.leader.serving.relayout (load
+beside, switch at a token boundary, narrow the kept stages that narrow, unload the old stages).
 """
 
 from __future__ import annotations
