@@ -95,3 +95,27 @@ def test_a_stage_cannot_narrow_to_layers_or_parts_it_lacks(tiny_model_dirs):
     with pytest.raises(ModelError, match="cannot narrow to layers 2-2: it lacks the head of a last stage"):
         stage.narrow(2, 3, False, True)
     assert stage.spec == StageSpec(1, 3, False, False) and stage.parameter_bytes() == before
+
+
+def test_a_gguf_stage_whose_embedding_reads_the_tied_head_keeps_that_head_when_it_stops_being_last(tmp_path):
+    """At gguf a first-and-last stage of a tied model looks its embedding's rows up in the head's 8-bit blocks
+    (swarm.stage.gguf_linear.GGUFEmbedding.share): narrowed to a first stage, the head goes as a head but its bytes
+    stay for the embedding, which computes what a fresh first stage's own blocks compute."""
+    from gguf_files import write_llama_gguf
+    from swarm.store.importer import import_model
+
+    gguf = tmp_path / "m.gguf"
+    write_llama_gguf(gguf, hidden=256, intermediate=512, layers=3, vocab=256, heads=4, kv_heads=2, tied=True)
+    import_model(str(gguf), tmp_path / "models", "tied")
+    model_dir = tmp_path / "models" / "tied"
+    # not warmed up: the lean step's check trips over an unfused GgufQ8Linear's ``rows`` (an embedding lookup there)
+    wide = StageModel.load_dir(model_dir, StageSpec(0, 3, True, True), quantization="gguf")
+    fresh = StageModel.load_dir(model_dir, StageSpec(0, 2, True, False), quantization="gguf")
+    if getattr(wide.embed, "head", None) is not wide.lm_head:
+        pytest.skip("this machine's gguf kind keeps the embedding's own blocks (no 8-bit kernel for the head)")
+    head_bytes = wide.lm_head.packed.numel()
+    wide.narrow(0, 2, True, False)
+    assert wide.lm_head is None and wide.norm is None and wide.embed.head.packed.numel() == head_bytes
+    assert wide.parameter_bytes() >= head_bytes  # what it still holds, counted
+    for got, want in zip(passes(wide, "r", 4), passes(fresh, "r", 4)):
+        assert torch.equal(got, want)

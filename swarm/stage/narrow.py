@@ -60,7 +60,10 @@ def narrow(stage: StageModel, first_layer: int, end_layer: int, is_first: bool, 
         parts.append(stage.embed)
         stage.embed = None
     if not is_last:
-        parts += [m for m in (stage.norm, stage.lm_head) if m is not None]
+        # at gguf a first stage's embedding may look its rows up in the tied head's bytes (gguf_linear.GGUFEmbedding
+        # .share): that head stays, as the embedding's
+        shared = getattr(stage.embed, "head", None) if is_first else None
+        parts += [m for m in (stage.norm, stage.lm_head) if m is not None and m is not shared]
         stage.norm = stage.lm_head = None
         drafter, stage.drafter = stage.drafter, None
         if drafter is not None:

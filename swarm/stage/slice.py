@@ -140,7 +140,10 @@ class StageModel:
         seen: set[int] = set()
         total = 0
         held = [p for _, p in self.named_parameters()]
-        held += [b for m in (self.embed, self.layers, self.norm, self.lm_head) if m is not None for b in m.buffers()]
+        # at gguf the embedding may look its rows up in the tied head's bytes (gguf_linear.GGUFEmbedding.share)
+        shared = getattr(self.embed, "head", None)
+        held += [b for m in (self.embed, self.layers, self.norm, self.lm_head, shared) if m is not None
+                 for b in m.buffers()]
         for p in held:
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
