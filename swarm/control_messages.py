@@ -170,6 +170,10 @@ class Link:
     num_stages: int
     hop_out: HopOut | None = None
     hop_in: HopIn | None = None
+    # the stage's layers in this ring, sent to a fellow whose hello says "narrowing": a sub-range of those it holds
+    # narrows its stage in place (a re-layout's switch, swarm.stage.narrow); None: the layers it holds
+    first_layer: int | None = None
+    end_layer: int | None = None
 
 
 @message("ring_ready")

@@ -58,10 +58,10 @@ def test_the_setting_is_checked():
 
 # --- re-layouts: another number of stages or split of the layers (swarm.leader.planning.relayout) ---------------
 
-def relayout(ring, idle, speeds, hops=None, held_free=None):
-    found = propose("m", ring, SIZE, idle, speeds, hops or matrix(4), HIDDEN)
+def relayout(ring, idle, speeds, hops=None, held_free=None, narrowing=(), size=SIZE):
+    found = propose("m", ring, size, idle, speeds, hops or matrix(4), HIDDEN)
     held = held_free if held_free is not None else {p.fellow_id: 10 * GB for p in ring}
-    return propose_layout("m", ring, SIZE, idle, held, speeds, hops or matrix(4), HIDDEN, 100, found)
+    return propose_layout("m", ring, size, idle, held, speeds, hops or matrix(4), HIDDEN, 100, found, narrowing)
 
 
 def test_a_fast_fellow_with_room_takes_the_whole_model_as_one_stage():
@@ -84,16 +84,63 @@ def test_a_faster_layout_that_would_load_beside_a_stage_of_the_ring_is_left_out_
     ring = two_stage_ring(1, 2)
     # pc-1 (in the ring) is the fast one: the best layout is the whole model on it, but it holds stage 0 already
     speeds = {1: speed(0.5, 1), 2: speed(4, 8), 3: speed(4, 8)}
-    found, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds)
+    # (a fellow that can narrow its stage in place cannot grow it either)
+    found, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, narrowing={1, 2})
     assert found is None
     assert left_out[0].startswith("the layout 2 stages -> 1 stage on pc-1 (")
     assert left_out[0].endswith("is left out: pc-1 would load stage 0 (layers 0-7, 0.2 GB) beside its stage 0 of the "
-                                "same model, and a fellow holds one stage of a model at a time")
+                                "same model, and a fellow holds one stage of a model at a time (it may keep or narrow "
+                                "it, not grow it)")
     # counted what it holds: with too little free memory for both, that is what is said
     # (its free memory and what its stage holds would take the whole model, its free memory alone would not)
     _, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, held_free={1: 205_000_000, 2: GB})
     assert left_out[0].endswith("pc-1 would load stage 0 (layers 0-7, 0.2 GB) beside its stage 0 (0.0 GB held) and "
                                 "has 0.2 GB free")
+
+
+# 12 layers of 100 MB (the planner's working memory, 200 MB a stage, small beside them)
+BIG = ModelSize(layer_bytes=(100_000_000,) * 12, embed_bytes=50_000_000, final_bytes=50_000_000,
+                tied_embeddings=False, kv_bytes_per_token_per_layer=100)
+MB = 1_000_000
+
+
+def test_a_third_fellow_joins_and_the_ring_fellows_narrow_their_stages_to_make_three():
+    """pc-1 (layers 0-5) and pc-2 (6-11) serve; pc-3, 8x faster, joins with room for 4 layers but not for a whole
+    stage (no move): the 3-stage layout pc-1 0-3, pc-3 4-7, pc-2 8-11 loads only pc-3's stage beside the ring, the
+    two ring fellows narrowing theirs at the switch."""
+    ring = place(BIG, [FellowCapacity(1, "pc-1", 900 * MB), FellowCapacity(2, "pc-2", 900 * MB)], 2, 100)
+    assert [(p.first_layer, p.end_layer) for p in ring] == [(0, 6), (6, 12)]
+    speeds = {1: speed(4, 8), 2: speed(4, 8), 3: speed(0.5, 1)}
+    idle = [FellowCapacity(3, "pc-3", 700 * MB)]
+    held = {1: 250 * MB, 2: 250 * MB}  # free beside their stages: each has 900 MB in all
+    assert propose("m", ring, BIG, idle, speeds, matrix(3), HIDDEN) is None  # no room on pc-3 for a whole stage
+    found, left_out = relayout(ring, idle, speeds, held_free=held, narrowing={1, 2}, size=BIG)
+    assert found is not None and left_out == [] and found.moves == []
+    assert [(p.fellow_id, p.first_layer, p.end_layer) for p in found.layout] == [(1, 0, 4), (3, 4, 8), (2, 8, 12)]
+    assert found.speedup >= MIN_SPEEDUP
+    assert found.text().startswith("m: re-lay out 2 stages -> 3 stages on pc-1, pc-3, pc-2: about ")
+    # fellows of a version that cannot narrow in place: left out, and why
+    found, left_out = relayout(ring, idle, speeds, held_free=held, narrowing={2}, size=BIG)
+    assert found is None
+    assert left_out[0].startswith("the layout 2 stages -> 3 stages on pc-1, pc-3, pc-2 (")
+    assert left_out[0].endswith("is left out: pc-1 would narrow its stage 0 (layers 0-5) to layers 0-3, and its swarm "
+                                "version cannot: run swarm update on it")
+
+
+def test_a_ring_fellow_may_narrow_into_a_sub_range_but_not_into_a_part_it_lacks():
+    from swarm.leader.planning.relayout import narrows
+
+    first, last = place(BIG, [FellowCapacity(1, "pc-1", 900 * MB), FellowCapacity(2, "pc-2", 900 * MB)], 2, 100)
+
+    def stage(index: int, layers: tuple[int, int]):
+        return dataclasses.replace(first, index=index, first_layer=layers[0], end_layer=layers[1])
+
+    assert narrows(stage(0, (0, 4)), 3, first, 2)  # layers 0-3 of 0-5, first as it was
+    assert narrows(stage(1, (2, 5)), 3, first, 2)  # a middle stage: the embedding goes
+    assert not narrows(stage(2, (3, 6)), 3, first, 2)  # last: it lacks the head
+    assert not narrows(stage(1, (4, 8)), 3, first, 2)  # layers it does not hold
+    assert narrows(stage(2, (8, 12)), 3, last, 2) and narrows(stage(1, (6, 8)), 3, last, 2)  # the head kept or not
+    assert not narrows(stage(0, (6, 8)), 1, last, 2)  # first: it lacks the embedding
 
 
 def test_whole_stage_moves_win_over_a_resplit_that_is_no_faster():
@@ -329,3 +376,44 @@ def test_a_fellow_keeping_the_very_last_stage_keeps_its_draft_model():
     assert found is not None and found.layout is not None, left_out
     assert [p.fellow_id for p in found.layout][-1] == 2 and {p.fellow_id for p in found.layout} == {2, 3, 5}
     assert found.layout[-1] == dataclasses.replace(ring[1], index=2)  # the very stage it holds, its draft model too
+
+
+async def test_a_relayout_that_narrows_the_ring_fellows_loads_only_the_new_stage_and_links_their_new_layers(
+        monkeypatch):
+    import trio
+
+    from swarm import control_messages as cm
+    from swarm.leader.planning.placement import place_in_order
+    from swarm.leader.serving import relayout
+    from swarm.leader.serving.models import link_message
+
+    monkeypatch.setattr(relayout, "load_message", lambda model, i, cover=False: {"t": "load", "stage": i})
+    serving, model, online, interrupted = serving_state(3)
+    relayouts = relayout.Relayouts(serving)
+    three = place_in_order(SIZE, [FellowCapacity(i, f"pc-{i}", 10 * GB) for i in (1, 3, 2)], 100)
+    assert [(p.fellow_id, p.first_layer, p.end_layer) for p in three] == [(1, 0, 3), (3, 3, 5), (2, 5, 8)]
+    async with trio.open_nursery() as nursery:
+        done: list[str] = []
+
+        async def run():
+            done.append(await relayouts.apply(model, three))
+
+        nursery.start_soon(run)
+        await trio.sleep(0.01)
+        assert online[3].posted == [{"t": "load", "stage": 1}] and online[1].posted == online[2].posted == []
+        assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, 4), (4, 8)]  # serving as it was
+        relayouts.on_stage_event(model, online[3], cm.Loaded("m", "l"))
+        model.notify()
+    assert done == ["m: 2 stages -> 3 stages on pc-1, pc-3, pc-2: re-laid out"] and interrupted == ["m"]
+    assert [s.plan for s in model.stages] == three
+    # the narrowed stages' free memory as placed: their budget counts the weights they dropped
+    assert [s.free_bytes for s in model.stages] == [GB, 5 * GB + three[1].weight_bytes, GB]
+    assert model.budget(serving.settings).tokens > 0
+    assert online[1].posted == online[2].posted == []  # kept: nothing unloads
+    # the link tells a fellow that says it can narrow its new layers; one that cannot is sent none (it never gets a
+    # narrowing: swarm.leader.planning.relayout)
+    model.ring_id, model.hop_ids = "g1", ["h0", "h1", "h2"]
+    for i, conn in online.items():
+        conn.narrowing, conn.serve_host, conn.serve_port, conn.public_key = i != 2, None, None, b"k" * 32
+    first, last = link_message(model, 0, online, "relay"), link_message(model, 2, online, "relay")
+    assert (first.first_layer, first.end_layer) == (0, 3) and (last.first_layer, last.end_layer) == (None, None)

@@ -166,3 +166,86 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
             finally:
                 if joined is not None:
                     joined.stop()
+
+
+async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stages(tmp_path, smollm_model_dir,
+                                                                                   monkeypatch):
+    """SWARM_SERVE_REBALANCE=auto, a re-layout that narrows the ring's own fellows (swarm.stage.narrow): the model
+    serves over fellow-0 (layers 0-14) and fellow-1 (15-29), each lent 0.58 GB; while a long greedy reply streams, a
+    third fellow joins, 16 times faster, lent 0.53 GB -- too little for a whole stage of the ring (no move), enough
+    for 10 layers. The leader loads layers 10-19 on it beside the ring; at the switch fellow-0 narrows to 0-9 and
+    fellow-1 to 20-29 in place, freeing what they dropped. The reply is token for token the one of an uninterrupted
+    run, and the ring is 3 stages."""
+    from swarm.config import Settings
+    from swarm.fellow import Fellow
+    from swarm.leader.serving import rebalance
+
+    monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
+    name = smollm_model_dir.name
+    messages = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
+    with trio.fail_after(120):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=2, fellow_env={"SWARM_SERVE_MEMORY_GB": "0.58"},
+                                 leader_env={"SWARM_SERVE_REBALANCE": "auto",
+                                             "SWARM_SERVE_CONTEXT_TOKENS": "1024"}) as swarm:
+            await swarm.load(name, 2)
+            model, online = swarm.leader.serving.models[name], swarm.leader.hub.online
+            assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, 15), (15, 30)]
+            held = {f.name: f.stages[name].placement()["bytes"] for f in swarm.fellows}
+            reference = (await swarm.chat(name, messages, max_tokens=160, ignore_eos=True))["choices"][0]["token_ids"]
+            for conn in online.values():
+                conn.calibration = calibration(8.0)
+            replies: list[list[int]] = []
+            marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
+
+            async def long_reply():
+                reply = await swarm.chat(name, messages, max_tokens=160, ignore_eos=True)
+                replies.append(reply["choices"][0]["token_ids"])
+
+            async def watch():
+                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
+                (request,) = swarm.leader.serving.book.by_rid.values()
+                while not request.ended:
+                    if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
+                        marks.append((trio.current_time(), len(request.tokens), request.attempts))
+                    await trio.sleep(0.002)
+
+            settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "SWARM_CALIBRATE": "0",
+                                          "SWARM_SERVE_MEMORY_GB": "0.53"})
+            third = Fellow(leader_url=swarm.url, data_dir=tmp_path / "fellow-2", settings=settings, name="fellow-2",
+                           join_token=swarm.join_token())
+            async with trio.open_nursery() as fellows:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(long_reply)
+                    nursery.start_soon(watch)
+                    await wait_until(lambda: marks, 30)
+                    await fellows.start(third.run)  # it joins while the reply streams
+                    await third.connected.wait()
+                    new = third.fellow_id
+                    online[new].calibration = calibration(0.5)  # its speed, as its calibration would report it
+                    swarm.leader.serving.rebalance.pool_changed()  # as its join and its links' report do
+                    await wait_until(lambda: len(model.stages) == 3 and model.status == "ready", 60,
+                                     message=lambda: str(swarm.leader.serving.rebalance.left_out))
+                # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring
+                assert marks[-1][2] == 2, marks[-1]
+                resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
+                last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
+                first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
+                gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+                narrowed = {f.name: f.stages[name].placement()["bytes"] for f in swarm.fellows}
+                print(f"narrowing re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
+                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed; "
+                      "weights held " + ", ".join(f"{n} {held[n] / 1e6:.0f} -> {b / 1e6:.0f} MB"
+                                                  for n, b in narrowed.items()))
+                assert replies == [reference]
+                ids = {f.fellow_id: f.name for f in [*swarm.fellows, third]}
+                assert [(ids[s.plan.fellow_id], s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [
+                    ("fellow-0", 0, 10), ("fellow-2", 10, 20), ("fellow-1", 20, 30)]
+                # the ring's fellows narrowed in place: they hold their new layers only, and what they dropped is freed
+                for fellow, (first, end) in zip(swarm.fellows, [(0, 10), (20, 30)]):
+                    stage = fellow.stages[name]
+                    assert (stage.first_layer, stage.end_layer) == (first, end)
+                    assert stage.summary()["first_layer"] == first  # what a restarted leader adopts
+                    assert narrowed[fellow.name] < held[fellow.name] - 70_000_000  # 5 layers of ~14 MB
+                after = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
+                assert after == reference[:12]
+                fellows.cancel_scope.cancel()

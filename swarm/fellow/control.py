@@ -16,7 +16,7 @@ from swarm import __version__, messages, wire
 from swarm import control_links as cl
 from swarm import control_messages as cm
 from swarm import handover_messages as hm
-from swarm.errors import AuthError, LinkClosed, ProtocolError
+from swarm.errors import AuthError, LinkClosed, ModelError, ProtocolError
 from swarm.fellow import calibration, calibration_process, handover, hardware
 from swarm.fellow.memory import IdleTrimmer, release_free_memory
 from swarm.fellow.net import outbound_ip
@@ -115,6 +115,7 @@ class ControlLink:
             "drafting": True,  # its stages run guessed tokens and verify them (swarm.stage.drafting)
             "draft_model": True,  # its last stage holds a draft model when sent one (swarm.stage.draft_model)
             "prefix_cache": True,  # its stages carry out prefix cache plans (swarm.stage.prefix_cache)
+            "narrowing": True,  # a link may narrow its stage to a sub-range of its layers (swarm.stage.narrow)
             "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
             "hardware": self.lent(hardware.probe()).to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
@@ -243,7 +244,12 @@ class ControlLink:
             await self.send(cm.LinkFailed(message.model, message.ring_id, f"stage {message.index} of {message.model} "
                                                                           f"is not loaded on {self.fellow.name}"))
             return
-        await stage.link(message)
+        try:
+            await stage.link(message)
+        except ModelError as exc:  # a narrowing it cannot make: the leader rebuilds the ring without this stage
+            await self.send(cm.LinkFailed(message.model, message.ring_id, f"stage {message.index} of {message.model} "
+                                                                          f"on {self.fellow.name}: {exc}"))
+            return
         await self.send(cm.Linked(stage.model, stage.ring_id))
 
     async def _ring_ready(self, message: cm.RingReady) -> None:

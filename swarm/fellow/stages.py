@@ -14,6 +14,7 @@ import trio
 
 from swarm.control_messages import HopIn, HopOut, Link, Load, Unloaded
 from swarm.errors import SwarmError
+from swarm.fellow import compute
 from swarm.fellow.idle import unload_due
 from swarm.fellow.ring import StageDriver
 from swarm.mesh.hop import HopConfig, OutgoingHop
@@ -86,8 +87,13 @@ class LoadedStage:
     # --- linking ------------------------------------------------------------------------------------------------
 
     async def link(self, message: Link) -> None:
-        """Join the ring generation ``message.ring_id``: new hops, no requests carried over."""
+        """Join the ring generation ``message.ring_id``: new hops, no requests carried over. A link that gives the
+        stage a sub-range of its layers narrows it first (:meth:`narrow`); ModelError if it names layers or parts
+        the stage does not hold (then it stays unlinked)."""
         self.unlink()
+        if message.first_layer is not None and message.end_layer is not None:
+            await self.narrow(message.first_layer, message.end_layer, message.index == 0,
+                              message.index == message.num_stages - 1)
         self.cover = False
         self.index, self.num_stages = message.index, message.num_stages
         self.ring_id, self.hop_in = message.ring_id, message.hop_in
@@ -98,6 +104,20 @@ class LoadedStage:
         self.driver.relink(self.ring_id, self.index, self.num_stages, out_hop)
         if self.hop_in:
             self.links_nursery.start_soon(self.fellow.links.relay_listener, self, self.hop_in)
+
+    async def narrow(self, first_layer: int, end_layer: int, is_first: bool, is_last: bool) -> None:
+        """Keep only layers ``first_layer``..``end_layer - 1`` of the stage (a re-layout's switch: the leader gave
+        this fellow a narrower stage of the next ring), freeing the rest; nothing when it holds just those."""
+        spec = self.driver.stage_model.spec
+        if (first_layer, end_layer, is_first, is_last) == (spec.first_layer, spec.end_layer, spec.is_first,
+                                                            spec.is_last):
+            return
+        # on the compute thread: after a pass of the old ring still computing there, before any of the new one
+        freed = await compute.run(self.driver.stage_model.narrow, first_layer, end_layer, is_first, is_last)
+        log.info("narrowed stage of %s from layers %d-%d to %d-%d: %.0f MB freed", self.model, self.first_layer,
+                 self.end_layer - 1, first_layer, end_layer - 1, freed / 1e6)
+        self.first_layer, self.end_layer = first_layer, end_layer
+        self._weight_bytes = None  # counted anew: the heartbeat's free memory and placement say what it holds now
 
     def ring_ready(self, ring_id: str) -> None:
         """Every stage is linked: open the outgoing link now, so the first reply does not wait for it. (Not at link

@@ -33,7 +33,7 @@ _MASK_FUNCTIONS = {
 }
 
 
-def _layer_mask_types(config: Any) -> list[str]:
+def layer_mask_types(config: Any) -> list[str]:
     """Which mask each (stage-local) layer takes, following the families' own forward()."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -67,7 +67,7 @@ class StageModel:
         self.rotary = rotary
         self.dtype = dtype
         self.device = device
-        self.mask_types = _layer_mask_types(config)
+        self.mask_types = layer_mask_types(config)
         # Gemma 3: local and global layers rotate with different bases, one rotary table per layer type.
         self.rotary_per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
         self._softcap = getattr(config, "final_logit_softcapping", None)
@@ -116,6 +116,13 @@ class StageModel:
         files = {rel: model_dir / rel for rel in spec.files(tied)}
         return cls.load(config, files, spec, dtype=dtype, device=device, quantization=quantization)
 
+    def narrow(self, first_layer: int, end_layer: int, is_first: bool, is_last: bool) -> int:
+        """Keep only layers ``first_layer``..``end_layer - 1`` of those held, freeing the rest (a re-layout's switch,
+        swarm.stage.narrow); the bytes freed. ModelError when that needs anything this stage does not hold."""
+        from swarm.stage.narrow import narrow
+
+        return narrow(self, first_layer, end_layer, is_first, is_last)
+
     def modules(self) -> list[nn.Module]:
         return [m for m in (self.embed, self.layers, self.norm, self.lm_head, self.rotary) if m is not None]
 
@@ -133,7 +140,10 @@ class StageModel:
         seen: set[int] = set()
         total = 0
         held = [p for _, p in self.named_parameters()]
-        held += [b for m in (self.embed, self.layers, self.norm, self.lm_head) if m is not None for b in m.buffers()]
+        # at gguf the embedding may look its rows up in the tied head's bytes (gguf_linear.GGUFEmbedding.share)
+        shared = getattr(self.embed, "head", None)
+        held += [b for m in (self.embed, self.layers, self.norm, self.lm_head, shared) if m is not None
+                 for b in m.buffers()]
         for p in held:
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())

@@ -8,11 +8,18 @@ each stage of the new layout must be loadable beside the old ring at once:
 - on an idle fellow (no stage or cover of any model), with the stage's memory free -- its free memory already counts
   what it holds;
 - or on a fellow of the ring that holds that very stage now (the same layers, first or last alike): it keeps it and
-  is only linked anew.
+  is only linked anew;
+- or on a fellow of the ring whose new stage narrows the one it holds: a sub-range of its layers that needs no part
+  it lacks (the embedding only if it stays first, the final norm and head only if it stays last). It keeps its stage
+  and, at the switch, drops the layers it no longer needs (swarm.stage.narrow), so it needs no memory beside. Only a
+  fellow whose hello says it can ("narrowing") is given one. The common case: a third PC joins a 2-stage ring --
+  pc-1 (layers 0-14) and pc-2 (15-29) -- and the 3-stage layout pc-1 0-9, pc-3 10-19, pc-2 20-29 loads only pc-3's
+  stage beside the ring ("2 stages -> 3 stages on pc-1, pc-3, pc-2").
 
-A fellow of the ring cannot load a second, different stage of the same model beside its own: a fellow holds one
-stage of a model at a time (swarm.fellow.process keeps them by model). A layout that needs that, or memory a fellow
-does not have, is left out, and the proposal says why ("the 1-stage layout on fellow-1 ... is left out: ...").
+A fellow of the ring cannot load a second, different stage of the same model beside its own, nor grow the one it
+holds: a fellow holds one stage of a model at a time (swarm.fellow.process keeps them by model). A layout that needs
+that, or memory a fellow does not have, is left out, and the proposal says why ("the 1-stage layout on fellow-1 ...
+is left out: ...").
 
 A model served with a draft model (SWARM_SERVE_DRAFT_MODEL) is placed as a load places it: over several stages its
 last stage holds the draft model's weights and KV cache too (swarm.leader.planning.placement.DraftSize), and its
@@ -28,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from swarm.errors import PlacementError
 from swarm.leader.planning.placement import GB, DraftSize, FellowCapacity, ModelSize, StagePlan, place_in_order
@@ -60,6 +67,13 @@ def same_split(a: list[StagePlan], b: list[StagePlan]) -> bool:
     return [(p.first_layer, p.end_layer) for p in a] == [(p.first_layer, p.end_layer) for p in b]
 
 
+def narrows(plan: StagePlan, count: int, held: StagePlan, held_count: int) -> bool:
+    """Whether stage ``plan`` (of a ring of ``count``) is ``held`` (of a ring of ``held_count``) narrowed: a sub-range
+    of its layers that needs no part it lacks -- first only if it is first, last only if it is last."""
+    return held.first_layer <= plan.first_layer and plan.end_layer <= held.end_layer \
+        and (plan.index != 0 or held.index == 0) and (plan.index != count - 1 or held.index == held_count - 1)
+
+
 def describe(current: list[StagePlan], plans: list[StagePlan]) -> str:
     """'2 stages -> 1 stage on fellow-3', '1 stage -> 3 stages on pc-1, pc-2, pc-3'."""
     def count(n: int) -> str:
@@ -68,9 +82,10 @@ def describe(current: list[StagePlan], plans: list[StagePlan]) -> str:
 
 
 def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[int, FellowCapacity],
-                   held_free: dict[int, int]) -> str | None:
+                   held_free: dict[int, int], narrowing: Collection[int] = ()) -> str | None:
     """None when every stage of ``plans`` loads beside ``current``'s ring (see the module's rules), else why not, in
-    words. ``held_free``: the free memory now of the ring's fellows."""
+    words. ``held_free``: the free memory now of the ring's fellows; ``narrowing``: those that can narrow their
+    stage in place."""
     held = {p.fellow_id: p for p in current}
     for plan in plans:
         old = held.get(plan.fellow_id)
@@ -78,12 +93,21 @@ def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[
         if old is not None:
             if same_stage(plan, len(plans), old, len(current)):
                 continue
+            if narrows(plan, len(plans), old, len(current)):
+                if plan.draft_bytes and not old.draft_bytes:  # a 1-stage ring has no draft model to keep
+                    return (f"{plan.fellow_name} would narrow its stage {old.index} to the last stage, which holds "
+                            "the draft model, and it has none loaded")
+                if plan.fellow_id in narrowing:
+                    continue
+                return (f"{plan.fellow_name} would narrow its stage {old.index} (layers {old.first_layer}-"
+                        f"{old.end_layer - 1}) to layers {plan.first_layer}-{plan.end_layer - 1}, and its swarm "
+                        "version cannot: run swarm update on it")
             free = held_free.get(plan.fellow_id, 0)
             if free < plan.need_bytes:
                 return (f"{plan.fellow_name} would load {what} beside its stage {old.index} "
                         f"({old.weight_bytes / GB:.1f} GB held) and has {free / GB:.1f} GB free")
             return (f"{plan.fellow_name} would load {what} beside its stage {old.index} of the same model, and a "
-                    "fellow holds one stage of a model at a time")
+                    "fellow holds one stage of a model at a time (it may keep or narrow it, not grow it)")
         fellow = idle.get(plan.fellow_id)
         if fellow is None:
             return f"{plan.fellow_name} is not idle"
@@ -96,14 +120,14 @@ def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[
 def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[FellowCapacity],
                 held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
                 hidden_bytes: int, context_tokens: int, worth_ms: float, draft: DraftSize | None = None,
-                drafts: set[int] | None = None) -> Layout:
+                drafts: set[int] | None = None, narrowing: Collection[int] = ()) -> Layout:
     """The fastest layout of the model over the pool -- ``current``'s fellows (``held_free``: each one's free memory
     now, what its stage holds apart) and the ``idle`` fellows -- every stage count, set of fellows and order, split
     by free memory as a load splits it, predicted at the measured ``hops``; the fastest that loads beside
-    ``current`` is chosen. Layouts faster than it that cannot be loaded beside are told (those under ``worth_ms`` a
-    token only: the ones worth a re-layout). Fellows whose speed is unknown are not counted. ``draft``: the draft
-    model the ring's last stage holds (see the module), and ``drafts`` the fellows that run draft models (None:
-    all)."""
+    ``current`` is chosen (``narrowing``: the ring's fellows that can narrow their stage in place). Layouts faster
+    than it that cannot be loaded beside are told (those under ``worth_ms`` a token only: the ones worth a
+    re-layout). Fellows whose speed is unknown are not counted. ``draft``: the draft model the ring's last stage
+    holds (see the module), and ``drafts`` the fellows that run draft models (None: all)."""
     idle_by_id = {f.fellow_id: f for f in idle}
     # the planner's view of the pool: each fellow of the ring with the memory its stage holds counted free
     pool = [FellowCapacity(p.fellow_id, p.fellow_name,
@@ -128,7 +152,7 @@ def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[Fellow
     notes: list[str] = []
     seen: set[str] = set()
     for ms, _, plans, held_back in sorted(rings, key=lambda r: (r[0], len(r[2]), r[1])):
-        why = held_back or why_not_beside(plans, current, idle_by_id, held_free)
+        why = held_back or why_not_beside(plans, current, idle_by_id, held_free, narrowing)
         if why is None:
             return Layout(plans, ms, notes)
         text = describe(current, plans)

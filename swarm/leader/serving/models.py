@@ -215,6 +215,9 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
     n = len(plans)
     assert serving.ring_id is not None, "a ring generation is started before its stages are linked"
     message = cm.Link(serving.name, serving.load_id, serving.ring_id, i, n)
+    conn = online.get(plans[i].fellow_id)
+    if conn is not None and conn.narrowing:  # its layers: a narrowed stage's (swarm.stage.narrow)
+        message = dataclasses.replace(message, first_layer=plans[i].first_layer, end_layer=plans[i].end_layer)
     if n == 1:
         return message
     nxt = online.get(plans[(i + 1) % n].fellow_id)

@@ -9,15 +9,17 @@ none.
 A move keeps each stage's layers and hands a whole stage to one idle fellow with room for it, as a drain does. A
 re-layout changes the number of stages or the split of the layers: the planner's best layout for the pool now
 (swarm.leader.planning.relayout), proposed when it is at least MIN_SPEEDUP faster than the ring and faster than the
-best moves, and when its stages can load beside the old ones (else the proposal says why it is left out); it is
-applied by swarm.leader.serving.relayout (load beside, switch at a token boundary, unload the old stages). A model
-served with a draft model is re-laid out as a load places it: the new last stage holds the draft model too.
+best moves, and when its stages can load beside the old ones -- on idle fellows, or kept or narrowed in place by the
+ring's fellows (else the proposal says why it is left out); it is applied by swarm.leader.serving.relayout (load
+beside, switch at a token boundary, narrow the kept stages that narrow, unload the old stages). A model served with a
+draft model is re-laid out as a load places it: the new last stage holds the draft model too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import trio
@@ -117,20 +119,23 @@ def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[Fell
 def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
                    held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
                    hidden_bytes: int, context_tokens: int, moves: Proposal | None, draft: DraftSize | None = None,
-                   drafts: set[int] | None = None) -> tuple[Proposal | None, list[str]]:
+                   drafts: set[int] | None = None,
+                   narrowing: Collection[int] = ()) -> tuple[Proposal | None, list[str]]:
     """The better of ``moves`` (:func:`propose`'s) and a re-layout of ``plans``: the planner's fastest layout for the
     pool that loads beside the ring (swarm.leader.planning.relayout), when it splits the layers otherwise, is at least
     MIN_SPEEDUP faster than the ring and clearly faster than the moves (a re-layout loads more than a move does, so
     noise must not tip it: link_placement.clearly_faster). ``held_free``: the free memory of each fellow of the
     ring now; ``draft``: the draft model its last stage holds, which a layout over several stages places there too,
-    on a fellow of ``drafts`` (those that run draft models; None: all). -> (the proposal or None, why faster layouts
+    on a fellow of ``drafts`` (those that run draft models; None: all); ``narrowing``: the ring's fellows that
+    can narrow their stage in place. -> (the proposal or None, why faster layouts
     are left out: told with the proposal, or alone)."""
     if any(p.fellow_id not in speeds for p in plans):
         return moves, []
     now = float(predict(plans, size, speeds, hop_round_trips(plans, hops), hidden_bytes)["ms_per_token"])
     bar = now / MIN_SPEEDUP if moves is None else min(now / MIN_SPEEDUP, moves.proposed_ms_per_token)
     layout = best_layout(size, plans, [f for f in idle if f.fellow_id in speeds], held_free, speeds, hops,
-                         hidden_bytes, context_tokens, worth_ms=bar, draft=draft, drafts=drafts)
+                         hidden_bytes, context_tokens, worth_ms=bar, draft=draft, drafts=drafts,
+                         narrowing=narrowing)
     if layout.plans is not None and layout.ms_per_token is not None and not same_split(layout.plans, plans) and \
             layout.ms_per_token <= bar + 1e-9 and \
             (moves is None or clearly_faster(layout.ms_per_token, moves.proposed_ms_per_token)):
@@ -184,8 +189,9 @@ class Rebalancer:
             draft = DraftSize(plans[-1].draft_bytes, plans[-1].draft_kv_per_token) if model.draft is not None \
                 else None
             drafts = {i for i, conn in serving.hub.online.items() if conn.draft_model}
+            narrowing = {p for p in model.fellow_ids if p in serving.hub.online and serving.hub.online[p].narrowing}
             found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops, hidden,
-                                             served_context(model, serving.settings), found, draft, drafts)
+                                             served_context(model, serving.settings), found, draft, drafts, narrowing)
             if left_out:
                 self.left_out[model.name] = left_out
             if found is not None:

@@ -1,12 +1,15 @@
 """Applying a re-layout (issue 37's live moves; the layout is swarm.leader.planning.relayout's): a serving model goes
 to another number of stages, or another split of its layers, without a pause longer than a switch.
 
-  1. each stage of the new ring that is not already held (the same stage kept by a fellow of the old ring) loads on
-     its idle fellow beside the old ring, which keeps serving meanwhile (the new stages are held as hot covers are
-     until they are linked: ModelServing.relayout);
+  1. each stage of the new ring that is not already held (the same stage kept by a fellow of the old ring, or one it
+     narrows: swarm.leader.planning.relayout) loads on its idle fellow beside the old ring, which keeps serving
+     meanwhile (the new stages are held as hot covers are until they are linked: ModelServing.relayout);
   2. the ring switches at a token boundary, the drain's way (swarm.leader.serving.drain: its ``next_token``): every
      running request comes off the ring keeping what streamed, the new ring is linked, and the requests go on as
-     their prompt plus the tokens they had streamed -- greedy replies are those of an uninterrupted run;
+     their prompt plus the tokens they had streamed -- greedy replies are those of an uninterrupted run. A fellow of
+     the old ring whose stage narrows is told its new layers by its link (control_messages.Link's first and end
+     layer): it drops the others then (swarm.stage.narrow), not before, so the old ring serves untouched until the
+     switch;
   3. once the new ring is ready, the old stages (and their hot covers) that are not in it unload.
 
 A new stage that fails to load, a fellow that goes, or a model that changes meanwhile (a failover, a drain) stops
@@ -85,7 +88,9 @@ class Relayouts:
                     return f"{what} not done: {plan.fellow_name} went offline"
                 state = StageState(plan)
                 old = model.slot_of(plan.fellow_id)
-                if old is not None:  # it keeps the very stage it holds (swarm.leader.planning.relayout)
+                if old is not None:  # it keeps the stage it holds, or narrows it (swarm.leader.planning.relayout)
+                    # its free memory before the stage, as placed: a narrower stage's budget counts what it frees
+                    # (swarm.leader.serving.admission: the room is that less the new plan's weights)
                     state.ready, state.phase, state.fraction, state.free_bytes = True, "ready", 1.0, old.free_bytes
                 new.append(state)
             model.relayout = new
