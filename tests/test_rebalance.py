@@ -61,7 +61,8 @@ def test_the_setting_is_checked():
 def relayout(ring, idle, speeds, hops=None, held_free=None, narrowing=(), size=SIZE):
     found = propose("m", ring, size, idle, speeds, hops or matrix(4), HIDDEN)
     held = held_free if held_free is not None else {p.fellow_id: 10 * GB for p in ring}
-    return propose_layout("m", ring, size, idle, held, speeds, hops or matrix(4), HIDDEN, 100, found, narrowing)
+    return propose_layout("m", ring, size, idle, held, speeds, hops or matrix(4), HIDDEN, 100, found,
+                          narrowing=narrowing)
 
 
 def test_a_fast_fellow_with_room_takes_the_whole_model_as_one_stage():
@@ -260,24 +261,23 @@ async def test_a_relayout_whose_stage_fails_to_load_leaves_the_ring_as_it_was(mo
 
 # --- a model served with a draft model (SWARM_SERVE_DRAFT_MODEL): its last stage holds the draft model too ----------
 
-MB = 1_000_000
 # layers of 100 MB, so that the stages' working memory (200 MB each) does not swamp their split
-BIG = ModelSize(layer_bytes=(100 * MB,) * 8, embed_bytes=50 * MB, final_bytes=MB, tied_embeddings=False,
+DRAFTED = ModelSize(layer_bytes=(100 * MB,) * 8, embed_bytes=50 * MB, final_bytes=MB, tied_embeddings=False,
                 kv_bytes_per_token_per_layer=1000)
 DRAFT = DraftSize(150 * MB, 2000)
 FAST = {1: speed(4, 8), 2: speed(4, 8), 3: speed(0.5, 1), 4: speed(0.5, 1)}  # pc-3 and pc-4 eight times faster
 
 
 def drafted_ring():
-    ring = place(BIG, [FellowCapacity(1, "pc-1", 10 * GB), FellowCapacity(2, "pc-2", 10 * GB)], 2, 100, draft=DRAFT)
+    ring = place(DRAFTED, [FellowCapacity(1, "pc-1", 10 * GB), FellowCapacity(2, "pc-2", 10 * GB)], 2, 100, draft=DRAFT)
     assert ring[-1].draft_bytes == DRAFT.weight_bytes and ring[0].draft_bytes == 0
     return ring
 
 
 def relayout_drafted(idle, drafts=None):
     ring = drafted_ring()
-    found = propose("m", ring, BIG, idle, FAST, matrix(4), HIDDEN)
-    return propose_layout("m", ring, BIG, idle, {1: 9 * GB, 2: 9 * GB}, FAST, matrix(4), HIDDEN, 100, found,
+    found = propose("m", ring, DRAFTED, idle, FAST, matrix(4), HIDDEN)
+    return propose_layout("m", ring, DRAFTED, idle, {1: 9 * GB, 2: 9 * GB}, FAST, matrix(4), HIDDEN, 100, found,
                           DRAFT, drafts)
 
 
@@ -358,7 +358,7 @@ def test_the_served_context_of_a_drafted_ring_is_the_one_it_was_placed_for():
     settings = Settings.from_env({})
     first, last = drafted_ring()
     # the last stage's KV cache counts the draft model's too: 100 tokens, not 150 (stage 0's cache told apart)
-    model = ModelServing("m", "l", [StageState(dataclasses.replace(first, kv_bytes=0)), StageState(last)], size=BIG)
+    model = ModelServing("m", "l", [StageState(dataclasses.replace(first, kv_bytes=0)), StageState(last)], size=DRAFTED)
     assert served_context(model, settings) == 100
     model.context_tokens = 4096  # its load's served context comes first
     assert served_context(model, settings) == 4096
@@ -372,7 +372,7 @@ def test_a_fellow_keeping_the_very_last_stage_keeps_its_draft_model():
     # pc-2's free memory beside its stage: the split gives it as much room as the two new fellows together
     held_free = {1: 9 * GB, 2: 1200 * MB + DRAFT.weight_bytes + 100 * DRAFT.kv_bytes_per_token - ring[1].need_bytes
                  + 200 * MB}
-    found, left_out = propose_layout("m", ring, BIG, idle, held_free, speeds, matrix(5), HIDDEN, 100, None, DRAFT)
+    found, left_out = propose_layout("m", ring, DRAFTED, idle, held_free, speeds, matrix(5), HIDDEN, 100, None, DRAFT)
     assert found is not None and found.layout is not None, left_out
     assert [p.fellow_id for p in found.layout][-1] == 2 and {p.fellow_id for p in found.layout} == {2, 3, 5}
     assert found.layout[-1] == dataclasses.replace(ring[1], index=2)  # the very stage it holds, its draft model too
