@@ -321,6 +321,10 @@ def test_a_tied_8_bit_embedding_is_held_once_and_looks_up_the_files_values(tmp_p
     ids = torch.tensor([[3, 250, 3, 0, 128]])
     want = _bits(at_none.embed(ids))
     assert torch.equal(_bits(whole.embed(ids)), want) and torch.equal(_bits(first.embed(ids)), want)
+    # its layers' projections are on the 8-bit kernel, unfused: the lean path takes them as rows of a matrix (not
+    # the tied lookup's rows of the weight), and warm-up verifies it to the bit
+    whole.warm_up()
+    assert whole.lean is not None
     prompt = [1, 17, 42, 99, 7, 250, 31, 5]
     reply, margins = reference(gguf_reference_model(model_dir), prompt, 12)
     assert check_reply(LocalRing([whole]).generate(prompt, 12), reply, margins) == "identical"

@@ -242,7 +242,7 @@ class GGUFEmbedding(nn.Module):
         flat = ids.reshape(-1).cpu()
         rows: torch.Tensor
         if isinstance(self.head, gguf_q8.GgufQ8Linear):
-            rows = self.head.rows(flat)
+            rows = self.head.weight_rows(flat)
         elif self.ggml_type in gguf_q8.SUPPORTED:
             rows = gguf_q8.widen(self.blocks[flat], self.ggml_type, self.embedding_dim)
         else:

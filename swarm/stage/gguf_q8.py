@@ -202,7 +202,7 @@ class GgufQ8Linear(nn.Module):
         u = q8_kernel.unpack_planes(self.packed[rows], self.in_features, self.bits)
         return q8_kernel.unpack(u) + (128 - self.zero)
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         """The weight's rows ``index`` (a 1-D tensor of output numbers) in float32: a tied embedding's lookup on the
         head's own bytes, so a stage holding both keeps the matrix once."""
         if self.halves or self.bits != 8:
