@@ -1,8 +1,9 @@
-"""The control link's messages of a drain's KV handover (swarm.leader.serving.kv_carry, swarm.fellow.handover), as
-typed records checked on decode (swarm.wire), beside swarm.control_messages.
+"""The control link's messages of a KV handover at a drain or a re-layout (swarm.leader.serving.kv_carry,
+swarm.fellow.handover), as typed records checked on decode (swarm.wire), beside swarm.control_messages.
 
-  leader -> fellow    KvKeep (every stage of the old ring: keep the running requests' blocks; the leaving stage also
-                      exports them), KvImport (the taker's copy of the stage: hold these blocks)
+  leader -> fellow    KvKeep (every stage of the old ring: keep the running requests' blocks; a stage whose layers a
+                      new stage needs also exports them, all its layers or ``export_layers``), KvImport (a new stage:
+                      hold these blocks, its layers put together in order)
   fellow -> leader    KvKept, KvImported: the names held, or why not (``message``)
 """
 
@@ -23,6 +24,9 @@ class KvKeep:
     block: int  # tokens a block
     requests: list[list[Any]]  # [ring request id, [block name, ...]] of each running request
     export: bool = False
+    # [first, end) of the stage's own cache layers (0: its first) to export; empty: all of them. A fellow from before
+    # ignores it and exports all, which the leader then does not use.
+    export_layers: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("kv_import")
@@ -38,7 +42,7 @@ class KvKept:
     model: str
     handover: str
     names: list[bytes] = dataclasses.field(default_factory=list)
-    blocks: list[dict] = dataclasses.field(default_factory=list)  # the leaving stage's export
+    blocks: list[dict] = dataclasses.field(default_factory=list)  # its export, when asked for one
     message: str | None = None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from swarm import wire
-from swarm.handover_messages import KvImport
+from swarm.handover_messages import KvImport, KvKept
 from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.kv_handover import export_blocks, import_blocks, keep_running
@@ -84,7 +84,15 @@ def test_a_handed_over_block_that_does_not_fit_is_refused_whole(tiny_model_dirs)
     bad = [blocks[0], {"name": b"y" * 16, "layers": blocks[1]["layers"][:-1]}]  # a layer short
     with pytest.raises(ProtocolError):
         import_blocks(stage, 7, bad)
-    assert store_of(stage).blocks == {}
+    with pytest.raises(ProtocolError):  # an empty store too: the count is the stage's own
+        import_blocks(stage, 7, [{"name": b"y" * 16, "layers": blocks[1]["layers"][:-1]}])
+    packed = stages_of(model_dir, "q8")[1]
+    with pytest.raises(ProtocolError):  # rows held otherwise than this stage's cache holds them
+        import_blocks(packed, 7, blocks)
+    with pytest.raises(ProtocolError):
+        export_blocks(ring.stages[1], names, (1, 3))  # the stage has 2 cache layers
+    assert store_of(stage).blocks == {} and store_of(packed).blocks == {}
+    assert [len(b["layers"]) for b in export_blocks(ring.stages[1], names, (1, 2))] == [1, 1]
     assert import_blocks(stage, 7, blocks) == names
     assert import_blocks(stage, 6, blocks) == []  # a handover of an older epoch than the stage's: stale, ignored
 
@@ -118,3 +126,88 @@ def test_the_index_carries_its_epoch_only_to_the_ring_the_drain_handed_over_to()
     assert plan is not None and plan.reuse == names[:2] and plan.keep == names[2:3]
     # what no stage of the new ring is sure to hold goes from the stages that still do
     assert sorted(plan.evict) == sorted(block_names(other, block))
+
+
+@pytest.mark.parametrize(("layout", "kv_cache"), [([(0, 5)], "auto"), ([(0, 1), (1, 5)], "q8")])
+def test_a_relayout_assembles_each_new_stage_from_the_old_stages_layers(tiny_model_dirs, layout, kv_cache):
+    """A re-layout's handover: the old ring's two stages (layers 0-2, 3-4) keep a running request's blocks; each new
+    stage -- the whole model, or layers 0 and 1-4 -- gets its layers' rows from the old stages that held them (a
+    range of each, as wire bytes), put together in layer order by the leader; the new ring goes on from them,
+    computing only the tail, and the reply is the uninterrupted one."""
+    from swarm.leader.serving.kv_carry import assemble, export_spans, sources
+    from swarm.stage.slice_load import StageSpec
+
+    model_dir = tiny_model_dirs["qwen3"]
+    layers = load_manifest(model_dir).num_layers
+    assert layers == 5
+
+    def stages(spans: list[tuple[int, int]]) -> list[StageModel]:
+        out = [StageModel.load_dir(model_dir, StageSpec(a, b, a == 0, b == layers)) for a, b in spans]
+        for model in out:
+            model.kv_cache = kv_cache
+        return out
+
+    old_spans = [(0, 3), (3, 5)]
+    steps, streamed = 12, 7
+    prompt = prompt_of(2 * B + 5, 4)
+    cold = LocalRing(stages(old_spans), prefill_chunk=B)
+    want = cold.submit("w", prompt, steps).tokens
+    cold.run()
+
+    old = LocalRing(stages(old_spans), prefill_chunk=B)
+    index = PrefixIndex(B)
+    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
+    while len(reply.tokens) < streamed:
+        old.step()
+    index.first_token("r")
+    tokens = reply.tokens[:streamed]
+    seq = prompt + tokens
+    count = (len(seq) - 1) // B
+    names = block_names(seq, B, count)
+    assert [keep_running(stage, index.epoch, B, [("r", names)]) for stage in old.stages] == [names, names]
+
+    # the leader's side: which old stage gives which layers, each exports its span once, each new stage's pieces
+    pieces = sources(old_spans, [1, 2], [(a, b, 10 + j) for j, (a, b) in enumerate(layout)])
+    spans = export_spans(pieces)
+    kept = {i: wire.unpack(wire.encode(KvKept("m", "x", names, export_blocks(
+        old.stages[i], names, (a - old_spans[i][0], b - old_spans[i][0])))))
+        for i, (a, b) in spans.items()}
+    new = stages(layout)
+    for j, stage in enumerate(new):
+        sent = wire.unpack(wire.encode(KvImport("m", "x", 0, assemble(pieces[j], spans, kept))))
+        assert import_blocks(stage, index.epoch, sent.blocks) == names
+    assert len(store_of(new[-1]).blocks[names[0]]) == layout[-1][1] - layout[-1][0]
+
+    index.ended("r")
+    index.carry(names)
+    ring = LocalRing(new, prefill_chunk=B)
+    plan = index.plan("r2", seq, BIG)
+    assert plan is not None and plan.cached == count * B
+    rest = ring.submit("r2", seq, steps - streamed, prefix=plan)
+    ring.run()
+    assert rest.error is None, rest.error
+    assert tokens + rest.tokens == want
+    assert [p.prefill_tokens for p in ring.protocols] == [len(seq) - count * B] * len(layout)
+
+
+def test_a_new_stage_takes_its_pieces_from_the_old_stages_and_a_kept_stage_none():
+    from swarm.leader.serving.kv_carry import assemble, export_spans, sources
+
+    old = [(0, 10), (10, 20), (20, 30)]
+    # fellow 1 keeps its stage narrowed to 0-4 (it holds those rows); fellow 9 takes 5-24; fellow 3 keeps its stage
+    pieces = sources(old, [1, 2, 3], [(0, 5, 1), (5, 25, 9), (20, 30, 3)])
+    assert pieces == {1: [(0, 5, 10), (1, 10, 20), (2, 20, 25)]}
+    spans = export_spans(pieces)
+    assert spans == {0: (5, 10), 1: (10, 20), 2: (20, 25)}
+
+    def export(i: int, names: list[bytes]) -> KvKept:
+        a, b = spans[i]
+        return KvKept("m", "x", names, [{"name": n, "layers": [[n, layer] for layer in range(a, b)]} for n in names])
+
+    # a block an old stage lacks, or exported with another layer count (a fellow from before), is left out whole
+    short = KvKept("m", "x", [b"a"], [{"name": b"c", "layers": [[b"c", 10]]}])
+    exports = {0: export(0, [b"a", b"b", b"c"]), 1: export(1, [b"a", b"b"]), 2: export(2, [b"b", b"a"])}
+    blocks = assemble(pieces[1], spans, exports)
+    assert [b["name"] for b in blocks] == [b"a", b"b"]
+    assert blocks[0]["layers"] == [[b"a", layer] for layer in range(5, 25)]
+    assert assemble(pieces[1], spans, {**exports, 1: short}) == []
