@@ -134,6 +134,7 @@ def test_a_relayout_assembles_each_new_stage_from_the_old_stages_layers(tiny_mod
     stage -- the whole model, or layers 0 and 1-4 -- gets its layers' rows from the old stages that held them (a
     range of each, as wire bytes), put together in layer order by the leader; the new ring goes on from them,
     computing only the tail, and the reply is the uninterrupted one."""
+    from swarm.handover_messages import join_blocks, split_blocks
     from swarm.leader.serving.kv_carry import assemble, export_spans, sources
     from swarm.stage.slice_load import StageSpec
 
@@ -169,9 +170,13 @@ def test_a_relayout_assembles_each_new_stage_from_the_old_stages_layers(tiny_mod
     # the leader's side: which old stage gives which layers, each exports its span once, each new stage's pieces
     pieces = sources(old_spans, [1, 2], [(a, b, 10 + j) for j, (a, b) in enumerate(layout)])
     spans = export_spans(pieces)
-    kept = {i: wire.unpack(wire.encode(KvKept("m", "x", names, export_blocks(
-        old.stages[i], names, (a - old_spans[i][0], b - old_spans[i][0])))))
-        for i, (a, b) in spans.items()}
+    kept = {}
+    for i, (a, b) in spans.items():
+        # each export travels in parts that fit a control link message (here one of at most 3000 bytes of rows)
+        parts = split_blocks(export_blocks(old.stages[i], names, (a - old_spans[i][0], b - old_spans[i][0])), 3000)
+        sent = [wire.encode(KvKept("m", "x", [], part, more=True)) for part in parts]
+        assert len(parts) > 1 and max(len(m) for m in sent) <= 3000 + 100
+        kept[i] = KvKept("m", "x", names, join_blocks([b for m in sent for b in wire.unpack(m).blocks]))
     new = stages(layout)
     for j, stage in enumerate(new):
         sent = wire.unpack(wire.encode(KvImport("m", "x", 0, assemble(pieces[j], spans, kept))))
@@ -211,3 +216,22 @@ def test_a_new_stage_takes_its_pieces_from_the_old_stages_and_a_kept_stage_none(
     assert [b["name"] for b in blocks] == [b"a", b"b"]
     assert blocks[0]["layers"] == [[b"a", layer] for layer in range(5, 25)]
     assert assemble(pieces[1], spans, {**exports, 1: short}) == []
+
+
+def test_an_export_in_parts_leaves_out_what_cannot_travel_whole():
+    from swarm.handover_messages import join_blocks, split_blocks
+
+    def layer(size: int) -> list:
+        return [[{"dtype": "int8", "shape": [size], "data": b"k" * size}],
+                [{"dtype": "int8", "shape": [size], "data": b"v" * size}], "float32"]
+
+    blocks = [{"name": b"a", "layers": [layer(100)] * 3}, {"name": b"big", "layers": [layer(5000), layer(10)]},
+              {"name": b"b", "layers": [layer(300)] * 2}]
+    parts = split_blocks(blocks, 2000)
+    assert all(sum(len(t["data"]) for p in part for lay in p["layers"] for t in (*lay[0], *lay[1])) <= 2000
+               for part in parts)
+    assert join_blocks([p for part in parts for p in part]) == [blocks[0], blocks[2]]  # one layer of big is too big
+    # a piece missing in between: that block is not whole
+    pieces = [p for part in parts for p in part]
+    cut = next(i for i, p in enumerate(pieces) if p["name"] == b"b" and p["at"] == 0)
+    assert [b["name"] for b in join_blocks(pieces[:cut] + pieces[cut + 1:])] == [b"a"]

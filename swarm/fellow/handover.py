@@ -56,9 +56,15 @@ async def answer(fellow: Any, send: Callable[[Any], Awaitable[None]], message: h
     except (SwarmError, RuntimeError, ValueError) as exc:  # torch's too: the new ring then prefills, as without one
         log.warning("the KV handover of %s failed here: %s", model, exc)
         names, blocks, why = [], [], str(exc)
-    reply = hm.KvKept(model, message.handover, names, blocks, why) if keep \
-        else hm.KvImported(model, message.handover, names, why)
+    if keep:  # an export in parts that each fit a control link message
+        parts = hm.split_blocks(blocks)
+        replies: list[hm.KvKept | hm.KvImported] = [
+            hm.KvKept(model, message.handover, names if i == len(parts) - 1 else [], part, why, i < len(parts) - 1)
+            for i, part in enumerate(parts)]
+    else:
+        replies = [hm.KvImported(model, message.handover, names, why)]
     try:
-        await send(reply)
+        for reply in replies:
+            await send(reply)
     except SwarmError as exc:
         log.warning("could not answer the leader's %s: %s", type(message).__name__, exc)

@@ -1,21 +1,28 @@
-"""A drain's KV handover, on the leader: the running requests' KV goes over to the new ring, so that at the switch
-each stage computes only the tokens after their last whole block, plus one step, instead of prefilling every
-request's prompt and streamed tokens again (~80 % of the switch's pause before: bench/RESULTS.md, Failover).
+"""A KV handover at a drain or a re-layout, on the leader: the running requests' KV goes over to the new ring, so that
+at the switch each stage computes only the tokens after their last whole block, plus one step, instead of prefilling
+every request's prompt and streamed tokens again (~80 % of a drain's pause before, and a re-layout's whole pause:
+bench/RESULTS.md).
 
-Before the switch, while the old ring still streams (swarm.leader.serving.drain):
+Before the switch, while the old ring still streams (swarm.leader.serving.drain, swarm.leader.serving.relayout):
 
   1. every stage of the old ring keeps each running request's first full blocks -- rows every stage has computed:
      all but the latest token's -- in its prefix cache, under the names the prefix cache gives a prompt's blocks
      (swarm.leader.serving.prefix_index.block_names of the prompt and the tokens streamed so far);
-  2. the leaving stage exports those blocks' rows, which go over the leader's control links (encrypted, as every
-     link) to the taker's copy of the stage, which imports them under the same names (swarm.fellow.handover);
-  3. the prefix cache's index carries its epoch across the switch (PrefixCaches.carry): the stages that stay keep
-     their blocks through the relink, the index keeps only the blocks every stage of the new ring holds, and each
-     resent request's plan reuses its own.
+  2. a stage of the new ring whose fellow holds an old stage of its layers (the same stage; or one narrowed to a part
+     of its layers at the switch, which keeps its blocks sliced) keeps what it has. Every other new stage -- a
+     drain's taker, a stage a re-layout loaded beside the ring -- takes each of its layers from the old stage that
+     held it (a decoder layer's keys and values do not depend on the split): each such old stage exports the range
+     of its layers the new stages need, once (KvKeep.export_layers), the leader cuts each new stage's pieces out and
+     puts them together in layer order, and the new stage imports them (swarm.stage.kv_handover checks them against
+     its own cache layers). The rows go over the leader's control links, encrypted as every link;
+  3. the prefix cache's index carries its epoch across the switch (PrefixCaches.carry with the new ring's fellows):
+     the stages that stay keep their blocks through the relink, the index keeps only the blocks every stage of the
+     new ring holds, and each resent request's plan reuses its own.
 
 Anything that does not answer in HANDOVER_WAIT_S, or fails, leaves the switch as it was without this: the index starts
-anew and the new ring prefills the requests whole. A block that some stage lacks anyway fails its request on that
-stage, and the request is sent again with a new index (PrefixCaches.failed): slower, never wrong.
+anew and the new ring prefills the requests whole. A block only some old stages exported is left out whole. A block
+that some stage lacks anyway fails its request on that stage, and the request is sent again with a new index
+(PrefixCaches.failed): slower, never wrong.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ class KvCarry:
         box = self._waiting.get((message.handover, conn.id))
         if box is not None and not box[0].is_set():
             box[1].append(message)
-            box[0].set()
+            if not (isinstance(message, hm.KvKept) and message.more):  # an export's last part
+                box[0].set()
 
     async def _ask(self, conn: Any, message: hm.KvKeep | hm.KvImport, into: dict[int, Answer]) -> None:
         event, reply = trio.Event(), list[Answer]()
@@ -61,7 +69,10 @@ class KvCarry:
         try:
             conn.post(message)
             await event.wait()
-            into[conn.id] = reply[0]
+            last = reply[-1]
+            into[conn.id] = dataclasses.replace(last, blocks=hm.join_blocks(
+                [b for r in reply if isinstance(r, hm.KvKept) for b in r.blocks])) \
+                if isinstance(last, hm.KvKept) else last
         finally:
             self._waiting.pop(key, None)
 
