@@ -164,7 +164,8 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
                 tail = len(running[0].prompt) + streamed - BLOCK_TOKENS * carried
                 print(f"re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
                       f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {streamed} tokens streamed, "
-                      f"{carried} KV blocks handed over, {running[0].stage_times[0].prefill_tokens} tokens prefilled")
+                      f"{carried} KV blocks handed over, {running[0].stage_times[0].prefill_tokens} tokens prefilled in "
+                      f"{1000 * running[0].stage_times[0].prefill_s:.0f} ms")
                 assert replies == [reference]
                 assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, len(running[0].prompt), streamed)
                 assert running[0].stage_times[0].prefill_tokens == tail
