@@ -140,6 +140,12 @@ class KvCarry:
                     break
                 carried.append(name)
         fellows = ", ".join(conn.name for j, (_, conn) in enumerate(new) if j in pieces) or "the ring"
+        if serving.prefix.indexes.get(model.name) is index:
+            # what the stages kept for this and the index does not hold nor carries goes with its next plan, whether
+            # the switch comes or not, as other blocks no stage needs (PrefixIndex.orphans)
+            sure = set(carried) | set(index.blocks)
+            index.orphans += [name for name in dict.fromkeys(n for names in wanted.values() for n in names)
+                              if name not in sure]
         if not carried or serving.prefix.indexes.get(model.name) is not index:
             why = [r.message for r in (*kept.values(), *imported.values()) if r.message]
             log.info("no KV of %s handed over to %s: the new ring prefills its requests (%s)", model.name, fellows,
