@@ -162,13 +162,14 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
                 # other): it computed only the tokens after the blocks carried (a few more may stream meanwhile)
                 carried, streamed = swarm.leader.serving.rebalance.relayouts.carried, marks[resumed][1]
                 tail = len(running[0].prompt) + streamed - BLOCK_TOKENS * carried
+                times_new = running[0].stage_times[0]  # the new stage's, of the attempt after the switch
                 print(f"re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
                       f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {streamed} tokens streamed, "
-                      f"{carried} KV blocks handed over, {running[0].stage_times[0].prefill_tokens} tokens prefilled in "
-                      f"{1000 * running[0].stage_times[0].prefill_s:.0f} ms")
+                      f"{carried} KV blocks handed over, {times_new.prefill_tokens} tokens prefilled in "
+                      f"{1000 * times_new.prefill_s:.0f} ms")
                 assert replies == [reference]
                 assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, len(running[0].prompt), streamed)
-                assert running[0].stage_times[0].prefill_tokens == tail
+                assert times_new.prefill_tokens == tail
                 layers = len(model.size.layer_bytes)
                 assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, layers)]
                 # the old stages are unloaded from the two fellows that held them
