@@ -1,14 +1,16 @@
-"""A drain's KV handover: the stages of a ring keep a running request's computed blocks, the leaving stage's blocks
-travel (as wire bytes) to a fresh copy of the stage, and the new ring -- the stage that stayed and the taker -- goes
+"""A KV handover at a drain or a re-layout: the stages of a ring keep a running request's computed blocks, the rows of
+the layers a new stage needs travel (as wire bytes, in parts that fit a control link message) to it -- a fresh copy
+of a drained stage, or a stage of another split put together from the old stages' layers -- and the new ring goes
 on from them, computing only the tokens after the last whole block; the reply is the uninterrupted one. And the
-leader's index carries its epoch across the switch only to the ring the drain handed the blocks to."""
+leader's index carries its epoch across the switch only to the ring the blocks were handed to."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from swarm import wire
-from swarm.handover_messages import KvImport, KvKept
+from swarm.handover_messages import KvImport, KvImported, KvKeep, KvKept, join_blocks, split_blocks
 from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.kv_handover import export_blocks, import_blocks, keep_running
@@ -134,7 +136,6 @@ def test_a_relayout_assembles_each_new_stage_from_the_old_stages_layers(tiny_mod
     stage -- the whole model, or layers 0 and 1-4 -- gets its layers' rows from the old stages that held them (a
     range of each, as wire bytes), put together in layer order by the leader; the new ring goes on from them,
     computing only the tail, and the reply is the uninterrupted one."""
-    from swarm.handover_messages import join_blocks, split_blocks
     from swarm.leader.serving.kv_carry import assemble, export_spans, sources
     from swarm.stage.slice_load import StageSpec
 
@@ -219,7 +220,6 @@ def test_a_new_stage_takes_its_pieces_from_the_old_stages_and_a_kept_stage_none(
 
 
 def test_an_export_in_parts_leaves_out_what_cannot_travel_whole():
-    from swarm.handover_messages import join_blocks, split_blocks
 
     def layer(size: int) -> list:
         return [[{"dtype": "int8", "shape": [size], "data": b"k" * size}],
@@ -235,3 +235,65 @@ def test_an_export_in_parts_leaves_out_what_cannot_travel_whole():
     pieces = [p for part in parts for p in part]
     cut = next(i for i, p in enumerate(pieces) if p["name"] == b"b" and p["at"] == 0)
     assert [b["name"] for b in join_blocks(pieces[:cut] + pieces[cut + 1:])] == [b"a"]
+
+
+class _Fellow:
+    """A fellow's control link as KvCarry sees it: it answers KvKeep and KvImport as swarm.fellow.handover does, its
+    export in parts (``part``: bytes of rows a part), each layer's rows a tensor tagged with its layer number."""
+
+    prefix_cache = True
+
+    def __init__(self, carry, fid: int, first: int, end: int, holds: int, part: int = 1 << 30):
+        self.carry, self.id, self.name, self.first, self.end, self.holds, self.part = carry, fid, f"f{fid}", first, \
+            end, holds, part
+        self.imported: list[dict] = []
+        self.parts = 0
+
+    def post(self, message) -> None:
+        if isinstance(message, KvKeep):
+            names = [n for _, ns in message.requests for n in ns][: self.holds]  # what it still holds of them
+            a, b = message.export_layers or [0, self.end - self.first]
+            blocks = [{"name": n, "layers": [[[wire.tensor_to_wire(torch.full((1, 1, B, 2), float(self.first + i)))],
+                                              [], "float32"] for i in range(a, b)]} for n in names] \
+                if message.export else []
+            parts = split_blocks(blocks, self.part)
+            self.parts = len(parts)
+            for i, part in enumerate(parts):
+                self.carry.on_message(self, KvKept(message.model, message.handover, names if i == len(parts) - 1
+                                                   else [], part, None, i < len(parts) - 1))
+        else:
+            self.imported = message.blocks
+            self.carry.on_message(self, KvImported(message.model, message.handover,
+                                                   [b["name"] for b in message.blocks]))
+
+
+async def test_the_leader_hands_each_new_stage_its_layers_from_the_old_ring_and_carries_what_all_hold():
+    """2 stages (layers 0-2 on f1, 3-4 on f2) -> 2 others: f1 keeps its stage narrowed to layers 0-1, f3 takes 2-4 --
+    layer 2 from f1's export, 3-4 from f2's, which comes in parts. f2 holds only two of the request's three blocks:
+    two are carried, and the third, kept by f1, goes with the index's next plan."""
+    from types import SimpleNamespace
+
+    from swarm.leader.serving.kv_carry import KvCarry
+
+    caches = PrefixCaches(None)
+    caches.reset("m")
+    index = caches.indexes["m"]
+    serving = SimpleNamespace(prefix=caches, online={})
+    carry = KvCarry(serving)
+    f1, f2, f3 = _Fellow(carry, 1, 0, 3, 3), _Fellow(carry, 2, 3, 5, 2, part=400), _Fellow(carry, 3, 2, 5, 9)
+    serving.online = {f.id: f for f in (f1, f2, f3)}
+    request = SimpleNamespace(rid="r", model="m", prompt=prompt_of(3 * index.block + 5), tokens=[7, 8])
+    serving.book = SimpleNamespace(by_rid={"r": request}, of_model=lambda name: [request])
+
+    def plan(fid: int, first: int, end: int):
+        return SimpleNamespace(fellow_id=fid, fellow_name=f"f{fid}", first_layer=first, end_layer=end)
+
+    model = SimpleNamespace(name="m", ring_id="g1", stages=[SimpleNamespace(plan=plan(1, 0, 3)),
+                                                             SimpleNamespace(plan=plan(2, 3, 5))])
+    names = block_names(request.prompt + request.tokens, index.block, 3)
+    assert await carry.hand_over(model, [plan(1, 0, 2), plan(3, 2, 5)]) == 2
+    assert caches.carried["m"] == (index.epoch, names[:2], (1, 3))
+    assert f2.parts == 4 and f1.parts == 1
+    assert [b["name"] for b in f3.imported] == names[:2]  # the blocks both old stages exported, whole
+    assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f3.imported[0]["layers"]] == [2, 3, 4]
+    assert index.orphans == [names[2]]
