@@ -1,14 +1,16 @@
-"""A drain's KV handover: the stages of a ring keep a running request's computed blocks, the leaving stage's blocks
-travel (as wire bytes) to a fresh copy of the stage, and the new ring -- the stage that stayed and the taker -- goes
+"""A KV handover at a drain or a re-layout: the stages of a ring keep a running request's computed blocks, the rows of
+the layers a new stage needs travel (as wire bytes, in parts that fit a control link message) to it -- a fresh copy
+of a drained stage, or a stage of another split put together from the old stages' layers -- and the new ring goes
 on from them, computing only the tokens after the last whole block; the reply is the uninterrupted one. And the
-leader's index carries its epoch across the switch only to the ring the drain handed the blocks to."""
+leader's index carries its epoch across the switch only to the ring the blocks were handed to."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from swarm import wire
-from swarm.handover_messages import KvImport
+from swarm.handover_messages import KvImport, KvImported, KvKeep, KvKept, join_blocks, split_blocks
 from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names
 from swarm.stage import LocalRing, StageModel, stage_specs
 from swarm.stage.kv_handover import export_blocks, import_blocks, keep_running
@@ -84,7 +86,15 @@ def test_a_handed_over_block_that_does_not_fit_is_refused_whole(tiny_model_dirs)
     bad = [blocks[0], {"name": b"y" * 16, "layers": blocks[1]["layers"][:-1]}]  # a layer short
     with pytest.raises(ProtocolError):
         import_blocks(stage, 7, bad)
-    assert store_of(stage).blocks == {}
+    with pytest.raises(ProtocolError):  # an empty store too: the count is the stage's own
+        import_blocks(stage, 7, [{"name": b"y" * 16, "layers": blocks[1]["layers"][:-1]}])
+    packed = stages_of(model_dir, "q8")[1]
+    with pytest.raises(ProtocolError):  # rows held otherwise than this stage's cache holds them
+        import_blocks(packed, 7, blocks)
+    with pytest.raises(ProtocolError):
+        export_blocks(ring.stages[1], names, (1, 3))  # the stage has 2 cache layers
+    assert store_of(stage).blocks == {} and store_of(packed).blocks == {}
+    assert [len(b["layers"]) for b in export_blocks(ring.stages[1], names, (1, 2))] == [1, 1]
     assert import_blocks(stage, 7, blocks) == names
     assert import_blocks(stage, 6, blocks) == []  # a handover of an older epoch than the stage's: stale, ignored
 
@@ -118,3 +128,172 @@ def test_the_index_carries_its_epoch_only_to_the_ring_the_drain_handed_over_to()
     assert plan is not None and plan.reuse == names[:2] and plan.keep == names[2:3]
     # what no stage of the new ring is sure to hold goes from the stages that still do
     assert sorted(plan.evict) == sorted(block_names(other, block))
+
+
+@pytest.mark.parametrize(("layout", "kv_cache"), [([(0, 5)], "auto"), ([(0, 1), (1, 5)], "q8")])
+def test_a_relayout_assembles_each_new_stage_from_the_old_stages_layers(tiny_model_dirs, layout, kv_cache):
+    """A re-layout's handover: the old ring's two stages (layers 0-2, 3-4) keep a running request's blocks; each new
+    stage -- the whole model, or layers 0 and 1-4 -- gets its layers' rows from the old stages that held them (a
+    range of each, as wire bytes), put together in layer order by the leader; the new ring goes on from them,
+    computing only the tail, and the reply is the uninterrupted one."""
+    from swarm.leader.serving.kv_carry import assemble, export_spans, sources
+    from swarm.stage.slice_load import StageSpec
+
+    model_dir = tiny_model_dirs["qwen3"]
+    layers = load_manifest(model_dir).num_layers
+    assert layers == 5
+
+    def stages(spans: list[tuple[int, int]]) -> list[StageModel]:
+        out = [StageModel.load_dir(model_dir, StageSpec(a, b, a == 0, b == layers)) for a, b in spans]
+        for model in out:
+            model.kv_cache = kv_cache
+        return out
+
+    old_spans = [(0, 3), (3, 5)]
+    steps, streamed = 12, 7
+    prompt = prompt_of(2 * B + 5, 4)
+    cold = LocalRing(stages(old_spans), prefill_chunk=B)
+    want = cold.submit("w", prompt, steps).tokens
+    cold.run()
+
+    old = LocalRing(stages(old_spans), prefill_chunk=B)
+    index = PrefixIndex(B)
+    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
+    while len(reply.tokens) < streamed:
+        old.step()
+    index.first_token("r")
+    tokens = reply.tokens[:streamed]
+    seq = prompt + tokens
+    count = (len(seq) - 1) // B
+    names = block_names(seq, B, count)
+    assert [keep_running(stage, index.epoch, B, [("r", names)]) for stage in old.stages] == [names, names]
+
+    # the leader's side: which old stage gives which layers, each exports its span once, each new stage's pieces
+    pieces = sources(old_spans, [1, 2], [(a, b, 10 + j) for j, (a, b) in enumerate(layout)])
+    spans = export_spans(pieces)
+    kept = {}
+    for i, (a, b) in spans.items():
+        # each export travels in parts that fit a control link message (here one of at most 3000 bytes of rows)
+        parts = split_blocks(export_blocks(old.stages[i], names, (a - old_spans[i][0], b - old_spans[i][0])), 3000)
+        sent = [wire.encode(KvKept("m", "x", [], part, more=True)) for part in parts]
+        assert len(parts) > 1 and max(len(m) for m in sent) <= 3000 + 100
+        kept[i] = KvKept("m", "x", names, join_blocks([b for m in sent for b in wire.unpack(m).blocks]))
+    new = stages(layout)
+    for j, stage in enumerate(new):
+        sent = wire.unpack(wire.encode(KvImport("m", "x", 0, assemble(pieces[j], spans, kept))))
+        assert import_blocks(stage, index.epoch, sent.blocks) == names
+    assert len(store_of(new[-1]).blocks[names[0]]) == layout[-1][1] - layout[-1][0]
+
+    index.ended("r")
+    index.carry(names)
+    ring = LocalRing(new, prefill_chunk=B)
+    plan = index.plan("r2", seq, BIG)
+    assert plan is not None and plan.cached == count * B
+    rest = ring.submit("r2", seq, steps - streamed, prefix=plan)
+    ring.run()
+    assert rest.error is None, rest.error
+    assert tokens + rest.tokens == want
+    assert [p.prefill_tokens for p in ring.protocols] == [len(seq) - count * B] * len(layout)
+
+
+def test_a_new_stage_takes_its_pieces_from_the_old_stages_and_a_kept_stage_none():
+    from swarm.leader.serving.kv_carry import assemble, export_spans, sources
+
+    old = [(0, 10), (10, 20), (20, 30)]
+    # fellow 1 keeps its stage narrowed to 0-4 (it holds those rows); fellow 9 takes 5-24; fellow 3 keeps its stage
+    pieces = sources(old, [1, 2, 3], [(0, 5, 1), (5, 25, 9), (20, 30, 3)])
+    assert pieces == {1: [(0, 5, 10), (1, 10, 20), (2, 20, 25)]}
+    spans = export_spans(pieces)
+    assert spans == {0: (5, 10), 1: (10, 20), 2: (20, 25)}
+
+    def export(i: int, names: list[bytes]) -> KvKept:
+        a, b = spans[i]
+        return KvKept("m", "x", names, [{"name": n, "layers": [[n, layer] for layer in range(a, b)]} for n in names])
+
+    # a block an old stage lacks, or exported with another layer count (a fellow from before), is left out whole
+    short = KvKept("m", "x", [b"a"], [{"name": b"c", "layers": [[b"c", 10]]}])
+    exports = {0: export(0, [b"a", b"b", b"c"]), 1: export(1, [b"a", b"b"]), 2: export(2, [b"b", b"a"])}
+    blocks = assemble(pieces[1], spans, exports)
+    assert [b["name"] for b in blocks] == [b"a", b"b"]
+    assert blocks[0]["layers"] == [[b"a", layer] for layer in range(5, 25)]
+    assert assemble(pieces[1], spans, {**exports, 1: short}) == []
+
+
+def test_an_export_in_parts_leaves_out_what_cannot_travel_whole():
+
+    def layer(size: int) -> list:
+        return [[{"dtype": "int8", "shape": [size], "data": b"k" * size}],
+                [{"dtype": "int8", "shape": [size], "data": b"v" * size}], "float32"]
+
+    blocks = [{"name": b"a", "layers": [layer(100)] * 3}, {"name": b"big", "layers": [layer(5000), layer(10)]},
+              {"name": b"b", "layers": [layer(300)] * 2}]
+    parts = split_blocks(blocks, 2000)
+    assert all(sum(len(t["data"]) for p in part for lay in p["layers"] for t in (*lay[0], *lay[1])) <= 2000
+               for part in parts)
+    assert join_blocks([p for part in parts for p in part]) == [blocks[0], blocks[2]]  # one layer of big is too big
+    # a piece missing in between: that block is not whole
+    pieces = [p for part in parts for p in part]
+    cut = next(i for i, p in enumerate(pieces) if p["name"] == b"b" and p["at"] == 0)
+    assert [b["name"] for b in join_blocks(pieces[:cut] + pieces[cut + 1:])] == [b"a"]
+
+
+class _Fellow:
+    """A fellow's control link as KvCarry sees it: it answers KvKeep and KvImport as swarm.fellow.handover does, its
+    export in parts (``part``: bytes of rows a part), each layer's rows a tensor tagged with its layer number."""
+
+    prefix_cache = True
+
+    def __init__(self, carry, fid: int, first: int, end: int, holds: int, part: int = 1 << 30):
+        self.carry, self.id, self.name, self.first, self.end, self.holds, self.part = carry, fid, f"f{fid}", first, \
+            end, holds, part
+        self.imported: list[dict] = []
+        self.parts = 0
+
+    def post(self, message) -> None:
+        if isinstance(message, KvKeep):
+            names = [n for _, ns in message.requests for n in ns][: self.holds]  # what it still holds of them
+            a, b = message.export_layers or [0, self.end - self.first]
+            blocks = [{"name": n, "layers": [[[wire.tensor_to_wire(torch.full((1, 1, B, 2), float(self.first + i)))],
+                                              [], "float32"] for i in range(a, b)]} for n in names] \
+                if message.export else []
+            parts = split_blocks(blocks, self.part)
+            self.parts = len(parts)
+            for i, part in enumerate(parts):
+                self.carry.on_message(self, KvKept(message.model, message.handover, names if i == len(parts) - 1
+                                                   else [], part, None, i < len(parts) - 1))
+        else:
+            self.imported = message.blocks
+            self.carry.on_message(self, KvImported(message.model, message.handover,
+                                                   [b["name"] for b in message.blocks]))
+
+
+async def test_the_leader_hands_each_new_stage_its_layers_from_the_old_ring_and_carries_what_all_hold():
+    """2 stages (layers 0-2 on f1, 3-4 on f2) -> 2 others: f1 keeps its stage narrowed to layers 0-1, f3 takes 2-4 --
+    layer 2 from f1's export, 3-4 from f2's, which comes in parts. f2 holds only two of the request's three blocks:
+    two are carried, and the third, kept by f1, goes with the index's next plan."""
+    from types import SimpleNamespace
+
+    from swarm.leader.serving.kv_carry import KvCarry
+
+    caches = PrefixCaches(None)
+    caches.reset("m")
+    index = caches.indexes["m"]
+    serving = SimpleNamespace(prefix=caches, online={})
+    carry = KvCarry(serving)
+    f1, f2, f3 = _Fellow(carry, 1, 0, 3, 3), _Fellow(carry, 2, 3, 5, 2, part=400), _Fellow(carry, 3, 2, 5, 9)
+    serving.online = {f.id: f for f in (f1, f2, f3)}
+    request = SimpleNamespace(rid="r", model="m", prompt=prompt_of(3 * index.block + 5), tokens=[7, 8])
+    serving.book = SimpleNamespace(by_rid={"r": request}, of_model=lambda name: [request])
+
+    def plan(fid: int, first: int, end: int):
+        return SimpleNamespace(fellow_id=fid, fellow_name=f"f{fid}", first_layer=first, end_layer=end)
+
+    model = SimpleNamespace(name="m", ring_id="g1", stages=[SimpleNamespace(plan=plan(1, 0, 3)),
+                                                             SimpleNamespace(plan=plan(2, 3, 5))])
+    names = block_names(request.prompt + request.tokens, index.block, 3)
+    assert await carry.hand_over(model, [plan(1, 0, 2), plan(3, 2, 5)]) == 2
+    assert caches.carried["m"] == (index.epoch, names[:2], (1, 3))
+    assert f2.parts == 4 and f1.parts == 1
+    assert [b["name"] for b in f3.imported] == names[:2]  # the blocks both old stages exported, whole
+    assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f3.imported[0]["layers"]] == [2, 3, 4]
+    assert index.orphans == [names[2]]

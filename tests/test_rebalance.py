@@ -185,6 +185,10 @@ def serving_state(fellows: int, linked: bool = True):
     async def next_token(m):
         return None
 
+    async def hand_over(m, plans):  # the running requests' KV (swarm.leader.serving.kv_carry), before the switch
+        interrupted.append(f"kv to {[(p.fellow_id, p.first_layer, p.end_layer) for p in plans]}")
+        return 0
+
     def link(m):
         if linked:
             m.status = ModelStatus.READY
@@ -192,7 +196,8 @@ def serving_state(fellows: int, linked: bool = True):
 
     serving = types.SimpleNamespace(
         hub=types.SimpleNamespace(online=online), models={"m": model}, settings=Settings.from_env({}),
-        drains=types.SimpleNamespace(next_token=next_token), recovery=types.SimpleNamespace(link=link),
+        drains=types.SimpleNamespace(next_token=next_token, kv=types.SimpleNamespace(hand_over=hand_over)),
+        recovery=types.SimpleNamespace(link=link),
         book=types.SimpleNamespace(interrupt=lambda name: interrupted.append(name) or []),
         perform=lambda actions: None)
     return serving, model, online, interrupted
@@ -225,7 +230,8 @@ async def test_a_relayout_loads_beside_switches_and_unloads_the_old_stages(monke
         relayouts.on_stage_event(model, online[3], cm.Loaded("m", "l"))
         model.notify()
     assert done == ["m: 2 stages -> 1 stage on pc-3: re-laid out"]
-    assert interrupted == ["m"]  # the running requests went on from what they had streamed
+    # the running requests' KV went to the new ring, then they went on from what they had streamed
+    assert interrupted == ["kv to [(3, 0, 8)]", "m"]
     assert [(s.plan.fellow_id, s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(3, 0, 8)]
     assert model.stages[0].free_bytes == 5 * GB + one[0].weight_bytes and model.relayout == []
     assert online[1].posted == online[2].posted == [cm.Unload("m")]

@@ -99,9 +99,11 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
     """SWARM_SERVE_REBALANCE=auto, a re-layout: the model serves over two stages on two slow fellows; while a long
     greedy reply streams, a fellow four times faster with room for the whole model joins (a real `swarm join`
     process). The leader loads the whole model on it beside the ring, switches between two tokens from 2 stages to
-    1, and unloads the old stages; the reply is token for token the one of an uninterrupted run."""
+    1, and unloads the old stages; the reply is token for token the one of an uninterrupted run. The request's KV
+    goes over before the switch, each old stage's layers to the new one, which then computes only the tail."""
     from fleet import FellowProcess
     from swarm.leader.serving import rebalance
+    from swarm.leader.serving.prefix_index import BLOCK_TOKENS
 
     monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
     name = smollm_model_dir.name
@@ -124,10 +126,12 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
                 times["done"] = trio.current_time()
 
             marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
+            running = []
 
             async def watch():
                 await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
                 (request,) = swarm.leader.serving.book.by_rid.values()
+                running.append(request)
                 while not request.ended:
                     if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
                         marks.append((trio.current_time(), len(request.tokens), request.attempts))
@@ -154,9 +158,18 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
                 last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
                 first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
                 gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+                # the old stages' KV of the request went to the new stage (layers 0-14 from one, 15-29 from the
+                # other): it computed only the tokens after the blocks carried (a few more may stream meanwhile)
+                carried, streamed = swarm.leader.serving.rebalance.relayouts.carried, marks[resumed][1]
+                tail = len(running[0].prompt) + streamed - BLOCK_TOKENS * carried
+                times_new = running[0].stage_times[0]  # the new stage's, of the attempt after the switch
                 print(f"re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
-                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed")
+                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {streamed} tokens streamed, "
+                      f"{carried} KV blocks handed over, {times_new.prefill_tokens} tokens prefilled in "
+                      f"{1000 * times_new.prefill_s:.0f} ms")
                 assert replies == [reference]
+                assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, len(running[0].prompt), streamed)
+                assert times_new.prefill_tokens == tail
                 layers = len(model.size.layer_bytes)
                 assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, layers)]
                 # the old stages are unloaded from the two fellows that held them

@@ -1,7 +1,8 @@
-"""The fellow's side of a drain's KV handover (swarm.stage.kv_handover does the work, on the compute thread, between
-the stage's passes): the leader asks each stage of the old ring to keep its running requests' blocks (KvKeep; the
-leaving stage also exports them) and the taker's copy of the stage to import them (KvImport); each answers with the
-names it holds (KvKept / KvImported), or why not (``message``): swarm.handover_messages."""
+"""The fellow's side of a KV handover at a drain or a re-layout (swarm.stage.kv_handover does the work, on the compute
+thread, between the stage's passes): the leader asks each stage of the old ring to keep its running requests' blocks
+(KvKeep; a stage whose layers a new stage needs also exports them, all or a range) and each new stage to import them
+(KvImport); each answers with the names it holds (KvKept / KvImported), or why not (``message``):
+swarm.handover_messages."""
 
 from __future__ import annotations
 
@@ -46,16 +47,24 @@ async def answer(fellow: Any, send: Callable[[Any], Awaitable[None]], message: h
                 names = await compute.run(kv_handover.keep_running, stage_model, message.epoch, message.block,
                                           _requests(message.requests))
                 if message.export:
-                    blocks = await compute.run(kv_handover.export_blocks, stage_model, names)
+                    layers = message.export_layers
+                    blocks = await compute.run(kv_handover.export_blocks, stage_model, names,
+                                               (layers[0], layers[1]) if len(layers) == 2 else None)
         else:
             names = await compute.run(kv_handover.import_blocks, stage.driver.stage_model, message.epoch,
                                       message.blocks)
     except (SwarmError, RuntimeError, ValueError) as exc:  # torch's too: the new ring then prefills, as without one
         log.warning("the KV handover of %s failed here: %s", model, exc)
         names, blocks, why = [], [], str(exc)
-    reply = hm.KvKept(model, message.handover, names, blocks, why) if keep \
-        else hm.KvImported(model, message.handover, names, why)
+    if keep:  # an export in parts that each fit a control link message
+        parts = hm.split_blocks(blocks)
+        replies: list[hm.KvKept | hm.KvImported] = [
+            hm.KvKept(model, message.handover, names if i == len(parts) - 1 else [], part, why, i < len(parts) - 1)
+            for i, part in enumerate(parts)]
+    else:
+        replies = [hm.KvImported(model, message.handover, names, why)]
     try:
-        await send(reply)
+        for reply in replies:
+            await send(reply)
     except SwarmError as exc:
         log.warning("could not answer the leader's %s: %s", type(message).__name__, exc)

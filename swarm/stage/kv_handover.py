@@ -1,16 +1,25 @@
-"""A drain's KV handover, on a stage: the running requests' computed rows kept as prefix cache blocks, and the
-leaving stage's blocks carried to the fellow that takes its place.
+"""A KV handover at a drain or a re-layout, on a stage: the running requests' computed rows kept as prefix cache
+blocks, and the layers a new stage needs carried to it from the old stages that hold them.
 
-At a drain's switch (swarm.leader.serving.kv_carry) the new ring would otherwise prefill every running request's
-prompt and streamed tokens again on every stage -- ~80 % of the switch's pause (bench/RESULTS.md, Failover). Instead,
-before the switch:
+At a drain's or a re-layout's switch (swarm.leader.serving.kv_carry) the new ring would otherwise prefill every
+running request's prompt and streamed tokens again on every stage -- ~80 % of a drain's pause, and all of a
+re-layout's (bench/RESULTS.md). Instead, before the switch:
 
   keep    every stage of the old ring keeps each running request's first full blocks (rows computed on every stage:
           all but the latest token's) under names the leader gives -- the blocks' chained hashes, as the prefix
           cache names a prompt's blocks (swarm.leader.serving.prefix_index) -- so the resent request reuses them;
-  export  the leaving stage sends those blocks' rows (raw bytes with dtype and shape, swarm.wire) over the leader's
-          control links, encrypted as every link is;
-  import  the taker's copy of the stage (a hot cover, or the copy it just loaded) stores them under the same names.
+  export  a stage whose layers a new stage needs sends those blocks' rows (raw bytes with dtype and shape,
+          swarm.wire), of all its cache layers or of a range of them, over the leader's control links, encrypted as
+          every link is;
+  import  a new stage (a drain's taker, or a stage a re-layout loaded beside the ring) stores them under the same
+          names, its layers' pieces put together in layer order by the leader.
+
+A decoder layer's keys and values do not depend on how the layers are split into stages (the keys are rotated at
+their absolute positions), so any split can take them. A stage's cache layer i is its decoder layer first_layer + i
+for every family here (swarm.stage.slice_load builds the cache from the stage's slice of the config, one cache layer
+per decoder layer); sliding-window layers keep only a window and give no rows back (prefix_cache.keep_rows), so such
+a stage keeps, exports and imports nothing. Packed caches (--kv-cache q8, f16) travel packed and are taken only by a
+stage whose layers hold them alike.
 
 Stages that stay keep their store across the relink (the leader carries the cache's epoch), so after the switch each
 stage computes only the tokens after the last whole block, plus one step.
@@ -21,9 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from swarm import wire
 from swarm.errors import ProtocolError
+from swarm.stage.kv_cache import FloatLayer, Q8Layer, new_cache
 from swarm.stage.prefix_cache import Rows, keep_rows, store_of
 
 # What keys and values are attended in; a name outside this set is refused before torch sees it.
@@ -44,46 +55,75 @@ def keep_running(stage: Any, epoch: int, block: int, requests: list[tuple[str, l
     return [name for _, names in requests for name in names if name in store.blocks]
 
 
-def export_blocks(stage: Any, names: list[bytes]) -> list[dict]:
-    """The rows of blocks ``names`` this stage holds, as wire maps (:func:`import_blocks` takes them)."""
+def export_blocks(stage: Any, names: list[bytes], layers: tuple[int, int] | None = None) -> list[dict]:
+    """The rows of blocks ``names`` this stage holds, as wire maps (:func:`import_blocks` takes them): of every cache
+    layer, or of ``layers`` [first, end) only (counted from the stage's first layer). ProtocolError for a range
+    outside the stage."""
     store = store_of(stage)
+    count = len(new_cache(stage.config, stage.kv_cache, stage.dtype).layers)
+    first, end = layers if layers is not None else (0, count)
+    if not 0 <= first < end <= count:
+        raise ProtocolError(f"layers {first}-{end - 1} asked for are not all among this stage's {count}")
     out = []
     for name in names:
-        layers = store.blocks.get(name)
-        if layers is not None:
+        held = store.blocks.get(name)
+        if held is not None:
             out.append({"name": name, "layers": [
                 [[wire.tensor_to_wire(k) for k in keys], [wire.tensor_to_wire(v) for v in values],
-                 str(dtype).removeprefix("torch.")] for keys, values, dtype in layers]})
+                 str(dtype).removeprefix("torch.")] for keys, values, dtype in held[first:end]]})
     return out
 
 
 def import_blocks(stage: Any, epoch: int, blocks: list) -> list[bytes]:
-    """Store blocks another fellow's copy of this stage exported (:func:`export_blocks`) at the leader's ``epoch``.
-    -> the names stored. ProtocolError when they do not fit this stage (another layer count, a bad tensor)."""
+    """Store blocks exported for this stage (:func:`export_blocks`: another fellow's copy of it, or the pieces of its
+    layers from the stages that held them, put together in layer order) at the leader's ``epoch``. -> the names
+    stored. ProtocolError when they do not fit this stage (another cache layer count, rows held otherwise than its
+    cache holds them, a bad tensor): then none is stored."""
     store = store_of(stage)
     if not store.adopt(epoch):
         return []
+    held = _held_as(stage)
     device = getattr(stage, "device", None) or "cpu"
     devices = list(getattr(stage, "layer_devices", None) or ())  # several cards: each layer's rows on its own
-    held = next(iter(store.blocks.values()), None)
-    layer_count = len(held) if held is not None else None  # every block of a stage has one entry per cache layer
     parsed: list[tuple[bytes, list[Rows]]] = []
     for block in blocks:
         name, layers = block.get("name") if isinstance(block, dict) else None, \
             block.get("layers") if isinstance(block, dict) else None
-        if not isinstance(name, bytes) or not isinstance(layers, list) or \
-                (layer_count is not None and len(layers) != layer_count):
-            raise ProtocolError(f"a handed-over block does not fit this stage ({layer_count} cache layers)")
-        layer_count = len(layers)
+        if not isinstance(name, bytes) or not isinstance(layers, list) or len(layers) != len(held):
+            raise ProtocolError(f"a handed-over block does not fit this stage ({len(held)} cache layers)")
         rows = []
         for i, layer in enumerate(layers):
             if not (isinstance(layer, list) and len(layer) == 3 and isinstance(layer[0], list)
                     and isinstance(layer[1], list) and layer[2] in _ATTEND_DTYPES):
                 raise ProtocolError("a handed-over block's layer is not [keys, values, dtype]")
             to = devices[i] if len(devices) == len(layers) else device
-            rows.append((tuple(wire.tensor_from_wire(k).to(to) for k in layer[0]),
-                         tuple(wire.tensor_from_wire(v).to(to) for v in layer[1]), _ATTEND_DTYPES[layer[2]]))
+            keys = tuple(wire.tensor_from_wire(k).to(to) for k in layer[0])
+            values = tuple(wire.tensor_from_wire(v).to(to) for v in layer[1])
+            parts, attend = held[i]
+            if [k.dtype for k in keys] != parts or [v.dtype for v in values] != parts \
+                    or _ATTEND_DTYPES[layer[2]] != attend \
+                    or len({t.shape[-2] for t in (*keys, *values)}) != 1 or any(t.dim() != 4 for t in (*keys, *values)):
+                raise ProtocolError(f"a handed-over block's layer {i} is not held as this stage holds its rows")
+            rows.append((keys, values, _ATTEND_DTYPES[layer[2]]))
         parsed.append((name, rows))
     for name, rows in parsed:  # all checked first: a bad block stores none
         store.blocks[name] = rows
     return [name for name, _ in parsed]
+
+
+def _held_as(stage: Any) -> list[tuple[list[torch.dtype], torch.dtype]]:
+    """How each cache layer of a request on this stage holds its rows: the dtypes of its keys' (and values') parts,
+    and the dtype it attends in (the stage's). ProtocolError for a stage whose caches cannot take rows (a sliding
+    window, or a layer that keeps no keys)."""
+    out: list[tuple[list[torch.dtype], torch.dtype]] = []
+    for layer in new_cache(stage.config, stage.kv_cache, stage.dtype).layers:
+        if isinstance(layer, Q8Layer):
+            out.append(([torch.int8, torch.float16], stage.dtype))
+        elif isinstance(layer, FloatLayer):
+            out.append(([layer.held], stage.dtype))
+        elif type(layer) is DynamicLayer:
+            out.append(([stage.dtype], stage.dtype))
+        else:
+            raise ProtocolError("this stage's caches cannot take handed-over rows (a sliding window, or layers "
+                                "that keep no keys)")
+    return out

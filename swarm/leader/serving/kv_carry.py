@@ -1,25 +1,33 @@
-"""A drain's KV handover, on the leader: the running requests' KV goes over to the new ring, so that at the switch
-each stage computes only the tokens after their last whole block, plus one step, instead of prefilling every
-request's prompt and streamed tokens again (~80 % of the switch's pause before: bench/RESULTS.md, Failover).
+"""A KV handover at a drain or a re-layout, on the leader: the running requests' KV goes over to the new ring, so that
+at the switch each stage computes only the tokens after their last whole block, plus one step, instead of prefilling
+every request's prompt and streamed tokens again (~80 % of a drain's pause before, and a re-layout's whole pause:
+bench/RESULTS.md).
 
-Before the switch, while the old ring still streams (swarm.leader.serving.drain):
+Before the switch, while the old ring still streams (swarm.leader.serving.drain, swarm.leader.serving.relayout):
 
   1. every stage of the old ring keeps each running request's first full blocks -- rows every stage has computed:
      all but the latest token's -- in its prefix cache, under the names the prefix cache gives a prompt's blocks
      (swarm.leader.serving.prefix_index.block_names of the prompt and the tokens streamed so far);
-  2. the leaving stage exports those blocks' rows, which go over the leader's control links (encrypted, as every
-     link) to the taker's copy of the stage, which imports them under the same names (swarm.fellow.handover);
-  3. the prefix cache's index carries its epoch across the switch (PrefixCaches.carry): the stages that stay keep
-     their blocks through the relink, the index keeps only the blocks every stage of the new ring holds, and each
-     resent request's plan reuses its own.
+  2. a stage of the new ring whose fellow holds an old stage of its layers (the same stage; or one narrowed to a part
+     of its layers at the switch, which keeps its blocks sliced) keeps what it has. Every other new stage -- a
+     drain's taker, a stage a re-layout loaded beside the ring -- takes each of its layers from the old stage that
+     held it (a decoder layer's keys and values do not depend on the split): each such old stage exports the range
+     of its layers the new stages need, once (KvKeep.export_layers), the leader cuts each new stage's pieces out and
+     puts them together in layer order, and the new stage imports them (swarm.stage.kv_handover checks them against
+     its own cache layers). The rows go over the leader's control links, encrypted as every link;
+  3. the prefix cache's index carries its epoch across the switch (PrefixCaches.carry with the new ring's fellows):
+     the stages that stay keep their blocks through the relink, the index keeps only the blocks every stage of the
+     new ring holds, and each resent request's plan reuses its own.
 
 Anything that does not answer in HANDOVER_WAIT_S, or fails, leaves the switch as it was without this: the index starts
-anew and the new ring prefills the requests whole. A block that some stage lacks anyway fails its request on that
-stage, and the request is sent again with a new index (PrefixCaches.failed): slower, never wrong.
+anew and the new ring prefills the requests whole. A block only some old stages exported is left out whole. A block
+that some stage lacks anyway fails its request on that stage, and the request is sent again with a new index
+(PrefixCaches.failed): slower, never wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -51,7 +59,8 @@ class KvCarry:
         box = self._waiting.get((message.handover, conn.id))
         if box is not None and not box[0].is_set():
             box[1].append(message)
-            box[0].set()
+            if not (isinstance(message, hm.KvKept) and message.more):  # an export's last part
+                box[0].set()
 
     async def _ask(self, conn: Any, message: hm.KvKeep | hm.KvImport, into: dict[int, Answer]) -> None:
         event, reply = trio.Event(), list[Answer]()
@@ -60,18 +69,33 @@ class KvCarry:
         try:
             conn.post(message)
             await event.wait()
-            into[conn.id] = reply[0]
+            last = reply[-1]
+            into[conn.id] = dataclasses.replace(last, blocks=hm.join_blocks(
+                [b for r in reply if isinstance(r, hm.KvKept) for b in r.blocks])) \
+                if isinstance(last, hm.KvKept) else last
         finally:
             self._waiting.pop(key, None)
 
     async def prepare(self, model: Any, slot: Any, taker: Any, leaving: Any) -> int:
-        """Hand the running requests' blocks of ``model`` over before stage ``slot`` moves from ``leaving`` to
-        ``taker``; the prefix cache's index then carries them across the switch. -> the blocks carried (0: none, the
-        switch prefills as before)."""
+        """A drain: hand the running requests' blocks of ``model`` over before stage ``slot`` moves from ``leaving`` to
+        ``taker`` (:meth:`hand_over`, the new ring being the old one with the taker in the stage's place)."""
+        after = [dataclasses.replace(stage.plan, fellow_id=taker.id, fellow_name=taker.name) if stage is slot
+                 else stage.plan for stage in model.stages]
+        return await self.hand_over(model, after)
+
+    async def hand_over(self, model: Any, after: list[Any]) -> int:
+        """Hand the running requests' blocks of ``model`` over to the ring ``after`` (its stages' plans) before the
+        switch to it, while the old ring streams on; the prefix cache's index then carries them across the switch.
+        A stage of ``after`` whose fellow holds an old stage of its layers (the same, or one narrowed to a part of
+        them at the switch) keeps what it has; any other imports its layers' rows from the old stages that hold
+        them. -> the blocks carried (0: none, the new ring prefills as before)."""
         serving = self.serving
+        serving.prefix.carried.pop(model.name, None)  # an earlier switch's that did not happen
         index = serving.prefix.indexes.get(model.name)
+        before = [(stage.plan, serving.online.get(stage.plan.fellow_id)) for stage in model.stages]
+        new = [(plan, serving.online.get(plan.fellow_id)) for plan in after]
         if index is None or model.ring_id is None or not serving.prefix.ring_takes_plans(model, serving.online) \
-                or not getattr(taker, "prefix_cache", False):
+                or not all(conn is not None and getattr(conn, "prefix_cache", False) for _, conn in new):
             return 0
         block = index.block
         wanted: dict[str, list[bytes]] = {}
@@ -81,37 +105,100 @@ class KvCarry:
                 count = (len(request.prompt) + len(request.tokens) - 1) // block
                 if count:
                     wanted[request.rid] = block_names(request.prompt + request.tokens, block, count)
-        stages = [(stage, serving.online.get(stage.plan.fellow_id)) for stage in model.stages]
-        if not wanted or any(conn is None for _, conn in stages):
+        if not wanted or any(conn is None for _, conn in before):
             return 0
+        pieces = sources(
+            [(p.first_layer, p.end_layer) for p, _ in before], [p.fellow_id for p, _ in before],
+            [(p.first_layer, p.end_layer, p.fellow_id) for p, _ in new])
+        spans = export_spans(pieces)
         handover, epoch = uuid.uuid4().hex, index.epoch
         kept: dict[int, Answer] = {}
         imported: dict[int, Answer] = {}
         began = trio.current_time()
         with trio.move_on_after(HANDOVER_WAIT_S):
             async with trio.open_nursery() as nursery:
-                for stage, conn in stages:
+                for i, (plan, conn) in enumerate(before):
+                    span = spans.get(i)
+                    local = [span[0] - plan.first_layer, span[1] - plan.first_layer] if span is not None else []
                     nursery.start_soon(self._ask, conn, hm.KvKeep(
                         model.name, model.ring_id, handover, epoch, block,
-                        [[rid, names] for rid, names in wanted.items()], export=stage is slot), kept)
-            exported = kept.get(leaving.id)
-            if isinstance(exported, hm.KvKept) and exported.blocks:
-                await self._ask(taker, hm.KvImport(model.name, handover, epoch, exported.blocks), imported)
-        held = [set(kept[conn.id].names if conn.id in kept else ()) for stage, conn in stages if stage is not slot]
-        held.append(set(imported[taker.id].names if taker.id in imported else ()))
+                        [[rid, names] for rid, names in wanted.items()], export=span is not None,
+                        export_layers=[] if local == [0, plan.end_layer - plan.first_layer] else local), kept)
+            exports = {i: kept.get(conn.id) for i, (_, conn) in enumerate(before)}
+            async with trio.open_nursery() as nursery:
+                for j, (_, conn) in enumerate(new):
+                    if j in pieces:
+                        blocks = assemble(pieces[j], spans, exports)
+                        if blocks:
+                            nursery.start_soon(self._ask, conn, hm.KvImport(model.name, handover, epoch, blocks),
+                                               imported)
+        held = [set((imported if j in pieces else kept).get(conn.id, _NONE).names) for j, (_, conn) in enumerate(new)]
         carried: list[bytes] = []
         for names in wanted.values():
             for name in names:  # a request reuses its blocks from the first on: the run every stage holds
                 if not all(name in h for h in held):
                     break
                 carried.append(name)
-        after = tuple(taker.id if stage is slot else stage.plan.fellow_id for stage in model.stages)
+        fellows = ", ".join(conn.name for j, (_, conn) in enumerate(new) if j in pieces) or "the ring"
+        if serving.prefix.indexes.get(model.name) is index:
+            # what the stages kept for this and the index does not hold nor carries goes with its next plan, whether
+            # the switch comes or not, as other blocks no stage needs (PrefixIndex.orphans)
+            sure = set(carried) | set(index.blocks)
+            index.orphans += [name for name in dict.fromkeys(n for names in wanted.values() for n in names)
+                              if name not in sure]
         if not carried or serving.prefix.indexes.get(model.name) is not index:
             why = [r.message for r in (*kept.values(), *imported.values()) if r.message]
-            log.info("no KV of %s handed over to %s (%s): the new ring prefills its requests", model.name,
-                     taker.name, "; ".join(why) or f"no answer within {HANDOVER_WAIT_S:.0f} s")
+            log.info("no KV of %s handed over to %s: the new ring prefills its requests (%s)", model.name, fellows,
+                     "; ".join(why) or f"no answer within {HANDOVER_WAIT_S:.0f} s")
             return 0
-        serving.prefix.carry(model.name, epoch, carried, after)
-        log.info("%s handed %d KV blocks of %s to %s in %.0f ms", leaving.name, len(carried), model.name, taker.name,
+        serving.prefix.carry(model.name, epoch, carried, tuple(plan.fellow_id for plan in after))
+        log.info("%d KV blocks of %s handed over to %s in %.0f ms", len(carried), model.name, fellows,
                  1000 * (trio.current_time() - began))
         return len(carried)
+
+
+_NONE = hm.KvImported("", "")  # no answer: nothing held
+
+# One piece of a new stage's layers: (old stage, first layer, end layer), in layer numbers of the model.
+Piece = tuple[int, int, int]
+
+
+def sources(old: list[tuple[int, int]], old_fellows: list[int], new: list[tuple[int, int, int]]) \
+        -> dict[int, list[Piece]]:
+    """Where each stage of the new ring (``new``: first layer, end layer, fellow) takes its layers' rows from: new
+    stage -> its pieces in layer order, each the part of an old stage (``old``: first, end; ``old_fellows``) it
+    overlaps. A new stage whose fellow holds an old stage of all its layers (the same stage, or one narrowed to a
+    part of its layers at the switch) keeps what it has and is not in the answer."""
+    out: dict[int, list[Piece]] = {}
+    for j, (first, end, fellow) in enumerate(new):
+        if any(f == fellow and a <= first and end <= b for (a, b), f in zip(old, old_fellows)):
+            continue
+        out[j] = [(i, max(first, a), min(end, b)) for i, (a, b) in enumerate(old) if a < end and first < b]
+    return out
+
+
+def export_spans(pieces: dict[int, list[Piece]]) -> dict[int, tuple[int, int]]:
+    """The layers each old stage exports: from the first to the end of the pieces taken from it (model layers)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for parts in pieces.values():
+        for i, first, end in parts:
+            a, b = spans.get(i, (first, end))
+            spans[i] = (min(a, first), max(b, end))
+    return spans
+
+
+def assemble(parts: list[Piece], spans: dict[int, tuple[int, int]], exports: dict[int, Any]) -> list[dict]:
+    """A new stage's blocks (swarm.stage.kv_handover.import_blocks's maps): each block's layers from its pieces, in
+    layer order. Only the blocks every piece has, whole: a block some old stage did not export, or exported with
+    another layer count (a fellow from before exports all its layers), is left out."""
+    found: list[dict[bytes, list]] = []
+    for i, first, end in parts:
+        export = exports.get(i)
+        span = spans[i]
+        rows = {b["name"]: b["layers"] for b in (export.blocks if isinstance(export, hm.KvKept) else ())
+                if isinstance(b, dict) and isinstance(b.get("layers"), list) and len(b["layers"]) == span[1] - span[0]}
+        found.append({name: layers[first - span[0]:end - span[0]] for name, layers in rows.items()})
+    if not found:
+        return []
+    return [{"name": name, "layers": [row for piece in found for row in piece[name]]}
+            for name in found[0] if all(name in piece for piece in found)]

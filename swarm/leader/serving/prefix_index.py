@@ -25,8 +25,9 @@ and tells the stages with each request (messages.PrefixPlan; swarm.stage.prefix_
 
 A block a request was to keep but that never became held (the request ended before its first token) may still have
 been kept by some stage: it is evicted with the next plan. A failover, unload or reload resets the index: a new
-``epoch`` makes every stage forget its blocks when the next plan reaches it. A drain's switch keeps the epoch
-(swarm.leader.serving.kv_carry): the running requests' blocks are on every stage of the new ring, and only those stay.
+``epoch`` makes every stage forget its blocks when the next plan reaches it. A drain's or a re-layout's switch keeps
+the epoch (swarm.leader.serving.kv_carry): the running requests' blocks are on every stage of the new ring, and only
+those stay.
 """
 
 from __future__ import annotations
@@ -228,9 +229,9 @@ class PrefixIndex:
         return self.reused.get(rid, 0) * self.block
 
     def carry(self, names: Sequence[bytes]) -> None:
-        """A drain's switch (swarm.leader.serving.kv_carry): every stage of the new ring holds blocks ``names``, kept
-        or handed over under their own names. Nothing else is sure to be on the new stage: the rest is forgotten here
-        (and evicted from the stages that still hold it with the next plan)."""
+        """A drain's or re-layout's switch (swarm.leader.serving.kv_carry): every stage of the new ring holds blocks
+        ``names``, kept or handed over under their own names. Nothing else is sure to be on the new stages: the rest
+        is forgotten here (and evicted from the stages that still hold it with the next plan)."""
         carried = set(names)
         for rid in list(self.replies):
             self._drop_reply(rid)
@@ -254,12 +255,14 @@ class PrefixCaches:
     def __init__(self, share: int | None):
         self.share = share
         self.indexes: dict[str, PrefixIndex] = {}
-        # model -> a drain's blocks to carry across its switch: (the index's epoch, the names, the new ring's fellows)
+        # model -> the blocks a drain or re-layout carries across its switch: (the index's epoch, the names, the new
+        # ring's fellows)
         self.carried: dict[str, tuple[int, list[bytes], tuple[int, ...]]] = {}
 
     def carry(self, model: str, epoch: int, names: list[bytes], fellows: tuple[int, ...]) -> None:
-        """A drain handed blocks ``names`` over (swarm.leader.serving.kv_carry): when the ring of ``model`` is whole
-        again on ``fellows`` (stage by stage), the index keeps its epoch and those blocks rather than start anew."""
+        """A drain or re-layout handed blocks ``names`` over (swarm.leader.serving.kv_carry): when the ring of
+        ``model`` is whole again on ``fellows`` (stage by stage), the index keeps its epoch and those blocks rather
+        than start anew."""
         self.carried[model] = (epoch, names, fellows)
 
     def reset(self, model: str, config: dict | None = None, fellows: tuple[int, ...] = ()) -> None:

@@ -4,12 +4,14 @@ to another number of stages, or another split of its layers, without a pause lon
   1. each stage of the new ring that is not already held (the same stage kept by a fellow of the old ring, or one it
      narrows: swarm.leader.planning.relayout) loads on its idle fellow beside the old ring, which keeps serving
      meanwhile (the new stages are held as hot covers are until they are linked: ModelServing.relayout);
-  2. the ring switches at a token boundary, the drain's way (swarm.leader.serving.drain: its ``next_token``): every
-     running request comes off the ring keeping what streamed, the new ring is linked, and the requests go on as
-     their prompt plus the tokens they had streamed -- greedy replies are those of an uninterrupted run. A fellow of
-     the old ring whose stage narrows is told its new layers by its link (control_messages.Link's first and end
-     layer): it drops the others then (swarm.stage.narrow), not before, so the old ring serves untouched until the
-     switch;
+  2. the running requests' KV goes to the new stages while the old ring streams (swarm.leader.serving.kv_carry: each
+     new stage gets its layers' rows from the old stages that held them; a kept or narrowed stage keeps its own),
+     then the ring switches at a token boundary, the drain's way (swarm.leader.serving.drain: its ``next_token``):
+     every running request comes off the ring keeping what streamed, the new ring is linked, and the requests go on
+     as their prompt plus the tokens they had streamed, computing only those after their last whole block -- greedy
+     replies are those of an uninterrupted run. A fellow of the old ring whose stage narrows is told its new layers
+     by its link (control_messages.Link's first and end layer): it drops the others then (swarm.stage.narrow), not
+     before, so the old ring serves untouched until the switch;
   3. once the new ring is ready, the old stages (and their hot covers) that are not in it unload.
 
 A new stage that fails to load, a fellow that goes, or a model that changes meanwhile (a failover, a drain) stops
@@ -61,6 +63,7 @@ class Relayouts:
 
     def __init__(self, serving):
         self.serving = serving
+        self.carried = 0  # KV blocks the latest switch carried to the new ring
         self._lock = trio.Lock()
 
     def on_stage_event(self, model: ModelServing, conn, message: StageEvent) -> bool:
@@ -133,6 +136,8 @@ class Relayouts:
     async def _switch(self, model: ModelServing, new: list[StageState], current: list[StagePlan]) -> str | None:
         """At a token boundary, the new ring takes over; then the old stages unload. None when done."""
         serving = self.serving
+        # the running requests' KV to the new stages, while the old ring streams (swarm.leader.serving.kv_carry)
+        self.carried = await serving.drains.kv.hand_over(model, [s.plan for s in new])
         await serving.drains.next_token(model)
         if serving.models.get(model.name) is not model or [s.plan for s in model.stages] != current \
                 or model.status != ModelStatus.READY \
