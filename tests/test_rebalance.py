@@ -410,7 +410,8 @@ async def test_a_relayout_that_narrows_the_ring_fellows_loads_only_the_new_stage
         assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, 4), (4, 8)]  # serving as it was
         relayouts.on_stage_event(model, online[3], cm.Loaded("m", "l"))
         model.notify()
-    assert done == ["m: 2 stages -> 3 stages on pc-1, pc-3, pc-2: re-laid out"] and interrupted == ["m"]
+    assert done == ["m: 2 stages -> 3 stages on pc-1, pc-3, pc-2: re-laid out"]
+    assert interrupted == ["kv to [(1, 0, 3), (3, 3, 5), (2, 5, 8)]", "m"]  # the KV first, then the switch
     assert [s.plan for s in model.stages] == three
     # the narrowed stages' free memory as placed: their budget counts the weights they dropped
     assert [s.free_bytes for s in model.stages] == [GB, 5 * GB + three[1].weight_bytes, GB]
