@@ -115,7 +115,7 @@ class Relayouts:
             for i in loading:
                 fellow_id = new[i].plan.fellow_id
                 log.info("%s loads %sstage %d of %s's next layout beside its ring", new[i].plan.fellow_name,
-                         "what its stage lacks for" if fellow_id in extending else "", i, model.name)
+                         "what its stage lacks for " if fellow_id in extending else "", i, model.name)
                 message = load_message(_next(model, new), i, extend=True) if fellow_id in extending \
                     else load_message(_next(model, new), i, cover=True)
                 self.serving.hub.online[fellow_id].post(message)
