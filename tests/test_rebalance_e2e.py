@@ -260,8 +260,11 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
     model serves over two fellows (layers 0-14, 15-29); while a long greedy reply streams, the one holding the last
     stage is found 8 times faster than the other, with room for the whole model. It loads only layers 0-14 and the
     embedding beside its stage while the ring serves; at the switch it splices them in (2 stages -> 1), and the other
-    fellow unloads. The reply is token for token the one of an uninterrupted run."""
+    fellow unloads. The reply is token for token the one of an uninterrupted run. Before, a try whose parts fail to
+    load leaves the ring and the fellow's stage as they were."""
+    from swarm.errors import ModelError
     from swarm.leader.serving import rebalance
+    from swarm.stage.slice import StageModel
 
     monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
     name = smollm_model_dir.name
@@ -276,6 +279,25 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
             slow, fast = (by_id[s.plan.fellow_id] for s in model.stages)
             held = fast.stages[name].placement()["bytes"]
             reference = (await swarm.chat(name, messages, max_tokens=80, ignore_eos=True))["choices"][0]["token_ids"]
+            failing = {"on": True, "tries": 0}
+            load = StageModel.load.__func__  # type: ignore[attr-defined]
+
+            def failing_load(cls, *args, **kwargs):
+                if failing["on"]:
+                    failing["tries"] += 1
+                    raise ModelError("out of memory (made up by the test)")
+                return load(cls, *args, **kwargs)
+
+            monkeypatch.setattr(StageModel, "load", classmethod(failing_load))
+            online[slow.fellow_id].calibration = calibration(8.0)
+            online[fast.fellow_id].calibration = calibration(1.0)
+            swarm.leader.serving.rebalance.pool_changed()
+            await wait_until(lambda: failing["tries"] and not model.relayout and not fast.loader.extending, 30)
+            # given up: the ring serves as it was, the fellow's stage untouched and nothing held beside it
+            assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, 15), (15, 30)]
+            stage = fast.stages[name]
+            assert (stage.first_layer, stage.end_layer, stage.extension) == (15, 30, None)
+            assert stage.placement()["bytes"] == held
             replies: list[list[int]] = []
             marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
 
@@ -295,9 +317,8 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
                 nursery.start_soon(long_reply)
                 nursery.start_soon(watch)
                 await wait_until(lambda: marks, 30)
-                online[slow.fellow_id].calibration = calibration(8.0)
-                online[fast.fellow_id].calibration = calibration(1.0)
-                swarm.leader.serving.rebalance.pool_changed()  # as a calibration report does
+                failing["on"] = False  # the parts load now
+                swarm.leader.serving.rebalance.pool_changed()  # as a link report does
                 await wait_until(lambda: len(model.stages) == 1 and model.status == "ready", 60,
                                  message=lambda: str(swarm.leader.serving.rebalance.left_out))
             # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring

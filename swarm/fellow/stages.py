@@ -137,9 +137,11 @@ class LoadedStage:
         self.extension = None
         from swarm.stage.resplit import extend
 
+        started = trio.current_time()
         grew = await compute.run(extend, self.driver.stage_model, parts, first_layer, end_layer, is_first, is_last)
-        log.info("extended stage of %s from layers %d-%d to %d-%d: %+.0f MB", self.model, self.first_layer,
-                 self.end_layer - 1, first_layer, end_layer - 1, grew / 1e6)
+        log.info("extended stage of %s from layers %d-%d to %d-%d in %.0f ms: %+.0f MB", self.model,
+                 self.first_layer, self.end_layer - 1, first_layer, end_layer - 1,
+                 1000 * (trio.current_time() - started), grew / 1e6)
         self.first_layer, self.end_layer = first_layer, end_layer
         self._weight_bytes = None
 
