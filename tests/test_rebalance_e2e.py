@@ -194,8 +194,9 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
             reference = (await swarm.chat(name, messages, max_tokens=160, ignore_eos=True))["choices"][0]["token_ids"]
             for conn in online.values():
                 conn.calibration = calibration(8.0)
-                # as a version that narrows but does not extend (swarm.stage.resplit): one that does may take a
-                # layout as fast that shifts fellow-1's stage instead (fellow-0 0-9, fellow-1 10-20, fellow-2 21-29)
+                # as a version that narrows but does not extend (swarm.stage.resplit): with one that does, the planner
+                # takes a faster layout that shifts fellow-1's stage and gives the fast fellow the head (fellow-0
+                # 0-9, fellow-1 10-20, fellow-2 21-29)
                 conn.extending = False
             replies: list[list[int]] = []
             marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
