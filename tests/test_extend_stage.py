@@ -85,3 +85,37 @@ def test_a_gguf_stage_extended_to_the_whole_tied_model_computes_what_a_fresh_one
     assert stage.parameter_bytes() == fresh.parameter_bytes()
     for got, want in zip(passes(stage, "r", 4), passes(fresh, "r", 4)):
         assert torch.equal(got, want)
+
+
+async def test_a_fellows_stage_holds_its_parts_beside_it_until_spliced_or_dropped(tiny_model_dirs):
+    """swarm.fellow.stages.LoadedStage: parts held beside the stage count in what it holds (the fellow's free memory
+    says so) and change nothing it computes; dropped, their memory goes; spliced (a link's extend), the stage is the
+    new range and says so in its summary (what a restarted leader adopts)."""
+    import types
+
+    from swarm import control_messages as cm
+    from swarm.fellow.stages import LoadedStage
+
+    model_dir = tiny_model_dirs["llama"]
+
+    async def send(message):
+        pass
+
+    fellow = types.SimpleNamespace(send_to_leader=send, threads_for=lambda n: None,
+                                   settings=types.SimpleNamespace(serve_prefill_chunk=64, serve_max_batch=4))
+    slot = cm.StageSlot(1, 2, 2, 4, is_first=False, is_last=True)
+    stage = LoadedStage(fellow, cm.Load("m", "L1", slot, {}, []), load(model_dir, 2, 4, "none"))
+    held = stage.placement()["bytes"]
+    for drop in (True, False):
+        part = load(model_dir, 0, 2, "none")
+        stage.hold_extension((0, 4, True, True), [part])
+        assert stage.placement()["bytes"] == held + part.parameter_bytes()
+        if drop:
+            stage.drop_extension()
+            assert stage.extension is None and part.parameter_bytes() == 0 and stage.placement()["bytes"] == held
+    await stage.extend()
+    fresh = load(model_dir, 0, 4, "none")
+    assert stage.extension is None and stage.summary()["first_layer"] == 0 and stage.summary()["end_layer"] == 4
+    assert stage.placement()["bytes"] == fresh.parameter_bytes()
+    for got, want in zip(passes(stage.driver.stage_model, "r", 5), passes(fresh, "r", 5)):
+        assert torch.equal(got, want)
