@@ -1,8 +1,8 @@
 """The control link's messages between the leader and a fellow, as typed records checked on decode (swarm.wire).
 
   both ways                Alive; Leave (the fellow asks to leave; the leader says go)
-  leader -> fellow         Welcome, Refused, Load, Link, RingReady, Unlink, Unload, Update, VerifyPick, VerifyRun,
-                           LeaveRefused, PunchPing, PunchPrepare, PunchStart, ProbeLinks
+  leader -> fellow         Welcome, Refused, Load, Link, RingReady, Unlink, Unload, DropExtension, Update,
+                           VerifyPick, VerifyRun, LeaveRefused, PunchPing, PunchPrepare, PunchStart, ProbeLinks
   fellow -> leader         Heartbeat, UpdateFailed, LoadProgress, Loaded, LoadFailed, Linked, LinkFailed, Unloaded,
                            VerifySample, VerifyResult, LinkReport, PunchPong, PunchCandidates, PunchResult, and the
                            ring's HopLost (swarm.messages)
@@ -140,6 +140,11 @@ class Load:
     quantization: str | None = None
     kv_cache: str | None = None
     draft: DraftPart | None = None  # the last stage's only
+    # a re-layout's stage for a fellow of the ring that holds a stage of the model sharing layers with it: it loads
+    # only what that one lacks (swarm.stage.resplit: the layers, the embedding, the head and draft model), beside it
+    # and apart from it, and splices them in at the Link that gives it this stage's layers (swarm.fellow.extending);
+    # False: a plain load, which replaces any stage of the model it holds
+    extend: bool = False
 
 
 @record
@@ -189,6 +194,14 @@ class Unlink:
 
 @message("unload")
 class Unload:
+    model: str
+
+
+@message("drop_extension")
+class DropExtension:
+    """Drop what was loaded beside the stage of ``model`` for a re-layout that will not happen (Load.extend): the stage
+    serves on as it was."""
+
     model: str
 
 

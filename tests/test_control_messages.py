@@ -30,6 +30,7 @@ SAMPLES = [
     cm.Link("m", "L1", "g1", 1, 2, cm.HopOut("h1", b"k" * 32, "pc-b", ["10.0.0.2", 5559], "auto"),
             cm.HopIn("h0", b"j" * 32)),
     cm.Link("m", "L1", "g1", 1, 3, first_layer=10, end_layer=20),  # a narrowing (swarm.stage.narrow)
+    cm.Load("m", "L1", SLOT, {"vocab_size": 10}, [FILE], extend=True), cm.DropExtension("m"),  # swarm.stage.resplit
     cm.RingReady("m", "g1"), cm.Unlink("m"), cm.Unload("m"), cm.LoadProgress("m", "L1", "download", 0.5),
     cm.Loaded("m", "L1", {"index": 1}), cm.LoadFailed("m", "L1", "disk full"), cm.Linked("m", "g1"),
     cm.LinkFailed("m", "g1", "not loaded"), cm.Unloaded("m", "L1", "idle"), cm.Leave(True, 30.0), cm.LeaveRefused("no"),

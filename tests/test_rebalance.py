@@ -58,11 +58,11 @@ def test_the_setting_is_checked():
 
 # --- re-layouts: another number of stages or split of the layers (swarm.leader.planning.relayout) ---------------
 
-def relayout(ring, idle, speeds, hops=None, held_free=None, narrowing=(), size=SIZE):
+def relayout(ring, idle, speeds, hops=None, held_free=None, narrowing=(), size=SIZE, extending=()):
     found = propose("m", ring, size, idle, speeds, hops or matrix(4), HIDDEN)
     held = held_free if held_free is not None else {p.fellow_id: 10 * GB for p in ring}
     return propose_layout("m", ring, size, idle, held, speeds, hops or matrix(4), HIDDEN, 100, found,
-                          narrowing=narrowing)
+                          narrowing=narrowing, extending=extending)
 
 
 def test_a_fast_fellow_with_room_takes_the_whole_model_as_one_stage():
@@ -81,22 +81,44 @@ def test_a_fast_fellow_with_room_takes_the_whole_model_as_one_stage():
         {"index": 0, "fellow_id": 3, "fellow": "pc-3", "layers": [0, 8]}]
 
 
-def test_a_faster_layout_that_would_load_beside_a_stage_of_the_ring_is_left_out_and_told_why():
+def test_a_fast_ring_fellow_with_room_extends_its_stage_to_the_whole_model():
     ring = two_stage_ring(1, 2)
-    # pc-1 (in the ring) is the fast one: the best layout is the whole model on it, but it holds stage 0 already
+    # pc-1 (in the ring) is the fast one: the best layout is the whole model on it, grown from its stage 0
     speeds = {1: speed(0.5, 1), 2: speed(4, 8), 3: speed(4, 8)}
-    # (a fellow that can narrow its stage in place cannot grow it either)
+    found, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, narrowing={1, 2},
+                               extending={1, 2})
+    assert found is not None and left_out == [] and found.moves == []
+    assert [(p.fellow_id, p.first_layer, p.end_layer) for p in found.layout] == [(1, 0, 8)]
+    assert found.text().startswith("m: re-lay out 2 stages -> 1 stage on pc-1: about ")
+    # a version that can narrow its stage in place but not extend it: left out, and why
     found, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, narrowing={1, 2})
     assert found is None
     assert left_out[0].startswith("the layout 2 stages -> 1 stage on pc-1 (")
-    assert left_out[0].endswith("is left out: pc-1 would load stage 0 (layers 0-7, 0.2 GB) beside its stage 0 of the "
-                                "same model, and a fellow holds one stage of a model at a time (it may keep or narrow "
-                                "it, not grow it)")
-    # counted what it holds: with too little free memory for both, that is what is said
-    # (its free memory and what its stage holds would take the whole model, its free memory alone would not)
-    _, left_out = relayout(ring, [FellowCapacity(3, "pc-3", 10 * GB)], speeds, held_free={1: 205_000_000, 2: GB})
-    assert left_out[0].endswith("pc-1 would load stage 0 (layers 0-7, 0.2 GB) beside its stage 0 (0.0 GB held) and "
-                                "has 0.2 GB free")
+    assert left_out[0].endswith("is left out: pc-1 would extend its stage 0 (layers 0-3) to layers 0-7, and its swarm "
+                                "version cannot: run swarm update on it")
+
+
+def test_an_extension_counts_what_it_loads_beside_the_stage():
+    """Only the lacking layers and ends, and the KV cache the stage grows by; shifted, the layers it drops still
+    count until the switch (they serve meanwhile)."""
+    from swarm.leader.planning.relayout import extension_bytes, why_not_beside
+
+    first, last = place(BIG, [FellowCapacity(1, "pc-1", 900 * MB), FellowCapacity(2, "pc-2", 900 * MB)], 2, 100)
+    assert (first.first_layer, first.end_layer) == (0, 6)
+    whole = dataclasses.replace(first, end_layer=12, weight_bytes=1300 * MB, kv_bytes=2 * first.kv_bytes)
+    assert extension_bytes(BIG, whole, 1, first, 2) == 600 * MB + 50 * MB + first.kv_bytes  # layers 6-11, head
+    assert extension_bytes(BIG, whole, 1, last, 2) == 600 * MB + 50 * MB + last.kv_bytes  # layers 0-5, embedding
+    shifted = dataclasses.replace(last, first_layer=3, end_layer=9, index=1)  # a middle stage of 3: the head goes
+    assert extension_bytes(BIG, shifted, 3, last, 2) == 300 * MB  # layers 3-5 only
+    apart = dataclasses.replace(first, first_layer=7, end_layer=12, index=1)
+    assert extension_bytes(BIG, apart, 2, first, 2) is None  # no shared layer
+    plans = [whole]
+    assert why_not_beside(plans, [first, last], {}, {1: 700 * MB}, {1}, BIG, {1}) is None
+    assert why_not_beside(plans, [first, last], {}, {1: 600 * MB}, {1}, BIG, {1}) == (
+        "pc-1 would extend its stage 0 (layers 0-5) to layers 0-11, loading 0.7 GB beside it, and has 0.6 GB free")
+    assert why_not_beside([dataclasses.replace(apart, index=0, first_layer=6)], [first, last], {}, {1: GB}, {1}, BIG,
+                          {1}).endswith("which shares no layer with it, and a fellow holds one stage of a model at a "
+                                        "time (it may keep, narrow or extend it)")
 
 
 # 12 layers of 100 MB (the planner's working memory, 200 MB a stage, small beside them)
@@ -265,6 +287,47 @@ async def test_a_relayout_whose_stage_fails_to_load_leaves_the_ring_as_it_was(mo
     assert online[1].posted == online[2].posted == []  # the old ring serves on
 
 
+async def test_a_relayout_that_extends_a_ring_fellows_stage_loads_what_it_lacks_beside_it(monkeypatch):
+    """2 stages -> 1 stage on pc-1: pc-1 loads what its stage lacks (Load.extend), its load events are the re-layout's
+    (not its serving stage's), the link gives it the whole model, and pc-2 unloads; given up, what pc-1 loaded goes
+    and its stage serves on."""
+    import trio
+
+    from swarm import control_messages as cm
+    from swarm.leader.serving import relayout
+
+    monkeypatch.setattr(relayout, "load_message", lambda model, i, cover=False, extend=False: {
+        "t": "load", "stage": i, "num_stages": len(model.stages), "extend": extend})
+    one = place(SIZE, [FellowCapacity(1, "pc-1", 10 * GB)], 1, 100)
+    for fails in (False, True):
+        serving, model, online, interrupted = serving_state(2)
+        relayouts = relayout.Relayouts(serving)
+        async with trio.open_nursery() as nursery:
+            done: list[str] = []
+
+            async def run(relayouts=relayouts, model=model, done=done):
+                done.append(await relayouts.apply(model, one))
+
+            nursery.start_soon(run)
+            await trio.sleep(0.01)
+            assert online[1].posted == [{"t": "load", "stage": 0, "num_stages": 1, "extend": True}]
+            assert relayouts.extends(model, 1) and not relayouts.extends(model, 2)
+            assert relayouts.on_stage_event(model, online[1], cm.LoadProgress("m", "l", "download", 0.5))
+            assert model.stages[0].phase == "ready" and model.relayout[0].phase == "download"
+            relayouts.on_stage_event(model, online[1], cm.LoadFailed("m", "l", "no room") if fails else
+                                     cm.Loaded("m", "l"))
+            model.notify()
+        assert not relayouts.extends(model, 1)
+        if fails:
+            assert done == ["m: 2 stages -> 1 stage on pc-1 not done: stage 0 did not load on pc-1: no room"]
+            assert [s.plan.fellow_id for s in model.stages] == [1, 2] and interrupted == []
+            assert online[1].posted[-1] == cm.DropExtension("m") and online[2].posted == []
+        else:
+            assert done == ["m: 2 stages -> 1 stage on pc-1: re-laid out"] and interrupted == ["m"]
+            assert [s.plan for s in model.stages] == one and model.stages[0].free_bytes == GB
+            assert online[1].posted[1:] == [] and online[2].posted == [cm.Unload("m")]
+
+
 # --- a model served with a draft model (SWARM_SERVE_DRAFT_MODEL): its last stage holds the draft model too ----------
 
 # layers of 100 MB, so that the stages' working memory (200 MB each) does not swamp their split
@@ -422,5 +485,6 @@ async def test_a_relayout_that_narrows_the_ring_fellows_loads_only_the_new_stage
     model.ring_id, model.hop_ids = "g1", ["h0", "h1", "h2"]
     for i, conn in online.items():
         conn.narrowing, conn.serve_host, conn.serve_port, conn.public_key = i != 2, None, None, b"k" * 32
+        conn.extending = False
     first, last = link_message(model, 0, online, "relay"), link_message(model, 2, online, "relay")
     assert (first.first_layer, first.end_layer) == (0, 3) and (last.first_layer, last.end_layer) == (None, None)

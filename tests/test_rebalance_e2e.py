@@ -207,6 +207,10 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
             reference = (await swarm.chat(name, messages, max_tokens=160, ignore_eos=True))["choices"][0]["token_ids"]
             for conn in online.values():
                 conn.calibration = calibration(8.0)
+                # as a version that narrows but does not extend (swarm.stage.resplit): with one that does, the planner
+                # takes a faster layout that shifts fellow-1's stage and gives the fast fellow the head (fellow-0
+                # 0-9, fellow-1 10-20, fellow-2 21-29)
+                conn.extending = False
             replies: list[list[int]] = []
             marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
 
@@ -262,3 +266,93 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
                 after = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
                 assert after == reference[:12]
                 fellows.cancel_scope.cancel()
+
+
+async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply(tmp_path, smollm_model_dir,
+                                                                                 monkeypatch):
+    """SWARM_SERVE_REBALANCE=auto, a re-layout that extends a ring fellow's stage in place (swarm.stage.resplit): the
+    model serves over two fellows (layers 0-14, 15-29); while a long greedy reply streams, the one holding the last
+    stage is found 8 times faster than the other, with room for the whole model. It loads only layers 0-14 and the
+    embedding beside its stage while the ring serves; at the switch it splices them in (2 stages -> 1), and the other
+    fellow unloads. The reply is token for token the one of an uninterrupted run. Before, a try whose parts fail to
+    load leaves the ring and the fellow's stage as they were."""
+    from swarm.errors import ModelError
+    from swarm.leader.serving import rebalance
+    from swarm.stage.slice import StageModel
+
+    monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
+    name = smollm_model_dir.name
+    messages = [{"role": "user", "content": "List the numbers from 1 to 80, separated by commas."}]
+    with trio.fail_after(120):
+        async with running_swarm(tmp_path, [smollm_model_dir], fellows=2,
+                                 leader_env={"SWARM_SERVE_REBALANCE": "auto"}) as swarm:
+            await swarm.load(name, 2)
+            model, online = swarm.leader.serving.models[name], swarm.leader.hub.online
+            assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, 15), (15, 30)]
+            by_id = {f.fellow_id: f for f in swarm.fellows}
+            slow, fast = (by_id[s.plan.fellow_id] for s in model.stages)
+            held = fast.stages[name].placement()["bytes"]
+            reference = (await swarm.chat(name, messages, max_tokens=80, ignore_eos=True))["choices"][0]["token_ids"]
+            failing = {"on": True, "tries": 0}
+            load = StageModel.load.__func__  # type: ignore[attr-defined]
+
+            def failing_load(cls, *args, **kwargs):
+                if failing["on"]:
+                    failing["tries"] += 1
+                    raise ModelError("out of memory (made up by the test)")
+                return load(cls, *args, **kwargs)
+
+            monkeypatch.setattr(StageModel, "load", classmethod(failing_load))
+            online[slow.fellow_id].calibration = calibration(8.0)
+            online[fast.fellow_id].calibration = calibration(1.0)
+            swarm.leader.serving.rebalance.pool_changed()
+            await wait_until(lambda: failing["tries"] and not model.relayout and not fast.loader.extending, 30)
+            # given up: the ring serves as it was, the fellow's stage untouched and nothing held beside it
+            assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, 15), (15, 30)]
+            stage = fast.stages[name]
+            assert (stage.first_layer, stage.end_layer, stage.extension) == (15, 30, None)
+            assert stage.placement()["bytes"] == held
+            replies: list[list[int]] = []
+            marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
+
+            async def long_reply():
+                reply = await swarm.chat(name, messages, max_tokens=80, ignore_eos=True)
+                replies.append(reply["choices"][0]["token_ids"])
+
+            async def watch():
+                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
+                (request,) = swarm.leader.serving.book.by_rid.values()
+                while not request.ended:
+                    if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
+                        marks.append((trio.current_time(), len(request.tokens), request.attempts))
+                    await trio.sleep(0.002)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_reply)
+                nursery.start_soon(watch)
+                await wait_until(lambda: marks, 30)
+                failing["on"] = False  # the parts load now
+                swarm.leader.serving.rebalance.pool_changed()  # as a link report does
+                await wait_until(lambda: len(model.stages) == 1 and model.status == "ready", 60,
+                                 message=lambda: str(swarm.leader.serving.rebalance.left_out))
+            # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring
+            assert marks[-1][2] == 2, marks[-1]
+            resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
+            last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
+            first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
+            gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+            grown = fast.stages[name].placement()["bytes"]
+            print(f"extending re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
+                  f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed; "
+                  f"weights held {held / 1e6:.0f} -> {grown / 1e6:.0f} MB")
+            assert replies == [reference]
+            assert [(s.plan.fellow_id, s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [
+                (fast.fellow_id, 0, 30)]
+            stage = fast.stages[name]
+            assert (stage.first_layer, stage.end_layer, stage.extension) == (0, 30, None)
+            assert stage.summary()["first_layer"] == 0 and stage.summary()["num_stages"] == 1  # what a leader adopts
+            # 15 more layers of ~14 MB; the embedding is the tied head's matrix, held once
+            assert 190_000_000 < grown - held < 240_000_000
+            await wait_until(lambda: name not in slow.stages, 30)  # the other fellow unloaded
+            after = (await swarm.chat(name, messages, max_tokens=12))["choices"][0]["token_ids"]
+            assert after == reference[:12]

@@ -116,6 +116,7 @@ class ControlLink:
             "draft_model": True,  # its last stage holds a draft model when sent one (swarm.stage.draft_model)
             "prefix_cache": True,  # its stages carry out prefix cache plans (swarm.stage.prefix_cache)
             "narrowing": True,  # a link may narrow its stage to a sub-range of its layers (swarm.stage.narrow)
+            "extending": True,  # it loads what its stage lacks beside it, spliced in at a link (swarm.stage.resplit)
             "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
             "hardware": self.lent(hardware.probe()).to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},
@@ -267,6 +268,13 @@ class ControlLink:
         self.fellow.unload(message.model)
         await self.send(cm.Unloaded(message.model))
 
+    async def _drop_extension(self, message: cm.DropExtension) -> None:
+        """A re-layout given up: what was loaded (or is loading) beside the stage goes; the stage serves on."""
+        self.fellow.loader.cancel(message.model, extension_only=True)
+        stage = self.fellow.stages.get(message.model)
+        if stage is not None:
+            stage.drop_extension()
+
     async def _update(self, message: cm.Update) -> None:
         self.fellow.nursery.start_soon(self.fellow.updater.run, message)
 
@@ -304,7 +312,8 @@ class ControlLink:
         return {
             messages.Generate: self._request, messages.Cancel: self._request, cm.Alive: self._alive,
             cm.Load: self._load, cm.Link: self._link, cm.RingReady: self._ring_ready, cm.Unlink: self._unlink,
-            cm.Unload: self._unload, cm.Update: self._update, cm.VerifyPick: self._verify_pick,
+            cm.Unload: self._unload, cm.DropExtension: self._drop_extension, cm.Update: self._update,
+            cm.VerifyPick: self._verify_pick,
             cm.VerifyRun: self._verify_run, cm.Leave: self._leaving, cm.LeaveRefused: self._leaving,
             cl.PunchPing: self._punch_ping, cl.PunchPrepare: self._punch_prepare, cl.PunchStart: self._punch_start,
             cl.ProbeLinks: self._probe_links, hm.KvKeep: self._kv_handover, hm.KvImport: self._kv_handover,

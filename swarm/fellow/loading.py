@@ -54,6 +54,7 @@ class StageLoader:
     def __init__(self, fellow):
         self.fellow = fellow
         self._loading: dict[str, trio.CancelScope] = {}  # model -> its load in flight
+        self.extending: set[str] = set()  # the models whose load in flight is an extension (Load.extend)
 
     async def load(self, message: Load) -> None:
         """Load the stage ``message`` places here. A newer load of the same model (the leader placed it again, a
@@ -65,17 +66,23 @@ class StageLoader:
         with trio.CancelScope() as scope:
             self._loading[model] = scope
             try:
-                await self._load(message)
+                if message.extend:  # only what its stage of the model lacks, beside it (swarm.fellow.extending)
+                    from swarm.fellow.extending import load_extension
+
+                    await load_extension(self, message)
+                else:
+                    await self._load(message)
             finally:
                 if self._loading.get(model) is scope:
                     del self._loading[model]
         if scope.cancelled_caught:
             log.info("a newer load of %s replaced load %s before it finished", model, message.load_id)
 
-    def cancel(self, model: str) -> None:
-        """Stop a load of ``model`` still in flight (the leader unloaded the model)."""
+    def cancel(self, model: str, extension_only: bool = False) -> None:
+        """Stop a load of ``model`` still in flight (the leader unloaded the model; ``extension_only``: only one of
+        the parts a stage lacks, Load.extend -- a re-layout given up)."""
         scope = self._loading.get(model)
-        if scope is not None:
+        if scope is not None and (not extension_only or model in self.extending):
             scope.cancel()
 
     async def _load(self, message: Load) -> None:
@@ -91,16 +98,21 @@ class StageLoader:
         except Exception as exc:  # any failure is told to the leader (load_failed); the fellow runs on
             if not isinstance(exc, SwarmError):
                 log.exception("loading %s failed", model)
-            text = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
-            try:
-                await fellow.send_to_leader(LoadFailed(model, load_id,
-                                                       f"stage {message.stage.index} on {fellow.name}: {text}"))
-            except SwarmError:  # the leader is out of reach: the heartbeat once it is back says what is held
-                pass
+            await self.failed(message, exc)
             return
         await self._serve(message, stage_model)
 
-    async def _fetch(self, message: Load, progress: LoadProgress) -> tuple[dict[str, Path], dict[str, Path]]:
+    async def failed(self, message: Load, exc: Exception) -> None:
+        """Tell the leader the load of ``message`` failed, and why."""
+        fellow = self.fellow
+        text = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
+        try:
+            await fellow.send_to_leader(LoadFailed(message.model, message.load_id,
+                                                   f"stage {message.stage.index} on {fellow.name}: {text}"))
+        except SwarmError:  # the leader is out of reach: the heartbeat once it is back says what is held
+            pass
+
+    async def fetch(self, message: Load, progress: LoadProgress) -> tuple[dict[str, Path], dict[str, Path]]:
         """The stage's files, and the draft model's (the last stage's, SWARM_SERVE_DRAFT_MODEL; {} without one): each
         path to its local file."""
         fellow = self.fellow
@@ -142,7 +154,7 @@ class StageLoader:
     async def _fetch_and_build(self, message: Load, progress: LoadProgress):
         # torch, transformers and the stage code take seconds to import, more on a busy machine: in a worker thread,
         # so that the control link's heartbeats go on meanwhile (a loop held that long is a fellow gone silent)
-        await trio.to_thread.run_sync(_import_stage_code)
+        await trio.to_thread.run_sync(import_stage_code)
         import torch
 
         from swarm.stage import int4_kernel, q8_kernel
@@ -150,7 +162,7 @@ class StageLoader:
         from swarm.stage.slice_load import StageSpec
         from swarm.stage.warm_up import warm_up_batch_path
 
-        local, draft_local = await self._fetch(message, progress)
+        local, draft_local = await self.fetch(message, progress)
         await progress.report("download", 1.0)
         await progress.report("extract", 1.0)  # shards are verified safetensors: nothing to unpack
         slot = message.stage
@@ -172,12 +184,12 @@ class StageLoader:
             lambda: StageModel.load(message.config, local, spec, dtype=dtype, device=device,
                                     layer_devices=layer_devices, quantization=quantization)
         )
-        stage_model.tokenizer_dir = _tokenizer_dir(local, self.fellow.cache_dir, message)
+        stage_model.tokenizer_dir = tokenizer_dir_for(local, self.fellow.cache_dir, message)
         stage_model.kv_cache = check_kv_kind(message.kv_cache)  # a leader from before sends none: auto
         draft = _draft_part(message)
         if draft is not None:  # the last stage's draft model, whole, as the stage: dtype, device, quantization
             stage_model.drafter = await compute.run(
-                lambda: _draft_model(draft, draft_local, message, dtype, device, quantization))
+                lambda: build_draft_model(draft, draft_local, message, dtype, device, quantization))
         await compute.run(stage_model.warm_up)
         # then the first request's own path (swarm.stage.warm_up), on the threads a lone request gets: the leader
         # hears "loaded" only after it, so the first chat does not pay for it
@@ -203,7 +215,8 @@ class StageLoader:
         finally:
             if fellow.stages.get(stage.model) is stage:
                 del fellow.stages[stage.model]
-            _free_memory(stage.driver.stage_model)
+            stage.drop_extension()
+            free_memory(stage.driver.stage_model)
 
 
 def _draft_part(message: Load) -> DraftPart | None:
@@ -211,7 +224,7 @@ def _draft_part(message: Load) -> DraftPart | None:
     return message.draft if message.stage.is_last else None
 
 
-def _draft_model(draft: DraftPart, local: dict[str, Path], message: Load, dtype, device: str, quantization: str):
+def build_draft_model(draft: DraftPart, local: dict[str, Path], message: Load, dtype, device: str, quantization: str):
     """Build the draft model whole from its fetched files (swarm.stage.draft_model) at the stage's ``quantization``
     (its guesses are checked by the ring, so a 4-bit draft model costs no exactness, only a few guesses), warmed
     up."""
@@ -250,7 +263,7 @@ def _spread_over_cards(message: Load, spec, device: str, dtype) -> list[str] | N
     return devices if len(set(devices)) > 1 else None
 
 
-def _free_memory(stage_model) -> None:
+def free_memory(stage_model) -> None:
     """Hand an unloaded stage's memory back now. The stage sits in reference cycles (its tasks and hops refer to
     each other), which only a full ``gc.collect()`` frees: a walk over the whole heap, holding the event loop and so
     the fellow's control link -- measured here ~1 s per stage, 3.3 s in a process of 4 M objects (a long test
@@ -262,7 +275,7 @@ def _free_memory(stage_model) -> None:
         stage_model.drop(rid)
     drafter, stage_model.drafter = getattr(stage_model, "drafter", None), None
     if drafter is not None:  # the last stage's draft model goes with it
-        _free_memory(drafter.model)
+        free_memory(drafter.model)
     for part in stage_model.modules():
         for module in part.modules():
             module._parameters.clear()
@@ -280,7 +293,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "config.json")
 
 
-def _tokenizer_dir(local: dict[str, Path], cache_dir: Path, message: Load) -> Path | None:
+def tokenizer_dir_for(local: dict[str, Path], cache_dir: Path, message: Load) -> Path | None:
     """A folder with the tokenizer's files under their own names (links into the content-addressed cache), for the
     last stage's constrained sampling; None when the leader sent no tokenizer (a leader from before)."""
     if not message.stage.is_last or "tokenizer.json" not in local and "tokenizer_config.json" not in local:
@@ -296,7 +309,7 @@ def _tokenizer_dir(local: dict[str, Path], cache_dir: Path, message: Load) -> Pa
     return folder
 
 
-def _import_stage_code() -> None:
+def import_stage_code() -> None:
     """Import what a stage computes with (the fellow joins without it: swarm/stage/__init__.py is lazy)."""
     import importlib
 

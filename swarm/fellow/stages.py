@@ -49,6 +49,9 @@ class LoadedStage:
         # When the leader said the whole ring is ready (ring_ready); None while the model loads, recovers, or this
         # stage is a cover: the idle clock (swarm.fellow.idle) runs only from then on.
         self.ready_since: float | None = None
+        # parts loaded beside the stage for a re-layout (swarm.fellow.extending): (the stage's next layers and whether
+        # first and last, the parts), spliced in by the Link that gives it those layers
+        self.extension: tuple[tuple[int, int, bool, bool], list] | None = None
 
     def summary(self) -> dict:
         """What the fellow tells the leader of this stage (in its hello: a restarted leader adopts it)."""
@@ -62,8 +65,10 @@ class LoadedStage:
         if self._weight_bytes is None:
             drafter = getattr(stage_model, "drafter", None)
             self._weight_bytes = stage_model.parameter_bytes() + (drafter.parameter_bytes() if drafter else 0)
+        beside = sum(p.parameter_bytes() + (p.drafter.parameter_bytes() if p.drafter else 0)
+                     for p in self.extension[1]) if self.extension else 0
         devices = sorted({str(d) for d in getattr(stage_model, "layer_devices", None) or [stage_model.device]})
-        return {"devices": devices, "bytes": self._weight_bytes}
+        return {"devices": devices, "bytes": self._weight_bytes + beside}
 
     def held(self) -> dict:
         """The requests this stage holds state for: in the ring protocol, and KV caches (0 and 0 when idle: a
@@ -88,12 +93,17 @@ class LoadedStage:
 
     async def link(self, message: Link) -> None:
         """Join the ring generation ``message.ring_id``: new hops, no requests carried over. A link that gives the
-        stage a sub-range of its layers narrows it first (:meth:`narrow`); ModelError if it names layers or parts
-        the stage does not hold (then it stays unlinked)."""
+        stage a sub-range of its layers narrows it first (:meth:`narrow`), one that gives it the layers its parts
+        loaded beside were for splices them in (:meth:`extend`); ModelError if it names layers or parts the stage
+        does not hold (then it stays unlinked)."""
         self.unlink()
         if message.first_layer is not None and message.end_layer is not None:
-            await self.narrow(message.first_layer, message.end_layer, message.index == 0,
-                              message.index == message.num_stages - 1)
+            layers = (message.first_layer, message.end_layer, message.index == 0,
+                      message.index == message.num_stages - 1)
+            if self.extension is not None and self.extension[0] == layers:
+                await self.extend()
+            else:  # a link of another ring keeps the parts: the re-layout that loaded them may still switch
+                await self.narrow(*layers)
         self.cover = False
         self.index, self.num_stages = message.index, message.num_stages
         self.ring_id, self.hop_in = message.ring_id, message.hop_in
@@ -118,6 +128,37 @@ class LoadedStage:
                  self.end_layer - 1, first_layer, end_layer - 1, freed / 1e6)
         self.first_layer, self.end_layer = first_layer, end_layer
         self._weight_bytes = None  # counted anew: the heartbeat's free memory and placement say what it holds now
+
+    async def extend(self) -> None:
+        """Splice the parts loaded beside the stage in (a re-layout's switch: the leader gave this fellow the layers
+        they were loaded for), dropping the layers it no longer needs (swarm.stage.resplit)."""
+        assert self.extension is not None
+        (first_layer, end_layer, is_first, is_last), parts = self.extension
+        self.extension = None
+        from swarm.stage.resplit import extend
+
+        started = trio.current_time()
+        grew = await compute.run(extend, self.driver.stage_model, parts, first_layer, end_layer, is_first, is_last)
+        log.info("extended stage of %s from layers %d-%d to %d-%d in %.0f ms: %+.0f MB", self.model,
+                 self.first_layer, self.end_layer - 1, first_layer, end_layer - 1,
+                 1000 * (trio.current_time() - started), grew / 1e6)
+        self.first_layer, self.end_layer = first_layer, end_layer
+        self._weight_bytes = None
+
+    def hold_extension(self, layers: tuple[int, int, bool, bool], parts: list) -> None:
+        """Hold ``parts`` beside the stage until a link gives it ``layers`` (an earlier extension goes)."""
+        self.drop_extension()
+        self.extension = (layers, parts)
+
+    def drop_extension(self) -> None:
+        """Free the parts loaded beside the stage, if any (the re-layout was given up, or the stage unloads)."""
+        extension, self.extension = self.extension, None
+        if extension is not None:
+            from swarm.fellow.loading import free_memory
+
+            for part in extension[1]:
+                free_memory(part)
+            log.info("dropped the parts loaded beside the stage of %s", self.model)
 
     def ring_ready(self, ring_id: str) -> None:
         """Every stage is linked: open the outgoing link now, so the first reply does not wait for it. (Not at link

@@ -47,7 +47,7 @@ def narrow(stage: StageModel, first_layer: int, end_layer: int, is_first: bool, 
     layers = list(stage.layers)
     kept, dropped = layers[offset : offset + count], layers[:offset] + layers[offset + count :]
     for layer in kept:
-        _renumber(layer, offset)
+        renumber(layer, offset)
     _narrow_config(stage.config, offset, count)
     stage.layers = nn.ModuleList(kept)
     stage.layer_devices = stage.layer_devices[offset : offset + count]
@@ -78,8 +78,9 @@ def narrow(stage: StageModel, first_layer: int, end_layer: int, is_first: bool, 
     return before - stage.parameter_bytes()
 
 
-def _renumber(layer: nn.Module, offset: int) -> None:
-    """The layer's cache index, counted from the narrowed stage's first layer."""
+def renumber(layer: nn.Module, offset: int) -> None:
+    """The layer's cache index, counted from the narrowed stage's first layer (less ``offset``; swarm.stage.resplit
+    gives a negative one to count the layers spliced before it)."""
     for module in layer.modules():
         index = getattr(module, "layer_idx", None)
         if isinstance(index, int) and not isinstance(index, bool):

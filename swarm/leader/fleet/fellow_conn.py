@@ -37,6 +37,7 @@ class FellowConn:
     draft_model: bool = False  # its last stage can hold a draft model (SWARM_SERVE_DRAFT_MODEL; its hello says so)
     prefix_cache: bool = False  # its stages carry out prefix cache plans, replies' blocks included (its hello says so)
     narrowing: bool = False  # a link may narrow its stage to a sub-range of its layers (its hello says so)
+    extending: bool = False  # it loads what its stage lacks beside it, spliced in at a link (its hello says so)
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
     calibration: dict | None = None  # how fast it runs a decoder layer, as its hello or heartbeat said (planner)

@@ -306,7 +306,7 @@ class FellowHub:
             channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
             draft_model=hello.get("draft_model") is True, prefix_cache=hello.get("prefix_cache") is True,
-            narrowing=hello.get("narrowing") is True,
+            narrowing=hello.get("narrowing") is True, extending=hello.get("extending") is True,
             disk_free_bytes=_count(hello.get("disk_free_bytes")),
             calibration=hello["calibration"] if isinstance(hello.get("calibration"), dict) else None,
         )

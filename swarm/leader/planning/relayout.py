@@ -16,10 +16,16 @@ each stage of the new layout must be loadable beside the old ring at once:
   pc-1 (layers 0-14) and pc-2 (15-29) -- and the 3-stage layout pc-1 0-9, pc-3 10-19, pc-2 20-29 loads only pc-3's
   stage beside the ring ("2 stages -> 3 stages on pc-1, pc-3, pc-2").
 
-A fellow of the ring cannot load a second, different stage of the same model beside its own, nor grow the one it
-holds: a fellow holds one stage of a model at a time (swarm.fellow.process keeps them by model). A layout that needs
-that, or memory a fellow does not have, is left out, and the proposal says why ("the 1-stage layout on fellow-1 ...
-is left out: ...").
+- or on a fellow of the ring whose new stage extends the one it holds: it shares layers with it and reaches beyond
+  (pc-1 0-14 -> 0-19; 2 stages -> 1 stage on pc-1). It loads only what it lacks beside its stage -- the layers
+  before and after the shared ones, the embedding where the new stage is first, the final norm, head and draft model
+  where it is last -- and splices them in at the switch (swarm.stage.resplit), so it needs free memory for those and
+  the KV cache the stage grows by (:func:`extension_bytes`). Only a fellow whose hello says it can ("extending").
+
+A fellow of the ring cannot load a second stage of the same model that shares no layer with its own: a fellow holds
+one stage of a model at a time (swarm.fellow.process keeps them by model). A layout that needs that, or memory a
+fellow does not have, is left out, and the proposal says why ("the 1-stage layout on fellow-1 ... is left out:
+...").
 
 A model served with a draft model (SWARM_SERVE_DRAFT_MODEL) is placed as a load places it: over several stages its
 last stage holds the draft model's weights and KV cache too (swarm.leader.planning.placement.DraftSize), and its
@@ -38,7 +44,15 @@ import math
 from collections.abc import Collection, Sequence
 
 from swarm.errors import PlacementError
-from swarm.leader.planning.placement import GB, DraftSize, FellowCapacity, ModelSize, StagePlan, place_in_order
+from swarm.leader.planning.placement import (
+    GB,
+    DraftSize,
+    FellowCapacity,
+    ModelSize,
+    StagePlan,
+    place_in_order,
+    stage_weight_bytes,
+)
 from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, predict
 
 # Every order of a ring is tried up to this many stages, as link_placement.MAX_ORDERED; beyond, fellow id order.
@@ -74,6 +88,27 @@ def narrows(plan: StagePlan, count: int, held: StagePlan, held_count: int) -> bo
         and (plan.index != 0 or held.index == 0) and (plan.index != count - 1 or held.index == held_count - 1)
 
 
+def extension_bytes(size: ModelSize, plan: StagePlan, count: int, held: StagePlan, held_count: int) -> int | None:
+    """What a fellow holding ``held`` (of a ring of ``held_count``) loads beside it to extend it to ``plan`` (of a
+    ring of ``count``; swarm.stage.resplit): the weights of the layers before and after the shared ones -- the first
+    range with the embedding where ``plan`` is first, the last with the final norm and head (and the draft model)
+    where it is last -- and the KV cache the stage grows by. None when the two share no layer, or ``plan`` needs an end
+    no range brings."""
+    if max(plan.first_layer, held.first_layer) >= min(plan.end_layer, held.end_layer):
+        return None
+    is_first, is_last = plan.index == 0, plan.index == count - 1
+    need = max(0, plan.kv_bytes - held.kv_bytes)
+    if plan.first_layer < held.first_layer:
+        need += stage_weight_bytes(size, plan.first_layer, held.first_layer, is_first, False)
+    elif is_first and held.index != 0:
+        return None
+    if plan.end_layer > held.end_layer:
+        need += stage_weight_bytes(size, held.end_layer, plan.end_layer, False, is_last) + plan.draft_bytes
+    elif is_last and held.index != held_count - 1:
+        return None
+    return need
+
+
 def describe(current: list[StagePlan], plans: list[StagePlan]) -> str:
     """'2 stages -> 1 stage on fellow-3', '1 stage -> 3 stages on pc-1, pc-2, pc-3'."""
     def count(n: int) -> str:
@@ -82,10 +117,11 @@ def describe(current: list[StagePlan], plans: list[StagePlan]) -> str:
 
 
 def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[int, FellowCapacity],
-                   held_free: dict[int, int], narrowing: Collection[int] = ()) -> str | None:
+                   held_free: dict[int, int], narrowing: Collection[int] = (), size: ModelSize | None = None,
+                   extending: Collection[int] = ()) -> str | None:
     """None when every stage of ``plans`` loads beside ``current``'s ring (see the module's rules), else why not, in
-    words. ``held_free``: the free memory now of the ring's fellows; ``narrowing``: those that can narrow their
-    stage in place."""
+    words. ``held_free``: the free memory now of the ring's fellows; ``narrowing``/``extending``: those that can
+    narrow / extend their stage in place (the latter counted with ``size``)."""
     held = {p.fellow_id: p for p in current}
     for plan in plans:
         old = held.get(plan.fellow_id)
@@ -103,11 +139,20 @@ def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[
                         f"{old.end_layer - 1}) to layers {plan.first_layer}-{plan.end_layer - 1}, and its swarm "
                         "version cannot: run swarm update on it")
             free = held_free.get(plan.fellow_id, 0)
-            if free < plan.need_bytes:
-                return (f"{plan.fellow_name} would load {what} beside its stage {old.index} "
-                        f"({old.weight_bytes / GB:.1f} GB held) and has {free / GB:.1f} GB free")
-            return (f"{plan.fellow_name} would load {what} beside its stage {old.index} of the same model, and a "
-                    "fellow holds one stage of a model at a time (it may keep or narrow it, not grow it)")
+            need = extension_bytes(size, plan, len(plans), old, len(current)) if size is not None else None
+            if need is None:
+                return (f"{plan.fellow_name} would load {what} beside its stage {old.index} of the same model, which "
+                        "shares no layer with it, and a fellow holds one stage of a model at a time (it may keep, "
+                        "narrow or extend it)")
+            grown = (f"{plan.fellow_name} would extend its stage {old.index} (layers {old.first_layer}-"
+                     f"{old.end_layer - 1}) to layers {plan.first_layer}-{plan.end_layer - 1}")
+            if plan.fellow_id not in extending:
+                return f"{grown}, and its swarm version cannot: run swarm update on it"
+            if plan.draft_bytes and not old.draft_bytes and plan.end_layer <= old.end_layer:
+                return f"{grown} as the last stage, which holds the draft model, and it has none loaded"
+            if free < need:
+                return f"{grown}, loading {need / GB:.1f} GB beside it, and has {free / GB:.1f} GB free"
+            continue
         fellow = idle.get(plan.fellow_id)
         if fellow is None:
             return f"{plan.fellow_name} is not idle"
@@ -120,11 +165,13 @@ def why_not_beside(plans: list[StagePlan], current: list[StagePlan], idle: dict[
 def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[FellowCapacity],
                 held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
                 hidden_bytes: int, context_tokens: int, worth_ms: float, draft: DraftSize | None = None,
-                drafts: set[int] | None = None, narrowing: Collection[int] = ()) -> Layout:
+                drafts: set[int] | None = None, narrowing: Collection[int] = (),
+                extending: Collection[int] = ()) -> Layout:
     """The fastest layout of the model over the pool -- ``current``'s fellows (``held_free``: each one's free memory
     now, what its stage holds apart) and the ``idle`` fellows -- every stage count, set of fellows and order, split
     by free memory as a load splits it, predicted at the measured ``hops``; the fastest that loads beside
-    ``current`` is chosen (``narrowing``: the ring's fellows that can narrow their stage in place). Layouts faster
+    ``current`` is chosen (``narrowing``/``extending``: the ring's fellows that can narrow / extend their stage in
+    place). Layouts faster
     than it that cannot be loaded beside are told (those under ``worth_ms`` a token only: the ones worth a
     re-layout). Fellows whose speed is unknown are not counted. ``draft``: the draft model the ring's last stage
     holds (see the module), and ``drafts`` the fellows that run draft models (None: all)."""
@@ -152,7 +199,7 @@ def best_layout(size: ModelSize, current: list[StagePlan], idle: Sequence[Fellow
     notes: list[str] = []
     seen: set[str] = set()
     for ms, _, plans, held_back in sorted(rings, key=lambda r: (r[0], len(r[2]), r[1])):
-        why = held_back or why_not_beside(plans, current, idle_by_id, held_free, narrowing)
+        why = held_back or why_not_beside(plans, current, idle_by_id, held_free, narrowing, size, extending)
         if why is None:
             return Layout(plans, ms, notes)
         text = describe(current, plans)

@@ -161,8 +161,9 @@ class ModelServing:
         }
 
 
-def load_message(serving: ModelServing, i: int, cover: bool = False) -> cm.Load:
-    """What a fellow needs to load stage ``i`` (or a hot cover of it): its layers and their files."""
+def load_message(serving: ModelServing, i: int, cover: bool = False, extend: bool = False) -> cm.Load:
+    """What a fellow needs to load stage ``i`` (or a hot cover of it; or, ``extend``, what its stage of the model
+    lacks for it: control_messages.Load.extend): its layers and their files."""
     from swarm.store.manifest import Manifest, stage_files
 
     plan, n = serving.stages[i].plan, len(serving.stages)
@@ -175,7 +176,7 @@ def load_message(serving: ModelServing, i: int, cover: bool = False) -> cm.Load:
     return cm.Load(serving.name, serving.load_id, slot, serving.config, [_file_message(f) for f in files],
                    gpu_dtype=dtype if dtype in ("float16", "bfloat16") else "float16", cover=cover,
                    stored_dtype=dtype or "float32", quantization=serving.quantization, kv_cache=serving.kv_cache,
-                   draft=draft)
+                   draft=draft, extend=extend)
 
 
 def _file_message(f) -> cm.FileEntry:
@@ -216,7 +217,7 @@ def link_message(serving: ModelServing, i: int, online: dict, transport: str) ->
     assert serving.ring_id is not None, "a ring generation is started before its stages are linked"
     message = cm.Link(serving.name, serving.load_id, serving.ring_id, i, n)
     conn = online.get(plans[i].fellow_id)
-    if conn is not None and conn.narrowing:  # its layers: a narrowed stage's (swarm.stage.narrow)
+    if conn is not None and (conn.narrowing or conn.extending):  # its layers: a narrowed or extended stage's
         message = dataclasses.replace(message, first_layer=plans[i].first_layer, end_layer=plans[i].end_layer)
     if n == 1:
         return message

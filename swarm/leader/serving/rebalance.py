@@ -119,15 +119,15 @@ def propose(model: str, plans: list[StagePlan], size: ModelSize, idle: list[Fell
 def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: list[FellowCapacity],
                    held_free: dict[int, int], speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
                    hidden_bytes: int, context_tokens: int, moves: Proposal | None, draft: DraftSize | None = None,
-                   drafts: set[int] | None = None,
-                   narrowing: Collection[int] = ()) -> tuple[Proposal | None, list[str]]:
+                   drafts: set[int] | None = None, narrowing: Collection[int] = (),
+                   extending: Collection[int] = ()) -> tuple[Proposal | None, list[str]]:
     """The better of ``moves`` (:func:`propose`'s) and a re-layout of ``plans``: the planner's fastest layout for the
     pool that loads beside the ring (swarm.leader.planning.relayout), when it splits the layers otherwise, is at least
     MIN_SPEEDUP faster than the ring and clearly faster than the moves (a re-layout loads more than a move does, so
     noise must not tip it: link_placement.clearly_faster). ``held_free``: the free memory of each fellow of the
     ring now; ``draft``: the draft model its last stage holds, which a layout over several stages places there too,
-    on a fellow of ``drafts`` (those that run draft models; None: all); ``narrowing``: the ring's fellows that
-    can narrow their stage in place. -> (the proposal or None, why faster layouts
+    on a fellow of ``drafts`` (those that run draft models; None: all); ``narrowing``/``extending``: the ring's
+    fellows that can narrow / extend their stage in place. -> (the proposal or None, why faster layouts
     are left out: told with the proposal, or alone)."""
     if any(p.fellow_id not in speeds for p in plans):
         return moves, []
@@ -135,7 +135,7 @@ def propose_layout(model: str, plans: list[StagePlan], size: ModelSize, idle: li
     bar = now / MIN_SPEEDUP if moves is None else min(now / MIN_SPEEDUP, moves.proposed_ms_per_token)
     layout = best_layout(size, plans, [f for f in idle if f.fellow_id in speeds], held_free, speeds, hops,
                          hidden_bytes, context_tokens, worth_ms=bar, draft=draft, drafts=drafts,
-                         narrowing=narrowing)
+                         narrowing=narrowing, extending=extending)
     if layout.plans is not None and layout.ms_per_token is not None and not same_split(layout.plans, plans) and \
             layout.ms_per_token <= bar + 1e-9 and \
             (moves is None or clearly_faster(layout.ms_per_token, moves.proposed_ms_per_token)):
@@ -190,8 +190,10 @@ class Rebalancer:
                 else None
             drafts = {i for i, conn in serving.hub.online.items() if conn.draft_model}
             narrowing = {p for p in model.fellow_ids if p in serving.hub.online and serving.hub.online[p].narrowing}
+            extending = {p for p in model.fellow_ids if p in serving.hub.online and serving.hub.online[p].extending}
             found, left_out = propose_layout(model.name, plans, model.size, runs, held_free, speeds, hops, hidden,
-                                             served_context(model, serving.settings), found, draft, drafts, narrowing)
+                                             served_context(model, serving.settings), found, draft, drafts, narrowing,
+                                             extending)
             if left_out:
                 self.left_out[model.name] = left_out
             if found is not None:

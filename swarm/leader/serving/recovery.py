@@ -76,6 +76,10 @@ class Recovery:
         if model.load_id != message.load_id:
             return
         slot = model.slot_of(conn.id)
+        if slot is not None and self.serving.rebalance.relayouts.extends(model, conn.id):
+            if self.serving.rebalance.relayouts.on_stage_event(model, conn, message):
+                model.notify()  # a re-layout waits for what the stage lacks (swarm.leader.serving.relayout)
+            return
         cover = next((s for s in model.stages if s.cover == conn.id), None)
         if slot is None and cover is not None:
             self._on_cover_event(model, cover, conn, kind)

@@ -3,7 +3,9 @@ to another number of stages, or another split of its layers, without a pause lon
 
   1. each stage of the new ring that is not already held (the same stage kept by a fellow of the old ring, or one it
      narrows: swarm.leader.planning.relayout) loads on its idle fellow beside the old ring, which keeps serving
-     meanwhile (the new stages are held as hot covers are until they are linked: ModelServing.relayout);
+     meanwhile (the new stages are held as hot covers are until they are linked: ModelServing.relayout); a fellow
+     of the old ring whose new stage extends its own loads only what that lacks, beside it (control_messages.Load's
+     ``extend``: swarm.fellow.extending);
   2. the running requests' KV goes to the new stages while the old ring streams (swarm.leader.serving.kv_carry: each
      new stage gets its layers' rows from the old stages that held them; a kept or narrowed stage keeps its own),
      then the ring switches at a token boundary, the drain's way (swarm.leader.serving.drain: its ``next_token``):
@@ -11,11 +13,13 @@ to another number of stages, or another split of its layers, without a pause lon
      as their prompt plus the tokens they had streamed, computing only those after their last whole block -- greedy
      replies are those of an uninterrupted run. A fellow of the old ring whose stage narrows is told its new layers
      by its link (control_messages.Link's first and end layer): it drops the others then (swarm.stage.narrow), not
-     before, so the old ring serves untouched until the switch;
+     before, so the old ring serves untouched until the switch; one that extends splices what it loaded in then
+     (swarm.stage.resplit);
   3. once the new ring is ready, the old stages (and their hot covers) that are not in it unload.
 
 A new stage that fails to load, a fellow that goes, or a model that changes meanwhile (a failover, a drain) stops
-the re-layout before the switch: the stages loaded for it unload, and the old ring serves on.
+the re-layout before the switch: the stages loaded for it unload, what was loaded beside a stage of the ring is
+dropped (control_messages.DropExtension), and the old ring serves on.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import trio
 from swarm import control_messages as cm
 from swarm.leader.api.limits import FALLBACK_CONTEXT
 from swarm.leader.planning.placement import StagePlan
-from swarm.leader.planning.relayout import describe
+from swarm.leader.planning.relayout import describe, narrows, same_stage
 from swarm.leader.serving.models import LOAD_PHASES, ModelServing, ModelStatus, StageState, load_message
 
 if TYPE_CHECKING:
@@ -65,9 +69,16 @@ class Relayouts:
         self.serving = serving
         self.carried = 0  # KV blocks the latest switch carried to the new ring
         self._lock = trio.Lock()
+        self._extending: dict[str, set[int]] = {}  # model -> the ring's fellows loading what their stage lacks
+
+    def extends(self, model: ModelServing, fellow_id: int) -> bool:
+        """Whether ``fellow_id``, of ``model``'s ring, loads what its stage lacks for a re-layout now: its load events
+        are the re-layout's, not its stage's."""
+        return fellow_id in self._extending.get(model.name, ())
 
     def on_stage_event(self, model: ModelServing, conn, message: StageEvent) -> bool:
-        """A load event of a fellow that holds no stage of ``model``: a re-layout's next stage? -> handled."""
+        """A load event of a fellow that holds no stage of ``model``, or extends the one it holds: a re-layout's next
+        stage? -> handled."""
         state = next((s for s in model.relayout if s.plan.fellow_id == conn.id and not s.linked), None)
         if state is None:
             return False
@@ -86,32 +97,49 @@ class Relayouts:
             current = [s.plan for s in model.stages]
             what = f"{model.name}: {describe(current, plans)}"
             new: list[StageState] = []
+            extending: set[int] = set()
             for plan in plans:
                 if self.serving.hub.online.get(plan.fellow_id) is None:
                     return f"{what} not done: {plan.fellow_name} went offline"
                 state = StageState(plan)
                 old = model.slot_of(plan.fellow_id)
-                if old is not None:  # it keeps the stage it holds, or narrows it (swarm.leader.planning.relayout)
+                if old is not None:  # it keeps the stage it holds, narrows or extends it (planning.relayout)
                     # its free memory before the stage, as placed: a narrower stage's budget counts what it frees
                     # (swarm.leader.serving.admission: the room is that less the new plan's weights)
-                    state.ready, state.phase, state.fraction, state.free_bytes = True, "ready", 1.0, old.free_bytes
+                    state.free_bytes = old.free_bytes
+                    if same_stage(plan, len(plans), old.plan, len(current)) or \
+                            narrows(plan, len(plans), old.plan, len(current)):
+                        state.ready, state.phase, state.fraction = True, "ready", 1.0
+                    else:
+                        extending.add(plan.fellow_id)
                 new.append(state)
             model.relayout = new
             loading = [i for i, s in enumerate(new) if not s.ready]
+            self._extending[model.name] = extending
             for i in loading:
-                log.info("%s loads stage %d of %s's next layout beside its ring", new[i].plan.fellow_name, i,
-                         model.name)
-                self.serving.hub.online[new[i].plan.fellow_id].post(load_message(_next(model, new), i, cover=True))
+                fellow_id = new[i].plan.fellow_id
+                log.info("%s loads %sstage %d of %s's next layout beside its ring", new[i].plan.fellow_name,
+                         "what its stage lacks for " if fellow_id in extending else "", i, model.name)
+                message = load_message(_next(model, new), i, extend=True) if fellow_id in extending \
+                    else load_message(_next(model, new), i, cover=True)
+                self.serving.hub.online[fellow_id].post(message)
             model.notify()
             try:
                 why = await self._loaded(model, new, current)
                 if why is None:
                     why = await self._switch(model, new, current)
             finally:
+                self._extending.pop(model.name, None)
                 if model.relayout is new:  # not switched: the old ring serves on, the new stages go
                     model.relayout = []
                     for i in loading:
-                        self._unload(model, new[i].plan.fellow_id)
+                        fellow_id = new[i].plan.fellow_id
+                        if fellow_id in extending:  # its stage serves on; what it loaded beside goes
+                            conn = self.serving.hub.online.get(fellow_id)
+                            if conn is not None:
+                                conn.post(cm.DropExtension(model.name))
+                        else:
+                            self._unload(model, fellow_id)
                     model.notify()
             return f"{what} not done: {why}" if why else f"{what}: re-laid out"
 
