@@ -323,7 +323,8 @@ async def test_a_relayout_that_extends_a_ring_fellows_stage_loads_what_it_lacks_
             assert [s.plan.fellow_id for s in model.stages] == [1, 2] and interrupted == []
             assert online[1].posted[-1] == cm.DropExtension("m") and online[2].posted == []
         else:
-            assert done == ["m: 2 stages -> 1 stage on pc-1: re-laid out"] and interrupted == ["m"]
+            assert done == ["m: 2 stages -> 1 stage on pc-1: re-laid out"]
+            assert interrupted == ["kv to [(1, 0, 8)]", "m"]  # the KV first, then the switch
             assert [s.plan for s in model.stages] == one and model.stages[0].free_bytes == GB
             assert online[1].posted[1:] == [] and online[2].posted == [cm.Unload("m")]
 
