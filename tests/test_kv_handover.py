@@ -243,6 +243,7 @@ class _Fellow:
     export in parts (``part``: bytes of rows a part), each layer's rows a tensor tagged with its layer number."""
 
     prefix_cache = True
+    kv_extension = True
 
     def __init__(self, carry, fid: int, first: int, end: int, holds: int, part: int = 1 << 30):
         self.carry, self.id, self.name, self.first, self.end, self.holds, self.part = carry, fid, f"f{fid}", first, \
@@ -408,3 +409,7 @@ async def test_the_leader_asks_an_extending_fellow_only_for_the_layers_it_lacks_
     assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f2.imported[0]["layers"]] == [0, 1, 2]
     assert f1.imported == [] and (f1.exported, f2.exported) == (3, 0)  # no stage needs f2's layers
     assert index.orphans == [names[2]]
+    # a fellow from before would take the rows as its serving stage's: it is not asked, and nothing is carried
+    f2.kv_extension, f2.imported = False, []
+    assert await carry.hand_over(model, [plan(2, 0, 5)]) == 0
+    assert f2.imported == [] and "m" not in caches.carried

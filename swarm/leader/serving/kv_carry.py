@@ -131,7 +131,8 @@ class KvCarry:
             exports = {i: kept.get(conn.id) for i, (_, conn) in enumerate(before)}
             async with trio.open_nursery() as nursery:
                 for j, (plan, conn) in enumerate(new):
-                    if j in pieces:
+                    # a fellow from before would take an extending stage's rows as its serving stage's: not asked
+                    if j in pieces and (j not in extends or getattr(conn, "kv_extension", False)):
                         blocks = assemble(pieces[j], spans, exports)
                         if blocks:  # an extending stage's are held with its parts until they are spliced in
                             nursery.start_soon(self._ask, conn, hm.KvImport(
