@@ -12,7 +12,9 @@ re-layout's (bench/RESULTS.md). Instead, before the switch:
           swarm.wire), of all its cache layers or of a range of them, over the leader's control links, encrypted as
           every link is;
   import  a new stage (a drain's taker, or a stage a re-layout loaded beside the ring) stores them under the same
-          names, its layers' pieces put together in layer order by the leader.
+          names, its layers' pieces put together in layer order by the leader; a stage that extends at the switch
+          gets only the rows of the layers it lacks, held by the parts loaded beside it until the splice joins them
+          with its own (swarm.stage.resplit).
 
 A decoder layer's keys and values do not depend on how the layers are split into stages (the keys are rotated at
 their absolute positions), so any split can take them. A stage's cache layer i is its decoder layer first_layer + i
