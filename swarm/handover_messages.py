@@ -37,6 +37,10 @@ class KvImport:
     handover: str
     epoch: int
     blocks: list[dict]  # swarm.stage.kv_handover.export_blocks's maps
+    # [first, end) of the model's layers of the stage the fellow's stage extends to at the switch: the blocks are the
+    # rows of the layers it lacks for that, in layer order, held with the parts loaded beside it (swarm.fellow
+    # .extending) until they are spliced in; empty: the blocks are of the fellow's stage's own layers
+    extension: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("kv_kept")
@@ -111,3 +115,13 @@ def join_blocks(pieces: list[Any]) -> list[dict]:
         else:
             broken.add(name)
     return [{"name": name, "layers": layers} for name, layers in whole.items() if name not in broken]
+
+
+def join_layers(pieces: list[dict[bytes, list]]) -> dict[bytes, list]:
+    """Blocks put together from pieces of their layers (each piece: block name -> its rows of some layers), the pieces
+    in layer order: only the blocks every piece has, whole (the leader's assembly of a new stage's blocks,
+    swarm.leader.serving.kv_carry, and an extending stage's splice, swarm.stage.resplit)."""
+    if not pieces:
+        return {}
+    return {name: [row for piece in pieces for row in piece[name]]
+            for name in pieces[0] if all(name in piece for piece in pieces)}

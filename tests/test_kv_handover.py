@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swarm import wire
+from swarm.errors import ProtocolError
 from swarm.handover_messages import KvImport, KvImported, KvKeep, KvKept, join_blocks, split_blocks
 from swarm.leader.serving.prefix_index import PrefixCaches, PrefixIndex, block_names
 from swarm.stage import LocalRing, StageModel, stage_specs
@@ -242,12 +243,14 @@ class _Fellow:
     export in parts (``part``: bytes of rows a part), each layer's rows a tensor tagged with its layer number."""
 
     prefix_cache = True
+    kv_extension = True
 
     def __init__(self, carry, fid: int, first: int, end: int, holds: int, part: int = 1 << 30):
         self.carry, self.id, self.name, self.first, self.end, self.holds, self.part = carry, fid, f"f{fid}", first, \
             end, holds, part
         self.imported: list[dict] = []
-        self.parts = 0
+        self.extension: list[int] = []
+        self.parts = self.exported = 0
 
     def post(self, message) -> None:
         if isinstance(message, KvKeep):
@@ -257,12 +260,12 @@ class _Fellow:
                                               [], "float32"] for i in range(a, b)]} for n in names] \
                 if message.export else []
             parts = split_blocks(blocks, self.part)
-            self.parts = len(parts)
+            self.parts, self.exported = len(parts), len(blocks)
             for i, part in enumerate(parts):
                 self.carry.on_message(self, KvKept(message.model, message.handover, names if i == len(parts) - 1
                                                    else [], part, None, i < len(parts) - 1))
         else:
-            self.imported = message.blocks
+            self.imported, self.extension = message.blocks, message.extension
             self.carry.on_message(self, KvImported(message.model, message.handover,
                                                    [b["name"] for b in message.blocks]))
 
@@ -297,3 +300,116 @@ async def test_the_leader_hands_each_new_stage_its_layers_from_the_old_ring_and_
     assert [b["name"] for b in f3.imported] == names[:2]  # the blocks both old stages exported, whole
     assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f3.imported[0]["layers"]] == [2, 3, 4]
     assert index.orphans == [names[2]]
+
+
+@pytest.mark.parametrize(("old_spans", "extends", "kv_cache"), [
+    ([(0, 3), (3, 5)], 1, "auto"),  # the last stage extends to the whole model: a first part before it
+    ([(0, 1), (1, 3), (3, 5)], 1, "q8"),  # the middle one: a part before it and one after, each with its rows
+])
+def test_an_extending_stage_keeps_its_blocks_and_joins_the_lacking_layers_rows_at_its_splice(
+        tiny_model_dirs, old_spans, extends, kv_cache):
+    """A re-layout to one stage whose fellow extends its own stage in place (swarm.stage.resplit): it keeps its
+    blocks for the layers it holds; only the rows of the layers it lacks travel, from the old stages that hold them,
+    held with the parts loaded beside it; at the splice each block is joined in layer order, and the stage goes on
+    from them as a fresh stage of the whole model would: only the tail is computed, the reply is the uninterrupted
+    one. A block whose lacking rows did not come goes whole."""
+    from swarm.leader.serving.kv_carry import assemble, export_spans, extending, sources
+    from swarm.stage.resplit import extend, lacking
+    from swarm.stage.slice_load import StageSpec
+
+    model_dir = tiny_model_dirs["qwen3"]
+    layers = load_manifest(model_dir).num_layers
+
+    def stage(a: int, b: int) -> StageModel:
+        out = StageModel.load_dir(model_dir, StageSpec(a, b, a == 0, b == layers))
+        out.kv_cache = kv_cache
+        return out
+
+    steps, streamed = 12, 7
+    prompt = prompt_of(3 * B + 5, 5)
+    cold = LocalRing([stage(0, layers)], prefill_chunk=B)
+    want = cold.submit("w", prompt, steps).tokens
+    cold.run()
+
+    old = LocalRing([stage(a, b) for a, b in old_spans], prefill_chunk=B)
+    index = PrefixIndex(B)
+    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
+    while len(reply.tokens) < streamed:
+        old.step()
+    index.first_token("r")
+    tokens = reply.tokens[:streamed]
+    seq = prompt + tokens
+    count = (len(seq) - 1) // B
+    names = block_names(seq, B, count)
+    assert count == 4
+    assert [keep_running(s, index.epoch, B, [("r", names)]) for s in old.stages] == [names] * len(old_spans)
+
+    fellows = list(range(1, len(old_spans) + 1))
+    new = [(0, layers, fellows[extends])]
+    pieces = sources(old_spans, fellows, new)
+    spans = export_spans(pieces)
+    assert extending(old_spans, fellows, new) == {0}
+    a, b = old_spans[extends]
+    assert [(first, end) for _, first, end in pieces[0]] == [r for r in ((0, a), (b, layers)) if r[0] < r[1]]
+    kept = {i: KvKept("m", "x", names, export_blocks(old.stages[i], names, (f - old_spans[i][0], e - old_spans[i][0])))
+            for i, (f, e) in spans.items()}
+    blocks = wire.unpack(wire.encode(KvImport("m", "x", 0, assemble(pieces[0], spans, kept), [0, layers]))).blocks
+    assert [len(block["layers"]) for block in blocks] == [layers - (b - a)] * count
+
+    grown = old.stages[extends]
+    parts = [stage(s.first_layer, s.end_layer) for s in lacking(grown.spec, 0, layers, True, True)]
+    with pytest.raises(ProtocolError):  # the rows of the lacking layers do not fit the serving stage
+        import_blocks(grown, index.epoch, blocks)
+    # the last block's lacking rows do not come: it goes whole at the splice, the others are joined
+    assert import_blocks(grown, index.epoch, blocks[:-1], parts) == names[:-1]
+    assert list(store_of(grown).blocks) == names  # the old ring's blocks stay as they are until the splice
+    extend(grown, parts, 0, layers, True, True)
+    assert list(store_of(grown).blocks) == names[:-1]
+    assert all(len(rows) == layers for rows in store_of(grown).blocks.values())
+
+    index.ended("r")
+    index.carry(names[:-1])
+    ring = LocalRing([grown], prefill_chunk=B)
+    plan = index.plan("r2", seq, BIG)
+    assert plan is not None and plan.cached == (count - 1) * B
+    rest = ring.submit("r2", seq, steps - streamed, prefix=plan)
+    ring.run()
+    assert rest.error is None, rest.error
+    assert tokens + rest.tokens == want
+    assert [p.prefill_tokens for p in ring.protocols] == [len(seq) - (count - 1) * B]
+
+
+async def test_the_leader_asks_an_extending_fellow_only_for_the_layers_it_lacks_and_carries_what_it_joins():
+    """2 stages (layers 0-2 on f1, 3-4 on f2) -> 1 on f2, which extends its stage in place: f2 keeps its own blocks
+    and imports only layers 0-2's rows, exported whole by f1, for its extension. f2 kept two of the request's three
+    blocks, so two are carried though it imported all three."""
+    from types import SimpleNamespace
+
+    from swarm.leader.serving.kv_carry import KvCarry
+
+    caches = PrefixCaches(None)
+    caches.reset("m")
+    index = caches.indexes["m"]
+    serving = SimpleNamespace(prefix=caches, online={})
+    carry = KvCarry(serving)
+    f1, f2 = _Fellow(carry, 1, 0, 3, 3), _Fellow(carry, 2, 3, 5, 2)
+    serving.online = {f.id: f for f in (f1, f2)}
+    request = SimpleNamespace(rid="r", model="m", prompt=prompt_of(3 * index.block + 5), tokens=[7, 8])
+    serving.book = SimpleNamespace(by_rid={"r": request}, of_model=lambda name: [request])
+
+    def plan(fid: int, first: int, end: int):
+        return SimpleNamespace(fellow_id=fid, fellow_name=f"f{fid}", first_layer=first, end_layer=end)
+
+    model = SimpleNamespace(name="m", ring_id="g1", stages=[SimpleNamespace(plan=plan(1, 0, 3)),
+                                                             SimpleNamespace(plan=plan(2, 3, 5))])
+    names = block_names(request.prompt + request.tokens, index.block, 3)
+    assert await carry.hand_over(model, [plan(2, 0, 5)]) == 2
+    assert caches.carried["m"] == (index.epoch, names[:2], (2,))
+    assert f2.extension == [0, 5] and [b["name"] for b in f2.imported] == names
+    assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f2.imported[0]["layers"]] == [0, 1, 2]
+    assert f1.imported == [] and (f1.exported, f2.exported) == (3, 0)  # no stage needs f2's layers
+    assert index.orphans == [names[2]]
+    # a fellow from before would take the rows as its serving stage's: it is not asked, and nothing is carried
+    f2.kv_extension, f2.imported = False, []
+    assert await carry.hand_over(model, [plan(2, 0, 5)]) == 0
+    assert f2.imported == [] and "m" not in caches.carried

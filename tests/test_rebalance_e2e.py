@@ -274,10 +274,12 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
     model serves over two fellows (layers 0-14, 15-29); while a long greedy reply streams, the one holding the last
     stage is found 8 times faster than the other, with room for the whole model. It loads only layers 0-14 and the
     embedding beside its stage while the ring serves; at the switch it splices them in (2 stages -> 1), and the other
-    fellow unloads. The reply is token for token the one of an uninterrupted run. Before, a try whose parts fail to
-    load leaves the ring and the fellow's stage as they were."""
+    fellow unloads. The reply is token for token the one of an uninterrupted run, and the request's KV went over: the
+    fellow kept its own layers' blocks and got only layers 0-14's rows, so the new stage computed only the tail.
+    Before, a try whose parts fail to load leaves the ring and the fellow's stage as they were."""
     from swarm.errors import ModelError
     from swarm.leader.serving import rebalance
+    from swarm.leader.serving.prefix_index import BLOCK_TOKENS
     from swarm.stage.slice import StageModel
 
     monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
@@ -314,6 +316,7 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
             assert stage.placement()["bytes"] == held
             replies: list[list[int]] = []
             marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
+            running = []
 
             async def long_reply():
                 reply = await swarm.chat(name, messages, max_tokens=80, ignore_eos=True)
@@ -322,6 +325,7 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
             async def watch():
                 await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
                 (request,) = swarm.leader.serving.book.by_rid.values()
+                running.append(request)
                 while not request.ended:
                     if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
                         marks.append((trio.current_time(), len(request.tokens), request.attempts))
@@ -342,10 +346,18 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
             first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
             gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
             grown = fast.stages[name].placement()["bytes"]
+            # the KV went over: the fellow kept layers 15-29's blocks and joined layers 0-14's (from the other fellow)
+            # at its splice, so it computed only the tokens after the blocks carried (a few more may stream meanwhile)
+            carried, streamed = swarm.leader.serving.rebalance.relayouts.carried, marks[resumed][1]
+            tail = len(running[0].prompt) + streamed - BLOCK_TOKENS * carried
+            times_new = running[0].stage_times[0]  # the new stage's, of the attempt after the switch
             print(f"extending re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
-                  f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed; "
-                  f"weights held {held / 1e6:.0f} -> {grown / 1e6:.0f} MB")
+                  f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {streamed} tokens streamed, {carried} KV "
+                  f"blocks handed over, {times_new.prefill_tokens} tokens prefilled in "
+                  f"{1000 * times_new.prefill_s:.0f} ms; weights held {held / 1e6:.0f} -> {grown / 1e6:.0f} MB")
             assert replies == [reference]
+            assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, len(running[0].prompt), streamed)
+            assert times_new.prefill_tokens == tail
             assert [(s.plan.fellow_id, s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [
                 (fast.fellow_id, 0, 30)]
             stage = fast.stages[name]

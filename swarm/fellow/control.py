@@ -117,6 +117,7 @@ class ControlLink:
             "prefix_cache": True,  # its stages carry out prefix cache plans (swarm.stage.prefix_cache)
             "narrowing": True,  # a link may narrow its stage to a sub-range of its layers (swarm.stage.narrow)
             "extending": True,  # it loads what its stage lacks beside it, spliced in at a link (swarm.stage.resplit)
+            "kv_extension": True,  # it holds a KV handover's rows of those layers with them (KvImport.extension)
             "disk_free_bytes": disk_free(fellow.cache_dir),  # for the early checks: which stages' files fit here
             "hardware": self.lent(hardware.probe()).to_wire(),
             "serve": {"host": outbound_ip(fellow.leader_url), "port": fellow.serve_port},

@@ -1,7 +1,8 @@
 """The fellow's side of a KV handover at a drain or a re-layout (swarm.stage.kv_handover does the work, on the compute
 thread, between the stage's passes): the leader asks each stage of the old ring to keep its running requests' blocks
 (KvKeep; a stage whose layers a new stage needs also exports them, all or a range) and each new stage to import them
-(KvImport); each answers with the names it holds (KvKept / KvImported), or why not (``message``):
+(KvImport: a stage that extends at the switch holds the rows of the layers it lacks with the parts loaded beside it,
+swarm.fellow.extending); each answers with the names it holds (KvKept / KvImported), or why not (``message``):
 swarm.handover_messages."""
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ async def answer(fellow: Any, send: Callable[[Any], Awaitable[None]], message: h
                     layers = message.export_layers
                     blocks = await compute.run(kv_handover.export_blocks, stage_model, names,
                                                (layers[0], layers[1]) if len(layers) == 2 else None)
+        elif message.extension:  # the rows of the layers the stage lacks: held with the parts loaded for them
+            extension = stage.extension
+            if extension is None or list(extension[0][:2]) != message.extension:
+                why = (f"{fellow.name} holds no parts beside its stage of {model} for layers "
+                       f"{message.extension[0]}-{message.extension[-1] - 1}")
+            else:
+                names = await compute.run(kv_handover.import_blocks, stage.driver.stage_model, message.epoch,
+                                          message.blocks, extension[1])
         else:
             names = await compute.run(kv_handover.import_blocks, stage.driver.stage_model, message.epoch,
                                       message.blocks)

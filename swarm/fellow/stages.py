@@ -50,7 +50,8 @@ class LoadedStage:
         # stage is a cover: the idle clock (swarm.fellow.idle) runs only from then on.
         self.ready_since: float | None = None
         # parts loaded beside the stage for a re-layout (swarm.fellow.extending): (the stage's next layers and whether
-        # first and last, the parts), spliced in by the Link that gives it those layers
+        # first and last, the parts), spliced in by the Link that gives it those layers; a KV handover's rows of the
+        # layers the stage lacks are held in the parts' prefix stores until then (swarm.fellow.handover)
         self.extension: tuple[tuple[int, int, bool, bool], list] | None = None
 
     def summary(self) -> dict:

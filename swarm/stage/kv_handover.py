@@ -12,7 +12,9 @@ re-layout's (bench/RESULTS.md). Instead, before the switch:
           swarm.wire), of all its cache layers or of a range of them, over the leader's control links, encrypted as
           every link is;
   import  a new stage (a drain's taker, or a stage a re-layout loaded beside the ring) stores them under the same
-          names, its layers' pieces put together in layer order by the leader.
+          names, its layers' pieces put together in layer order by the leader; a stage that extends at the switch
+          gets only the rows of the layers it lacks, held by the parts loaded beside it until the splice joins them
+          with its own (swarm.stage.resplit).
 
 A decoder layer's keys and values do not depend on how the layers are split into stages (the keys are rotated at
 their absolute positions), so any split can take them. A stage's cache layer i is its decoder layer first_layer + i
@@ -74,17 +76,18 @@ def export_blocks(stage: Any, names: list[bytes], layers: tuple[int, int] | None
     return out
 
 
-def import_blocks(stage: Any, epoch: int, blocks: list) -> list[bytes]:
+def import_blocks(stage: Any, epoch: int, blocks: list, parts: list[Any] | None = None) -> list[bytes]:
     """Store blocks exported for this stage (:func:`export_blocks`: another fellow's copy of it, or the pieces of its
-    layers from the stages that held them, put together in layer order) at the leader's ``epoch``. -> the names
-    stored. ProtocolError when they do not fit this stage (another cache layer count, rows held otherwise than its
-    cache holds them, a bad tensor): then none is stored."""
-    store = store_of(stage)
-    if not store.adopt(epoch):
+    layers from the stages that held them, put together in layer order) at the leader's ``epoch``. With ``parts``
+    (the stages loaded beside an extending stage, swarm.stage.resplit.lacking's, in layer order) the blocks are the
+    rows of those parts' layers instead, each part storing its own until they are spliced in. -> the names stored.
+    ProtocolError when they do not fit (another cache layer count, rows held otherwise than its cache holds them, a
+    bad tensor): then none is stored."""
+    stages = [stage] if parts is None else list(parts)
+    if not stages or not all(store_of(s).adopt(epoch) for s in stages):
         return []
-    held = _held_as(stage)
-    device = getattr(stage, "device", None) or "cpu"
-    devices = list(getattr(stage, "layer_devices", None) or ())  # several cards: each layer's rows on its own
+    layouts = [_held_as(s) for s in stages]
+    held = [(s, i, how) for s, layout in zip(stages, layouts) for i, how in enumerate(layout)]  # in layer order
     parsed: list[tuple[bytes, list[Rows]]] = []
     for block in blocks:
         name, layers = block.get("name") if isinstance(block, dict) else None, \
@@ -92,23 +95,33 @@ def import_blocks(stage: Any, epoch: int, blocks: list) -> list[bytes]:
         if not isinstance(name, bytes) or not isinstance(layers, list) or len(layers) != len(held):
             raise ProtocolError(f"a handed-over block does not fit this stage ({len(held)} cache layers)")
         rows = []
-        for i, layer in enumerate(layers):
+        for i, (layer, (owner, at, (kinds, attend))) in enumerate(zip(layers, held)):
             if not (isinstance(layer, list) and len(layer) == 3 and isinstance(layer[0], list)
                     and isinstance(layer[1], list) and layer[2] in _ATTEND_DTYPES):
                 raise ProtocolError("a handed-over block's layer is not [keys, values, dtype]")
-            to = devices[i] if len(devices) == len(layers) else device
+            to = _device_of(owner, at)
             keys = tuple(wire.tensor_from_wire(k).to(to) for k in layer[0])
             values = tuple(wire.tensor_from_wire(v).to(to) for v in layer[1])
-            parts, attend = held[i]
-            if [k.dtype for k in keys] != parts or [v.dtype for v in values] != parts \
+            if [k.dtype for k in keys] != kinds or [v.dtype for v in values] != kinds \
                     or _ATTEND_DTYPES[layer[2]] != attend \
                     or len({t.shape[-2] for t in (*keys, *values)}) != 1 or any(t.dim() != 4 for t in (*keys, *values)):
                 raise ProtocolError(f"a handed-over block's layer {i} is not held as this stage holds its rows")
             rows.append((keys, values, _ATTEND_DTYPES[layer[2]]))
         parsed.append((name, rows))
     for name, rows in parsed:  # all checked first: a bad block stores none
-        store.blocks[name] = rows
+        at = 0
+        for owner, layout in zip(stages, layouts):
+            store_of(owner).blocks[name] = rows[at:at + len(layout)]
+            at += len(layout)
     return [name for name, _ in parsed]
+
+
+def _device_of(stage: Any, layer: int) -> Any:
+    """Where the stage's cache layer ``layer`` holds its rows (several cards: each layer's on its own)."""
+    devices = list(getattr(stage, "layer_devices", None) or ())
+    if layer < len(devices):
+        return devices[layer]
+    return getattr(stage, "device", None) or "cpu"
 
 
 def _held_as(stage: Any) -> list[tuple[list[torch.dtype], torch.dtype]]:

@@ -10,7 +10,8 @@ norm, the head, the draft model). :func:`lacking` says which; :func:`extend` nar
 indexes layers inside a stage as narrowing does: each layer's cache index (and its compiled decode step's), the
 slice's config (layer count, ``layer_types``, GLM's ``first_k_dense_replace``), the mask types and layer devices, the
 lean decode step (rebuilt where every piece had one: each piece's layers were checked, else checked anew), and a gguf
-tied head the embedding reads its rows from. The prefix cache is emptied: its blocks have no rows for the new layers.
+tied head the embedding reads its rows from. The prefix cache keeps the blocks the parts hold the other layers' rows of
+(a KV handover imported them there: swarm.stage.kv_handover), each joined in layer order; the others go.
 
 Requests' caches are dropped: the switch that extends a stage resends the running requests anyway.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from swarm.errors import ModelError
+from swarm.handover_messages import join_layers
 from swarm.stage.narrow import narrow, renumber
 from swarm.stage.slice import StageModel, layer_mask_types
 from swarm.stage.slice_load import StageSpec
@@ -100,12 +102,24 @@ def extend(stage: StageModel, parts: list[StageModel], first_layer: int, end_lay
     from swarm.stage.lean_decode import LeanDecode, verified
 
     stage.lean = LeanDecode(stage) if lean else verified(stage)
-    store = getattr(stage, "prefix_store", None)
-    if store is not None:
-        store.blocks.clear()
+    _join_prefix_stores(stage, [p for p in (before, stage, after) if p is not None])
     for part in parts:  # their layers are the stage's now; what else they hold goes with them
         part.layers = nn.ModuleList()
     return stage.parameter_bytes() - before_bytes
+
+
+def _join_prefix_stores(stage: StageModel, pieces: list[StageModel]) -> None:
+    """The prefix cache's blocks for the new layers: each block the stage kept (of its kept layers: narrow sliced
+    them) joined in layer order with the rows of the other layers its parts imported at a KV handover
+    (swarm.stage.kv_handover.import_blocks), all at the same epoch; a block some piece lacks goes whole."""
+    store = getattr(stage, "prefix_store", None)
+    if store is None:
+        return
+    stores = [getattr(p, "prefix_store", None) for p in pieces]
+    held = [s.blocks for s in stores if s is not None and s.epoch == store.epoch]
+    joined = join_layers(held) if len(held) == len(pieces) else {}
+    store.blocks.clear()
+    store.blocks.update(joined)
 
 
 def _tie(stage: StageModel) -> None:

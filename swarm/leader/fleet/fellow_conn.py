@@ -38,6 +38,7 @@ class FellowConn:
     prefix_cache: bool = False  # its stages carry out prefix cache plans, replies' blocks included (its hello says so)
     narrowing: bool = False  # a link may narrow its stage to a sub-range of its layers (its hello says so)
     extending: bool = False  # it loads what its stage lacks beside it, spliced in at a link (its hello says so)
+    kv_extension: bool = False  # it holds a KV handover's rows of the layers its stage lacks with those parts (hello)
     update_error: str | None = None  # why its last update failed, as it said
     disk_free_bytes: int | None = None  # free disk where it caches model files, as its hello said
     calibration: dict | None = None  # how fast it runs a decoder layer, as its hello or heartbeat said (planner)

@@ -307,6 +307,7 @@ class FellowHub:
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
             draft_model=hello.get("draft_model") is True, prefix_cache=hello.get("prefix_cache") is True,
             narrowing=hello.get("narrowing") is True, extending=hello.get("extending") is True,
+            kv_extension=hello.get("kv_extension") is True,
             disk_free_bytes=_count(hello.get("disk_free_bytes")),
             calibration=hello["calibration"] if isinstance(hello.get("calibration"), dict) else None,
         )

@@ -14,7 +14,10 @@ Before the switch, while the old ring still streams (swarm.leader.serving.drain,
      held it (a decoder layer's keys and values do not depend on the split): each such old stage exports the range
      of its layers the new stages need, once (KvKeep.export_layers), the leader cuts each new stage's pieces out and
      puts them together in layer order, and the new stage imports them (swarm.stage.kv_handover checks them against
-     its own cache layers). The rows go over the leader's control links, encrypted as every link;
+     its own cache layers). A fellow of the old ring whose stage extends at the switch (swarm.stage.resplit) keeps
+     its own layers' blocks and imports only the rows of the layers it lacks, held with the parts loaded beside its
+     stage until the splice joins them in layer order. The rows go over the leader's control links, encrypted as
+     every link;
   3. the prefix cache's index carries its epoch across the switch (PrefixCaches.carry with the new ring's fellows):
      the stages that stay keep their blocks through the relink, the index keeps only the blocks every stage of the
      new ring holds, and each resent request's plan reuses its own.
@@ -87,8 +90,9 @@ class KvCarry:
         """Hand the running requests' blocks of ``model`` over to the ring ``after`` (its stages' plans) before the
         switch to it, while the old ring streams on; the prefix cache's index then carries them across the switch.
         A stage of ``after`` whose fellow holds an old stage of its layers (the same, or one narrowed to a part of
-        them at the switch) keeps what it has; any other imports its layers' rows from the old stages that hold
-        them. -> the blocks carried (0: none, the new ring prefills as before)."""
+        them at the switch) keeps what it has; one whose fellow holds an old stage of some of them (it extends that
+        at the switch) keeps those and imports the others' rows; any other imports its layers' rows from the old
+        stages that hold them. -> the blocks carried (0: none, the new ring prefills as before)."""
         serving = self.serving
         serving.prefix.carried.pop(model.name, None)  # an earlier switch's that did not happen
         index = serving.prefix.indexes.get(model.name)
@@ -107,9 +111,9 @@ class KvCarry:
                     wanted[request.rid] = block_names(request.prompt + request.tokens, block, count)
         if not wanted or any(conn is None for _, conn in before):
             return 0
-        pieces = sources(
-            [(p.first_layer, p.end_layer) for p, _ in before], [p.fellow_id for p, _ in before],
-            [(p.first_layer, p.end_layer, p.fellow_id) for p, _ in new])
+        layout = ([(p.first_layer, p.end_layer) for p, _ in before], [p.fellow_id for p, _ in before],
+                  [(p.first_layer, p.end_layer, p.fellow_id) for p, _ in new])
+        pieces, extends = sources(*layout), extending(*layout)
         spans = export_spans(pieces)
         handover, epoch = uuid.uuid4().hex, index.epoch
         kept: dict[int, Answer] = {}
@@ -126,13 +130,19 @@ class KvCarry:
                         export_layers=[] if local == [0, plan.end_layer - plan.first_layer] else local), kept)
             exports = {i: kept.get(conn.id) for i, (_, conn) in enumerate(before)}
             async with trio.open_nursery() as nursery:
-                for j, (_, conn) in enumerate(new):
-                    if j in pieces:
+                for j, (plan, conn) in enumerate(new):
+                    # a fellow from before would take an extending stage's rows as its serving stage's: not asked
+                    if j in pieces and (j not in extends or getattr(conn, "kv_extension", False)):
                         blocks = assemble(pieces[j], spans, exports)
-                        if blocks:
-                            nursery.start_soon(self._ask, conn, hm.KvImport(model.name, handover, epoch, blocks),
-                                               imported)
-        held = [set((imported if j in pieces else kept).get(conn.id, _NONE).names) for j, (_, conn) in enumerate(new)]
+                        if blocks:  # an extending stage's are held with its parts until they are spliced in
+                            nursery.start_soon(self._ask, conn, hm.KvImport(
+                                model.name, handover, epoch, blocks,
+                                [plan.first_layer, plan.end_layer] if j in extends else []), imported)
+        # an extending stage holds a block when its old stage kept it and it imported the rows of the layers it lacks
+        held: list[set[bytes]] = []
+        for j, (_, conn) in enumerate(new):
+            has = set((imported if j in pieces else kept).get(conn.id, _NONE).names)
+            held.append(has & set(kept.get(conn.id, _NONE).names) if j in extends else has)
         carried: list[bytes] = []
         for names in wanted.values():
             for name in names:  # a request reuses its blocks from the first on: the run every stage holds
@@ -168,13 +178,25 @@ def sources(old: list[tuple[int, int]], old_fellows: list[int], new: list[tuple[
     """Where each stage of the new ring (``new``: first layer, end layer, fellow) takes its layers' rows from: new
     stage -> its pieces in layer order, each the part of an old stage (``old``: first, end; ``old_fellows``) it
     overlaps. A new stage whose fellow holds an old stage of all its layers (the same stage, or one narrowed to a
-    part of its layers at the switch) keeps what it has and is not in the answer."""
+    part of its layers at the switch) keeps what it has and is not in the answer; one whose fellow holds an old stage
+    of some of them (:func:`extending`: it extends that stage at the switch) keeps those and takes only the others."""
     out: dict[int, list[Piece]] = {}
     for j, (first, end, fellow) in enumerate(new):
-        if any(f == fellow and a <= first and end <= b for (a, b), f in zip(old, old_fellows)):
+        own = next(((a, b) for (a, b), f in zip(old, old_fellows) if f == fellow and a < end and first < b), None)
+        if own is not None and own[0] <= first and end <= own[1]:
             continue
-        out[j] = [(i, max(first, a), min(end, b)) for i, (a, b) in enumerate(old) if a < end and first < b]
+        lacking = [(first, end)] if own is None else [r for r in ((first, own[0]), (own[1], end)) if r[0] < r[1]]
+        out[j] = [(i, max(lo, a), min(hi, b)) for lo, hi in lacking for i, (a, b) in enumerate(old)
+                  if a < hi and lo < b]
     return out
+
+
+def extending(old: list[tuple[int, int]], old_fellows: list[int], new: list[tuple[int, int, int]]) -> set[int]:
+    """The stages of the new ring (as :func:`sources` takes them) whose fellow holds an old stage of some of their
+    layers but not all: it extends that stage in place at the switch (swarm.stage.resplit)."""
+    return {j for j, (first, end, fellow) in enumerate(new)
+            if any(f == fellow and a < end and first < b and not (a <= first and end <= b)
+                   for (a, b), f in zip(old, old_fellows))}
 
 
 def export_spans(pieces: dict[int, list[Piece]]) -> dict[int, tuple[int, int]]:
@@ -198,7 +220,4 @@ def assemble(parts: list[Piece], spans: dict[int, tuple[int, int]], exports: dic
         rows = {b["name"]: b["layers"] for b in (export.blocks if isinstance(export, hm.KvKept) else ())
                 if isinstance(b, dict) and isinstance(b.get("layers"), list) and len(b["layers"]) == span[1] - span[0]}
         found.append({name: layers[first - span[0]:end - span[0]] for name, layers in rows.items()})
-    if not found:
-        return []
-    return [{"name": name, "layers": [row for piece in found for row in piece[name]]}
-            for name in found[0] if all(name in piece for piece in found)]
+    return [{"name": name, "layers": layers} for name, layers in hm.join_layers(found).items()]
