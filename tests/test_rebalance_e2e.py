@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from harness import running_swarm, wait_until
+from swarm.leader.serving.prefix_index import BLOCK_TOKENS
 
 pytestmark = pytest.mark.e2e
 
@@ -19,6 +20,51 @@ def calibration(ms_per_mb: float) -> dict:
     return {"prefill_tokens": 256, "points": [
         {"weight_bytes": 1_000_000, "decode_ms": ms_per_mb, "prefill_ms": 30 * ms_per_mb},
         {"weight_bytes": 10_000_000, "decode_ms": 10 * ms_per_mb, "prefill_ms": 300 * ms_per_mb}]}
+
+
+class Streamed:
+    """A long greedy reply streaming while the ring changes, and the leader's view of it: (time, tokens streamed,
+    attempt) at each change of its request."""
+
+    def __init__(self, swarm, name: str, messages: list[dict], max_tokens: int):
+        self.swarm, self.name, self.messages, self.max_tokens = swarm, name, messages, max_tokens
+        self.replies: list[list[int]] = []
+        self.marks: list[tuple[float, int, int]] = []
+        self.running: list = []  # the leader's request
+        self.done_at: float | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._reply)
+        nursery.start_soon(self._watch)
+
+    async def _reply(self) -> None:
+        reply = await self.swarm.chat(self.name, self.messages, max_tokens=self.max_tokens, ignore_eos=True)
+        self.replies.append(reply["choices"][0]["token_ids"])
+        self.done_at = trio.current_time()
+
+    async def _watch(self) -> None:
+        await wait_until(lambda: self.swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
+        (request,) = self.swarm.leader.serving.book.by_rid.values()
+        self.running.append(request)
+        while not request.ended:
+            if not self.marks or self.marks[-1][1:] != (len(request.tokens), request.attempts):
+                self.marks.append((trio.current_time(), len(request.tokens), request.attempts))
+            await trio.sleep(0.002)
+
+    def switch(self) -> tuple[float, float, int]:
+        """The switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring. ->
+        (the pause at the switch, the median time between tokens before it, the tokens streamed before it)."""
+        marks = self.marks
+        assert marks[-1][2] == 2, marks[-1]
+        resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
+        last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
+        first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
+        gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+        return first_new - last_old, gaps[len(gaps) // 2], marks[resumed][1]
+
+    def tail(self, carried: int, streamed: int) -> int:
+        """The tokens the new ring computes after the ``carried`` KV blocks: the prompt's and the streamed ones."""
+        return len(self.running[0].prompt) + streamed - BLOCK_TOKENS * carried
 
 
 async def test_a_stage_moves_to_a_faster_idle_fellow_on_request(tmp_path, smollm_model_dir):
@@ -103,7 +149,6 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
     goes over before the switch, each old stage's layers to the new one, which then computes only the tail."""
     from fleet import FellowProcess
     from swarm.leader.serving import rebalance
-    from swarm.leader.serving.prefix_index import BLOCK_TOKENS
 
     monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
     name = smollm_model_dir.name
@@ -117,32 +162,12 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
             reference = (await swarm.chat(name, messages, max_tokens=300, ignore_eos=True))["choices"][0]["token_ids"]
             for conn in online.values():
                 conn.calibration = calibration(4.0)
-            times: dict[str, float] = {}
-            replies: list[list[int]] = []
-
-            async def long_reply():
-                reply = await swarm.chat(name, messages, max_tokens=300, ignore_eos=True)
-                replies.append(reply["choices"][0]["token_ids"])
-                times["done"] = trio.current_time()
-
-            marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
-            running = []
-
-            async def watch():
-                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
-                (request,) = swarm.leader.serving.book.by_rid.values()
-                running.append(request)
-                while not request.ended:
-                    if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
-                        marks.append((trio.current_time(), len(request.tokens), request.attempts))
-                    await trio.sleep(0.002)
-
+            streamed = Streamed(swarm, name, messages, 300)
             joined = None
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(long_reply)
-                    nursery.start_soon(watch)
-                    await wait_until(lambda: marks, 30)
+                    streamed.start(nursery)
+                    await wait_until(lambda: streamed.marks, 30)
                     joined = FellowProcess(swarm.url, swarm.join_token(), tmp_path / "fast", "fellow-fast",
                                            env={"SWARM_CALIBRATE": "0"}).start()
                     await wait_until(lambda: len(online) == 3, 90, message=lambda: joined.log())
@@ -151,24 +176,17 @@ async def test_auto_relays_the_model_out_onto_a_faster_fellow_that_joins_mid_rep
                     swarm.leader.serving.rebalance.pool_changed()  # as its join and its links' report do
                     await wait_until(lambda: model.fellow_ids == {fast} and model.status == "ready", 120,
                                      message=lambda: joined.log())
-                    times["moved"] = trio.current_time()
-                # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring
-                assert marks[-1][2] == 2, (marks[-1], times)
-                resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
-                last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
-                first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
-                gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+                pause, every, before = streamed.switch()
                 # the old stages' KV of the request went to the new stage (layers 0-14 from one, 15-29 from the
                 # other): it computed only the tokens after the blocks carried (a few more may stream meanwhile)
-                carried, streamed = swarm.leader.serving.rebalance.relayouts.carried, marks[resumed][1]
-                tail = len(running[0].prompt) + streamed - BLOCK_TOKENS * carried
-                times_new = running[0].stage_times[0]  # the new stage's, of the attempt after the switch
-                print(f"re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
-                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {streamed} tokens streamed, "
-                      f"{carried} KV blocks handed over, {times_new.prefill_tokens} tokens prefilled in "
-                      f"{1000 * times_new.prefill_s:.0f} ms")
-                assert replies == [reference]
-                assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, len(running[0].prompt), streamed)
+                carried = swarm.leader.serving.rebalance.relayouts.carried
+                tail = streamed.tail(carried, before)
+                times_new = streamed.running[0].stage_times[0]  # the new stage's, of the attempt after the switch
+                print(f"re-layout under a reply: paused {pause:.2f} s at the switch (tokens every {every:.2f} s "
+                      f"before it), {before} tokens streamed, {carried} KV blocks handed over, "
+                      f"{times_new.prefill_tokens} tokens prefilled in {1000 * times_new.prefill_s:.0f} ms")
+                assert streamed.replies == [reference]
+                assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, before)
                 assert times_new.prefill_tokens == tail
                 layers = len(model.size.layer_bytes)
                 assert [(s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [(0, layers)]
@@ -211,20 +229,7 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
                 # takes a faster layout that shifts fellow-1's stage and gives the fast fellow the head (fellow-0
                 # 0-9, fellow-1 10-20, fellow-2 21-29)
                 conn.extending = False
-            replies: list[list[int]] = []
-            marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
-
-            async def long_reply():
-                reply = await swarm.chat(name, messages, max_tokens=160, ignore_eos=True)
-                replies.append(reply["choices"][0]["token_ids"])
-
-            async def watch():
-                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
-                (request,) = swarm.leader.serving.book.by_rid.values()
-                while not request.ended:
-                    if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
-                        marks.append((trio.current_time(), len(request.tokens), request.attempts))
-                    await trio.sleep(0.002)
+            streamed = Streamed(swarm, name, messages, 160)
 
             settings = Settings.from_env({"SWARM_SERVE_PORT": "0", "SWARM_HEARTBEAT_S": "1", "SWARM_CALIBRATE": "0",
                                           "SWARM_SERVE_MEMORY_GB": "0.53"})
@@ -232,9 +237,8 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
                            join_token=swarm.join_token())
             async with trio.open_nursery() as fellows:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(long_reply)
-                    nursery.start_soon(watch)
-                    await wait_until(lambda: marks, 30)
+                    streamed.start(nursery)
+                    await wait_until(lambda: streamed.marks, 30)
                     await fellows.start(third.run)  # it joins while the reply streams
                     await third.connected.wait()
                     new = third.fellow_id
@@ -242,18 +246,12 @@ async def test_a_third_fellow_joins_mid_reply_and_the_ring_narrows_to_three_stag
                     swarm.leader.serving.rebalance.pool_changed()  # as its join and its links' report do
                     await wait_until(lambda: len(model.stages) == 3 and model.status == "ready", 60,
                                      message=lambda: str(swarm.leader.serving.rebalance.left_out))
-                # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring
-                assert marks[-1][2] == 2, marks[-1]
-                resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
-                last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
-                first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
-                gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+                pause, every, before = streamed.switch()
                 narrowed = {f.name: f.stages[name].placement()["bytes"] for f in swarm.fellows}
-                print(f"narrowing re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
-                      f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {marks[resumed][1]} tokens streamed; "
-                      "weights held " + ", ".join(f"{n} {held[n] / 1e6:.0f} -> {b / 1e6:.0f} MB"
-                                                  for n, b in narrowed.items()))
-                assert replies == [reference]
+                print(f"narrowing re-layout under a reply: paused {pause:.2f} s at the switch (tokens every "
+                      f"{every:.2f} s before it), {before} tokens streamed; weights held "
+                      + ", ".join(f"{n} {held[n] / 1e6:.0f} -> {b / 1e6:.0f} MB" for n, b in narrowed.items()))
+                assert streamed.replies == [reference]
                 ids = {f.fellow_id: f.name for f in [*swarm.fellows, third]}
                 assert [(ids[s.plan.fellow_id], s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [
                     ("fellow-0", 0, 10), ("fellow-2", 10, 20), ("fellow-1", 20, 30)]
@@ -279,7 +277,6 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
     Before, a try whose parts fail to load leaves the ring and the fellow's stage as they were."""
     from swarm.errors import ModelError
     from swarm.leader.serving import rebalance
-    from swarm.leader.serving.prefix_index import BLOCK_TOKENS
     from swarm.stage.slice import StageModel
 
     monkeypatch.setattr(rebalance, "SETTLE_S", 0.2)
@@ -314,49 +311,27 @@ async def test_a_fast_ring_fellow_extends_its_stage_to_the_whole_model_mid_reply
             stage = fast.stages[name]
             assert (stage.first_layer, stage.end_layer, stage.extension) == (15, 30, None)
             assert stage.placement()["bytes"] == held
-            replies: list[list[int]] = []
-            marks: list[tuple[float, int, int]] = []  # (time, tokens streamed, attempt) of the leader's request
-            running = []
-
-            async def long_reply():
-                reply = await swarm.chat(name, messages, max_tokens=80, ignore_eos=True)
-                replies.append(reply["choices"][0]["token_ids"])
-
-            async def watch():
-                await wait_until(lambda: swarm.leader.serving.book.by_rid, 30)  # the reply is on the ring
-                (request,) = swarm.leader.serving.book.by_rid.values()
-                running.append(request)
-                while not request.ended:
-                    if not marks or marks[-1][1:] != (len(request.tokens), request.attempts):
-                        marks.append((trio.current_time(), len(request.tokens), request.attempts))
-                    await trio.sleep(0.002)
-
+            streamed = Streamed(swarm, name, messages, 80)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(long_reply)
-                nursery.start_soon(watch)
-                await wait_until(lambda: marks, 30)
+                streamed.start(nursery)
+                await wait_until(lambda: streamed.marks, 30)
                 failing["on"] = False  # the parts load now
                 swarm.leader.serving.rebalance.pool_changed()  # as a link report does
                 await wait_until(lambda: len(model.stages) == 1 and model.status == "ready", 60,
                                  message=lambda: str(swarm.leader.serving.rebalance.left_out))
-            # the switch came while the reply streamed: it went on once, from its streamed tokens, on the new ring
-            assert marks[-1][2] == 2, marks[-1]
-            resumed = next(i for i, m in enumerate(marks) if m[2] == 2)
-            last_old = max(t for t, n, _ in marks[:resumed] if n == marks[resumed][1])
-            first_new = next(t for t, n, _ in marks[resumed:] if n > marks[resumed][1])
-            gaps = sorted(b[0] - a[0] for a, b in zip(marks[:resumed], marks[1:resumed]))
+            pause, every, before = streamed.switch()
             grown = fast.stages[name].placement()["bytes"]
             # the KV went over: the fellow kept layers 15-29's blocks and joined layers 0-14's (from the other fellow)
             # at its splice, so it computed only the tokens after the blocks carried (a few more may stream meanwhile)
-            carried, streamed = swarm.leader.serving.rebalance.relayouts.carried, marks[resumed][1]
-            tail = len(running[0].prompt) + streamed - BLOCK_TOKENS * carried
-            times_new = running[0].stage_times[0]  # the new stage's, of the attempt after the switch
-            print(f"extending re-layout under a reply: paused {first_new - last_old:.2f} s at the switch "
-                  f"(tokens every {gaps[len(gaps) // 2]:.2f} s before it), {streamed} tokens streamed, {carried} KV "
-                  f"blocks handed over, {times_new.prefill_tokens} tokens prefilled in "
-                  f"{1000 * times_new.prefill_s:.0f} ms; weights held {held / 1e6:.0f} -> {grown / 1e6:.0f} MB")
-            assert replies == [reference]
-            assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, len(running[0].prompt), streamed)
+            carried = swarm.leader.serving.rebalance.relayouts.carried
+            tail = streamed.tail(carried, before)
+            times_new = streamed.running[0].stage_times[0]  # the new stage's, of the attempt after the switch
+            print(f"extending re-layout under a reply: paused {pause:.2f} s at the switch (tokens every {every:.2f} s "
+                  f"before it), {before} tokens streamed, {carried} KV blocks handed over, {times_new.prefill_tokens} "
+                  f"tokens prefilled in {1000 * times_new.prefill_s:.0f} ms; weights held {held / 1e6:.0f} -> "
+                  f"{grown / 1e6:.0f} MB")
+            assert streamed.replies == [reference]
+            assert carried >= 1 and 0 < tail <= BLOCK_TOKENS + 12, (carried, before)
             assert times_new.prefill_tokens == tail
             assert [(s.plan.fellow_id, s.plan.first_layer, s.plan.end_layer) for s in model.stages] == [
                 (fast.fellow_id, 0, 30)]
