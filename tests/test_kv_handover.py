@@ -27,6 +27,21 @@ def stages_of(model_dir, kv_cache: str) -> list[StageModel]:
     return models
 
 
+def streamed_on(old, prompt: list[int], steps: int, streamed: int):
+    """A reply streaming on ``old``'s ring until ``streamed`` tokens, as the leader sees it when a switch comes. ->
+    (its prefix index, the tokens streamed, prompt + tokens, the count of whole blocks every stage has computed --
+    all but the latest token's rows -- and their names)."""
+    index = PrefixIndex(B)
+    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
+    while len(reply.tokens) < streamed:
+        old.step()
+    index.first_token("r")
+    tokens = reply.tokens[:streamed]  # what the leader had streamed when the switch came
+    seq = prompt + tokens
+    count = (len(seq) - 1) // B
+    return index, tokens, seq, count, block_names(seq, B, count)
+
+
 @pytest.mark.parametrize("kv_cache", ["auto", "q8"])
 def test_a_switch_goes_on_from_the_handed_over_blocks_and_the_reply_is_the_same(tiny_model_dirs, kv_cache):
     model_dir = tiny_model_dirs["llama"]
@@ -38,15 +53,7 @@ def test_a_switch_goes_on_from_the_handed_over_blocks_and_the_reply_is_the_same(
     assert len(want) == steps
 
     old = LocalRing(stages_of(model_dir, kv_cache), prefill_chunk=B)
-    index = PrefixIndex(B)
-    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
-    while len(reply.tokens) < streamed:
-        old.step()
-    index.first_token("r")
-    tokens = reply.tokens[:streamed]  # what the leader had streamed when the switch came
-    seq = prompt + tokens
-    count = (len(seq) - 1) // B  # all but the latest token's rows: every stage has computed them
-    names = block_names(seq, B, count)
+    index, tokens, seq, count, names = streamed_on(old, prompt, steps, streamed)
     assert count == 3
     kept = [keep_running(stage, index.epoch, B, [("r", names)]) for stage in old.stages]
     assert kept == [names, names]
@@ -158,15 +165,7 @@ def test_a_relayout_assembles_each_new_stage_from_the_old_stages_layers(tiny_mod
     cold.run()
 
     old = LocalRing(stages(old_spans), prefill_chunk=B)
-    index = PrefixIndex(B)
-    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
-    while len(reply.tokens) < streamed:
-        old.step()
-    index.first_token("r")
-    tokens = reply.tokens[:streamed]
-    seq = prompt + tokens
-    count = (len(seq) - 1) // B
-    names = block_names(seq, B, count)
+    index, tokens, seq, count, names = streamed_on(old, prompt, steps, streamed)
     assert [keep_running(stage, index.epoch, B, [("r", names)]) for stage in old.stages] == [names, names]
 
     # the leader's side: which old stage gives which layers, each exports its span once, each new stage's pieces
@@ -332,15 +331,7 @@ def test_an_extending_stage_keeps_its_blocks_and_joins_the_lacking_layers_rows_a
     cold.run()
 
     old = LocalRing([stage(a, b) for a, b in old_spans], prefill_chunk=B)
-    index = PrefixIndex(B)
-    reply = old.submit("r", prompt, steps, prefix=index.plan("r", prompt, BIG))
-    while len(reply.tokens) < streamed:
-        old.step()
-    index.first_token("r")
-    tokens = reply.tokens[:streamed]
-    seq = prompt + tokens
-    count = (len(seq) - 1) // B
-    names = block_names(seq, B, count)
+    index, tokens, seq, count, names = streamed_on(old, prompt, steps, streamed)
     assert count == 4
     assert [keep_running(s, index.epoch, B, [("r", names)]) for s in old.stages] == [names] * len(old_spans)
 
