@@ -235,14 +235,76 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # --- every module's tests in one xdist worker; every trio test with a deadline that shows where it hangs -----------
 
 
+def group_of(nodeid: str) -> str:
+    """The worker group of a test: its module (a module's tests share its fleet, module-scoped fixtures, so they run
+    in one worker, in order), or "lab" for the network lab's modules (test_lab_*.py, test_netlab.py), which share
+    the host's network namespaces and nftables: one worker for all of them."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return "lab" if name.startswith("test_lab_") or name == "test_netlab.py" else path
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is in the test extra; without it the tests run in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class _ByGroup(LoadScopeScheduling):
+        """pytest-xdist's scope scheduling over group_of's groups, handed out in the order collected (heaviest
+        first, see pytest_collection_modifyitems). Its own loadgroup reads groups off each test's node id, which
+        pytest 9.2 no longer lets it rename (pytest-xdist issue #1386, open): every test was then a group of its
+        own, a module's shared fleet started in both workers and the lab's modules ran side by side."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # its default sorts groups by their number of tests instead
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+
+class _Scheduling:
+    """Registered while pytest-xdist is (its hook is unknown to pytest otherwise)."""
+
+    def pytest_xdist_make_scheduler(self, config, log):
+        """`--dist loadgroup` (scripts/bootstrap test) as described at _ByGroup; other modes as pytest-xdist has
+        them."""
+        return _ByGroup(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_configure(config):
+    if LoadScopeScheduling is not None and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_Scheduling(), "swarm-scheduling")
+
+
+def _cost(item, default_limit: float) -> float:
+    """A rough weight of a test for ordering: a unit is ~1; a slow kind counts its time limit (300 s unless marked),
+    which is a few times its time on CI and longer for the tests that need longer."""
+    if not any(item.get_closest_marker(kind) for kind in ("e2e", "lab", "browser")):
+        return 1.0
+    mark = item.get_closest_marker("timeout")
+    return float(mark.args[0]) if mark and mark.args else default_limit or 300.0
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
 def pytest_collection_modifyitems(config, items):
     default_limit = float(config.getini("timeout") or 0)
+    # The heaviest groups first, the fast units last: the workers (scripts/bootstrap test) start the long ones at
+    # once and the units fill in the end, each over in moments (the longest-first rule for splitting jobs over
+    # machines; by the number of tests, pytest-xdist's own order, the e2e modules of one or two slow tests came
+    # last). A group's own tests keep their order.
+    weight: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        group = group_of(item.nodeid)
+        if item.get_closest_marker("lab") and group != "lab":
+            raise pytest.UsageError(f"{item.nodeid} is a lab test: name its module test_lab_*.py, so that it runs "
+                                    "in the lab's worker (tests/conftest.py group_of)")
+        weight[group] = weight.get(group, 0.0) + _cost(item, default_limit)
+        first.setdefault(group, index)
+    items.sort(key=lambda item: (-weight[group_of(item.nodeid)], first[group_of(item.nodeid)]))
     for item in items:
-        # A module's tests share its fleet (module-scoped fixtures): they run in one worker, in order. The lab's
-        # modules share the host's network namespaces and nftables: one worker for all of them.
-        group = "lab" if item.get_closest_marker("lab") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
         trio_mark = item.get_closest_marker("trio")
         if trio_mark is None:
             continue

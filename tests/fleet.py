@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -107,20 +108,28 @@ def _stop(proc: subprocess.Popen | None, thaw: bool = False) -> None:
     """Terminate ``proc`` (SIGCONT first if it may be frozen), killing it if it has not gone in 10 s. A fellow takes
     SIGTERM as "hand my stages over, then leave" (swarm.fellow.leave); a second SIGTERM a moment later has it go at
     once, so a fleet's teardown does not wait for drains."""
-    if proc is None or proc.poll() is not None:
-        return
-    if thaw:
-        proc.send_signal(signal.SIGCONT)
-    proc.terminate()
-    try:
-        proc.wait(1)
-        return
-    except subprocess.TimeoutExpired:
+    stop_all([proc], thaw)
+
+
+def stop_all(procs: list[subprocess.Popen | None], thaw: bool = False) -> None:
+    """``_stop`` for several processes at once: each is told to go, then each given the same second: a fleet of
+    three fellows holding stages went in ~1 s instead of 1 s each."""
+    alive = [p for p in procs if p is not None and p.poll() is None]
+    for proc in alive:
+        if thaw:
+            proc.send_signal(signal.SIGCONT)
         proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    for wait_s, then in ((1.0, "terminate"), (10.0, "kill")):
+        deadline = time.monotonic() + wait_s
+        for proc in alive:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        alive = [p for p in alive if p.poll() is None]
+        for proc in alive:
+            getattr(proc, then)()
+    for proc in alive:
         proc.wait()
 
 
@@ -190,8 +199,7 @@ class Pool:
         return {"leader": self.leader.proc.pid, **{f.name: f.proc.pid for f in self.fellows}}
 
     def stop(self) -> None:
-        for f in self.fellows:
-            f.stop()
+        stop_all([f.proc for f in self.fellows], thaw=True)
         self.leader.stop()
 
 
@@ -221,5 +229,4 @@ async def fellow_fleet(swarm, tmp_path: Path, count: int, standby: set[int] = fr
         print(logs(fellows))
         raise
     finally:
-        for f in fellows:
-            f.stop()
+        stop_all([f.proc for f in fellows], thaw=True)

@@ -120,6 +120,54 @@ def test_a_slow_computing_fellow_on_a_lan_stays():
     assert 3 in ring(got.plans) and got.left_out == []
 
 
+# A toy model: four layers of 100 kB, ~1 ms of compute each -- a ring's hops then
+# weigh more than its layers, where noise on a link matters most.
+TINY = ModelSize(layer_bytes=(100_000,) * 4, embed_bytes=50_000, final_bytes=1_000, tied_embeddings=False,
+                 kv_bytes_per_token_per_layer=100)
+
+
+def test_a_busy_loopback_leaves_no_fellow_out_of_a_tiny_models_ring():
+    """Loopback read 15 ms a hop on a busy machine (the peers' scheduling, not the wire): a ring of two over such
+    hops is slower than one fellow alone by two such hops, yet nothing a LAN's noise could not make -- both stay, and
+    the plan still shows the measured figures."""
+    fellows = pool(2)
+    baseline = place(TINY, fellows, 2, 100)
+    got = arrange(TINY, fellows, baseline, SAME, matrix(2, rtt_ms=15.0), HIDDEN, 100, choose_count=True)
+    assert got.plans == baseline and got.left_out == []
+    assert got.ms_per_token == got.link_blind_ms_per_token > 15  # two hops of half a measured 15 ms in the figure
+
+
+def test_a_noisy_pair_does_not_reorder_the_ring():
+    """Four fellows, one pair of them at a busy machine's 18 ms and the rest at 1 ms: the link-blind ring crosses the
+    noisy pair, and stays as it is."""
+    fellows = pool(4)
+    baseline = place(TINY, fellows, 4, 100)
+    got = arrange(TINY, fellows, baseline, SAME, matrix(4, p1_2=18), HIDDEN, 100, choose_count=False)
+    assert got.plans == baseline and got.left_out == []
+
+
+def test_a_link_past_the_noise_still_leaves_its_fellow_out():
+    """The same tiny model with the far fellow 30 ms round trip from both others: 10 ms a hop past any LAN's noise,
+    twice a token -- left out, the sentence giving the measured figures."""
+    fellows = pool(3)
+    baseline = place(TINY, fellows, 3, 100)
+    got = arrange(TINY, fellows, baseline, SAME, matrix(3, p1_3=30, p2_3=30), HIDDEN, 100, choose_count=True)
+    assert sorted(ring(got.plans)) == [1, 2]
+    why = (f"pc-3 left out: 30 ms to pc-1 (a token takes {got.link_blind_ms_per_token:.0f} ms with it, "
+           f"{got.ms_per_token:.0f} ms without)")
+    assert got.left_out == [why]
+    assert got.link_blind_ms_per_token - got.ms_per_token > 25  # measured: two 15 ms hops one way, for 0.5 ms
+
+
+def test_judged_hops_take_the_noise_off_but_never_go_under_a_lan():
+    from swarm.leader.planning.link_placement import LAN_NOISE_RTT_MS, judged_hop
+    from swarm.leader.planning.planner import ASSUMED_RTT_MS
+
+    assert judged_hop(Hop(0.5, True)).rtt_ms == 0.5  # a quiet loopback stays what it is
+    assert judged_hop(Hop(15.0, True)).rtt_ms == ASSUMED_RTT_MS
+    assert judged_hop(Hop(120.0, True, "direct", 1e6)) == Hop(120.0 - LAN_NOISE_RTT_MS, True, "direct", 1e6)
+
+
 def test_probe_figures_become_hops():
     links = {(1, 2): {"path": "direct", "rtt_ms": 120.5, "mbps": 80.0},
              (2, 1): {"path": "relay", "rtt_ms": None, "mbps": None, "error": "no serving port to dial"}}

@@ -55,7 +55,7 @@ def test_fellow_conn_names_what_to_do():
     from swarm.messages import Hardware
 
     conn = FellowConn(id=2, name="f2", public_key=b"k" * 32, pool_id=1, hardware=Hardware(4, 8 << 30, 4 << 30),
-                      serve_host=None, serve_port=None, version="0.0.9", channel=None, connected_at=0.0,
+                      serve_host=None, serve_port=None, version="0.0.9", channel=None,
                       last_heartbeat=0.0, protocol=wire.PROTOCOL_VERSION - 1)
     assert not conn.compatible and conn.outdated
     assert conn.why_incompatible() == (f"f2 runs swarm 0.0.9 (protocol {wire.PROTOCOL_VERSION - 1}); this leader "
@@ -63,7 +63,7 @@ def test_fellow_conn_names_what_to_do():
     summary = conn.summary()
     assert (summary["version"], summary["protocol"], summary["outdated"]) == ("0.0.9", wire.PROTOCOL_VERSION - 1, True)
     same = FellowConn(id=3, name="f3", public_key=b"k" * 32, pool_id=1, hardware=Hardware(4, 8 << 30, 4 << 30),
-                      serve_host=None, serve_port=None, version=__version__, channel=None, connected_at=0.0,
+                      serve_host=None, serve_port=None, version=__version__, channel=None,
                       last_heartbeat=0.0)
     assert same.compatible and not same.outdated
 

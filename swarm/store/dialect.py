@@ -306,18 +306,16 @@ class Postgres:
 class _Transaction:
     def __init__(self, pg: Postgres):
         self.pg = pg
-        self._outer: Connection | None = None  # the thread's transaction this one nests in (a savepoint)
         self._pooled: Any = None  # the pool's connection context, when this transaction took one
         self._tx: Any = None  # psycopg's transaction context
 
     def __enter__(self) -> Connection:
         outer = self.pg.current()
         if outer is not None:  # nested: a savepoint on the same connection
-            self._outer, self._pooled = outer, None
+            self._pooled = None
             self._tx = outer.raw.transaction()
             self._tx.__enter__()
             return outer
-        self._outer = None
         self._pooled = self.pg.pool.connection()
         raw = self._pooled.__enter__()
         try:

@@ -25,7 +25,7 @@ import re
 
 from swarm.leader.chat.reasoning import Splitter
 
-START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 ANALYSIS = "analysis"
 FUNCTIONS = "functions."

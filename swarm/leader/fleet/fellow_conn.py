@@ -28,7 +28,6 @@ class FellowConn:
     serve_port: int | None
     version: str
     channel: NoiseChannel
-    connected_at: float
     last_heartbeat: float
     standby: bool = False  # left alone by plain loads: it takes over stages of fellows that drop out
     protocol: int = wire.PROTOCOL_VERSION  # the wire protocol it speaks (its hello's "v")

@@ -303,7 +303,7 @@ class FellowHub:
             serve_host=host if isinstance(host, str) else None,
             serve_port=port if isinstance(port, int) and not isinstance(port, bool) else None,
             version=hello["version"][:64] if isinstance(hello.get("version"), str) else "?",
-            channel=channel, connected_at=now, last_heartbeat=now, standby=fellow.standby, last_seen=now,
+            channel=channel, last_heartbeat=now, standby=fellow.standby, last_seen=now,
             protocol=_protocol(hello), updates=hello.get("updates") is True, drafting=hello.get("drafting") is True,
             draft_model=hello.get("draft_model") is True, prefix_cache=hello.get("prefix_cache") is True,
             narrowing=hello.get("narrowing") is True, extending=hello.get("extending") is True,

@@ -14,6 +14,11 @@ would move stages for nothing):
   (on a LAN every fellow stays, as before: the seed's pool serves as many chats at once as it has stages), and the
   rest must still hold the model. Each such fellow gets a line saying why ("pc-3 left out: 140 ms to pc-1 ...").
 
+A measured round trip carries the two peers' scheduling noise besides the wire: on a busy machine loopback read 15 ms a
+hop. The choices weigh each hop as its round trip less LAN_NOISE_RTT_MS (and never less than a LAN hop's, nor more
+than measured), so a fellow is never left out, nor a ring reordered, over a difference a LAN's noise could make; the
+figures the plan shows are the measured ones.
+
 With no link measured between the candidate fellows, or a fellow of the placement that has not reported its speed
 yet, the placement is the link-blind one.
 """
@@ -27,12 +32,15 @@ from collections.abc import Sequence
 
 from swarm.errors import PlacementError, ProtocolError
 from swarm.leader.planning.placement import FellowCapacity, ModelSize, StagePlan, place_in_order
-from swarm.leader.planning.planner import Hop, LayerSpeed, hop_round_trips, layer_speed, predict
+from swarm.leader.planning.planner import ASSUMED_RTT_MS, Hop, LayerSpeed, hop_round_trips, layer_speed, predict
 
 # A rearrangement must save at least this much per token, and this share of the link-blind time: a LAN hop is
 # 0.5-2 ms (measured on loopback through the relay, planner.ASSUMED_RTT_MS), so LAN noise never moves a stage.
 MIN_GAIN_MS = 5.0
 MIN_GAIN_SHARE = 0.15
+# What of a hop's measured round trip may be the peers' scheduling rather than the wire: loopback between fellows on
+# the busy 2-core CI VM read 15 ms a hop (a LAN's is 0.5-2 ms), and a tiny model's ring then left a fellow out.
+LAN_NOISE_RTT_MS = 20.0
 # Every order of a ring is tried up to this many stages (5! = 120 predictions; weighing which of 6 fellows to leave
 # out tries 6 such rings); beyond, the fellows keep the link-blind order and only leaving one out is weighed.
 MAX_ORDERED = 5
@@ -76,10 +84,14 @@ class _Ring:
     def __init__(self, size: ModelSize, speeds: dict[int, LayerSpeed], hops: dict[tuple[int, int], Hop],
                  hidden_bytes: int, context_tokens: int):
         self.size, self.speeds, self.hops = size, speeds, hops
+        self.judged = {pair: judged_hop(hop) for pair, hop in hops.items()}
         self.hidden_bytes, self.context = hidden_bytes, context_tokens
 
-    def cost(self, plans: list[StagePlan], measured: bool = True) -> float:
-        hops = hop_round_trips(plans, self.hops if measured else {})
+    def cost(self, plans: list[StagePlan], links: str = "judged") -> float:
+        """Time per token over ``links``: "judged" (round trips less their noise: what choices weigh), "measured"
+        (what the plan says) or "none" (every hop a LAN's: compute alone)."""
+        known = {"judged": self.judged, "measured": self.hops, "none": {}}[links]
+        hops = hop_round_trips(plans, known)
         return float(predict(plans, self.size, self.speeds, hops, self.hidden_bytes)["ms_per_token"])
 
     def best(self, fellows: Sequence[FellowCapacity]) -> tuple[list[StagePlan], float] | None:
@@ -97,6 +109,13 @@ class _Ring:
             if found is None or cost < found[1] - 1e-9:
                 found = (plans, cost)
         return found
+
+
+def judged_hop(hop: Hop) -> Hop:
+    """``hop`` as the choices weigh it: its round trip less LAN_NOISE_RTT_MS, but not under a LAN hop's
+    (planner.ASSUMED_RTT_MS) nor over what was measured -- a busy loopback's 15 ms counts as a LAN's 2 ms, a far
+    fellow's 120 ms as 100 ms."""
+    return dataclasses.replace(hop, rtt_ms=max(hop.rtt_ms - LAN_NOISE_RTT_MS, min(hop.rtt_ms, ASSUMED_RTT_MS)))
 
 
 def clearly_faster(new_ms: float, old_ms: float) -> bool:
@@ -132,14 +151,15 @@ def arrange(size: ModelSize, capacities: Sequence[FellowCapacity], baseline: lis
                 if without is None:
                     continue
                 gain = ms - without[1]
-                link_gain = gain - max(ring.cost(plans, False) - ring.cost(without[0], False), 0.0)
+                link_gain = gain - max(ring.cost(plans, "none") - ring.cost(without[0], "none"), 0.0)
                 if clearly_faster(without[1], ms) and link_gain >= max(MIN_GAIN_MS, MIN_GAIN_SHARE * ms) and \
                         (drop is None or without[1] < drop[1][1]):
                     drop = (fellow, without)
             if drop is None:
                 break
             fellow, without = drop
-            left_out.append(_why(fellow, plans, hops, names, ms, without[1]))
+            left_out.append(_why(fellow, plans, hops, names, ring.cost(plans, "measured"),
+                                 ring.cost(without[0], "measured")))
             kept = [f for f in kept if f is not fellow]
             best = without
     else:
@@ -153,11 +173,12 @@ def arrange(size: ModelSize, capacities: Sequence[FellowCapacity], baseline: lis
                 best = found
         if best is not None:
             chosen = {p.fellow_id for p in best[0]}
-            left_out = [_why(by_id[p.fellow_id], baseline, hops, names, blind_ms, best[1])
-                        for p in baseline if p.fellow_id not in chosen]
+            left_out = [_why(by_id[p.fellow_id], baseline, hops, names, ring.cost(baseline, "measured"),
+                             ring.cost(best[0], "measured")) for p in baseline if p.fellow_id not in chosen]
+    measured_blind_ms = ring.cost(baseline, "measured")
     if best is None or not clearly_faster(best[1], blind_ms):
-        return Arrangement(baseline, [], blind_ms, blind_ms)
-    return Arrangement(best[0], left_out, best[1], blind_ms)
+        return Arrangement(baseline, [], measured_blind_ms, measured_blind_ms)
+    return Arrangement(best[0], left_out, ring.cost(best[0], "measured"), measured_blind_ms)
 
 
 def _why(fellow: FellowCapacity, plans: list[StagePlan], hops: dict[tuple[int, int], Hop], names: dict[int, str],
