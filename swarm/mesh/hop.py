@@ -33,8 +33,26 @@ KEEPALIVE_S = 1.0
 # A path with no pong for this long is dead (a fellow lost power, a cable was pulled): noticed within seconds, so the
 # leader can rebuild the ring long before a user gives up on the reply.
 SILENT_S = 4 * KEEPALIVE_S
+# A hop's round trip is the least of its latest pongs: a pong waits for both peers' event loops as well as the wire,
+# and on a busy machine one of them is often late (loopback read 15 ms on a busy 2-core VM from the latest pong alone).
+# The least of half a minute's is the wire's figure placement weighs (swarm.leader.planning.link_placement).
+RTT_WINDOW = 30
 # How long the old path stays open after an upgrade, so what is still on its way there arrives.
 DRAIN_S = 2.0
+
+
+class RoundTrips:
+    """A hop's latest RTT_WINDOW round trips, in seconds; its figure is the least of them (see RTT_WINDOW)."""
+
+    def __init__(self) -> None:
+        self._latest: collections.deque[float] = collections.deque(maxlen=RTT_WINDOW)
+
+    def add(self, seconds: float) -> None:
+        self._latest.append(seconds)
+
+    @property
+    def least(self) -> float | None:
+        return min(self._latest) if self._latest else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +90,7 @@ class OutgoingHop:
         self._reset_next = True  # the first message on a fresh path after a break tells the receiver to resync
         self.direct_failed = config.transport == "relay" or config.direct is None
         self.path: str | None = None  # "direct", "tunnel" or "relay" once open
-        self.rtt_s: float | None = None
+        self.round_trips = RoundTrips()
         self.bytes_sent = 0
         self.messages_sent = 0
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=64)
@@ -165,7 +183,7 @@ class OutgoingHop:
                     frame = await channel.receive()
                 flag, stamp = sequencing.kind(frame)
                 if flag == sequencing.PONG:
-                    self.rtt_s = max(0.0, time.monotonic() - stamp / 1e6)
+                    self.round_trips.add(max(0.0, time.monotonic() - stamp / 1e6))
         except trio.TooSlowError:
             log.info("the %s link to %s went silent for %.0f s", self.path, self.config.peer_name, SILENT_S)
         except (SwarmError, *LINK_ERRORS):  # SwarmError: a malformed pong too
@@ -181,9 +199,13 @@ class OutgoingHop:
         if lost and self.on_lost is not None:
             await self.on_lost(self)
 
+    @property
+    def rtt_s(self) -> float | None:
+        return self.round_trips.least
+
     def stats(self) -> dict:
         return {"hop_id": self.config.hop_id, "peer": self.config.peer_name, "transport": self.path,
-                "rtt_ms": round(self.rtt_s * 1000, 3) if self.rtt_s is not None else None,
+                "rtt_ms": round(rtt * 1000, 3) if (rtt := self.rtt_s) is not None else None,
                 "bytes_sent": self.bytes_sent, "messages_sent": self.messages_sent,
                 # A decode step sends one message per token on every hop; the median skips prompt chunks.
                 "bytes_per_token": int(statistics.median(self._recent_sizes)) if self._recent_sizes else None}

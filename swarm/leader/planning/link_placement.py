@@ -14,10 +14,11 @@ would move stages for nothing):
   (on a LAN every fellow stays, as before: the seed's pool serves as many chats at once as it has stages), and the
   rest must still hold the model. Each such fellow gets a line saying why ("pc-3 left out: 140 ms to pc-1 ...").
 
-A measured round trip carries the two peers' scheduling noise besides the wire: on a busy machine loopback read 15 ms a
-hop. The choices weigh each hop as its round trip less LAN_NOISE_RTT_MS (and never less than a LAN hop's, nor more
-than measured), so a fellow is never left out, nor a ring reordered, over a difference a LAN's noise could make; the
-figures the plan shows are the measured ones.
+A measured round trip carries the two peers' scheduling noise besides the wire. A hop reports the least of its latest
+pongs' round trips (swarm.mesh.hop.RTT_WINDOW), which takes most of it off (the latest pong alone read 15 ms on a busy
+2-core VM's loopback); what is left, a LAN's jitter, the choices take off too: they weigh each hop as its round trip
+less LAN_NOISE_RTT_MS (never less than a LAN hop's, nor more than measured), so a fellow is never left out, nor a ring
+reordered, over a difference a LAN's noise could make. The figures the plan shows are the measured ones.
 
 With no link measured between the candidate fellows, or a fellow of the placement that has not reported its speed
 yet, the placement is the link-blind one.
@@ -38,9 +39,9 @@ from swarm.leader.planning.planner import ASSUMED_RTT_MS, Hop, LayerSpeed, hop_r
 # 0.5-2 ms (measured on loopback through the relay, planner.ASSUMED_RTT_MS), so LAN noise never moves a stage.
 MIN_GAIN_MS = 5.0
 MIN_GAIN_SHARE = 0.15
-# What of a hop's measured round trip may be the peers' scheduling rather than the wire: loopback between fellows on
-# the busy 2-core CI VM read 15 ms a hop (a LAN's is 0.5-2 ms), and a tiny model's ring then left a fellow out.
-LAN_NOISE_RTT_MS = 20.0
+# What of a hop's least measured round trip may still be noise rather than the wire: a LAN's is 0.5-2 ms with a few ms
+# of jitter. Not more: between homes 5-30 ms is real, and two such hops a token are what link-aware placement weighs.
+LAN_NOISE_RTT_MS = 5.0
 # Every order of a ring is tried up to this many stages (5! = 120 predictions; weighing which of 6 fellows to leave
 # out tries 6 such rings); beyond, the fellows keep the link-blind order and only leaving one out is weighed.
 MAX_ORDERED = 5
@@ -113,8 +114,8 @@ class _Ring:
 
 def judged_hop(hop: Hop) -> Hop:
     """``hop`` as the choices weigh it: its round trip less LAN_NOISE_RTT_MS, but not under a LAN hop's
-    (planner.ASSUMED_RTT_MS) nor over what was measured -- a busy loopback's 15 ms counts as a LAN's 2 ms, a far
-    fellow's 120 ms as 100 ms."""
+    (planner.ASSUMED_RTT_MS) nor over what was measured -- a jittery LAN's 6 ms counts as a LAN's 2 ms, a far
+    fellow's 120 ms as 115 ms."""
     return dataclasses.replace(hop, rtt_ms=max(hop.rtt_ms - LAN_NOISE_RTT_MS, min(hop.rtt_ms, ASSUMED_RTT_MS)))
 
 
