@@ -6,6 +6,8 @@ leader's index carries its epoch across the switch only to the ring the blocks w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -269,31 +271,40 @@ class _Fellow:
                                                    [b["name"] for b in message.blocks]))
 
 
+def _plan(fid: int, first: int, end: int):
+    """A stage's plan as KvCarry reads it: fellow f<fid> holds layers first..end-1."""
+    return SimpleNamespace(fellow_id=fid, fellow_name=f"f{fid}", first_layer=first, end_layer=end)
+
+
+class _TwoStages:
+    """The leader's side of a handover for model "m" served by 2 stages (layers 0-2 on f1, 3-4 on f2) with one running
+    request of three whole blocks and a tail; ``fellows``: each online fellow's (id, first, end, holds[, part])."""
+
+    def __init__(self, *fellows: tuple[int, ...]):
+        from swarm.leader.serving.kv_carry import KvCarry
+
+        self.caches = PrefixCaches(None)
+        self.caches.reset("m")
+        self.index = self.caches.indexes["m"]
+        serving = SimpleNamespace(prefix=self.caches, online={})
+        self.carry = KvCarry(serving)
+        self.fellows = [_Fellow(self.carry, *spec) for spec in fellows]
+        serving.online = {f.id: f for f in self.fellows}
+        request = SimpleNamespace(rid="r", model="m", prompt=prompt_of(3 * self.index.block + 5), tokens=[7, 8])
+        serving.book = SimpleNamespace(by_rid={"r": request}, of_model=lambda name: [request])
+        self.model = SimpleNamespace(name="m", ring_id="g1", stages=[SimpleNamespace(plan=_plan(1, 0, 3)),
+                                                                      SimpleNamespace(plan=_plan(2, 3, 5))])
+        self.names = block_names(request.prompt + request.tokens, self.index.block, 3)
+
+
 async def test_the_leader_hands_each_new_stage_its_layers_from_the_old_ring_and_carries_what_all_hold():
     """2 stages (layers 0-2 on f1, 3-4 on f2) -> 2 others: f1 keeps its stage narrowed to layers 0-1, f3 takes 2-4 --
     layer 2 from f1's export, 3-4 from f2's, which comes in parts. f2 holds only two of the request's three blocks:
     two are carried, and the third, kept by f1, goes with the index's next plan."""
-    from types import SimpleNamespace
-
-    from swarm.leader.serving.kv_carry import KvCarry
-
-    caches = PrefixCaches(None)
-    caches.reset("m")
-    index = caches.indexes["m"]
-    serving = SimpleNamespace(prefix=caches, online={})
-    carry = KvCarry(serving)
-    f1, f2, f3 = _Fellow(carry, 1, 0, 3, 3), _Fellow(carry, 2, 3, 5, 2, part=400), _Fellow(carry, 3, 2, 5, 9)
-    serving.online = {f.id: f for f in (f1, f2, f3)}
-    request = SimpleNamespace(rid="r", model="m", prompt=prompt_of(3 * index.block + 5), tokens=[7, 8])
-    serving.book = SimpleNamespace(by_rid={"r": request}, of_model=lambda name: [request])
-
-    def plan(fid: int, first: int, end: int):
-        return SimpleNamespace(fellow_id=fid, fellow_name=f"f{fid}", first_layer=first, end_layer=end)
-
-    model = SimpleNamespace(name="m", ring_id="g1", stages=[SimpleNamespace(plan=plan(1, 0, 3)),
-                                                             SimpleNamespace(plan=plan(2, 3, 5))])
-    names = block_names(request.prompt + request.tokens, index.block, 3)
-    assert await carry.hand_over(model, [plan(1, 0, 2), plan(3, 2, 5)]) == 2
+    ring = _TwoStages((1, 0, 3, 3), (2, 3, 5, 2, 400), (3, 2, 5, 9))
+    carry, caches, index, model, names, (f1, f2, f3) = ring.carry, ring.caches, ring.index, ring.model, ring.names, \
+        ring.fellows
+    assert await carry.hand_over(model, [_plan(1, 0, 2), _plan(3, 2, 5)]) == 2
     assert caches.carried["m"] == (index.epoch, names[:2], (1, 3))
     assert f2.parts == 4 and f1.parts == 1
     assert [b["name"] for b in f3.imported] == names[:2]  # the blocks both old stages exported, whole
@@ -374,27 +385,10 @@ async def test_the_leader_asks_an_extending_fellow_only_for_the_layers_it_lacks_
     """2 stages (layers 0-2 on f1, 3-4 on f2) -> 1 on f2, which extends its stage in place: f2 keeps its own blocks
     and imports only layers 0-2's rows, exported whole by f1, for its extension. f2 kept two of the request's three
     blocks, so two are carried though it imported all three."""
-    from types import SimpleNamespace
-
-    from swarm.leader.serving.kv_carry import KvCarry
-
-    caches = PrefixCaches(None)
-    caches.reset("m")
-    index = caches.indexes["m"]
-    serving = SimpleNamespace(prefix=caches, online={})
-    carry = KvCarry(serving)
-    f1, f2 = _Fellow(carry, 1, 0, 3, 3), _Fellow(carry, 2, 3, 5, 2)
-    serving.online = {f.id: f for f in (f1, f2)}
-    request = SimpleNamespace(rid="r", model="m", prompt=prompt_of(3 * index.block + 5), tokens=[7, 8])
-    serving.book = SimpleNamespace(by_rid={"r": request}, of_model=lambda name: [request])
-
-    def plan(fid: int, first: int, end: int):
-        return SimpleNamespace(fellow_id=fid, fellow_name=f"f{fid}", first_layer=first, end_layer=end)
-
-    model = SimpleNamespace(name="m", ring_id="g1", stages=[SimpleNamespace(plan=plan(1, 0, 3)),
-                                                             SimpleNamespace(plan=plan(2, 3, 5))])
-    names = block_names(request.prompt + request.tokens, index.block, 3)
-    assert await carry.hand_over(model, [plan(2, 0, 5)]) == 2
+    ring = _TwoStages((1, 0, 3, 3), (2, 3, 5, 2))
+    carry, caches, index, model, names, (f1, f2) = ring.carry, ring.caches, ring.index, ring.model, ring.names, \
+        ring.fellows
+    assert await carry.hand_over(model, [_plan(2, 0, 5)]) == 2
     assert caches.carried["m"] == (index.epoch, names[:2], (2,))
     assert f2.extension == [0, 5] and [b["name"] for b in f2.imported] == names
     assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f2.imported[0]["layers"]] == [0, 1, 2]
@@ -402,5 +396,5 @@ async def test_the_leader_asks_an_extending_fellow_only_for_the_layers_it_lacks_
     assert index.orphans == [names[2]]
     # a fellow from before would take the rows as its serving stage's: it is not asked, and nothing is carried
     f2.kv_extension, f2.imported = False, []
-    assert await carry.hand_over(model, [plan(2, 0, 5)]) == 0
+    assert await carry.hand_over(model, [_plan(2, 0, 5)]) == 0
     assert f2.imported == [] and "m" not in caches.carried
