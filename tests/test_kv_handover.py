@@ -302,14 +302,13 @@ async def test_the_leader_hands_each_new_stage_its_layers_from_the_old_ring_and_
     layer 2 from f1's export, 3-4 from f2's, which comes in parts. f2 holds only two of the request's three blocks:
     two are carried, and the third, kept by f1, goes with the index's next plan."""
     ring = _TwoStages((1, 0, 3, 3), (2, 3, 5, 2, 400), (3, 2, 5, 9))
-    carry, caches, index, model, names, (f1, f2, f3) = ring.carry, ring.caches, ring.index, ring.model, ring.names, \
-        ring.fellows
-    assert await carry.hand_over(model, [_plan(1, 0, 2), _plan(3, 2, 5)]) == 2
-    assert caches.carried["m"] == (index.epoch, names[:2], (1, 3))
+    f1, f2, f3 = ring.fellows
+    assert await ring.carry.hand_over(ring.model, [_plan(1, 0, 2), _plan(3, 2, 5)]) == 2
+    assert ring.caches.carried["m"] == (ring.index.epoch, ring.names[:2], (1, 3))
     assert f2.parts == 4 and f1.parts == 1
-    assert [b["name"] for b in f3.imported] == names[:2]  # the blocks both old stages exported, whole
+    assert [b["name"] for b in f3.imported] == ring.names[:2]  # the blocks both old stages exported, whole
     assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f3.imported[0]["layers"]] == [2, 3, 4]
-    assert index.orphans == [names[2]]
+    assert ring.index.orphans == [ring.names[2]]
 
 
 @pytest.mark.parametrize(("old_spans", "extends", "kv_cache"), [
@@ -386,15 +385,14 @@ async def test_the_leader_asks_an_extending_fellow_only_for_the_layers_it_lacks_
     and imports only layers 0-2's rows, exported whole by f1, for its extension. f2 kept two of the request's three
     blocks, so two are carried though it imported all three."""
     ring = _TwoStages((1, 0, 3, 3), (2, 3, 5, 2))
-    carry, caches, index, model, names, (f1, f2) = ring.carry, ring.caches, ring.index, ring.model, ring.names, \
-        ring.fellows
-    assert await carry.hand_over(model, [_plan(2, 0, 5)]) == 2
-    assert caches.carried["m"] == (index.epoch, names[:2], (2,))
-    assert f2.extension == [0, 5] and [b["name"] for b in f2.imported] == names
+    f1, f2 = ring.fellows
+    assert await ring.carry.hand_over(ring.model, [_plan(2, 0, 5)]) == 2
+    assert ring.caches.carried["m"] == (ring.index.epoch, ring.names[:2], (2,))
+    assert f2.extension == [0, 5] and [b["name"] for b in f2.imported] == ring.names
     assert [wire.tensor_from_wire(layer[0][0])[0, 0, 0, 0].item() for layer in f2.imported[0]["layers"]] == [0, 1, 2]
     assert f1.imported == [] and (f1.exported, f2.exported) == (3, 0)  # no stage needs f2's layers
-    assert index.orphans == [names[2]]
+    assert ring.index.orphans == [ring.names[2]]
     # a fellow from before would take the rows as its serving stage's: it is not asked, and nothing is carried
     f2.kv_extension, f2.imported = False, []
-    assert await carry.hand_over(model, [_plan(2, 0, 5)]) == 0
-    assert f2.imported == [] and "m" not in caches.carried
+    assert await ring.carry.hand_over(ring.model, [_plan(2, 0, 5)]) == 0
+    assert f2.imported == [] and "m" not in ring.caches.carried
